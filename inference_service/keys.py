@@ -1,0 +1,76 @@
+"""Chunk keys: namespace digest, prefix-chained and content hashes over explicit token bytes."""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import asdict, dataclass
+from typing import Iterable, NewType, Sequence
+
+# Commits to a chunk's tokens and to every token before it (at the same positions): equal
+# prefix keys mean the K/V are interchangeable as they are, with no repair.
+PrefixKey = NewType("PrefixKey", bytes)
+# Commits to one chunk's tokens alone: equal content keys mean the same tokens, computed in
+# some context, so a hit is approximate and must be repaired.
+ContentKey = NewType("ContentKey", bytes)
+# Seeds both chains; different models, precisions or tenants never share a key.
+Namespace = NewType("Namespace", bytes)
+
+DIGEST_SIZE = 32
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+@dataclass(slots=True, frozen=True)
+class NamespaceSpec:
+    """Everything that makes two chunks' K/V bytes incompatible."""
+
+    model_id: str
+    config_json: str  # canonical JSON of the model config (see canonical_json)
+    dtype: str
+    tokenizer_id: str
+    chunk_size: int
+    kv_cache_bits: int
+    format_version: int
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.chunk_size > 0, f"chunk_size must be positive, got {self.chunk_size}"
+        assert self.kv_cache_bits in (4, 8, 16), f"kv_cache_bits must be 4, 8 or 16, got {self.kv_cache_bits}"
+
+
+def canonical_json(value: object) -> str:
+    """JSON with sorted keys and no whitespace, so equal configs give equal text."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def namespace_digest(spec: NamespaceSpec) -> Namespace:
+    return Namespace(hashlib.sha256(canonical_json(asdict(spec)).encode()).digest())
+
+
+def encode_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as 4-byte little-endian unsigned integers (never Python's hash())."""
+    for token_id in token_ids:
+        if not 0 <= token_id <= _MAX_TOKEN_ID:
+            raise ValueError(f"token id {token_id} does not fit in 4 bytes")
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def hash_prefix_chunk(parent: bytes, token_ids: Sequence[int]) -> PrefixKey:
+    """prefix_hash[i] = SHA256(prefix_hash[i-1] || tokens_i), with the namespace as prefix_hash[-1]."""
+    assert len(parent) == DIGEST_SIZE, f"parent digest must be {DIGEST_SIZE} bytes, got {len(parent)}"
+    return PrefixKey(hashlib.sha256(parent + encode_token_ids(token_ids)).digest())
+
+
+def prefix_keys(namespace: Namespace, chunks: Iterable[Sequence[int]]) -> list[PrefixKey]:
+    keys: list[PrefixKey] = []
+    parent: bytes = namespace
+    for token_ids in chunks:
+        parent = hash_prefix_chunk(parent, token_ids)
+        keys.append(PrefixKey(parent))
+    return keys
+
+
+def content_key(namespace: Namespace, token_ids: Sequence[int]) -> ContentKey:
+    """content_hash = SHA256(namespace || tokens). Equals the prefix key of a chunk at the very start."""
+    assert len(namespace) == DIGEST_SIZE, f"namespace must be {DIGEST_SIZE} bytes, got {len(namespace)}"
+    return ContentKey(hashlib.sha256(namespace + encode_token_ids(token_ids)).digest())

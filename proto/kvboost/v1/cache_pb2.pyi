@@ -1,0 +1,165 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChunkMeta(_message.Message):
+    __slots__ = ("key", "namespace", "content_key", "num_tokens", "size_bytes", "checksum", "frequency", "last_access_unix", "pinned")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    namespace: bytes
+    content_key: bytes
+    num_tokens: int
+    size_bytes: int
+    checksum: int
+    frequency: float
+    last_access_unix: float
+    pinned: bool
+    def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., content_key: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., frequency: _Optional[float] = ..., last_access_unix: _Optional[float] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class ChunkHeader(_message.Message):
+    __slots__ = ("meta", "found")
+    META_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    meta: ChunkMeta
+    found: bool
+    def __init__(self, meta: _Optional[_Union[ChunkMeta, _Mapping]] = ..., found: _Optional[bool] = ...) -> None: ...
+
+class ChunkFrame(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ChunkHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "prefix_keys", "content_keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    prefix_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    content_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., content_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ContentHit(_message.Message):
+    __slots__ = ("index", "stored_key")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STORED_KEY_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    stored_key: bytes
+    def __init__(self, index: _Optional[int] = ..., stored_key: _Optional[bytes] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("prefix_run", "prefix_hit", "content_hits")
+    PREFIX_RUN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HITS_FIELD_NUMBER: _ClassVar[int]
+    prefix_run: int
+    prefix_hit: _containers.RepeatedScalarFieldContainer[bool]
+    content_hits: _containers.RepeatedCompositeFieldContainer[ContentHit]
+    def __init__(self, prefix_run: _Optional[int] = ..., prefix_hit: _Optional[_Iterable[bool]] = ..., content_hits: _Optional[_Iterable[_Union[ContentHit, _Mapping]]] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class StoreReply(_message.Message):
+    __slots__ = ("stored", "already_present", "evicted", "bytes_stored")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    already_present: int
+    evicted: int
+    bytes_stored: int
+    def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., evicted: _Optional[int] = ..., bytes_stored: _Optional[int] = ...) -> None: ...
+
+class CacheStatsRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    def __init__(self, namespace: _Optional[bytes] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace", "entries", "bytes", "pinned")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    entries: int
+    bytes: int
+    pinned: int
+    def __init__(self, namespace: _Optional[bytes] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
+
+class CacheStatsReply(_message.Message):
+    __slots__ = ("entries", "bytes", "max_bytes", "hits", "misses", "evictions", "corrupted", "bytes_read", "bytes_written", "map_size", "namespaces")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    MAP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    bytes: int
+    max_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    corrupted: int
+    bytes_read: int
+    bytes_written: int
+    map_size: int
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupted: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., map_size: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("keys", "namespace")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    namespace: bytes
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., namespace: _Optional[bytes] = ...) -> None: ...
+
+class DeleteReply(_message.Message):
+    __slots__ = ("deleted", "bytes_freed")
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    bytes_freed: int
+    def __init__(self, deleted: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PinReply(_message.Message):
+    __slots__ = ("updated", "missing")
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    updated: int
+    missing: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, updated: _Optional[int] = ..., missing: _Optional[_Iterable[bytes]] = ...) -> None: ...

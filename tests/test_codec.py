@@ -1,0 +1,241 @@
+"""Blob codec: bit-exact 16-bit round trips, header fields, every corruption refused with a reason."""
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pytest
+import torch
+
+from inference_service.codec import (
+    BLOB_FORMAT_VERSION,
+    HEADER_SIZE,
+    BlobError,
+    BlobHeader,
+    decode_chunk,
+    encode_chunk,
+    read_header,
+)
+
+SHAPE = (2, 3, 5, 8)  # [layers, kv_heads, tokens, head_dim]
+# Byte offsets of header fields (layout "<4sHBBIIIIqIQI").
+VERSION_OFFSET, NUM_TOKENS_OFFSET, START_POSITION_OFFSET = 4, 16, 24
+INT_VIEWS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def make_kv(shape=SHAPE, dtype=torch.float32, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(shape, generator=generator).to(dtype)
+    values = torch.randn(shape, generator=generator).to(dtype)
+    return keys, values
+
+
+def make_blob(shape=SHAPE, dtype=torch.float32, start_position=0, bits=16, group_size=32) -> bytes:
+    keys, values = make_kv(shape, dtype)
+    return encode_chunk(keys, values, start_position, bits=bits, group_size=group_size)
+
+
+def flip_byte(blob: bytes, offset: int) -> bytes:
+    corrupted = bytearray(blob)
+    corrupted[offset] ^= 0x01
+    return bytes(corrupted)
+
+
+def assert_bit_identical(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.equal(actual.view(INT_VIEWS[actual.dtype]), expected.view(INT_VIEWS[expected.dtype]))
+
+
+# --- round trips -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_16_bit_round_trip_is_bit_exact(dtype):
+    keys, values = make_kv(dtype=dtype)
+    # Values whose bits a lossy path would change: signed zero, subnormals, infinities, NaN.
+    finfo = torch.finfo(dtype)
+    keys[0, 0, 0, :5] = torch.tensor([-0.0, finfo.tiny / 4, float("inf"), float("-inf"), float("nan")]).to(dtype)
+    decoded = decode_chunk(encode_chunk(keys, values, start_position=0))
+    assert_bit_identical(decoded.keys, keys)
+    assert_bit_identical(decoded.values, values)
+
+
+@pytest.mark.parametrize(
+    "as_buffer",
+    [bytes, bytearray, memoryview, lambda blob: memoryview(bytearray(blob)), lambda blob: memoryview(b"pad" + blob)[3:]],
+    ids=["bytes", "bytearray", "memoryview-readonly", "memoryview-writable", "memoryview-slice"],
+)
+def test_decode_accepts_every_buffer_type(as_buffer):
+    keys, values = make_kv()
+    blob = encode_chunk(keys, values, start_position=0)
+    decoded = decode_chunk(as_buffer(blob))
+    assert torch.equal(decoded.keys, keys) and torch.equal(decoded.values, values)
+
+
+def test_tensors_decoded_from_bytes_do_not_share_the_blob():
+    keys, values = make_kv()
+    blob = encode_chunk(keys, values, start_position=0)
+    snapshot = bytes(bytearray(blob))
+    decoded = decode_chunk(blob)
+    decoded.keys.add_(1.0)
+    decoded.values.zero_()
+    assert blob == snapshot
+
+
+def test_non_contiguous_inputs_encode_like_their_contiguous_copies():
+    keys, values = make_kv(shape=(2, 5, 3, 8))
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [2, 3, 5, 8], not contiguous
+    decoded = decode_chunk(encode_chunk(keys, values, start_position=0))
+    assert torch.equal(decoded.keys, keys) and torch.equal(decoded.values, values)
+
+
+def test_decode_converts_to_the_requested_dtype():
+    keys, values = make_kv()
+    decoded = decode_chunk(encode_chunk(keys, values, start_position=0), dtype=torch.float16)
+    assert decoded.keys.dtype == torch.float16
+    assert torch.equal(decoded.keys, keys.half())
+    assert decoded.header.dtype == "float32"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantized_round_trip_keeps_shape_dtype_and_is_close(bits, dtype):
+    keys, values = make_kv(shape=(2, 3, 37, 8), dtype=dtype)  # 37 tokens: a partial key group
+    decoded = decode_chunk(encode_chunk(keys, values, start_position=4, bits=bits, group_size=8))
+    assert decoded.keys.shape == decoded.values.shape == (2, 3, 37, 8)
+    assert decoded.keys.dtype == decoded.values.dtype == dtype
+    # randn spans about 8 units per group: step 8/255 at 8 bits, 8/15 at 4 bits; error <= step / 2.
+    tolerance = {8: 0.03, 4: 0.4}[bits]
+    assert (decoded.keys.float() - keys.float()).abs().max() < tolerance
+    assert (decoded.values.float() - values.float()).abs().max() < tolerance
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_decode_onto_cuda_matches_cpu(bits):
+    blob = make_blob(shape=(2, 3, 37, 8), dtype=torch.float16, bits=bits, group_size=8)
+    on_cpu, on_gpu = decode_chunk(blob), decode_chunk(blob, device="cuda")
+    assert on_gpu.keys.device.type == on_gpu.values.device.type == "cuda"
+    # 16 bits copies bytes; dequantization may round differently (FMA) in the last fp16 bit.
+    tolerance = 0 if bits == 16 else 1e-3
+    torch.testing.assert_close(on_gpu.keys.cpu(), on_cpu.keys, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(on_gpu.values.cpu(), on_cpu.values, atol=tolerance, rtol=tolerance)
+    if bits == 16:  # encoding straight from CUDA tensors gives the same bytes
+        assert encode_chunk(on_gpu.keys, on_gpu.values, start_position=0, group_size=8) == blob
+
+
+# --- header ------------------------------------------------------------------------------------
+
+
+def test_header_fields_describe_the_chunk():
+    blob = make_blob(shape=(2, 3, 5, 8), dtype=torch.bfloat16, start_position=1280)
+    header = read_header(blob)
+    payload_bytes = 2 * (2 * 3 * 5 * 8) * 2  # keys and values, 2 bytes per bfloat16
+    checksum = zlib.crc32(blob[HEADER_SIZE:], zlib.crc32(blob[: HEADER_SIZE - 4]))
+    assert header == BlobHeader(
+        version=BLOB_FORMAT_VERSION, dtype="bfloat16", bits=16, num_layers=2, num_kv_heads=3, num_tokens=5,
+        head_dim=8, start_position=1280, group_size=32, payload_bytes=payload_bytes, checksum=checksum,
+    )
+    assert HEADER_SIZE == 48 and len(blob) == header.total_bytes == 48 + payload_bytes
+    assert blob[:4] == b"KVBC"
+    assert struct.unpack_from("<q", blob, START_POSITION_OFFSET) == (1280,)
+
+
+def test_decoded_chunk_carries_header_and_start_position():
+    decoded = decode_chunk(make_blob(start_position=2**40, bits=8, group_size=4))
+    assert decoded.header.start_position == 2**40
+    assert (decoded.header.bits, decoded.header.group_size, decoded.header.dtype) == (8, 4, "float32")
+    assert decoded.keys.shape == decoded.values.shape == SHAPE
+
+
+def test_encode_refuses_bad_inputs():
+    keys, values = make_kv()
+    with pytest.raises(ValueError, match="share one 4-D shape"):
+        encode_chunk(keys, values[:, :, :4], start_position=0)
+    with pytest.raises(ValueError, match="share a dtype"):
+        encode_chunk(keys, values.half(), start_position=0)
+    with pytest.raises(ValueError, match="unsupported K/V dtype"):
+        encode_chunk(keys.double(), values.double(), start_position=0)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        encode_chunk(keys, values, start_position=0, bits=2)
+    with pytest.raises(ValueError, match="start_position >= 0"):
+        encode_chunk(keys, values, start_position=-1)
+
+
+# --- corruption --------------------------------------------------------------------------------
+
+
+def test_truncated_blob_is_refused():
+    blob = make_blob()
+    with pytest.raises(BlobError, match="truncated blob: header says 1920 payload bytes, 1919 present"):
+        decode_chunk(blob[:-1])
+    with pytest.raises(BlobError, match="truncated blob: 10 bytes, shorter than the 48-byte header"):
+        read_header(blob[:10])
+
+
+def test_flipped_payload_byte_fails_the_checksum():
+    blob = flip_byte(make_blob(), HEADER_SIZE + 100)
+    read_header(blob)  # the header alone is still consistent
+    with pytest.raises(BlobError, match="corrupted blob: checksum .* does not match"):
+        decode_chunk(blob)
+    # verify=False trusts the bytes (for callers that checked them already).
+    assert decode_chunk(blob, verify=False).keys.shape == SHAPE
+
+
+def test_flipped_header_byte_is_caught():
+    # A field that no size check can catch: only the checksum covers it.
+    with pytest.raises(BlobError, match="corrupted blob: checksum"):
+        decode_chunk(flip_byte(make_blob(start_position=64), START_POSITION_OFFSET))
+    # A dimension (5 tokens -> 4): the sizes no longer agree.
+    with pytest.raises(BlobError, match="header/size mismatch: header says 1920 payload bytes, its dims and bits need 1536"):
+        read_header(flip_byte(make_blob(), NUM_TOKENS_OFFSET))
+
+
+def test_bad_magic_is_refused():
+    blob = b"XXXX" + make_blob()[4:]
+    with pytest.raises(BlobError, match="bad magic b'XXXX'"):
+        decode_chunk(blob)
+
+
+def test_wrong_version_is_refused():
+    blob = bytearray(make_blob())
+    struct.pack_into("<H", blob, VERSION_OFFSET, BLOB_FORMAT_VERSION + 1)
+    with pytest.raises(BlobError, match=f"unsupported blob format version {BLOB_FORMAT_VERSION + 1}"):
+        decode_chunk(bytes(blob))
+
+
+def test_header_claiming_more_bytes_than_present_is_refused():
+    # The header of an 8-token chunk on the payload of a 4-token chunk.
+    long_blob, short_blob = make_blob(shape=(2, 3, 8, 8)), make_blob(shape=(2, 3, 4, 8))
+    spliced = long_blob[:HEADER_SIZE] + short_blob[HEADER_SIZE:]
+    with pytest.raises(BlobError, match="truncated blob: header says 3072 payload bytes, 1536 present"):
+        read_header(spliced)
+
+
+def test_trailing_bytes_are_refused():
+    with pytest.raises(BlobError, match="header/size mismatch: header says 1920 payload bytes, 1921 present"):
+        read_header(make_blob() + b"\x00")
+
+
+# --- size --------------------------------------------------------------------------------------
+
+
+def test_quantized_blobs_are_smaller_by_the_expected_ratios():
+    shape = (2, 2, 128, 64)  # one 128-token chunk, head_dim 64
+    numel = 2 * 2 * 128 * 64
+    fp32_16bit = len(make_blob(shape, torch.float32))
+    fp16_16bit = len(make_blob(shape, torch.float16))
+    fp16_8bit_g128 = len(make_blob(shape, torch.float16, bits=8, group_size=128))
+    fp16_8bit_g32 = len(make_blob(shape, torch.float16, bits=8, group_size=32))
+    fp16_4bit_g128 = len(make_blob(shape, torch.float16, bits=4, group_size=128))
+    assert fp32_16bit == 48 + 2 * numel * 4
+    assert fp16_16bit == 48 + 2 * numel * 2
+    # 8 bits: one code byte per element, plus float16 scale and zero: keys per channel per
+    # token group ([2, 2, 1, 64] at group 128), values per token per channel group ([2, 2, 128, 1]).
+    assert fp16_8bit_g128 == 48 + 2 * numel + 2 * 2 * (2 * 2 * 64) + 2 * 2 * (2 * 2 * 128)
+    assert fp16_8bit_g32 == 48 + 2 * numel + 2 * 2 * (2 * 2 * 4 * 64) + 2 * 2 * (2 * 2 * 128 * 2)
+    assert fp16_16bit / fp16_8bit_g128 >= 1.9  # 1.91
+    assert fp32_16bit / fp16_8bit_g128 >= 3.8  # 3.82: the same 8-bit blob from fp32 K/V
+    # Group 32 spends 16 + 16 bits of scale/zero per 32 codes: 16 / 9 bits = 1.78x only.
+    assert 1.77 <= fp16_16bit / fp16_8bit_g32 < 1.9
+    assert fp16_16bit / fp16_4bit_g128 >= 3.5  # 3.57

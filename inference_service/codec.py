@@ -115,7 +115,7 @@ def encode_chunk(
     sections = _layout(dtype, bits, tuple(keys.shape), group_size)
     payload_bytes = sections[-1].offset + sections[-1].num_bytes
     blob = bytearray(HEADER_SIZE + payload_bytes)
-    payload = torch.frombuffer(blob, dtype=torch.uint8, offset=HEADER_SIZE, count=payload_bytes) if payload_bytes else None
+    payload = torch.frombuffer(blob, dtype=torch.uint8, offset=HEADER_SIZE, count=payload_bytes)
     for section, tensor in zip(sections, tensors):
         raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
         assert raw.numel() == section.num_bytes, f"section {section.name}: {raw.numel()} bytes, layout says {section.num_bytes}"

@@ -1,0 +1,191 @@
+"""Plain result types mirroring the proto replies field for field (enums as names, digests as hex)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+
+def message_to_dict(message: Message) -> dict[str, Any]:
+    """Every field of `message` by its proto name, unset ones at their defaults.
+
+    Enums become their value names, bytes become lowercase hex, 64-bit integers stay ints (unlike
+    json_format, which writes them as strings), optional fields that are not set become None.
+    """
+    values: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if _is_repeated(field):
+            values[field.name] = [_convert_scalar(field, item) for item in value]
+        elif field.has_presence and not message.HasField(field.name):
+            values[field.name] = None
+        else:
+            values[field.name] = _convert_scalar(field, value)
+    return values
+
+
+def _is_repeated(field: FieldDescriptor) -> bool:
+    # `is_repeated` is the newer spelling; `label` is deprecated but still present in older releases.
+    if hasattr(field, "is_repeated"):
+        return field.is_repeated
+    return field.label == FieldDescriptor.LABEL_REPEATED
+
+
+def _convert_scalar(field: FieldDescriptor, value: Any) -> Any:
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return message_to_dict(value)
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        enum_value = field.enum_type.values_by_number.get(value)
+        return enum_value.name if enum_value is not None else value
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return bytes(value).hex()
+    return value
+
+
+class _FromProto:
+    """Builds a frozen dataclass from a proto message of the same shape."""
+
+    __slots__ = ()
+    # field name -> result type of each repeated nested message field
+    _nested: ClassVar[dict[str, type]] = {}
+
+    @classmethod
+    def from_proto(cls, message: Message):
+        return cls.from_dict(message_to_dict(message))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]):
+        kwargs = {}
+        for field in fields(cls):
+            value = values[field.name]
+            if field.name in cls._nested:
+                value = tuple(cls._nested[field.name].from_dict(item) for item in value)
+            elif isinstance(value, list):
+                value = tuple(value)
+            kwargs[field.name] = value
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The proto field names and values, ready for json.dumps."""
+        return asdict(self)
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationResult(_FromProto):
+    output_text: str
+    generated_tokens: int
+    ttft_ms: float
+    total_ms: float
+    tokens_per_sec: float
+    kv_reuse_ratio: float
+    prompt_tokens: int
+    cached_tokens: int
+    recomputed_tokens: int
+    mode: str
+    finish_reason: str
+    output_token_ids: tuple[int, ...]
+    degraded: bool
+    request_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class WarmResult(_FromProto):
+    chunks_stored: int
+    token_count: int
+    chunk_size: int
+    chunk_boundary_aligned: bool
+    partial_tail_tokens: int
+    alignment_warning: str
+
+
+@dataclass(slots=True, frozen=True)
+class PromptVerification(_FromProto):
+    prompt: str
+    token_identical: bool
+    first_token_cosine: float
+    first_token_kl: float
+    matching_prefix_tokens: int
+    cached_tokens: int
+    baseline_text: str
+    cached_text: str
+
+
+@dataclass(slots=True, frozen=True)
+class VerifyReport(_FromProto):
+    _nested: ClassVar[dict[str, type]] = {"prompts": PromptVerification}
+
+    prompts: tuple[PromptVerification, ...]
+    identical: int
+    total: int
+
+
+@dataclass(slots=True, frozen=True)
+class ServiceStats(_FromProto):
+    requests: int
+    rejected: int
+    prompt_tokens: int
+    cached_tokens: int
+    recomputed_tokens: int
+    chunks_fetched: int
+    chunks_stored: int
+    bytes_fetched: int
+    bytes_stored: int
+    degraded: bool
+    cache_address: str
+    queue_depth: int
+    mean_ttft_ms: float
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo(_FromProto):
+    model: str
+    architecture: str
+    dtype: str
+    device: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int
+    chunk_size: int
+    kv_cache_bits: int
+    namespace_hex: str
+    default_recompute_strategy: str
+
+
+@dataclass(slots=True, frozen=True)
+class NamespaceStats(_FromProto):
+    namespace: str  # hex
+    entries: int
+    bytes: int
+    pinned: int
+
+
+@dataclass(slots=True, frozen=True)
+class CacheStats(_FromProto):
+    _nested: ClassVar[dict[str, type]] = {"namespaces": NamespaceStats}
+
+    entries: int
+    bytes: int
+    max_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    corrupted: int
+    bytes_read: int
+    bytes_written: int
+    map_size: int
+    namespaces: tuple[NamespaceStats, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class DeleteResult(_FromProto):
+    deleted: int
+    bytes_freed: int
+
+
+@dataclass(slots=True, frozen=True)
+class PinResult(_FromProto):
+    updated: int
+    missing: tuple[str, ...]  # hex keys that are not stored

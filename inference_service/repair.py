@@ -80,6 +80,13 @@ def select_tokens(deviation: torch.Tensor, status: torch.Tensor, ratio: float, s
     return chosen.nonzero().flatten()
 
 
+def exact_prefix_length(status: torch.Tensor) -> int:
+    """Tokens before the first APPROX one. Only their K/V are exact after repair_prefill: every later
+    token attended to approximate K/V, so its chunks must not be stored under prefix keys."""
+    approx = (status == APPROX).nonzero()
+    return int(approx[0]) if approx.numel() else status.numel()
+
+
 @torch.no_grad()
 def repair_prefill(
     model,
@@ -117,7 +124,8 @@ def repair_prefill(
     from transformers import DynamicCache
 
     return RepairResult(
-        cache=DynamicCache(ddp_cache_data=list(zip(keys, values))),
+        # With the config, layer kinds match the model's (sliding-window layers keep their window).
+        cache=DynamicCache(ddp_cache_data=list(zip(keys, values)), config=runner.config),
         last_logits=runner.logits(hidden[:, -1:])[0, -1].float(),
         num_recomputed=int((status[chosen] == APPROX).sum()),
     )

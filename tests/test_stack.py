@@ -1,0 +1,115 @@
+"""client.stack with stand-in server processes: start and health wait, idempotent up, status, graceful down."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from client import stack
+from tests.conftest import pick_free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_MODULE = "tests.stack_fake_server"
+
+
+def parse(run_dir: Path, *extra: str):
+    return stack.build_parser().parse_args(["up", "--run-dir", str(run_dir), "--timeout", "30", *extra])
+
+
+@pytest.fixture()
+def fake_stack(monkeypatch, tmp_path):
+    """Swaps the real servers for stand-ins; yields (run_dir, daemon flags, service flags) to adjust;
+    always stops what was started."""
+    monkeypatch.chdir(ROOT)
+    daemon_address, service_address = (f"127.0.0.1:{pick_free_port()}" for _ in range(2))
+    flags = {"daemon": ["--listen", daemon_address], "service": ["--listen", service_address]}
+
+    def build_components(args):
+        return [
+            stack.Component("daemon", "cache daemon", FAKE_MODULE, daemon_address, tuple(flags["daemon"])),
+            stack.Component("service", "inference service", FAKE_MODULE, service_address, tuple(flags["service"])),
+        ]
+
+    monkeypatch.setattr(stack, "build_components", build_components)
+    run_dir = tmp_path / "run"
+    try:
+        yield run_dir, flags
+    finally:
+        stack.command_down(argparse_for(run_dir, grace=0.5))
+
+
+def argparse_for(run_dir: Path, grace: float = 5.0):
+    return stack.build_parser().parse_args(["down", "--run-dir", str(run_dir), "--grace", str(grace)])
+
+
+def test_components_carry_the_real_flags(tmp_path) -> None:
+    args = parse(tmp_path, "--address", "127.0.0.1:7001", "--daemon-address", "127.0.0.1:7002", "--model", "m",
+                 "--max-bytes", "1000", "--service-arg=--chunk-size=64", "--daemon-arg=--metrics-port=0")
+    daemon, service = stack.build_components(args)
+    assert daemon.command()[1:] == ["-m", "cache_daemon", "--data-dir", str(tmp_path.resolve() / "lmdb"),
+                                    "--listen", "127.0.0.1:7002", "--max-bytes", "1000", "--metrics-port=0"]
+    assert service.command()[1:] == ["-m", "inference_service", "--listen", "127.0.0.1:7001",
+                                     "--cache-addr", "127.0.0.1:7002", "--model", "m", "--chunk-size=64"]
+
+
+def test_defaults_leave_model_and_budget_to_the_servers(tmp_path, monkeypatch) -> None:
+    for name in ("KVBOOST_ADDRESS", "KVBOOST_DAEMON_ADDRESS", "KVBOOST_RUN_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    args = stack.build_parser().parse_args(["up"])
+    daemon, service = stack.build_components(args)
+    assert (args.run_dir, daemon.address, service.address) == (".run", "127.0.0.1:50052", "127.0.0.1:50051")
+    assert "--max-bytes" not in daemon.arguments and "--model" not in service.arguments
+
+
+def test_up_is_idempotent_status_reports_down_stops(fake_stack, capsys) -> None:
+    run_dir, _ = fake_stack
+    assert stack.command_up(parse(run_dir)) == 0
+    out = capsys.readouterr().out
+    assert "cache daemon serving (pid " in out and "inference service serving (pid " in out
+    pids = {name: stack.read_pid(run_dir / f"{name}.pid") for name in ("daemon", "service")}
+    assert all(pids.values())
+    assert (run_dir / "lmdb").is_dir() and (run_dir / "daemon.log").is_file()
+
+    assert stack.command_up(parse(run_dir)) == 0
+    out = capsys.readouterr().out
+    assert f"cache daemon already running (pid {pids['daemon']}" in out
+    assert f"inference service already running (pid {pids['service']}" in out
+
+    assert stack.command_status(argparse_for(run_dir)) == 0
+    assert capsys.readouterr().out.count("SERVING") == 2
+
+    assert stack.command_down(argparse_for(run_dir)) == 0
+    assert capsys.readouterr().out == "inference service: stopped\ncache daemon: stopped\n"
+    assert not (run_dir / "daemon.pid").exists() and not (run_dir / "service.pid").exists()
+    assert not any(stack.is_running(pid, FAKE_MODULE) for pid in pids.values())
+    assert stack.command_status(argparse_for(run_dir)) == 1
+    assert capsys.readouterr().out.count("not running") == 2
+
+
+def test_a_server_that_exits_fails_up_with_its_log_tail(fake_stack, capsys) -> None:
+    run_dir, flags = fake_stack
+    flags["service"].append("--fail")
+    assert stack.command_up(parse(run_dir)) == 1
+    err = capsys.readouterr().err
+    assert "error: the inference service exited with status 3; last lines of" in err
+    assert "fake server: cannot open the data folder" in err
+    assert not (run_dir / "service.pid").exists()
+
+
+def test_down_kills_a_server_that_ignores_sigterm(fake_stack, capsys) -> None:
+    run_dir, flags = fake_stack
+    flags["daemon"].append("--ignore-sigterm")
+    assert stack.command_up(parse(run_dir)) == 0
+    capsys.readouterr()
+    assert stack.command_down(argparse_for(run_dir, grace=0.5)) == 0
+    assert capsys.readouterr().out == ("inference service: stopped\n"
+                                       "cache daemon: killed (still running 0.5 s after SIGTERM)\n")
+
+
+def test_a_stale_pid_file_is_not_taken_for_a_running_server(fake_stack, capsys) -> None:
+    run_dir, _ = fake_stack
+    run_dir.mkdir(parents=True)
+    (run_dir / "daemon.pid").write_text("1\n")  # pid 1 runs, but it is not the daemon
+    assert stack.command_up(parse(run_dir)) == 0
+    assert "starting the cache daemon" in capsys.readouterr().out
+    assert stack.read_pid(run_dir / "daemon.pid") != 1

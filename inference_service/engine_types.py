@@ -1,0 +1,115 @@
+"""The engine's public types: configuration, one request's parameters, and what a request returns."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from inference_service.errors import InvalidRequest
+
+MODES = ("baseline", "prefix_cache", "chunk_kv_reuse")
+RECOMPUTE_STRATEGIES = ("none", "selective", "cacheblend")
+CHAT_ROLES = ("system", "user", "assistant")
+FINISH_REASONS = ("eos", "length", "stop", "cancelled")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidRequest(message)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    chunk_size: int = 128
+    kv_cache_bits: int = 16
+    tenant_salt: str = ""
+    max_new_tokens_limit: int = 4096
+    max_prompt_tokens: int | None = None  # None: the model's maximum context
+    default_mode: str = "chunk_kv_reuse"
+    default_recompute_strategy: str = "selective"
+    recompute_ratio: float = 0.15
+    selective_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        assert self.chunk_size > 0, f"chunk_size must be positive, got {self.chunk_size}"
+        assert self.kv_cache_bits in (4, 8, 16), f"kv_cache_bits must be 4, 8 or 16, got {self.kv_cache_bits}"
+        assert self.max_new_tokens_limit > 0, f"max_new_tokens_limit must be positive, got {self.max_new_tokens_limit}"
+        assert self.max_prompt_tokens is None or self.max_prompt_tokens > 0, "max_prompt_tokens must be positive"
+        assert self.default_mode in MODES, f"default_mode must be one of {MODES}, got {self.default_mode!r}"
+        assert self.default_recompute_strategy in RECOMPUTE_STRATEGIES, (
+            f"default_recompute_strategy must be one of {RECOMPUTE_STRATEGIES}, got {self.default_recompute_strategy!r}")
+        assert 0.0 < self.recompute_ratio <= 1.0, f"recompute_ratio must be in (0, 1], got {self.recompute_ratio}"
+        assert self.selective_tokens >= 0, f"selective_tokens must be >= 0, got {self.selective_tokens}"
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationParams:
+    """One Generate request. Exactly one of prompt, messages, segments is given; raises InvalidRequest."""
+
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) pairs
+    segments: tuple[str, ...] | None = None
+    max_new_tokens: int = 64
+    mode: str | None = None  # None: the engine's default mode
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # None: a random seed
+    stop: tuple[str, ...] = ()
+    recompute_strategy: str | None = None
+    recompute_ratio: float | None = None
+    selective_tokens: int | None = None
+    request_id: str = ""
+    arrival: float = field(default_factory=time.perf_counter)  # time.perf_counter() when the request arrived
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("prompt", "messages", "segments") if getattr(self, name)]
+        _require(len(given) == 1, f"exactly one of prompt, messages, segments must be given, got {given or 'none'}")
+        if self.messages:
+            for role, content in self.messages:
+                _require(role in CHAT_ROLES, f"message role must be one of {CHAT_ROLES}, got {role!r}")
+                _require(isinstance(content, str), "message content must be text")
+        if self.segments:
+            _require(any(self.segments), "segments must not all be empty")
+        _require(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _require(self.mode is None or self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
+        _require(math.isfinite(self.temperature) and self.temperature >= 0.0,
+                 f"temperature must be finite and >= 0, got {self.temperature}")
+        _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        _require(self.seed is None or self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        _require(all(self.stop), "stop strings must not be empty")
+        _require(self.recompute_strategy is None or self.recompute_strategy in RECOMPUTE_STRATEGIES,
+                 f"recompute_strategy must be one of {RECOMPUTE_STRATEGIES}, got {self.recompute_strategy!r}")
+        _require(self.recompute_ratio is None or 0.0 < self.recompute_ratio <= 1.0,
+                 f"recompute_ratio must be in (0, 1], got {self.recompute_ratio}")
+        _require(self.selective_tokens is None or self.selective_tokens >= 0,
+                 f"selective_tokens must be >= 0, got {self.selective_tokens}")
+
+
+@dataclass(slots=True)
+class GenerationOutcome:
+    output_text: str
+    generated_tokens: int
+    output_token_ids: list[int]
+    ttft_ms: float  # request arrival -> first token chosen
+    total_ms: float  # request arrival -> last token chosen
+    tokens_per_sec: float  # decode rate after the first token
+    kv_reuse_ratio: float  # cached_tokens / prompt_tokens
+    prompt_tokens: int
+    cached_tokens: int
+    recomputed_tokens: int
+    mode: str
+    finish_reason: str  # one of FINISH_REASONS
+    degraded: bool  # the cache was unreachable for this request
+    request_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class WarmOutcome:
+    chunks_stored: int
+    token_count: int
+    chunk_size: int
+    chunk_boundary_aligned: bool
+    partial_tail_tokens: int
+    alignment_warning: str

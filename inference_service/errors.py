@@ -1,0 +1,23 @@
+"""Domain errors of the inference service; the servicer maps each to one gRPC status code."""
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class InvalidRequest(EngineError):
+    """The request is malformed: empty prompt, out-of-range parameter, unknown mode (INVALID_ARGUMENT)."""
+
+
+class PromptTooLong(EngineError):
+    """The prompt has more tokens than the server accepts (OUT_OF_RANGE)."""
+
+    def __init__(self, num_tokens: int, max_tokens: int) -> None:
+        super().__init__(f"prompt has {num_tokens} tokens; at most {max_tokens} are accepted")
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
+
+
+class UnsupportedArchitecture(EngineError):
+    """The model's architecture cannot reuse K/V chunks correctly (FAILED_PRECONDITION at start-up)."""

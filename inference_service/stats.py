@@ -1,0 +1,53 @@
+"""Thread-safe engine counters, reported under ServiceStatsReply field names."""
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class _Counters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    recomputed_tokens: int = 0
+    chunks_fetched: int = 0
+    chunks_stored: int = 0
+    bytes_fetched: int = 0
+    bytes_stored: int = 0
+    requests_with_first_token: int = 0
+    total_ttft_ms: float = 0.0
+
+
+class EngineStats:
+    def __init__(self) -> None:
+        self._counters = _Counters()
+        self._lock = threading.Lock()
+
+    def add_request(self, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int,
+                    chunks_fetched: int, bytes_fetched: int, ttft_ms: float | None) -> None:
+        with self._lock:
+            counters = self._counters
+            counters.requests += 1
+            counters.prompt_tokens += prompt_tokens
+            counters.cached_tokens += cached_tokens
+            counters.recomputed_tokens += recomputed_tokens
+            counters.chunks_fetched += chunks_fetched
+            counters.bytes_fetched += bytes_fetched
+            if ttft_ms is not None:
+                counters.requests_with_first_token += 1
+                counters.total_ttft_ms += ttft_ms
+
+    def add_stored(self, chunks: int, num_bytes: int) -> None:
+        with self._lock:
+            self._counters.chunks_stored += chunks
+            self._counters.bytes_stored += num_bytes
+
+    def snapshot(self) -> dict:
+        """Counters under ServiceStatsReply names, plus mean_ttft_ms."""
+        with self._lock:
+            values = asdict(self._counters)
+        answered = values.pop("requests_with_first_token")
+        total_ttft_ms = values.pop("total_ttft_ms")
+        values["mean_ttft_ms"] = total_ttft_ms / answered if answered else 0.0
+        return values

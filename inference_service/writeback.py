@@ -1,0 +1,98 @@
+"""Encodes new full chunks and stores them on one background thread, off the request's critical path."""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from inference_service.chunk_cache import CacheUnavailable, ChunkCache, StoreItem
+from inference_service.chunking import Chunk
+from inference_service.codec import encode_chunk
+from inference_service.runner import LayerKV, stack_layers
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class PendingChunks:
+    """Chunks whose K/V one prefill computed, waiting to be stored."""
+
+    namespace: bytes
+    chunks: tuple[Chunk, ...]
+    prefix_keys: tuple[bytes, ...]
+    content_keys: tuple[bytes | None, ...]
+    new_kv: LayerKV  # per layer [1, kv_heads, n, head_dim] for the prefill's tokens
+    kv_start: int  # prompt position of new_kv's first token
+    pin: bool = False
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        assert len(self.chunks) == len(self.prefix_keys) == len(self.content_keys), "one key of each kind per chunk"
+        assert all(chunk.start >= self.kv_start for chunk in self.chunks), "every chunk lies in the prefill's tokens"
+
+
+def encode_pending(pending: PendingChunks, bits: int) -> list[StoreItem]:
+    items = []
+    for chunk, key, content in zip(pending.chunks, pending.prefix_keys, pending.content_keys):
+        keys, values = stack_layers(pending.new_kv, chunk.start - pending.kv_start, chunk.end - pending.kv_start)
+        blob = encode_chunk(keys, values, chunk.start, bits=bits)
+        items.append(StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin))
+    return items
+
+
+class WriteBack:
+    """One worker thread, so stores happen in submission order and never compete with each other."""
+
+    def __init__(self, cache: ChunkCache, bits: int, on_stored: Callable[[int, int], None]) -> None:
+        self._cache = cache
+        self._bits = bits
+        self._on_stored = on_stored  # (chunks stored, bytes stored)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-writeback")
+        self._pending: set[Future] = set()
+        self._lock = threading.Lock()
+
+    def submit(self, pending: PendingChunks) -> None:
+        """Queues the chunks; returns at once."""
+        if not pending.chunks:
+            return
+        future = self._executor.submit(self._store_in_background, pending)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+
+    def store_now(self, pending: PendingChunks) -> int:
+        """Encodes and stores on the calling thread; returns the stored count.
+
+        Raises:
+            CacheUnavailable: the cache cannot be reached.
+        """
+        with torch.inference_mode():
+            items = encode_pending(pending, self._bits)
+        stored = self._cache.store(items)
+        self._on_stored(stored, sum(len(item.blob) for item in items))
+        return stored
+
+    def _store_in_background(self, pending: PendingChunks) -> None:
+        try:
+            self.store_now(pending)
+        except CacheUnavailable as error:
+            logger.warning("[%s] write-back of %d chunks skipped: %s", pending.request_id, len(pending.chunks), error)
+        except Exception:  # a background thread has no caller to raise to
+            logger.exception("[%s] write-back of %d chunks failed", pending.request_id, len(pending.chunks))
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until every write-back queued so far has finished (or timeout seconds)."""
+        with self._lock:
+            pending = list(self._pending)
+        wait(pending, timeout=timeout)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

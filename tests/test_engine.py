@@ -1,0 +1,413 @@
+"""Engine on the tiny seeded models: greedy output identical to model.generate, cache hits, streaming, errors."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from inference_service.chunk_cache import CacheUnavailable, InProcessCache, LookupResult, NullCache
+from inference_service.engine import Engine, EngineConfig, GenerationParams
+from inference_service.errors import InvalidRequest, PromptTooLong
+from inference_service.prompts import tokenize_messages, tokenize_prompt, tokenize_segments
+
+MAX_NEW_TOKENS = 12
+CHAT = (
+    ("system", "You answer briefly."),
+    ("user", "What is the capital of France?"),
+    ("assistant", "Paris."),
+    ("user", "And of Italy?"),
+)
+
+
+def make_engine(model_and_tokenizer, chunk_size=8, cache=None, **config) -> Engine:
+    model, tokenizer = model_and_tokenizer
+    cache = InProcessCache() if cache is None else cache
+    return Engine(model, tokenizer, EngineConfig(chunk_size=chunk_size, **config), cache, model_id="tiny")
+
+
+def text_of_length(num_tokens: int) -> str:
+    """A prompt of exactly num_tokens tokens for the byte-level tokenizer (one token per byte)."""
+    base = "The quick brown fox jumps over the lazy dog. "
+    return (base * (num_tokens // len(base) + 1))[:num_tokens]
+
+
+def reference_ids(model, token_ids: list[int], max_new_tokens: int = MAX_NEW_TOKENS) -> list[int]:
+    """Plain transformers greedy generation: the ground truth."""
+    input_ids = torch.tensor([token_ids])
+    with torch.inference_mode():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=max_new_tokens)
+    return output[0, len(token_ids):].tolist()
+
+
+def run(engine: Engine, **fields):
+    fields.setdefault("max_new_tokens", MAX_NEW_TOKENS)
+    outcome = engine.generate(GenerationParams(**fields))
+    engine.flush_writes()
+    return outcome
+
+
+@pytest.fixture(params=["tiny_llama", "tiny_qwen2"])
+def tiny_model(request):
+    return request.getfixturevalue(request.param)
+
+
+# -- identity with model.generate ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_size", [8, 16])
+@pytest.mark.parametrize("num_tokens", [5, 32, 33, 47, 70])  # short, chunk-aligned, one past, mixed
+def test_prefix_reuse_is_token_identical_to_generate(tiny_model, chunk_size, num_tokens):
+    model, tokenizer = tiny_model
+    engine = make_engine(tiny_model, chunk_size=chunk_size)
+    prompt = text_of_length(num_tokens)
+    expected = reference_ids(model, tokenize_prompt(tokenizer, prompt)[0])
+
+    first = run(engine, prompt=prompt, mode="prefix_cache")  # misses, writes its chunks back
+    second = run(engine, prompt=prompt, mode="prefix_cache")  # hits every full chunk
+
+    assert first.cached_tokens == 0
+    assert first.output_token_ids == expected
+    assert second.output_token_ids == expected
+    full_chunk_tokens = num_tokens // chunk_size * chunk_size
+    # The last prompt token always runs, so an aligned prompt reuses all but one token.
+    assert second.cached_tokens == min(full_chunk_tokens, num_tokens - 1)
+    assert second.kv_reuse_ratio == pytest.approx(second.cached_tokens / num_tokens)
+
+
+@pytest.mark.parametrize("mode", ["baseline", "prefix_cache", "chunk_kv_reuse"])
+def test_multi_turn_chat_is_token_identical_in_every_mode(tiny_model, mode):
+    model, tokenizer = tiny_model
+    engine = make_engine(tiny_model)
+    expected = reference_ids(model, tokenize_messages(tokenizer, CHAT)[0])
+
+    outcomes = [run(engine, messages=CHAT, mode=mode) for _ in range(2)]
+
+    assert [o.output_token_ids for o in outcomes] == [expected, expected]
+    assert outcomes[1].cached_tokens == (0 if mode == "baseline" else outcomes[1].prompt_tokens // 8 * 8)
+
+
+def test_next_turn_reuses_the_previous_turns_chunks(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = make_engine(tiny_llama)
+    run(engine, messages=CHAT[:2])
+    longer = CHAT + (("assistant", "Rome."), ("user", "And of Spain?"))
+
+    outcome = run(engine, messages=longer)
+
+    shared = len(tokenize_messages(tokenizer, CHAT[:2])[0]) // 8 * 8
+    assert outcome.cached_tokens >= shared > 0
+    assert outcome.output_token_ids == reference_ids(model, tokenize_messages(tokenizer, longer)[0])
+
+
+def test_segments_are_chunked_from_their_own_start(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = make_engine(tiny_llama)
+    segments = ("System: be brief.\n", text_of_length(21), "Question: what jumps?")
+    token_ids = [t for segment in tokenize_segments(tokenizer, segments) for t in segment]
+
+    first = run(engine, segments=segments)
+    second = run(engine, segments=segments)
+
+    assert first.output_token_ids == second.output_token_ids == reference_ids(model, token_ids)
+    # 18 + 21 + 21 tokens: chunks [0,8) [8,16) [16,18) [18,26) [26,34) [34,39), then the question's 2 full chunks.
+    assert second.cached_tokens == 55
+
+
+def test_sliding_window_model_is_token_identical(tiny_llama):
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    _, tokenizer = tiny_llama
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           sliding_window=12, eos_token_id=len(tokenizer) - 2, pad_token_id=len(tokenizer) - 1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    engine = make_engine((model, tokenizer))
+    prompt = text_of_length(45)
+    expected = reference_ids(model, tokenize_prompt(tokenizer, prompt)[0])
+
+    outcomes = [run(engine, prompt=prompt) for _ in range(3)]
+
+    assert [o.output_token_ids for o in outcomes] == [expected] * 3
+    assert outcomes[2].cached_tokens == 40
+
+
+# -- cache behaviour ----------------------------------------------------------------------------------
+
+
+def test_baseline_never_touches_the_cache(tiny_llama):
+    cache = RecordingCache()
+    engine = make_engine(tiny_llama, cache=cache)
+    run(engine, prompt=text_of_length(40), mode="baseline")
+    assert cache.calls == []
+
+
+def test_write_back_happens_after_the_first_token(tiny_llama):
+    cache = RecordingCache()
+    engine = make_engine(tiny_llama, cache=cache)
+    streamed: list[str] = []
+    cache.on_store = lambda: cache.calls.append(f"store after {len(streamed)} tokens")
+
+    engine.generate(GenerationParams(prompt=text_of_length(40), max_new_tokens=4),
+                    on_token=lambda text, ids: streamed.append(text))
+    engine.flush_writes()
+
+    assert cache.calls[:2] == ["lookup", "fetch"] or cache.calls[:1] == ["lookup"]
+    store_calls = [c for c in cache.calls if c.startswith("store")]
+    assert len(store_calls) == 1 and store_calls[0] != "store after 0 tokens"
+
+
+def test_unreachable_cache_serves_degraded_with_the_same_output(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = make_engine(tiny_llama, cache=UnreachableCache())
+    prompt = text_of_length(40)
+
+    outcome = run(engine, prompt=prompt, mode="prefix_cache")
+
+    assert outcome.degraded and outcome.cached_tokens == 0
+    assert outcome.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, prompt)[0])
+    assert engine.stats()["degraded"] is True
+
+
+def test_corrupted_blob_is_a_miss_from_there_and_is_stored_again(tiny_llama):
+    model, tokenizer = tiny_llama
+    cache = InProcessCache()
+    engine = make_engine(tiny_llama, cache=cache)
+    prompt = text_of_length(40)
+    run(engine, prompt=prompt)
+    second_key = list(cache._entries)[1]
+    cache._entries[second_key].blob[-1] ^= 0xFF  # flips a payload byte: the checksum no longer matches
+
+    damaged = run(engine, prompt=prompt)
+    repaired = run(engine, prompt=prompt)
+
+    assert damaged.cached_tokens == 8 and repaired.cached_tokens == 39
+    expected = reference_ids(model, tokenize_prompt(tokenizer, prompt)[0])
+    assert damaged.output_token_ids == repaired.output_token_ids == expected
+
+
+def test_chunk_evicted_between_lookup_and_fetch_ends_the_run(tiny_llama):
+    cache = InProcessCache()
+    engine = make_engine(tiny_llama, cache=cache)
+    prompt = text_of_length(40)
+    run(engine, prompt=prompt)
+    third_key = list(cache._entries)[2]
+    cache.fetch = lambda keys, fetch=cache.fetch: ((k, None if k == third_key else b) for k, b in fetch(keys))
+
+    assert run(engine, prompt=prompt).cached_tokens == 16
+
+
+def test_other_namespace_does_not_hit(tiny_llama):
+    cache = InProcessCache()
+    prompt = text_of_length(40)
+    run(make_engine(tiny_llama, cache=cache, tenant_salt="a"), prompt=prompt)
+    assert run(make_engine(tiny_llama, cache=cache, tenant_salt="b"), prompt=prompt).cached_tokens == 0
+    assert run(make_engine(tiny_llama, cache=cache, tenant_salt="a"), prompt=prompt).cached_tokens == 39
+
+
+def test_warm_stores_every_full_chunk(tiny_llama):
+    cache = InProcessCache()
+    engine = make_engine(tiny_llama, cache=cache)
+    system = text_of_length(30)
+
+    warmed = engine.warm(system)
+    outcome = run(engine, prompt=system + " Now a question?")
+
+    assert (warmed.chunks_stored, warmed.token_count, warmed.chunk_size) == (3, 30, 8)
+    assert not warmed.chunk_boundary_aligned and warmed.partial_tail_tokens == 6 and warmed.alignment_warning
+    assert outcome.cached_tokens == 24
+    aligned = engine.warm(text_of_length(32))
+    assert aligned.chunk_boundary_aligned and aligned.partial_tail_tokens == 0 and aligned.alignment_warning == ""
+
+
+def test_warm_content_addressed_stores_content_keys(tiny_llama):
+    cache = InProcessCache()
+    engine = make_engine(tiny_llama, cache=cache)
+    warmed = engine.warm(text_of_length(16), content_addressed=True, pin=True)
+    assert warmed.chunks_stored == 2
+    assert all(entry.content_key is not None and entry.pin for entry in cache._entries.values())
+
+
+def test_warm_chat_prefix_is_reused_by_the_next_turn(tiny_llama):
+    engine = make_engine(tiny_llama)
+    warmed = engine.warm(None, messages=CHAT[:3])
+    outcome = run(engine, messages=CHAT)
+    assert outcome.cached_tokens == warmed.token_count // 8 * 8 > 0
+
+
+def test_warm_without_text_is_invalid(tiny_llama):
+    with pytest.raises(InvalidRequest):
+        make_engine(tiny_llama).warm("")
+
+
+# -- streaming, stopping, sampling ---------------------------------------------------------------------
+
+
+def test_streamed_pieces_concatenate_to_the_output(tiny_llama):
+    engine = make_engine(tiny_llama)
+    pieces, ids = [], []
+
+    def on_token(text, token_ids):
+        pieces.append(text)
+        ids.extend(token_ids)
+
+    outcome = engine.generate(GenerationParams(prompt="Hello", max_new_tokens=16), on_token=on_token)
+
+    assert "".join(pieces) == outcome.output_text
+    assert ids == outcome.output_token_ids and outcome.generated_tokens == 16
+    assert outcome.finish_reason == "length" and outcome.ttft_ms > 0 and outcome.total_ms >= outcome.ttft_ms
+
+
+def test_stop_string_cuts_the_output_before_it(tiny_llama):
+    engine = make_engine(tiny_llama)
+    free = run(engine, prompt="Hello", max_new_tokens=24, mode="baseline").output_text
+    stop = next(free[i:i + 2] for i in range(3, len(free)) if "\ufffd" not in free[i:i + 2])
+    pieces = []
+
+    outcome = engine.generate(GenerationParams(prompt="Hello", max_new_tokens=24, stop=(stop, "never there")),
+                              on_token=lambda text, ids: pieces.append(text))
+
+    assert outcome.finish_reason == "stop"
+    assert outcome.output_text == free[: free.index(stop)] == "".join(pieces)
+
+
+def test_eos_ends_generation_like_generate(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = make_engine(tiny_llama)
+    free = run(engine, prompt="Hello", mode="baseline").output_token_ids
+    eos = free[5]
+    engine.eos_ids = frozenset({eos})
+
+    outcome = run(engine, prompt="Hello")
+
+    assert outcome.finish_reason == "eos"
+    assert outcome.output_token_ids == free[: free.index(eos) + 1]
+
+
+def test_should_stop_cancels(tiny_llama):
+    engine = make_engine(tiny_llama)
+    seen = []
+    outcome = engine.generate(GenerationParams(prompt="Hello", max_new_tokens=50),
+                              on_token=lambda text, ids: seen.append(ids), should_stop=lambda: len(seen) >= 3)
+    assert outcome.finish_reason == "cancelled" and outcome.generated_tokens == 3
+
+    before_start = engine.generate(GenerationParams(prompt="Hello"), should_stop=lambda: True)
+    assert before_start.finish_reason == "cancelled" and before_start.generated_tokens == 0
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_llama):
+    engine = make_engine(tiny_llama)
+    sampled = [run(engine, prompt="Hello", temperature=1.0, top_p=0.9, top_k=50, seed=seed).output_token_ids
+               for seed in (7, 7, 8)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    greedy = run(engine, prompt="Hello").output_token_ids
+    assert run(engine, prompt="Hello", temperature=0.7, top_k=1, seed=3).output_token_ids == greedy
+
+
+# -- errors, info, stats, verify -----------------------------------------------------------------------
+
+
+def test_prompt_over_the_limit_is_refused(tiny_llama):
+    engine = make_engine(tiny_llama, max_prompt_tokens=16)
+    with pytest.raises(PromptTooLong):
+        engine.generate(GenerationParams(prompt=text_of_length(17)))
+
+
+def test_max_new_tokens_over_the_limit_is_invalid(tiny_llama):
+    engine = make_engine(tiny_llama, max_new_tokens_limit=8)
+    with pytest.raises(InvalidRequest):
+        engine.generate(GenerationParams(prompt="Hello", max_new_tokens=9))
+
+
+@pytest.mark.parametrize("fields", [
+    {},
+    {"prompt": ""},
+    {"prompt": "a", "segments": ("b",)},
+    {"prompt": "a", "max_new_tokens": 0},
+    {"prompt": "a", "mode": "fastest"},
+    {"prompt": "a", "temperature": float("nan")},
+    {"prompt": "a", "temperature": -1.0},
+    {"prompt": "a", "top_p": 0.0},
+    {"prompt": "a", "top_k": -1},
+    {"prompt": "a", "stop": ("",)},
+    {"prompt": "a", "recompute_strategy": "all"},
+    {"prompt": "a", "recompute_ratio": 1.5},
+    {"messages": (("robot", "hi"),)},
+])
+def test_bad_parameters_are_invalid(fields):
+    with pytest.raises(InvalidRequest):
+        GenerationParams(**fields)
+
+
+def test_model_info_and_stats(tiny_llama):
+    engine = make_engine(tiny_llama)
+    info = engine.model_info()
+    assert (info["num_layers"], info["num_kv_heads"], info["head_dim"], info["chunk_size"]) == (2, 2, 16, 8)
+    assert info["dtype"] == "float32" and info["device"] == "cpu" and len(info["namespace_hex"]) == 64
+    run(engine, prompt=text_of_length(40))
+    run(engine, prompt=text_of_length(40))
+    stats = engine.stats()
+    assert (stats["requests"], stats["prompt_tokens"], stats["cached_tokens"]) == (2, 80, 39)
+    assert stats["chunks_stored"] == 5 and stats["chunks_fetched"] == 5
+    assert stats["bytes_stored"] == stats["bytes_fetched"] > 0 and stats["mean_ttft_ms"] > 0
+
+
+def test_namespace_is_stable_and_depends_on_config(tiny_llama):
+    assert make_engine(tiny_llama).namespace == make_engine(tiny_llama).namespace
+    assert make_engine(tiny_llama).namespace != make_engine(tiny_llama, chunk_size=16).namespace
+    assert make_engine(tiny_llama).namespace != make_engine(tiny_llama, kv_cache_bits=8).namespace
+
+
+def test_verify_reports_identity(tiny_llama):
+    engine = make_engine(tiny_llama)
+    [report] = engine.verify([text_of_length(40)], max_new_tokens=6)
+    assert report["token_identical"] and report["matching_prefix_tokens"] == 6
+    assert report["cached_tokens"] == 39
+    assert report["first_token_cosine"] == pytest.approx(1.0) and report["first_token_kl"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_null_cache_always_misses(tiny_llama):
+    engine = make_engine(tiny_llama, cache=NullCache())
+    outcomes = [run(engine, prompt=text_of_length(40)) for _ in range(2)]
+    assert [o.cached_tokens for o in outcomes] == [0, 0]
+
+
+# -- test doubles --------------------------------------------------------------------------------------
+
+
+class RecordingCache(InProcessCache):
+    """Records the order of calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self.on_store = lambda: self.calls.append("store")
+
+    def lookup(self, namespace, prefix_keys, content_keys=None) -> LookupResult:
+        self.calls.append("lookup")
+        return super().lookup(namespace, prefix_keys, content_keys)
+
+    def fetch(self, keys):
+        self.calls.append("fetch")
+        return super().fetch(keys)
+
+    def store(self, items) -> int:
+        self.on_store()
+        return super().store(items)
+
+
+class UnreachableCache:
+    def __init__(self) -> None:
+        self.degraded = True
+        self.calls = threading.local()
+
+    def lookup(self, namespace, prefix_keys, content_keys=None):
+        raise CacheUnavailable("daemon down")
+
+    def fetch(self, keys):
+        raise CacheUnavailable("daemon down")
+
+    def store(self, items):
+        raise CacheUnavailable("daemon down")

@@ -1,0 +1,51 @@
+"""The local stack (client.stack) as the e2e tests run it: real daemon and service processes, a tiny model."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.conftest import pick_free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+STACK_TIMEOUT_S = 180
+
+
+@dataclass(slots=True, frozen=True)
+class StackPaths:
+    run_dir: Path
+    address: str
+    daemon_address: str
+
+
+def save_tiny_model(folder: Path) -> Path:
+    """The 2-layer random Llama with the byte tokenizer, saved where the service can load it by path."""
+    from tests.factories import build_tiny_model
+
+    model, tokenizer = build_tiny_model("llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def stack_command(paths: StackPaths, action: str, *extra: str) -> subprocess.CompletedProcess:
+    """Runs `python -m client.stack ACTION` the way `make up` does, with no KVBOOST_* variables leaking in."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
+    command = [sys.executable, "-m", "client.stack", action, "--run-dir", str(paths.run_dir),
+               "--address", paths.address, "--daemon-address", paths.daemon_address, *extra]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=STACK_TIMEOUT_S + 60)
+
+
+@contextmanager
+def running_stack(run_dir: Path, model_dir: Path):
+    """Starts the stack on free loopback ports; yields its StackPaths; always stops it."""
+    paths = StackPaths(run_dir, f"127.0.0.1:{pick_free_port()}", f"127.0.0.1:{pick_free_port()}")
+    try:
+        started = stack_command(paths, "up", "--model", str(model_dir), "--timeout", str(STACK_TIMEOUT_S))
+        assert started.returncode == 0, f"stack up failed:\n{started.stdout}\n{started.stderr}"
+        yield paths
+    finally:
+        stack_command(paths, "down")

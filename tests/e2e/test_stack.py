@@ -1,0 +1,59 @@
+"""`make up`-like: client.stack starts the real daemon and service (tiny model), clients use them, down stops them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from client import CacheClient, KVBoostClient, cli
+from client.healthcheck import check_health
+from tests.e2e.stack_process import running_stack, save_tiny_model, stack_command
+
+pytestmark = pytest.mark.e2e
+
+# Byte-level tokenizer: one token per byte, so 600 bytes are 4 full chunks of 128 tokens.
+SHARED_TEXT = "The harbour ferry leaves at six and returns at nine; bicycles cost extra. " * 8
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def test_up_serves_clients_is_idempotent_and_down_stops_everything(tmp_path, tiny_model_dir, capsys) -> None:
+    run_dir = tmp_path / "run"
+    with running_stack(run_dir, tiny_model_dir) as paths:
+        assert {path.name for path in run_dir.iterdir()} >= {"daemon.pid", "service.pid", "daemon.log",
+                                                               "service.log", "lmdb", "stack.json"}
+        again = stack_command(paths, "up", "--model", str(tiny_model_dir))
+        assert again.returncode == 0
+        assert "cache daemon already running" in again.stdout and "inference service already running" in again.stdout
+        assert stack_command(paths, "status").returncode == 0
+
+        with KVBoostClient(paths.address, timeout=120) as client:
+            warmed = client.warm(SHARED_TEXT)
+            assert (warmed.chunks_stored, warmed.chunk_size) == (len(SHARED_TEXT) // 128, 128)
+            result = client.generate(SHARED_TEXT + "When is the last ferry?", mode="prefix_cache",
+                                     max_new_tokens=4).result
+        assert result.cached_tokens == warmed.chunks_stored * 128 and not result.degraded
+        assert result.kv_reuse_ratio == pytest.approx(result.cached_tokens / result.prompt_tokens)
+
+        assert cli.main(["--address", paths.address, "generate", "hello", "--max-new-tokens", "2", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["generated_tokens"] == 2
+        with CacheClient(paths.daemon_address) as cache:
+            entries = cache.stats().entries
+        assert entries >= warmed.chunks_stored
+
+        stopped = stack_command(paths, "down")
+        assert stopped.returncode == 0
+        assert stopped.stdout == "inference service: stopped\ncache daemon: stopped\n"
+        assert not (run_dir / "daemon.pid").exists() and not (run_dir / "service.pid").exists()
+        assert check_health(paths.address, timeout=0.5) == "UNREACHABLE"
+        assert check_health(paths.daemon_address, timeout=0.5) == "UNREACHABLE"
+        assert stack_command(paths, "status").returncode == 1
+
+        # The LMDB folder under the run dir keeps the chunks across a restart.
+        restarted = stack_command(paths, "up", "--model", str(tiny_model_dir))
+        assert restarted.returncode == 0, restarted.stderr
+        with CacheClient(paths.daemon_address) as cache:
+            assert cache.stats().entries == entries

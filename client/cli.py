@@ -18,11 +18,13 @@ STRATEGIES = ("none", "selective", "cacheblend")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvboost", description="Client of the KVBoost inference service and cache daemon.")
+    parser = argparse.ArgumentParser(prog="kvboost",
+                                     description="Client of the KVBoost inference service and cache daemon.")
     parser.add_argument("--address", default=os.environ.get("KVBOOST_ADDRESS", DEFAULT_ADDRESS),
                         help="inference service host:port (env KVBOOST_ADDRESS, default %(default)s)")
     parser.add_argument("--daemon-address", default=os.environ.get("KVBOOST_DAEMON_ADDRESS", DEFAULT_DAEMON_ADDRESS),
-                        help="cache daemon host:port for `kvboost cache` (env KVBOOST_DAEMON_ADDRESS, default %(default)s)")
+                        help="cache daemon host:port for `kvboost cache` "
+                             "(env KVBOOST_DAEMON_ADDRESS, default %(default)s)")
     parser.add_argument("--token", default=os.environ.get("KVBOOST_TOKEN"),
                         help="bearer token sent with every call (env KVBOOST_TOKEN)")
     parser.add_argument("--token-file", default=os.environ.get("KVBOOST_AUTH_TOKEN_FILE"),
@@ -33,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text, streaming it to stdout")
     generate.add_argument("prompt", help="the prompt, or - to read it from stdin")
-    generate.add_argument("--chat", action="store_true", help="send the prompt as a user chat message (chat template applied)")
+    generate.add_argument("--chat", action="store_true",
+                          help="send the prompt as a user chat message (chat template applied)")
     generate.add_argument("--system", help="with --chat: a system message before the prompt")
     generate.add_argument("--max-new-tokens", type=int, help="tokens to generate (server default 64)")
     generate.add_argument("--mode", choices=MODES, help="cache mode (server default chunk_kv_reuse)")
@@ -164,7 +167,8 @@ def _run_cache_stats(args, cache: CacheClient) -> int:
 
 def _run_cache_delete(args, cache: CacheClient) -> int:
     result = cache.delete(args.keys, namespace=args.namespace)
-    print(json.dumps(result.to_dict()) if args.json else f"deleted {result.deleted} entries, {result.bytes_freed} bytes freed")
+    summary = f"deleted {result.deleted} entries, {result.bytes_freed} bytes freed"
+    print(json.dumps(result.to_dict()) if args.json else summary)
     return EXIT_OK
 
 

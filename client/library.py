@@ -151,7 +151,8 @@ class KVBoostClient:
         request = inference_pb2.VerifyRequest(
             prompts=list(prompts), max_new_tokens=max_new_tokens or 0, mode=parse_mode(mode)
         )
-        return VerifyReport.from_proto(self._rpc.call("VerifyCorrectness", self._stub.VerifyCorrectness, request, timeout))
+        reply = self._rpc.call("VerifyCorrectness", self._stub.VerifyCorrectness, request, timeout)
+        return VerifyReport.from_proto(reply)
 
     def stats(self, *, timeout: float | None = None) -> ServiceStats:
         reply = self._rpc.call("Stats", self._stub.Stats, inference_pb2.ServiceStatsRequest(), timeout)

@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--daemon-address", default=os.environ.get("KVBOOST_DAEMON_ADDRESS", DEFAULT_DAEMON_ADDRESS),
                         help="cache daemon listen address (env KVBOOST_DAEMON_ADDRESS, default %(default)s)")
     parser.add_argument("--model", help="model name or path (default: the service's, env KVBOOST_MODEL)")
-    parser.add_argument("--max-bytes", type=int, help="daemon byte budget (default: the daemon's, env KVBOOST_MAX_BYTES)")
+    parser.add_argument("--max-bytes",
+                        help="daemon byte budget, e.g. 512M or 8G (default: the daemon's, env KVBOOST_MAX_BYTES)")
     parser.add_argument("--daemon-arg", action="append", default=[], help="extra daemon flag (repeatable)")
     parser.add_argument("--service-arg", action="append", default=[], help="extra service flag (repeatable)")
     parser.add_argument("--timeout", type=float, default=600.0,

@@ -66,7 +66,8 @@ def test_message_to_dict_names_enums_hexes_bytes_keeps_64_bit_ints() -> None:
     stats = results.message_to_dict(cache_pb2.CacheStatsReply(
         bytes=2**40, namespaces=[cache_pb2.NamespaceStats(namespace=b"\x01\xff")]))
     assert stats["bytes"] == 2**40 and stats["namespaces"][0]["namespace"] == "01ff"
-    assert results.message_to_dict(inference_pb2.GenerationResult(mode=inference_pb2.PREFIX_CACHE))["mode"] == "PREFIX_CACHE"
+    result = results.message_to_dict(inference_pb2.GenerationResult(mode=inference_pb2.PREFIX_CACHE))
+    assert result["mode"] == "PREFIX_CACHE"
     # Optional fields report None when unset, their value when set.
     request = results.message_to_dict(inference_pb2.GenerateRequest(top_k=0))
     assert request["top_k"] == 0 and request["top_p"] is None

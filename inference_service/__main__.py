@@ -1,0 +1,136 @@
+"""`python -m inference_service`: serve generation with chunk K/V reuse through the cache daemon."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from inference_service.cache_client import CacheClientOptions, GrpcChunkCache
+from inference_service.chunk_cache import ChunkCache, NullCache
+from inference_service.config import ServiceConfig, parse_config
+from inference_service.errors import UnsupportedArchitecture
+from inference_service.server import build_server
+
+logger = logging.getLogger("inference_service")
+
+SHUTDOWN_GRACE_S = 5.0
+WRITE_BACK_FLUSH_S = 10.0
+
+
+def make_cache(config: ServiceConfig) -> ChunkCache:
+    """The daemon client, or a store that holds nothing when no daemon address is configured."""
+    if not config.cache_addr:
+        logger.warning("no --cache-addr: every request runs without the cache")
+        return NullCache()
+    roots = Path(config.cache_tls_ca).read_bytes() if config.cache_tls_ca else None
+    return GrpcChunkCache(CacheClientOptions(
+        address=config.cache_addr,
+        auth_token=config.cache_auth_token(),
+        tls=config.cache_tls or roots is not None,
+        tls_root_certificates=roots,
+        rpc_timeout_s=config.cache_timeout_s,
+        reconnect_interval_s=config.cache_timeout_s,
+    ))
+
+
+def load_engine(config: ServiceConfig, cache: ChunkCache) -> Any:
+    """Checks the architecture from the config, then loads the weights (slow: runs off the event loop)."""
+    from inference_service.engine import Engine, EngineConfig  # torch and transformers load here
+    from inference_service.runner import load_model
+
+    loaded = load_model(config.model, device=_auto(config.device), dtype=_auto(config.dtype), strict=config.strict)
+    engine_config = EngineConfig(
+        chunk_size=config.chunk_size,
+        kv_cache_bits=config.kv_cache_bits,
+        tenant_salt=config.tenant_salt,
+        max_new_tokens_limit=config.max_new_tokens,
+        max_prompt_tokens=config.max_prompt_tokens or None,
+        default_mode=config.default_mode,
+        default_recompute_strategy=config.recompute_strategy,
+    )
+    if isinstance(cache, GrpcChunkCache) and cache.check():
+        logger.info("cache daemon at %s answers", cache.address)
+    return Engine(loaded.model, loaded.tokenizer, engine_config, cache, model_id=loaded.model_id)
+
+
+def _auto(value: str) -> str | None:
+    return None if value == "auto" else value
+
+
+async def serve(config: ServiceConfig) -> int:
+    """Serves until SIGTERM or SIGINT; returns the exit status."""
+    cache = make_cache(config)
+    server = build_server(config, engine=None, cache=cache)
+    await server.start()
+    logger.info("listening on %s (port %d); health NOT_SERVING until the model is loaded", config.listen, server.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    loading = _in_daemon_thread(lambda: load_engine(config, cache))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    engine, status = None, 0
+    if loading.done():
+        try:
+            engine = loading.result()
+        except (UnsupportedArchitecture, OSError, ValueError) as error:
+            logger.error("cannot serve %s: %s", config.model, error)
+            status = 2
+        except Exception:
+            logger.exception("loading %s failed", config.model)
+            status = 1
+    if engine is not None:
+        await server.set_engine(engine)
+        logger.info("model %s loaded: SERVING", config.model)
+        await stopping
+    logger.info("shutting down")
+    stopping.cancel()
+    await server.stop(SHUTDOWN_GRACE_S)
+    if engine is not None:
+        engine.flush_writes(timeout=WRITE_BACK_FLUSH_S)  # chunks computed so far still reach the daemon
+        engine.close()
+    getattr(cache, "close", lambda: None)()
+    return status
+
+
+def _in_daemon_thread(work: Callable[[], Any]) -> asyncio.Future[Any]:
+    """Runs `work` on a daemon thread (a signal during a slow load need not wait for it)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        try:
+            value, error = work(), None
+        except BaseException as failure:  # handed to the event loop, which reports it
+            value, error = None, failure
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop already closed (shut down during the load)
+            pass
+
+    threading.Thread(target=run, name="model-load", daemon=True).start()
+    return future
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_config(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.info("configuration:\n%s", config.describe())
+    sys.exit(asyncio.run(serve(config)))
+
+
+if __name__ == "__main__":
+    main()

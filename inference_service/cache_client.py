@@ -1,0 +1,223 @@
+"""GrpcChunkCache: the engine's ChunkCache over the cache daemon's CacheService, degrading when it is down."""
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import grpc
+
+from inference_service.chunk_cache import CacheUnavailable, LookupResult, StoreItem
+from kvboost.v1 import cache_pb2, cache_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+DATA_FRAME_BYTES = 1 << 20  # the contract's largest data frame (cache.proto)
+_PROBE = cache_pb2.LookupRequest(namespace=bytes(32))
+# Codes that say the daemon cannot serve us at all: stop asking until a probe answers.
+_UNREACHABLE_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+})
+
+
+@dataclass(slots=True, frozen=True)
+class CacheClientOptions:
+    address: str = "127.0.0.1:50052"
+    auth_token: str | None = None  # sent as `authorization: Bearer <token>`
+    tls: bool = False
+    tls_root_certificates: bytes | None = None  # PEM; None = the system roots
+    rpc_timeout_s: float = 1.0  # Lookup and reconnect probes
+    fetch_timeout_s: float = 10.0  # a whole Fetch stream
+    store_timeout_s: float = 10.0  # a whole Store stream (write-back, off the request path)
+    reconnect_interval_s: float = 1.0  # at most one probe per interval while degraded
+
+    def __post_init__(self) -> None:
+        assert self.address, "the cache daemon address is empty"
+        for name in ("rpc_timeout_s", "fetch_timeout_s", "store_timeout_s", "reconnect_interval_s"):
+            assert getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}"
+
+
+class GrpcChunkCache:
+    """A ChunkCache backed by the daemon.
+
+    While the daemon is unreachable `degraded` is True and every call raises CacheUnavailable at
+    once, without touching the network; a background thread probes a fresh channel at most once
+    per `reconnect_interval_s` and clears `degraded` when the daemon answers.
+    """
+
+    def __init__(self, options: CacheClientOptions) -> None:
+        self.options = options
+        self.degraded = False
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._reconnector: threading.Thread | None = None
+        self._metadata = (("authorization", f"Bearer {options.auth_token}"),) if options.auth_token else ()
+        self._channel = self._open_channel()
+        self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
+
+    @property
+    def address(self) -> str:
+        return self.options.address
+
+    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None) -> LookupResult:
+        request = cache_pb2.LookupRequest(namespace=namespace, prefix_keys=prefix_keys, content_keys=content_keys or [])
+        stub = self._available_stub()
+        try:
+            reply = stub.Lookup(request, timeout=self.options.rpc_timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise self._failure("Lookup", error) from error
+        return LookupResult(reply.prefix_run, {hit.index: hit.stored_key for hit in reply.content_hits})
+
+    def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
+        keys = list(keys)
+        if not keys:
+            return iter(())
+        stub = self._available_stub()
+        call = stub.Fetch(cache_pb2.FetchRequest(keys=keys), timeout=self.options.fetch_timeout_s, metadata=self._metadata)
+        return self._read_fetch(call, keys)
+
+    def _read_fetch(self, call, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
+        try:
+            yield from reassemble_chunks(call, keys)
+        except grpc.RpcError as error:
+            raise self._failure("Fetch", error) from error
+        finally:
+            call.cancel()  # a no-op once the stream ended; frees it when the reader stops early
+
+    def store(self, items: list[StoreItem]) -> int:
+        if not items:
+            return 0
+        stub = self._available_stub()
+        try:
+            reply = stub.Store(iter_store_frames(items), timeout=self.options.store_timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise self._failure("Store", error) from error
+        return reply.stored + reply.already_present
+
+    def check(self) -> bool:
+        """Probes the daemon once now (start-up); degrades and starts reconnecting when it does not answer."""
+        if self._probe(self._channel):
+            return True
+        self._mark_degraded("no answer to a health probe")
+        return False
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            self._channel.close()
+
+    # -- connection state -------------------------------------------------------------------------
+
+    def _available_stub(self) -> cache_pb2_grpc.CacheServiceStub:
+        with self._lock:
+            if self.degraded:
+                raise CacheUnavailable(f"cache daemon at {self.address} is unreachable; reconnecting in the background")
+            return self._stub
+
+    def _failure(self, method: str, error: grpc.RpcError) -> CacheUnavailable:
+        code, details = error.code(), error.details()
+        if code in _UNREACHABLE_CODES:
+            self._mark_degraded(f"{method}: {code.name} {details}")
+        else:
+            logger.error("cache daemon %s refused %s: %s %s", self.address, method, code.name, details)
+        return CacheUnavailable(f"cache daemon {method} failed: {code.name}: {details}")
+
+    def _mark_degraded(self, reason: str) -> None:
+        with self._lock:
+            if self.degraded or self._closed.is_set():
+                return
+            self.degraded = True
+            self._reconnector = threading.Thread(target=self._reconnect_loop, name="cache-reconnect", daemon=True)
+            self._reconnector.start()
+        logger.warning("cache daemon at %s unreachable (%s): serving without the cache", self.address, reason)
+
+    def _reconnect_loop(self) -> None:
+        # A fresh channel per probe connects at once, instead of waiting out the old channel's backoff.
+        while not self._closed.wait(self.options.reconnect_interval_s):
+            channel = self._open_channel()
+            if not self._probe(channel):
+                channel.close()
+                continue
+            with self._lock:
+                old, self._channel = self._channel, channel
+                self._stub = cache_pb2_grpc.CacheServiceStub(channel)
+                self.degraded = False
+            old.close()
+            logger.info("cache daemon at %s answers again: cache reuse resumed", self.address)
+            return
+
+    def _probe(self, channel: grpc.Channel) -> bool:
+        """An empty Lookup: cheap, touches no entry, and goes through the daemon's auth like real calls."""
+        stub = cache_pb2_grpc.CacheServiceStub(channel)
+        try:
+            stub.Lookup(_PROBE, timeout=self.options.rpc_timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            return error.code() not in _UNREACHABLE_CODES
+        return True
+
+    def _open_channel(self) -> grpc.Channel:
+        options = [
+            ("grpc.max_receive_message_length", 4 * DATA_FRAME_BYTES),
+            ("grpc.max_send_message_length", 4 * DATA_FRAME_BYTES),
+        ]
+        if not self.options.tls:
+            return grpc.insecure_channel(self.address, options=options)
+        credentials = grpc.ssl_channel_credentials(root_certificates=self.options.tls_root_certificates)
+        return grpc.secure_channel(self.address, credentials, options=options)
+
+
+def iter_store_frames(items: Iterable[StoreItem]) -> Iterator[cache_pb2.ChunkFrame]:
+    """For each item a header frame (metadata, size, CRC-32), then data frames of at most 1 MiB."""
+    for item in items:
+        meta = cache_pb2.ChunkMeta(
+            key=item.key, namespace=item.namespace, content_key=item.content_key or b"",
+            num_tokens=item.num_tokens, size_bytes=len(item.blob), checksum=zlib.crc32(item.blob), pinned=item.pin,
+        )
+        yield cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=meta))
+        view = memoryview(item.blob)
+        for start in range(0, len(view), DATA_FRAME_BYTES):
+            yield cache_pb2.ChunkFrame(data=bytes(view[start:start + DATA_FRAME_BYTES]))
+
+
+def reassemble_chunks(frames: Iterable[cache_pb2.ChunkFrame], keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
+    """Turns a Fetch stream back into (key, blob) pairs in request order.
+
+    A key that is absent, or whose bytes fail the CRC-32 in its header, comes back as None (a miss).
+    Raises CacheUnavailable when the stream breaks the contract (wrong order, short data, missing keys).
+    """
+    frames = iter(frames)
+    for expected_key in keys:
+        header = next(frames, None)
+        if header is None or header.WhichOneof("frame") != "header":
+            raise CacheUnavailable(f"Fetch stream ended or sent data where the header of {expected_key.hex()[:16]} belongs")
+        meta = header.header.meta
+        if meta.key != expected_key:
+            raise CacheUnavailable(f"Fetch stream sent {meta.key.hex()[:16]} where {expected_key.hex()[:16]} belongs")
+        if not header.header.found:
+            yield expected_key, None
+            continue
+        blob = _read_blob(frames, meta.size_bytes, expected_key)
+        if zlib.crc32(blob) != meta.checksum:
+            logger.warning("chunk %s failed its CRC-32 on the wire: treated as a miss", expected_key.hex()[:16])
+            yield expected_key, None
+            continue
+        yield expected_key, blob
+
+
+def _read_blob(frames: Iterator[cache_pb2.ChunkFrame], size_bytes: int, key: bytes) -> bytes:
+    parts: list[bytes] = []
+    received = 0
+    while received < size_bytes:
+        frame = next(frames, None)
+        if frame is None or frame.WhichOneof("frame") != "data":
+            raise CacheUnavailable(f"chunk {key.hex()[:16]} stopped after {received} of {size_bytes} bytes")
+        parts.append(frame.data)
+        received += len(frame.data)
+    if received != size_bytes:
+        raise CacheUnavailable(f"chunk {key.hex()[:16]} sent {received} bytes, its header said {size_bytes}")
+    return b"".join(parts)

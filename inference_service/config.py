@@ -1,0 +1,149 @@
+"""The inference service's configuration: one dataclass filled from CLI flags with KVBOOST_* environment defaults."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from inference_service.engine_types import MODES, RECOMPUTE_STRATEGIES
+from inference_service.model_loader import DEFAULT_MODEL
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+DEFAULT_CACHE_ADDR = "127.0.0.1:50052"
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(slots=True, frozen=True)
+class ServiceConfig:
+    model: str = DEFAULT_MODEL
+    cache_addr: str = DEFAULT_CACHE_ADDR  # empty: no daemon, every request runs without the cache
+    listen: str = DEFAULT_LISTEN
+    device: str = "auto"  # auto: cuda when present, else cpu
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    chunk_size: int = 128
+    kv_cache_bits: int = 16
+    tenant_salt: str = ""
+    strict: bool = True  # refuse architectures whose K/V cannot be reused correctly
+    default_mode: str = "chunk_kv_reuse"
+    recompute_strategy: str = "selective"
+    max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
+    max_new_tokens: int = 4096
+    max_prompt_tokens: int = 0  # 0: the model's context length
+    auth_token_file: str = ""  # clients must send `authorization: Bearer <token>`
+    tls_cert: str = ""
+    tls_key: str = ""
+    cache_auth_token_file: str = ""
+    cache_tls: bool = False
+    cache_tls_ca: str = ""  # PEM roots for the daemon's certificate; empty: the system roots
+    cache_timeout_s: float = 1.0  # Lookup deadline; reconnect probe interval
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        _require(self.model != "", "--model is empty")
+        _require(":" in self.listen, f"--listen must be HOST:PORT, got {self.listen!r}")
+        _require(self.device in DEVICES or self.device.startswith("cuda:"), f"--device must be one of {DEVICES} or cuda:N, got {self.device!r}")
+        _require(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.chunk_size > 0, f"--chunk-size must be positive, got {self.chunk_size}")
+        _require(self.kv_cache_bits in (4, 8, 16), f"--kv-cache-bits must be 4, 8 or 16, got {self.kv_cache_bits}")
+        _require(self.default_mode in MODES, f"--default-mode must be one of {MODES}, got {self.default_mode!r}")
+        _require(self.recompute_strategy in RECOMPUTE_STRATEGIES, f"--recompute-strategy must be one of {RECOMPUTE_STRATEGIES}, got {self.recompute_strategy!r}")
+        _require(self.max_queue > 0, f"--max-queue must be positive, got {self.max_queue}")
+        _require(self.max_new_tokens > 0, f"--max-new-tokens must be positive, got {self.max_new_tokens}")
+        _require(self.max_prompt_tokens >= 0, f"--max-prompt-tokens must be >= 0, got {self.max_prompt_tokens}")
+        _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
+        _require(self.cache_timeout_s > 0, f"--cache-timeout must be positive, got {self.cache_timeout_s}")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    @property
+    def listens_on_loopback(self) -> bool:
+        host = self.listen.rsplit(":", 1)[0].strip("[]")
+        return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+    def auth_token(self) -> str | None:
+        return read_secret(self.auth_token_file)
+
+    def cache_auth_token(self) -> str | None:
+        return read_secret(self.cache_auth_token_file)
+
+    def describe(self) -> str:
+        """One line per setting for the start-up log (secrets appear as file paths only)."""
+        return "\n".join(f"  {name} = {value!r}" for name, value in asdict(self).items())
+
+
+def read_secret(path: str) -> str | None:
+    """The stripped contents of a token file; None when no file is configured."""
+    if not path:
+        return None
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    defaults = ServiceConfig()
+
+    def default(name: str, value: object) -> object:
+        raw = environ.get(f"KVBOOST_{name}")
+        if raw is None:
+            return value
+        if isinstance(value, bool):
+            return raw.strip().lower() in _TRUE
+        try:
+            return type(value)(raw)
+        except ValueError:
+            raise SystemExit(f"KVBOOST_{name}={raw!r} is not a valid {type(value).__name__}") from None
+
+    parser = argparse.ArgumentParser(
+        prog="python -m inference_service",
+        description="KVBoost inference service: generation with chunk K/V reuse through the cache daemon. "
+                    "Every flag defaults to the KVBOOST_<NAME> environment variable when it is set.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--model", default=default("MODEL", defaults.model), help="HF model name or local folder (KVBOOST_MODEL); the default is the embedded SmolLM2")
+    add("--cache-addr", default=default("CACHE_ADDR", defaults.cache_addr), help="cache daemon HOST:PORT; empty runs without a cache (KVBOOST_CACHE_ADDR)")
+    add("--listen", default=default("LISTEN", defaults.listen), help="HOST:PORT to serve on (KVBOOST_LISTEN)")
+    add("--device", default=default("DEVICE", defaults.device), help="auto, cpu, cuda or cuda:N (KVBOOST_DEVICE)")
+    add("--dtype", default=default("DTYPE", defaults.dtype), choices=DTYPES, help="weights and K/V dtype (KVBOOST_DTYPE)")
+    add("--chunk-size", type=int, default=default("CHUNK_SIZE", defaults.chunk_size), help="tokens per cached chunk (KVBOOST_CHUNK_SIZE)")
+    add("--kv-cache-bits", type=int, default=default("KV_CACHE_BITS", defaults.kv_cache_bits), choices=(4, 8, 16), help="stored K/V precision (KVBOOST_KV_CACHE_BITS)")
+    add("--tenant-salt", default=default("TENANT_SALT", defaults.tenant_salt), help="isolates this service's cache entries from other tenants (KVBOOST_TENANT_SALT)")
+    add("--no-strict", dest="strict", action="store_false", default=not default("NO_STRICT", False), help="try unsupported architectures anyway (KVBOOST_NO_STRICT=1; strict check now: %(default)s)")
+    add("--default-mode", default=default("DEFAULT_MODE", defaults.default_mode), choices=MODES, help="mode for requests that name none (KVBOOST_DEFAULT_MODE)")
+    add("--recompute-strategy", default=default("RECOMPUTE_STRATEGY", defaults.recompute_strategy), choices=RECOMPUTE_STRATEGIES, help="default repair of content hits (KVBOOST_RECOMPUTE_STRATEGY)")
+    add("--max-queue", type=int, default=default("MAX_QUEUE", defaults.max_queue), help="requests waiting for the model before RESOURCE_EXHAUSTED (KVBOOST_MAX_QUEUE)")
+    add("--max-new-tokens", type=int, default=default("MAX_NEW_TOKENS", defaults.max_new_tokens), help="largest max_new_tokens a request may ask for (KVBOOST_MAX_NEW_TOKENS)")
+    add("--max-prompt-tokens", type=int, default=default("MAX_PROMPT_TOKENS", defaults.max_prompt_tokens), help="longest prompt accepted; 0 = the model's context (KVBOOST_MAX_PROMPT_TOKENS)")
+    add("--auth-token-file", default=default("AUTH_TOKEN_FILE", defaults.auth_token_file), help="file holding the bearer token clients must send (KVBOOST_AUTH_TOKEN_FILE)")
+    add("--tls-cert", default=default("TLS_CERT", defaults.tls_cert), help="PEM certificate chain to serve TLS (KVBOOST_TLS_CERT)")
+    add("--tls-key", default=default("TLS_KEY", defaults.tls_key), help="PEM private key to serve TLS (KVBOOST_TLS_KEY)")
+    add("--cache-auth-token-file", default=default("CACHE_AUTH_TOKEN_FILE", defaults.cache_auth_token_file), help="bearer token file for the cache daemon (KVBOOST_CACHE_AUTH_TOKEN_FILE)")
+    add("--cache-tls", action="store_true", default=default("CACHE_TLS", defaults.cache_tls), help="connect to the daemon over TLS (KVBOOST_CACHE_TLS=1)")
+    add("--cache-tls-ca", default=default("CACHE_TLS_CA", defaults.cache_tls_ca), help="PEM roots for the daemon's certificate (KVBOOST_CACHE_TLS_CA)")
+    add("--cache-timeout", dest="cache_timeout_s", type=float, default=default("CACHE_TIMEOUT", defaults.cache_timeout_s), help="seconds for a cache Lookup; also the reconnect interval (KVBOOST_CACHE_TIMEOUT)")
+    add("--log-level", default=default("LOG_LEVEL", defaults.log_level), help="DEBUG, INFO, WARNING or ERROR (KVBOOST_LOG_LEVEL)")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServiceConfig:
+    """Flags over environment over defaults; exits with a usage message on a bad value."""
+    parser = build_parser(os.environ if environ is None else environ)
+    args = parser.parse_args(argv)
+    try:
+        return ServiceConfig(**vars(args))
+    except ValueError as error:
+        parser.error(str(error))
+        raise  # unreachable: parser.error exits

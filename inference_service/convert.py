@@ -1,0 +1,119 @@
+"""Translations between the inference.proto messages and the engine's own types (no logic of their own)."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Mapping
+
+from inference_service.engine_types import GenerationOutcome, GenerationParams, WarmOutcome
+from kvboost.v1 import inference_pb2 as pb
+
+DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_VERIFY_TOKENS = 32
+
+
+def mode_name(value: int) -> str | None:
+    """Mode enum -> engine mode name; None for MODE_UNSPECIFIED (the server default)."""
+    return None if value == pb.MODE_UNSPECIFIED else pb.Mode.Name(value).lower()
+
+
+def mode_value(name: str) -> int:
+    return pb.Mode.Value(name.upper())
+
+
+def strategy_name(value: int) -> str | None:
+    return None if value == pb.RECOMPUTE_STRATEGY_UNSPECIFIED else pb.RecomputeStrategy.Name(value).lower()
+
+
+def strategy_value(name: str) -> int:
+    return pb.RecomputeStrategy.Value(name.upper())
+
+
+def new_request_id(given: str = "") -> str:
+    return given or uuid.uuid4().hex[:12]
+
+
+def generation_params(request: pb.GenerateRequest, arrival: float | None = None) -> GenerationParams:
+    """Raises errors.InvalidRequest (from GenerationParams) on a malformed request."""
+    return GenerationParams(
+        prompt=request.prompt or None,
+        messages=tuple((m.role, m.content) for m in request.messages) or None,
+        segments=tuple(request.segments) or None,
+        max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        mode=mode_name(request.mode),
+        temperature=request.temperature,
+        top_p=request.top_p if request.HasField("top_p") else 1.0,
+        top_k=request.top_k if request.HasField("top_k") else 0,
+        seed=request.seed if request.HasField("seed") else None,
+        stop=tuple(request.stop),
+        recompute_strategy=strategy_name(request.recompute_strategy),
+        recompute_ratio=request.recompute_ratio if request.HasField("recompute_ratio") else None,
+        selective_tokens=request.selective_tokens if request.HasField("selective_tokens") else None,
+        request_id=new_request_id(request.request_id),
+        arrival=time.perf_counter() if arrival is None else arrival,
+    )
+
+
+def generation_result(outcome: GenerationOutcome) -> pb.GenerationResult:
+    fields = _shared_fields(pb.GenerationResult, outcome)
+    fields["mode"] = mode_value(outcome.mode)
+    return pb.GenerationResult(**fields)
+
+
+def token_event(text: str, token_ids: list[int]) -> pb.GenerateEvent:
+    return pb.GenerateEvent(text=text, token_ids=token_ids)
+
+
+def final_event(outcome: GenerationOutcome) -> pb.GenerateEvent:
+    return pb.GenerateEvent(result=generation_result(outcome))
+
+
+def warm_result(outcome: WarmOutcome) -> pb.WarmResult:
+    return pb.WarmResult(**_shared_fields(pb.WarmResult, outcome))
+
+
+def warm_arguments(request: pb.WarmRequest) -> dict[str, Any]:
+    """Keyword arguments of Engine.warm."""
+    return {
+        "text": request.text,
+        "messages": tuple((m.role, m.content) for m in request.messages) or None,
+        "content_addressed": request.content_addressed,
+        "pin": request.pin,
+    }
+
+
+def verify_arguments(request: pb.VerifyRequest) -> dict[str, Any]:
+    """Keyword arguments of Engine.verify; unset fields take the documented defaults."""
+    return {
+        "prompts": list(request.prompts),
+        "max_new_tokens": request.max_new_tokens or DEFAULT_VERIFY_TOKENS,
+        "mode": mode_name(request.mode) or "prefix_cache",
+    }
+
+
+def verify_report(rows: list[Mapping[str, Any]]) -> pb.VerifyReport:
+    prompts = [pb.PromptVerification(**_shared_fields(pb.PromptVerification, row)) for row in rows]
+    return pb.VerifyReport(prompts=prompts, identical=sum(p.token_identical for p in prompts), total=len(prompts))
+
+
+def model_info_reply(info: Mapping[str, Any]) -> pb.ModelInfoReply:
+    fields = _shared_fields(pb.ModelInfoReply, info)
+    strategy = fields.get("default_recompute_strategy")
+    if isinstance(strategy, str):
+        fields["default_recompute_strategy"] = strategy_value(strategy)
+    return pb.ModelInfoReply(**fields)
+
+
+def stats_reply(engine_stats: Mapping[str, Any], **service_fields: Any) -> pb.ServiceStatsReply:
+    """Engine counters plus the serving layer's own (degraded, queue depth, address, rejections)."""
+    fields = _shared_fields(pb.ServiceStatsReply, engine_stats)
+    fields.update(service_fields)
+    return pb.ServiceStatsReply(**fields)
+
+
+def _shared_fields(message_type: Any, source: Any) -> dict[str, Any]:
+    """The values of `source` (a mapping or an object) for every field name `message_type` has."""
+    names = message_type.DESCRIPTOR.fields_by_name
+    if isinstance(source, Mapping):
+        return {name: source[name] for name in names if source.get(name) is not None}
+    return {name: getattr(source, name) for name in names if getattr(source, name, None) is not None}

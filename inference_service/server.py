@@ -1,0 +1,140 @@
+"""Builds the grpc.aio server: inference servicer, health, reflection, optional bearer token and TLS."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from inference_service.config import ServiceConfig
+from inference_service.servicer import InferenceServicer
+from inference_service.worker import ModelWorker
+from kvboost.v1 import inference_pb2, inference_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+# Health entry that mirrors the cache daemon as this service sees it: NOT_SERVING while degraded.
+CACHE_HEALTH_NAME = "kvboost.v1.CacheService"
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class InferenceServer:
+    """A grpc.aio.Server with the parts the process drives: the bound port, the engine slot, health."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, servicer: InferenceServicer, health_servicer: Any, cache: Any) -> None:
+        self.server = server
+        self.port = port
+        self.servicer = servicer
+        self.health = health_servicer
+        self.cache = cache
+        self._watch_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, _SERVING if self.servicer.engine is not None else _NOT_SERVING)
+        self._watch_task = asyncio.create_task(self._watch_cache())
+
+    async def set_engine(self, engine: Any) -> None:
+        """The model is loaded: requests are served and health turns SERVING."""
+        self.servicer.engine = engine
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, _SERVING)
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        self.servicer.worker.stop(timeout_s=grace_s)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def _watch_cache(self, interval_s: float = 0.5) -> None:
+        reported = None
+        while True:
+            degraded = bool(getattr(self.cache, "degraded", False))
+            if degraded != reported:
+                await self.health.set(CACHE_HEALTH_NAME, _NOT_SERVING if degraded else _SERVING)
+                reported = degraded
+            await asyncio.sleep(interval_s)
+
+
+def build_server(config: ServiceConfig, engine: Any = None, cache: Any = None) -> InferenceServer:
+    """Binds config.listen (port 0 picks a free port, see `.port`); serves once started.
+
+    engine may be None while the model loads (health NOT_SERVING, calls UNAVAILABLE); `cache` is the
+    engine's ChunkCache (default: engine.cache), whose degraded flag health mirrors.
+    """
+    cache = cache if cache is not None else getattr(engine, "cache", None)
+    token = config.auth_token()
+    interceptors = [BearerTokenInterceptor(token)] if token else []
+    options = [("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES)]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    servicer = InferenceServicer(ModelWorker(config.max_queue), config.cache_addr, engine)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = _bind(server, config)
+    if not config.listens_on_loopback and token is None:
+        logger.warning("listening on %s without --auth-token-file: anyone who can reach it can use the model", config.listen)
+    return InferenceServer(server, port, servicer, health_servicer, cache)
+
+
+def _bind(server: grpc.aio.Server, config: ServiceConfig) -> int:
+    if not config.tls:
+        port = server.add_insecure_port(config.listen)
+    else:
+        key, chain = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
+        port = server.add_secure_port(config.listen, grpc.ssl_server_credentials([(key, chain)]))
+    if port == 0:
+        raise OSError(f"cannot listen on {config.listen}: the address is taken or not local")
+    return port
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call without `authorization: Bearer <token>` (UNAUTHENTICATED); health stays open for probes."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}"
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_HEALTH_PREFIX):
+            return handler
+        if self._authorized(handler_call_details.invocation_metadata or ()):
+            return handler
+        return _refusing_handler(handler)
+
+    def _authorized(self, metadata) -> bool:
+        sent = next((value for key, value in metadata if key == "authorization"), "")
+        return hmac.compare_digest(str(sent).encode(), self._expected.encode())
+
+
+async def _refuse(request_or_iterator, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(
+        grpc.StatusCode.UNAUTHENTICATED,
+        "missing or wrong bearer token: send metadata `authorization: Bearer <token>` with the service's token",
+    )
+
+
+def _refusing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(_refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)

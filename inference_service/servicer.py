@@ -1,0 +1,104 @@
+"""kvboost.v1.InferenceService on grpc.aio: parse the request, run the engine on the model worker, build the reply."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+
+from inference_service import convert
+from inference_service.status import abort_with
+from inference_service.worker import Job, ModelNotLoaded, ModelWorker
+from kvboost.v1 import inference_pb2 as pb
+from kvboost.v1 import inference_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    """Every method that touches the model runs it on the single worker thread; the loop only waits."""
+
+    def __init__(self, worker: ModelWorker, cache_address: str, engine: Any = None) -> None:
+        self.worker = worker
+        self.cache_address = cache_address
+        self.engine = engine  # set once the model is loaded; until then calls are UNAVAILABLE
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:
+        arrival = time.perf_counter()
+        try:
+            params = convert.generation_params(request, arrival)
+            job = self._submit(context, params.request_id, lambda job: self._engine().generate(
+                params, on_token=lambda text, ids: job.emit((text, list(ids))), should_stop=job.should_stop))
+        except Exception as error:
+            await abort_with(context, error, request.request_id)
+        try:
+            async for text, token_ids in job.updates():
+                yield convert.token_event(text, token_ids)
+            outcome = await job.result()
+        except Exception as error:
+            await abort_with(context, error, params.request_id)
+        finally:
+            job.cancel()  # the client went away or the deadline passed: the engine stops at its next step
+        yield convert.final_event(outcome)
+
+    async def GenerateBatch(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext) -> pb.GenerateBatchReply:
+        arrival = time.perf_counter()
+        try:
+            batch = [convert.generation_params(item, arrival) for item in request.requests]
+            outcomes = await self._run(context, "batch", lambda job: [
+                self._engine().generate(params, on_token=None, should_stop=job.should_stop) for params in batch])
+        except Exception as error:
+            await abort_with(context, error, "batch")
+        return pb.GenerateBatchReply(results=[convert.generation_result(outcome) for outcome in outcomes])
+
+    async def GenerateMany(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext) -> pb.GenerateBatchReply:
+        # Until prompts are grouped by shared prefix, each runs on its own, in input order.
+        return await self.GenerateBatch(request, context)
+
+    async def Warm(self, request: pb.WarmRequest, context: grpc.aio.ServicerContext) -> pb.WarmResult:
+        try:
+            arguments = convert.warm_arguments(request)
+            outcome = await self._run(context, "warm", lambda job: self._engine().warm(**arguments))
+        except Exception as error:
+            await abort_with(context, error, "warm")
+        return convert.warm_result(outcome)
+
+    async def VerifyCorrectness(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyReport:
+        try:
+            arguments = convert.verify_arguments(request)
+            rows = await self._run(context, "verify", lambda job: self._engine().verify(**arguments))
+        except Exception as error:
+            await abort_with(context, error, "verify")
+        return convert.verify_report(rows)
+
+    async def Stats(self, request: pb.ServiceStatsRequest, context: grpc.aio.ServicerContext) -> pb.ServiceStatsReply:
+        engine_stats = self.engine.stats() if self.engine is not None else {}  # counters and `degraded`
+        return convert.stats_reply(
+            engine_stats,
+            rejected=self.worker.num_rejected,
+            cache_address=self.cache_address,
+            queue_depth=self.worker.queue_depth,
+        )
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoReply:
+        try:
+            return convert.model_info_reply(self._engine().model_info())
+        except Exception as error:
+            await abort_with(context, error, "model-info")
+
+    def _engine(self) -> Any:
+        if self.engine is None:
+            raise ModelNotLoaded("the model is still loading")
+        return self.engine
+
+    def _submit(self, context: grpc.aio.ServicerContext, name: str, run: Callable[[Job[Any]], Any]) -> Job[Any]:
+        self._engine()  # fail fast, before queueing, while the model loads
+        return self.worker.submit(run, timeout_s=context.time_remaining(), name=name)
+
+    async def _run(self, context: grpc.aio.ServicerContext, name: str, run: Callable[[Job[Any]], Any]) -> Any:
+        job = self._submit(context, name, run)
+        try:
+            return await job.result()
+        finally:
+            job.cancel()

@@ -1,0 +1,53 @@
+"""Inference service configuration: flags over KVBOOST_* environment over defaults, validation, secrets."""
+from __future__ import annotations
+
+import pytest
+
+from inference_service.config import ServiceConfig, parse_config
+
+
+def test_defaults_are_the_documented_loopback_addresses_and_the_embedded_model() -> None:
+    config = parse_config([], environ={})
+    assert (config.listen, config.cache_addr, config.model) == ("127.0.0.1:50051", "127.0.0.1:50052", "SmolLM2-135M-Instruct")
+    assert (config.chunk_size, config.kv_cache_bits, config.strict) == (128, 16, True)
+    assert config.listens_on_loopback and not config.tls
+
+
+def test_environment_sets_defaults_and_flags_win() -> None:
+    environ = {"KVBOOST_MODEL": "/models/x", "KVBOOST_CHUNK_SIZE": "256", "KVBOOST_NO_STRICT": "1",
+               "KVBOOST_CACHE_ADDR": "10.0.0.5:7000", "KVBOOST_DEVICE": "cpu"}
+    config = parse_config(["--chunk-size", "64", "--listen", "0.0.0.0:9000"], environ=environ)
+    assert (config.model, config.chunk_size, config.strict) == ("/models/x", 64, False)
+    assert (config.cache_addr, config.device, config.listen) == ("10.0.0.5:7000", "cpu", "0.0.0.0:9000")
+    assert not config.listens_on_loopback
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chunk-size", "0"], "--chunk-size must be positive"),
+    (["--kv-cache-bits", "3"], "invalid choice"),
+    (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
+    (["--listen", "nohost"], "--listen must be HOST:PORT"),
+    (["--max-queue", "0"], "--max-queue must be positive"),
+    (["--device", "tpu"], "--device must be one of"),
+])
+def test_bad_flags_exit_with_a_usage_message(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(argv, environ={})
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_environment_value_names_the_variable() -> None:
+    with pytest.raises(SystemExit, match="KVBOOST_MAX_QUEUE='many'"):
+        parse_config([], environ={"KVBOOST_MAX_QUEUE": "many"})
+
+
+def test_tokens_come_from_files_and_never_appear_in_the_description(tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    config = ServiceConfig(auth_token_file=str(token_file))
+    assert config.auth_token() == "s3cret"
+    assert config.cache_auth_token() is None
+    assert "s3cret" not in config.describe() and str(token_file) in config.describe()
+    token_file.write_text("  \n")
+    with pytest.raises(ValueError, match="is empty"):
+        config.auth_token()

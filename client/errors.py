@@ -50,6 +50,10 @@ class FailedPreconditionError(KVBoostError):
     """The server cannot do this in its present state (FAILED_PRECONDITION)."""
 
 
+# Details gRPC gives when it could not connect at all (as opposed to a server answering UNAVAILABLE).
+_CONNECTION_FAILURES = ("failed to connect", "Connection refused", "DNS resolution failed", "Socket closed",
+                        "Connection reset")
+
 _CLASS_BY_CODE: dict[grpc.StatusCode, type[KVBoostError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
@@ -68,10 +72,16 @@ def from_rpc_error(error: grpc.RpcError, method: str, address: str, timeout: flo
     """The KVBoostError subclass for a failed call, with a message naming the call and the server."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else "") or ""
-    if code == grpc.StatusCode.UNAVAILABLE:
-        message = f"cannot reach {address} ({method}): {details or 'unavailable'}"
+    if code == grpc.StatusCode.UNAVAILABLE and _is_connection_failure(details):
+        message = f"cannot reach {address} ({method}): {details}"
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
         message = f"{method} on {address} timed out after {timeout} s"
     else:
         message = f"{method} on {address} failed: {code.name}: {details}"
     return _CLASS_BY_CODE.get(code, KVBoostError)(message, code=code, details=details)
+
+
+def _is_connection_failure(details: str) -> bool:
+    """True when gRPC itself could not connect; False when the server answered UNAVAILABLE
+    (for instance while its model is still loading)."""
+    return not details or any(sign in details for sign in _CONNECTION_FAILURES)

@@ -256,3 +256,14 @@ def test_cache_pin_and_unpin_report_missing_keys(cache) -> None:
     with pytest.raises(NotFoundError) as caught:
         cache.pin([unknown])
     assert caught.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_unavailable_from_a_live_server_is_not_called_unreachable() -> None:
+    class Loading(FakeInference):
+        def Stats(self, request, context):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+
+    with running_server(inference=Loading()) as address, KVBoostClient(address, timeout=5) as client:
+        with pytest.raises(UnavailableError) as caught:
+            client.stats()
+    assert str(caught.value) == f"Stats on {address} failed: UNAVAILABLE: the model is still loading"

@@ -6,6 +6,7 @@ import uuid
 from typing import Any, Mapping
 
 from inference_service.engine_types import GenerationOutcome, GenerationParams, WarmOutcome
+from inference_service.errors import InvalidRequest
 from kvboost.v1 import inference_pb2 as pb
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -52,6 +53,17 @@ def generation_params(request: pb.GenerateRequest, arrival: float | None = None)
         request_id=new_request_id(request.request_id),
         arrival=time.perf_counter() if arrival is None else arrival,
     )
+
+
+def batch_params(request: pb.GenerateBatchRequest, arrival: float) -> list[GenerationParams]:
+    """Raises errors.InvalidRequest naming the malformed request's index."""
+    batch = []
+    for index, item in enumerate(request.requests):
+        try:
+            batch.append(generation_params(item, arrival))
+        except InvalidRequest as error:
+            raise InvalidRequest(f"requests[{index}]: {error}") from None
+    return batch
 
 
 def generation_result(outcome: GenerationOutcome) -> pb.GenerationResult:

@@ -45,7 +45,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def GenerateBatch(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext) -> pb.GenerateBatchReply:
         arrival = time.perf_counter()
         try:
-            batch = [convert.generation_params(item, arrival) for item in request.requests]
+            batch = convert.batch_params(request, arrival)
             outcomes = await self._run(context, "batch", lambda job: [
                 self._engine().generate(params, on_token=None, should_stop=job.should_stop) for params in batch])
         except Exception as error:

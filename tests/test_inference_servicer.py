@@ -226,6 +226,19 @@ def test_batch_and_many_return_results_in_input_order(engine) -> None:
         assert [list(r.output_token_ids) for r in reply.results] == [list(r.output_token_ids) for r in singles]
 
 
+def test_a_malformed_batch_request_is_named_by_its_index(engine) -> None:
+    async def scenario():
+        async with serving(engine) as (_, stub, _health):
+            request = pb.GenerateBatchRequest(requests=[pb.GenerateRequest(prompt="fine"), pb.GenerateRequest(prompt="")])
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stub.GenerateBatch(request, timeout=30)
+            return raised.value
+
+    error = run(scenario())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith("requests[1]: exactly one of prompt")
+
+
 def test_warm_then_generate_hits_the_warmed_chunks(engine) -> None:
     async def scenario():
         async with serving(engine) as (_, stub, _health):

@@ -1,0 +1,226 @@
+"""Fetch throughput of the cache daemon next to a bare gRPC byte stream of the same bytes, same run.
+
+Both servers run as separate processes on loopback; this process is the client. The bare server
+is a generic-handler gRPC server that streams the same blobs as raw 1 MiB messages with no
+protobuf at all. Fetch is timed twice: decoded by the generated stub (what a plain client sees)
+and received as undecoded frames (the same client work as the bare stream, so the ratio is the
+daemon's own cost: LMDB reads, CRC-32 checks, framing). Runs are interleaved and the server
+processes' CPU time is reported too, since wall time is noisy on a shared machine.
+
+    python bench/bench_daemon.py            # ~100 MB of 1-5 MB chunks, 5 repeats
+    python bench/bench_daemon.py --quick    # ~20 MB, 3 repeats
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+from kvboost.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
+
+from tests.e2e.daemon_process import start_daemon  # noqa: E402
+
+MiB = 1 << 20
+FRAME_BYTES = MiB
+NAMESPACE = bytes(range(32))
+BARE_METHOD = "/bench.Bare/Stream"
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 * MiB), ("grpc.max_send_message_length", 8 * MiB)]
+
+
+def make_blobs(total_bytes: int, seed: int) -> list[bytes]:
+    """Random 1-5 MB blobs adding up to about total_bytes."""
+    rng = random.Random(seed)
+    blobs, size = [], 0
+    while size < total_bytes:
+        blobs.append(rng.randbytes(rng.randint(1_000_000, 5_000_000)))
+        size += len(blobs[-1])
+    return blobs
+
+
+def blob_key(index: int) -> bytes:
+    return index.to_bytes(4, "big") * 8
+
+
+def serve_bare(port: int, total_bytes: int, seed: int) -> None:
+    """The baseline server: streams every blob in 1 MiB raw byte messages, nothing else."""
+    pieces = [blob[start:start + FRAME_BYTES] for blob in make_blobs(total_bytes, seed)
+              for start in range(0, len(blob), FRAME_BYTES)]
+
+    async def stream(request: bytes, context):
+        for piece in pieces:
+            yield piece
+
+    async def main() -> None:
+        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        handlers = {"Stream": grpc.unary_stream_rpc_method_handler(stream)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Bare", handlers),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        print("ready", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def store_all(stub: cache_pb2_grpc.CacheServiceStub, blobs: list[bytes]) -> float:
+    def frames():
+        for index, blob in enumerate(blobs):
+            meta = cache_pb2.ChunkMeta(key=blob_key(index), namespace=NAMESPACE, size_bytes=len(blob),
+                                       checksum=zlib.crc32(blob), num_tokens=128)
+            yield cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=meta))
+            for start in range(0, len(blob), FRAME_BYTES):
+                yield cache_pb2.ChunkFrame(data=blob[start:start + FRAME_BYTES])
+
+    started = time.perf_counter()
+    reply = stub.Store(frames())
+    elapsed = time.perf_counter() - started
+    assert reply.stored == len(blobs), f"stored {reply.stored} of {len(blobs)} chunks"
+    return elapsed
+
+
+def fetch_decoded(stub: cache_pb2_grpc.CacheServiceStub, keys: list[bytes]) -> int:
+    """Fetch as a plain client does it: every frame decoded by the generated stub."""
+    return sum(len(frame.data) for frame in stub.Fetch(cache_pb2.FetchRequest(keys=keys)))
+
+
+def fetch_undecoded(channel: grpc.Channel, keys: list[bytes]) -> int:
+    """Fetch with the frames left as the bytes received: the same client work as the bare stream."""
+    call = channel.unary_stream("/kvboost.v1.CacheService/Fetch",
+                                request_serializer=cache_pb2.FetchRequest.SerializeToString)
+    return sum(len(frame) for frame in call(cache_pb2.FetchRequest(keys=keys)))
+
+
+def bare_stream(channel: grpc.Channel) -> int:
+    return sum(len(piece) for piece in channel.unary_stream(BARE_METHOD)(b""))
+
+
+def check_fetch(stub: cache_pb2_grpc.CacheServiceStub, keys: list[bytes], blobs: list[bytes]) -> None:
+    """Outside the timing: the fetched blobs are bit-exact."""
+    pieces: dict[bytes, list[bytes]] = {}
+    current: list[bytes] = []
+    for frame in stub.Fetch(cache_pb2.FetchRequest(keys=keys)):
+        if frame.WhichOneof("frame") == "header":
+            assert frame.header.found, "a stored chunk was not found"
+            current = pieces.setdefault(frame.header.meta.key, [])
+        else:
+            current.append(frame.data)
+    assert [b"".join(pieces[key]) for key in keys] == blobs, "fetched bytes differ from the stored ones"
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, from Linux /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Series:
+    name: str
+    server_pid: int
+    transfer: Callable[[], int]  # moves every blob once, returns the bytes received
+    rates: list[float] = field(default_factory=list)  # MB/s
+    server_cpu: list[float] = field(default_factory=list)  # server CPU seconds per GB moved
+
+    def run_once(self, total: int) -> None:
+        cpu_before, started = process_cpu_s(self.server_pid), time.perf_counter()
+        received = self.transfer()
+        elapsed = time.perf_counter() - started
+        assert received >= total, f"{self.name}: received {received} of {total} bytes"
+        self.rates.append(total / elapsed / 1e6)
+        self.server_cpu.append((process_cpu_s(self.server_pid) - cpu_before) / total * 1e9)
+
+
+def run(total_bytes: int, repeats: int, seed: int) -> None:
+    blobs = make_blobs(total_bytes, seed)
+    total = sum(len(blob) for blob in blobs)
+    keys = [blob_key(index) for index in range(len(blobs))]
+    bare_port = free_port()
+    bare = subprocess.Popen([sys.executable, __file__, "--serve-bare", str(bare_port), str(total_bytes),
+                             "--seed", str(seed)], stdout=subprocess.PIPE, text=True)
+    with tempfile.TemporaryDirectory(prefix="kvboost-bench-") as work_dir:
+        daemon = start_daemon(Path(work_dir) / "lmdb", free_port(), "--max-bytes", str(4 * total),
+                              "--log-level", "WARNING")
+        try:
+            assert bare.stdout.readline().strip() == "ready", "the bare server did not start"
+            with grpc.insecure_channel(daemon.address, options=CHANNEL_OPTIONS) as daemon_channel, \
+                    grpc.insecure_channel(f"127.0.0.1:{bare_port}", options=CHANNEL_OPTIONS) as bare_channel:
+                stub = cache_pb2_grpc.CacheServiceStub(daemon_channel)
+                store_s = store_all(stub, blobs)
+                check_fetch(stub, keys, blobs)
+                series = [
+                    Series("bare gRPC byte stream (1 MiB raw messages)", bare.pid, lambda: bare_stream(bare_channel)),
+                    Series("daemon Fetch, frames decoded by the generated stub", daemon.process.pid,
+                           lambda: fetch_decoded(stub, keys)),
+                    Series("daemon Fetch, frames left undecoded (client work as bare)", daemon.process.pid,
+                           lambda: fetch_undecoded(daemon_channel, keys)),
+                ]
+                for one in series:  # warm-up: page cache, connections, allocator
+                    one.transfer()
+                # Interleaved, so drifting load on the machine hits every series alike.
+                for _ in range(repeats):
+                    for one in series:
+                        one.run_once(total)
+        finally:
+            daemon.terminate()
+            bare.kill()
+            bare.wait()
+    print_table(total, len(blobs), repeats, store_s, series)
+
+
+def print_table(total: int, num_chunks: int, repeats: int, store_s: float, series: list[Series]) -> None:
+    from cache_daemon.checksum import crc32
+
+    print(f"\n{total / 1e6:.1f} MB in {num_chunks} chunks of 1-5 MB, median of {repeats} interleaved repeats, "
+          f"loopback, {os.cpu_count()} CPUs, daemon CRC-32 from {crc32.__module__}")
+    print("| stream | median MB/s | server CPU s/GB | every run, MB/s |")
+    print("|---|---:|---:|---|")
+    for one in series:
+        print(f"| {one.name} | {statistics.median(one.rates):.0f} | {statistics.median(one.server_cpu):.2f} | "
+              f"{', '.join(f'{rate:.0f}' for rate in one.rates)} |")
+    print(f"| daemon Store: one call, one transaction (reference) | {total / store_s / 1e6:.0f} | | |")
+    bare_median = statistics.median(series[0].rates)
+    for one in series[1:]:
+        ratio = statistics.median(one.rates) / bare_median
+        print(f"{one.name} / bare = {ratio:.2f} ({'meets' if ratio >= 0.8 else 'misses'} the target of >= 0.8)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="~20 MB and 3 repeats")
+    parser.add_argument("--total-mb", type=float, default=None, help="bytes to move per run, in MB (default 100)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs of each stream (default 5)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve-bare", type=int, nargs=2, metavar=("PORT", "TOTAL_BYTES"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_bare:
+        serve_bare(*args.serve_bare, args.seed)
+        return
+    total_mb = args.total_mb or (20 if args.quick else 100)
+    repeats = args.repeats or (3 if args.quick else 5)
+    assert repeats >= 3, "the median needs at least 3 repeats"
+    run(int(total_mb * 1e6), repeats, args.seed)
+
+
+if __name__ == "__main__":
+    main()

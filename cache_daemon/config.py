@@ -1,0 +1,138 @@
+"""Daemon configuration: one dataclass filled from CLI flags with KVBOOST_* environment defaults."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+DEFAULT_LISTEN = "127.0.0.1:50052"
+DEFAULT_MAX_BYTES = 1 << 30
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+@dataclass(slots=True, frozen=True)
+class DaemonConfig:
+    data_dir: Path
+    listen: str = DEFAULT_LISTEN  # host:port; port 0 picks a free one
+    max_bytes: int = DEFAULT_MAX_BYTES  # hard budget on stored blob bytes
+    map_size: int = 0  # initial LMDB map size; 0 = twice the budget plus 64 MiB (it grows when full)
+    metrics_port: int = 0  # Prometheus HTTP port on the listen host; 0 = off
+    auth_token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    half_life_s: float = 3600.0  # frequencies halve after this long without hits; 0 = never decay
+    flush_interval_s: float = 1.0  # hits reach LMDB at most this late (write-behind)
+    shutdown_grace_s: float = 10.0  # in-flight RPCs get this long on SIGTERM
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        _require(self.max_bytes > 0, f"--max-bytes must be positive, got {self.max_bytes}")
+        _require(self.map_size >= 0, f"--map-size must be >= 0, got {self.map_size}")
+        _require(0 <= self.metrics_port < 65536, f"--metrics-port out of range: {self.metrics_port}")
+        _require((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together")
+        _require(self.half_life_s >= 0, f"--half-life must be >= 0, got {self.half_life_s}")
+        _require(self.flush_interval_s > 0, f"--flush-interval must be positive, got {self.flush_interval_s}")
+        _require(self.shutdown_grace_s >= 0, f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
+        split_host_port(self.listen)
+
+    @property
+    def initial_map_size(self) -> int:
+        return self.map_size or 2 * self.max_bytes + (64 << 20)
+
+    @property
+    def half_life(self) -> float:
+        """Seconds, math.inf when decay is off (what the eviction functions take)."""
+        return self.half_life_s or math.inf
+
+    @property
+    def host(self) -> str:
+        return split_host_port(self.listen)[0]
+
+    @property
+    def is_loopback(self) -> bool:
+        host = self.host.strip("[]")
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, separator, port = address.rpartition(":")
+    if not separator or not host or not port.isdigit():
+        raise ValueError(f"listen address must be host:port, got {address!r}")
+    return host, int(port)
+
+
+def parse_size(text: str) -> int:
+    """'1073741824', '512M', '1.5G', '64KiB' -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1073741824, 512M or 2G)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    env = environ.get
+    parser = argparse.ArgumentParser(
+        prog="python -m cache_daemon",
+        description="KVBoost cache daemon: keeps chunk K/V blobs in LMDB under a byte budget and serves "
+                    "them over gRPC (kvboost.v1.CacheService). Every flag defaults to the environment "
+                    "variable named in its help.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--data-dir", type=Path, default=env("KVBOOST_DATA_DIR", "~/.cache/kvboost/cache-daemon"),
+                        help="LMDB directory, created if missing [KVBOOST_DATA_DIR]")
+    parser.add_argument("--listen", default=env("KVBOOST_CACHE_LISTEN", DEFAULT_LISTEN),
+                        help="gRPC host:port; port 0 picks a free port [KVBOOST_CACHE_LISTEN]")
+    parser.add_argument("--max-bytes", type=parse_size, default=env("KVBOOST_MAX_BYTES", str(DEFAULT_MAX_BYTES)),
+                        help="hard budget on stored blob bytes, e.g. 512M or 8G [KVBOOST_MAX_BYTES]")
+    parser.add_argument("--map-size", type=parse_size, default=env("KVBOOST_MAP_SIZE", "0"),
+                        help="initial LMDB map size; 0 = 2 x budget + 64M; grows when full [KVBOOST_MAP_SIZE]")
+    parser.add_argument("--metrics-port", type=int, default=env("KVBOOST_METRICS_PORT", "0"),
+                        help="Prometheus /metrics HTTP port on the listen host, 0 = off [KVBOOST_METRICS_PORT]")
+    parser.add_argument("--auth-token-file", type=Path, default=env("KVBOOST_AUTH_TOKEN_FILE"),
+                        help="file holding a bearer token; callers then send 'authorization: Bearer <token>' "
+                             "(health checks stay open) [KVBOOST_AUTH_TOKEN_FILE]")
+    parser.add_argument("--tls-cert", type=Path, default=env("KVBOOST_TLS_CERT"),
+                        help="PEM certificate chain; serve TLS (with --tls-key) [KVBOOST_TLS_CERT]")
+    parser.add_argument("--tls-key", type=Path, default=env("KVBOOST_TLS_KEY"),
+                        help="PEM private key of --tls-cert [KVBOOST_TLS_KEY]")
+    parser.add_argument("--half-life", type=float, default=env("KVBOOST_FREQUENCY_HALF_LIFE", "3600"),
+                        help="seconds after which a chunk's hit count halves without hits, 0 = no decay "
+                             "[KVBOOST_FREQUENCY_HALF_LIFE]")
+    parser.add_argument("--flush-interval", type=float, default=env("KVBOOST_FLUSH_INTERVAL", "1.0"),
+                        help="seconds between write-behind flushes of hit counts [KVBOOST_FLUSH_INTERVAL]")
+    parser.add_argument("--shutdown-grace", type=float, default=env("KVBOOST_SHUTDOWN_GRACE", "10"),
+                        help="seconds in-flight RPCs get to finish on SIGTERM [KVBOOST_SHUTDOWN_GRACE]")
+    parser.add_argument("--log-level", default=env("KVBOOST_LOG_LEVEL", "INFO"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="[KVBOOST_LOG_LEVEL]")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> DaemonConfig:
+    environ = os.environ if environ is None else environ
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    try:
+        return DaemonConfig(
+            data_dir=args.data_dir.expanduser(), listen=args.listen, max_bytes=args.max_bytes,
+            map_size=args.map_size, metrics_port=args.metrics_port,
+            auth_token_file=args.auth_token_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            half_life_s=args.half_life, flush_interval_s=args.flush_interval,
+            shutdown_grace_s=args.shutdown_grace, log_level=args.log_level,
+        )
+    except ValueError as error:
+        parser.error(str(error))

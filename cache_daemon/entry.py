@@ -1,0 +1,54 @@
+"""What the daemon knows about one stored chunk besides its bytes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NewType
+
+# A stored chunk's prefix key: the LMDB key of its blob and metadata (32 raw bytes).
+ChunkKey = NewType("ChunkKey", bytes)
+
+DIGEST_SIZE = 32
+# A fresh chunk counts as used once, so it ranks with other one-off chunks by recency.
+INITIAL_FREQUENCY = 1.0
+
+
+@dataclass(slots=True, frozen=True)
+class Entry:
+    """Metadata of one stored chunk; `frequency` is the decayed hit count as of `last_access`."""
+
+    namespace: bytes
+    content_key: bytes  # b"" when the chunk is not content-addressed
+    num_tokens: int
+    size_bytes: int
+    checksum: int  # zlib.crc32 of the whole blob
+    frequency: float
+    last_access: float  # seconds since the epoch
+    pinned: bool = False
+
+    def __post_init__(self) -> None:
+        assert len(self.namespace) == DIGEST_SIZE, f"namespace must be {DIGEST_SIZE} bytes, got {len(self.namespace)}"
+        assert len(self.content_key) in (0, DIGEST_SIZE), f"content key must be empty or {DIGEST_SIZE} bytes"
+        assert self.size_bytes >= 0, f"size_bytes must be >= 0, got {self.size_bytes}"
+        assert 0 <= self.checksum < 2**32, f"checksum must be a CRC-32, got {self.checksum}"
+        assert self.frequency >= 0, f"frequency must be >= 0, got {self.frequency}"
+
+
+@dataclass(slots=True, frozen=True)
+class IncomingChunk:
+    """A chunk received by Store, its blob whole and checked against its CRC-32."""
+
+    key: ChunkKey
+    namespace: bytes
+    content_key: bytes
+    num_tokens: int
+    checksum: int
+    pinned: bool
+    blob: bytes
+
+    def __post_init__(self) -> None:
+        assert len(self.key) == DIGEST_SIZE, f"key must be {DIGEST_SIZE} bytes, got {len(self.key)}"
+
+    def to_entry(self, now: float) -> Entry:
+        return Entry(namespace=self.namespace, content_key=self.content_key, num_tokens=self.num_tokens,
+                     size_bytes=len(self.blob), checksum=self.checksum, frequency=INITIAL_FREQUENCY,
+                     last_access=now, pinned=self.pinned)

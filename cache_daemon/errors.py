@@ -1,0 +1,44 @@
+"""Domain errors of the cache daemon and the one table that maps them to gRPC status codes."""
+from __future__ import annotations
+
+import grpc
+
+
+class CacheError(Exception):
+    """A request the cache cannot serve; the message is sent to the client as the status detail."""
+
+
+class InvalidRequest(CacheError):
+    """Malformed input: bad key length, frames out of order, oversized frame, checksum mismatch."""
+
+
+class NotFound(CacheError):
+    """Nothing to act on: an unknown namespace in Delete, no known key in Pin/Unpin."""
+
+
+class BudgetExceeded(CacheError):
+    """The blob cannot fit inside --max-bytes, not even after evicting every unpinned chunk."""
+
+
+class StartupError(Exception):
+    """The daemon cannot start: port taken, data dir owned by another daemon, unreadable files."""
+
+
+_STATUS_BY_ERROR: dict[type[CacheError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    BudgetExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def status_code_for(error: CacheError) -> grpc.StatusCode:
+    for error_type, code in _STATUS_BY_ERROR.items():
+        if isinstance(error, error_type):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def check_blob_fits(key: bytes, size_bytes: int, max_bytes: int) -> None:
+    if size_bytes > max_bytes:
+        raise BudgetExceeded(f"chunk {key.hex()[:16]} has {size_bytes} bytes, more than the whole budget "
+                             f"--max-bytes={max_bytes}")

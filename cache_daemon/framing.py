@@ -1,0 +1,117 @@
+"""ChunkFrame streams: assembling Store uploads and wire-encoding Fetch replies."""
+from __future__ import annotations
+
+
+from kvboost.v1 import cache_pb2
+
+from cache_daemon.checksum import crc32
+from cache_daemon.entry import DIGEST_SIZE, ChunkKey, Entry, IncomingChunk
+from cache_daemon.errors import InvalidRequest, check_blob_fits
+
+MAX_FRAME_BYTES = 1 << 20  # the contract's limit on one data frame
+# ChunkFrame.data is field 2, length-delimited: tag = (2 << 3) | 2.
+_DATA_FIELD_TAG = b"\x12"
+
+
+def check_digest(value: bytes, what: str) -> None:
+    if len(value) != DIGEST_SIZE:
+        raise InvalidRequest(f"{what} must be {DIGEST_SIZE} bytes, got {len(value)}")
+
+
+def chunk_meta(key: ChunkKey, entry: Entry) -> cache_pb2.ChunkMeta:
+    return cache_pb2.ChunkMeta(
+        key=key, namespace=entry.namespace, content_key=entry.content_key, num_tokens=entry.num_tokens,
+        size_bytes=entry.size_bytes, checksum=entry.checksum, frequency=entry.frequency,
+        last_access_unix=entry.last_access, pinned=entry.pinned,
+    )
+
+
+def encode_header_frame(meta: cache_pb2.ChunkMeta, found: bool) -> bytes:
+    return cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=meta, found=found)).SerializeToString()
+
+
+def encode_data_frames(blob: memoryview) -> list[bytes]:
+    """The blob as wire-encoded ChunkFrame{data} messages of at most 1 MiB of data each.
+
+    Fetch streams these bytes as they are: building ChunkFrame objects and serializing
+    them would copy every blob twice more on the hottest path of the daemon.
+    """
+    return [
+        b"".join((_DATA_FIELD_TAG, _varint(len(piece)), piece))
+        for piece in (blob[start:start + MAX_FRAME_BYTES] for start in range(0, len(blob), MAX_FRAME_BYTES))
+    ]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+class StoreStreamAssembler:
+    """Turns a Store stream (header, data..., header, data...) into checked IncomingChunks."""
+
+    def __init__(self, max_blob_bytes: int) -> None:
+        self.max_blob_bytes = max_blob_bytes
+        self.chunks: list[IncomingChunk] = []
+        self._meta: cache_pb2.ChunkMeta | None = None
+        self._pieces: list[bytes] = []
+        self._num_received = 0
+        self._crc = 0
+
+    def feed(self, frame: cache_pb2.ChunkFrame) -> None:
+        kind = frame.WhichOneof("frame")
+        if kind == "header":
+            self._start(frame.header.meta)
+        elif kind == "data":
+            self._append(frame.data)
+        else:
+            raise InvalidRequest("a ChunkFrame must carry a header or data")
+
+    def finish(self) -> list[IncomingChunk]:
+        self._require_complete()
+        return self.chunks
+
+    def _start(self, meta: cache_pb2.ChunkMeta) -> None:
+        self._require_complete()
+        check_digest(meta.key, "ChunkMeta.key")
+        check_digest(meta.namespace, "ChunkMeta.namespace")
+        if meta.content_key:
+            check_digest(meta.content_key, "ChunkMeta.content_key")
+        check_blob_fits(meta.key, meta.size_bytes, self.max_blob_bytes)
+        self._meta, self._pieces, self._num_received, self._crc = meta, [], 0, 0
+        self._maybe_complete()
+
+    def _append(self, data: bytes) -> None:
+        if self._meta is None:
+            raise InvalidRequest("a data frame came before any header frame")
+        if len(data) > MAX_FRAME_BYTES:
+            raise InvalidRequest(f"a data frame holds {len(data)} bytes, more than {MAX_FRAME_BYTES}")
+        self._num_received += len(data)
+        if self._num_received > self._meta.size_bytes:
+            raise InvalidRequest(f"chunk {self._meta.key.hex()[:16]}: data frames carry more than its "
+                                 f"size_bytes={self._meta.size_bytes}")
+        self._pieces.append(data)
+        self._crc = crc32(data, self._crc)
+        self._maybe_complete()
+
+    def _maybe_complete(self) -> None:
+        meta = self._meta
+        if meta is None or self._num_received < meta.size_bytes:
+            return
+        if self._crc != meta.checksum:
+            raise InvalidRequest(f"chunk {meta.key.hex()[:16]}: CRC-32 of the data is {self._crc:#010x}, "
+                                 f"the header says {meta.checksum:#010x}")
+        self.chunks.append(IncomingChunk(
+            key=ChunkKey(meta.key), namespace=meta.namespace, content_key=meta.content_key,
+            num_tokens=meta.num_tokens, checksum=meta.checksum, pinned=meta.pinned, blob=b"".join(self._pieces),
+        ))
+        self._meta, self._pieces = None, []
+
+    def _require_complete(self) -> None:
+        if self._meta is not None:
+            raise InvalidRequest(f"chunk {self._meta.key.hex()[:16]} ended after {self._num_received} of "
+                                 f"its {self._meta.size_bytes} bytes")

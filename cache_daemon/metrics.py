@@ -1,0 +1,58 @@
+"""Prometheus metrics, read from the cache's stats at scrape time, on a private registry."""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cache_daemon.cache import CacheStats, ChunkCache
+
+
+class CacheCollector(Collector):
+    def __init__(self, cache: ChunkCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        stats: CacheStats = self._cache.stats()
+        counters = stats.counters
+        yield _gauge("kvboost_cache_entries", "Stored chunks.", stats.num_entries)
+        yield _gauge("kvboost_cache_bytes", "Stored blob bytes (bounded by --max-bytes).", stats.num_bytes)
+        yield _gauge("kvboost_cache_max_bytes", "The --max-bytes budget.", stats.max_bytes)
+        yield _gauge("kvboost_cache_map_size_bytes", "LMDB map size.", stats.map_size)
+        yield _gauge("kvboost_cache_unflushed_hits", "Hits not yet written to LMDB (write-behind).",
+                     stats.num_unflushed_hits)
+        yield _counter("kvboost_cache_hits", "Keys found by Lookup or Fetch.", counters.hits)
+        yield _counter("kvboost_cache_misses", "Keys not found by Lookup or Fetch.", counters.misses)
+        yield _counter("kvboost_cache_evictions", "Chunks evicted to stay inside the budget.", counters.evictions)
+        yield _counter("kvboost_cache_corrupted", "Blobs that failed their CRC-32 and were deleted.",
+                       counters.corrupted)
+        yield _counter("kvboost_cache_read_bytes", "Blob bytes served by Fetch.", counters.bytes_read)
+        yield _counter("kvboost_cache_written_bytes", "Blob bytes committed by Store.", counters.bytes_written)
+        namespace_bytes = GaugeMetricFamily("kvboost_cache_namespace_bytes", "Stored blob bytes per namespace.",
+                                            labels=["namespace"])
+        for namespace, usage in stats.namespaces.items():
+            namespace_bytes.add_metric([namespace.hex()[:16]], usage.num_bytes)
+        yield namespace_bytes
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def start_metrics_server(cache: ChunkCache, host: str, port: int) -> Callable[[], None]:
+    """Serves /metrics over HTTP on host:port in a thread; returns the function that stops it."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CacheCollector(cache))
+    server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    return stop

@@ -1,0 +1,139 @@
+"""Assembles the daemon: gRPC server with health and reflection, metrics, frequency flusher."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvboost.v1 import cache_pb2
+
+from cache_daemon.auth import BearerTokenInterceptor, load_token
+from cache_daemon.cache import ChunkCache
+from cache_daemon.config import DaemonConfig
+from cache_daemon.errors import StartupError
+from cache_daemon.interceptors import RequestContextInterceptor
+from cache_daemon.metrics import start_metrics_server
+from cache_daemon.servicer import CacheServicer, add_cache_servicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
+# Data frames are 1 MiB plus a few bytes of framing; leave room above that.
+MAX_MESSAGE_BYTES = 8 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail, not share it
+]
+
+
+def build_server(config: DaemonConfig, cache: ChunkCache,
+                 health_servicer: health.aio.HealthServicer) -> tuple[grpc.aio.Server, int]:
+    """The server with every service registered, bound to config.listen (port 0 picks a free
+    port); returns it with the bound port. Not started."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [RequestContextInterceptor()]
+    if config.auth_token_file is not None:
+        interceptors.append(BearerTokenInterceptor(load_token(config.auth_token_file)))
+    server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+    add_cache_servicer(CacheServicer(cache), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    return server, _bind(server, config)
+
+
+def _bind(server: grpc.aio.Server, config: DaemonConfig) -> int:
+    if config.tls_cert is None:
+        return server.add_insecure_port(config.listen)
+    credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+    return server.add_secure_port(config.listen, credentials)
+
+
+class CacheDaemon:
+    """A running daemon; `start` opens everything, `stop` shuts it down gracefully."""
+
+    def __init__(self, config: DaemonConfig, cache: ChunkCache, server: grpc.aio.Server, port: int,
+                 health_servicer: health.aio.HealthServicer) -> None:
+        self.config = config
+        self.cache = cache
+        self.server = server
+        self.port = port
+        self._health = health_servicer
+        self._stop_metrics: Callable[[], None] | None = None
+        self._flusher: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    @classmethod
+    async def start(cls, config: DaemonConfig) -> CacheDaemon:
+        try:
+            cache = await asyncio.to_thread(ChunkCache.open, config.data_dir, config.initial_map_size,
+                                            config.max_bytes, config.half_life)
+        except (RuntimeError, OSError) as error:
+            raise StartupError(f"cannot open {config.data_dir}: {error}") from error
+        health_servicer = health.aio.HealthServicer()
+        try:
+            server, port = build_server(config, cache, health_servicer)
+        except (RuntimeError, OSError, ValueError) as error:
+            cache.close()
+            raise StartupError(f"cannot serve on {config.listen}: {error}") from error
+        daemon = cls(config, cache, server, port, health_servicer)
+        await server.start()
+        await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        if config.metrics_port:
+            daemon._stop_metrics = start_metrics_server(cache, config.host, config.metrics_port)
+        daemon._flusher = asyncio.create_task(_flush_periodically(cache, config.flush_interval_s))
+        stats = cache.stats()
+        logger.info("serving %s on %s: %d chunks, %d of %d bytes, LMDB map %d bytes in %s", SERVICE_NAME,
+                    daemon.address, stats.num_entries, stats.num_bytes, stats.max_bytes, stats.map_size,
+                    config.data_dir)
+        return daemon
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight RPCs finish, flush frequencies, sync and close LMDB."""
+        await self._health.enter_graceful_shutdown()
+        await self.server.stop(self.config.shutdown_grace_s)
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+        if self._stop_metrics is not None:
+            self._stop_metrics()
+        await asyncio.to_thread(self.cache.close)
+        logger.info("stopped; frequencies flushed and LMDB synced")
+
+
+async def _flush_periodically(cache: ChunkCache, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await asyncio.to_thread(cache.flush_hits)
+        except Exception:
+            logger.exception("flushing hit counts failed; they are retried at the next flush")
+
+
+def log_config(config: DaemonConfig) -> None:
+    logger.info("config: %s", config)
+    if not config.is_loopback and config.auth_token_file is None:
+        logger.warning("listening on %s beyond loopback without --auth-token-file: anyone who can reach "
+                       "the port can read and write the cache", config.listen)
+
+
+async def serve(config: DaemonConfig) -> None:
+    """Runs the daemon until SIGTERM or SIGINT."""
+    log_config(config)
+    daemon = await CacheDaemon.start(config)
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signal_number in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signal_number, stop_requested.set)
+    await stop_requested.wait()
+    logger.info("shutdown requested")
+    await daemon.stop()

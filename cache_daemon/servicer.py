@@ -1,0 +1,150 @@
+"""kvboost.v1.CacheService over grpc.aio: parse, call the cache, build the reply."""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Sequence
+
+import grpc
+from kvboost.v1 import cache_pb2, cache_pb2_grpc
+
+from cache_daemon.cache import ChunkCache, DeleteResult, PinResult
+from cache_daemon.entry import ChunkKey
+from cache_daemon.errors import InvalidRequest
+from cache_daemon.framing import (StoreStreamAssembler, check_digest, chunk_meta, encode_data_frames,
+                                  encode_header_frame)
+
+MAX_KEYS_PER_REQUEST = 65536
+
+
+class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
+    """Lookup and Stats run on the event loop (in-memory index, plus one short LMDB read for
+    content keys); blob reads and every LMDB write run in threads."""
+
+    def __init__(self, cache: ChunkCache) -> None:
+        self._cache = cache
+
+    async def Lookup(self, request: cache_pb2.LookupRequest, context) -> cache_pb2.LookupReply:
+        check_digest(request.namespace, "LookupRequest.namespace")
+        prefix_keys = checked_keys(request.prefix_keys, "LookupRequest.prefix_keys")
+        content_keys = checked_content_keys(request.content_keys, len(prefix_keys))
+        result = self._cache.lookup(request.namespace, prefix_keys, content_keys)
+        return cache_pb2.LookupReply(
+            prefix_run=result.prefix_run, prefix_hit=result.prefix_hit,
+            content_hits=[cache_pb2.ContentHit(index=index, stored_key=key) for index, key in result.content_hits],
+        )
+
+    async def Fetch(self, request: cache_pb2.FetchRequest, context) -> AsyncIterator[bytes]:
+        """Yields wire-encoded ChunkFrames (the handler registers no serializer for them)."""
+        keys = checked_keys(request.keys, "FetchRequest.keys")
+        # One read ahead: the next chunk is read and checked in a thread while this one is sent.
+        next_read = self._read(keys[0]) if keys else None
+        try:
+            for index, key in enumerate(keys):
+                chunk = await next_read
+                next_read = self._read(keys[index + 1]) if index + 1 < len(keys) else None
+                if chunk is None:
+                    yield encode_header_frame(cache_pb2.ChunkMeta(key=key), found=False)
+                    continue
+                entry, data_frames = chunk
+                yield encode_header_frame(chunk_meta(key, entry), found=True)
+                for frame in data_frames:
+                    yield frame
+        finally:
+            if next_read is not None:  # the stream ended early: client gone or cancelled
+                next_read.cancel()
+
+    def _read(self, key: ChunkKey) -> asyncio.Future:
+        return asyncio.ensure_future(asyncio.to_thread(self._cache.read, key, encode_data_frames))
+
+    async def Store(self, request_iterator: AsyncIterator[cache_pb2.ChunkFrame], context) -> cache_pb2.StoreReply:
+        assembler = StoreStreamAssembler(max_blob_bytes=self._cache.max_bytes)
+        async for frame in request_iterator:
+            assembler.feed(frame)
+        result = await asyncio.to_thread(self._cache.put_many, assembler.finish())
+        return cache_pb2.StoreReply(stored=result.stored, already_present=result.already_present,
+                                    evicted=result.evicted, bytes_stored=result.bytes_stored)
+
+    async def Stats(self, request: cache_pb2.CacheStatsRequest, context) -> cache_pb2.CacheStatsReply:
+        stats = self._cache.stats()
+        counters = stats.counters
+        namespaces = [
+            cache_pb2.NamespaceStats(namespace=namespace, entries=usage.num_entries, bytes=usage.num_bytes,
+                                     pinned=usage.num_pinned)
+            for namespace, usage in sorted(stats.namespaces.items())
+            if not request.namespace or namespace == request.namespace
+        ]
+        return cache_pb2.CacheStatsReply(
+            entries=stats.num_entries, bytes=stats.num_bytes, max_bytes=stats.max_bytes, hits=counters.hits,
+            misses=counters.misses, evictions=counters.evictions, corrupted=counters.corrupted,
+            bytes_read=counters.bytes_read, bytes_written=counters.bytes_written, map_size=stats.map_size,
+            namespaces=namespaces,
+        )
+
+    async def Delete(self, request: cache_pb2.DeleteRequest, context) -> cache_pb2.DeleteReply:
+        if request.keys and request.namespace:
+            raise InvalidRequest("DeleteRequest takes keys or a namespace, not both")
+        if request.namespace:
+            check_digest(request.namespace, "DeleteRequest.namespace")
+            result: DeleteResult = await asyncio.to_thread(self._cache.delete_namespace, request.namespace)
+        elif request.keys:
+            keys = checked_keys(request.keys, "DeleteRequest.keys")
+            result = await asyncio.to_thread(self._cache.delete_keys, keys)
+        else:
+            raise InvalidRequest("DeleteRequest needs keys or a namespace")
+        return cache_pb2.DeleteReply(deleted=result.deleted, bytes_freed=result.bytes_freed)
+
+    async def Pin(self, request: cache_pb2.PinRequest, context) -> cache_pb2.PinReply:
+        return await self._set_pinned(request, pinned=True)
+
+    async def Unpin(self, request: cache_pb2.PinRequest, context) -> cache_pb2.PinReply:
+        return await self._set_pinned(request, pinned=False)
+
+    async def _set_pinned(self, request: cache_pb2.PinRequest, pinned: bool) -> cache_pb2.PinReply:
+        keys = checked_keys(request.keys, "PinRequest.keys")
+        if not keys:
+            raise InvalidRequest("PinRequest needs at least one key")
+        result: PinResult = await asyncio.to_thread(self._cache.set_pinned, keys, pinned)
+        return cache_pb2.PinReply(updated=result.updated, missing=result.missing)
+
+
+def checked_keys(keys: Sequence[bytes], what: str) -> list[ChunkKey]:
+    if len(keys) > MAX_KEYS_PER_REQUEST:
+        raise InvalidRequest(f"{what} holds {len(keys)} keys, more than {MAX_KEYS_PER_REQUEST}")
+    for key in keys:
+        check_digest(key, f"each of {what}")
+    return [ChunkKey(key) for key in keys]
+
+
+def checked_content_keys(content_keys: Sequence[bytes], num_prefix_keys: int) -> list[bytes]:
+    """Empty, or one entry per prefix key, each empty (not content-addressed) or a digest."""
+    if content_keys and len(content_keys) != num_prefix_keys:
+        raise InvalidRequest(f"content_keys must be empty or parallel to prefix_keys: got "
+                             f"{len(content_keys)} for {num_prefix_keys}")
+    for content_key in content_keys:
+        if content_key:
+            check_digest(content_key, "each of LookupRequest.content_keys")
+    return list(content_keys)
+
+
+def add_cache_servicer(servicer: CacheServicer, server: grpc.aio.Server) -> None:
+    """Registers the service like the generated add_CacheServiceServicer_to_server, except that
+    Fetch's replies are already wire-encoded ChunkFrames and pass through unserialized."""
+    messages = cache_pb2
+    handlers = {
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            servicer.Lookup, messages.LookupRequest.FromString, messages.LookupReply.SerializeToString),
+        "Fetch": grpc.unary_stream_rpc_method_handler(servicer.Fetch, messages.FetchRequest.FromString, None),
+        "Store": grpc.stream_unary_rpc_method_handler(
+            servicer.Store, messages.ChunkFrame.FromString, messages.StoreReply.SerializeToString),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            servicer.Stats, messages.CacheStatsRequest.FromString, messages.CacheStatsReply.SerializeToString),
+        "Delete": grpc.unary_unary_rpc_method_handler(
+            servicer.Delete, messages.DeleteRequest.FromString, messages.DeleteReply.SerializeToString),
+        "Pin": grpc.unary_unary_rpc_method_handler(
+            servicer.Pin, messages.PinRequest.FromString, messages.PinReply.SerializeToString),
+        "Unpin": grpc.unary_unary_rpc_method_handler(
+            servicer.Unpin, messages.PinRequest.FromString, messages.PinReply.SerializeToString),
+    }
+    service_name = messages.DESCRIPTOR.services_by_name["CacheService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+    server.add_registered_method_handlers(service_name, handlers)

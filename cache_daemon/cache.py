@@ -166,7 +166,8 @@ class ChunkCache:
                      key.hex(), entry.size_bytes)
 
     def put_many(self, chunks: Sequence[IncomingChunk]) -> PutResult:
-        """Commits new chunks in one transaction, evicting to stay inside the budget."""
+        """Commits new chunks in one transaction, evicting to stay inside the budget. Keys already
+        stored are left as they are (bytes, frequency and pin)."""
         for chunk in chunks:
             check_blob_fits(chunk.key, len(chunk.blob), self.max_bytes)
         with self._write_lock:

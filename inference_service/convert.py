@@ -15,7 +15,7 @@ DEFAULT_VERIFY_TOKENS = 32
 
 def mode_name(value: int) -> str | None:
     """Mode enum -> engine mode name; None for MODE_UNSPECIFIED (the server default)."""
-    return None if value == pb.MODE_UNSPECIFIED else pb.Mode.Name(value).lower()
+    return None if value == pb.MODE_UNSPECIFIED else _enum_name(pb.Mode, "mode", value)
 
 
 def mode_value(name: str) -> int:
@@ -23,11 +23,19 @@ def mode_value(name: str) -> int:
 
 
 def strategy_name(value: int) -> str | None:
-    return None if value == pb.RECOMPUTE_STRATEGY_UNSPECIFIED else pb.RecomputeStrategy.Name(value).lower()
+    return None if value == pb.RECOMPUTE_STRATEGY_UNSPECIFIED else _enum_name(pb.RecomputeStrategy, "recompute_strategy", value)
 
 
 def strategy_value(name: str) -> int:
     return pb.RecomputeStrategy.Value(name.upper())
+
+
+def _enum_name(enum: Any, field: str, value: int) -> str:
+    """Lower-case name of a known value; proto3 enums are open, so a client may send any number."""
+    if value not in enum.values():
+        known = ", ".join(f"{name}={number}" for name, number in enum.items() if number)
+        raise InvalidRequest(f"{field} {value} is not one of {known}")
+    return enum.Name(value).lower()
 
 
 def new_request_id(given: str = "") -> str:

@@ -1,7 +1,6 @@
 """kvboost.v1.InferenceService on grpc.aio: parse the request, run the engine on the model worker, build the reply."""
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -12,8 +11,6 @@ from inference_service.status import abort_with
 from inference_service.worker import Job, ModelNotLoaded, ModelWorker
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
-
-logger = logging.getLogger(__name__)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):

@@ -131,6 +131,8 @@ def test_second_call_reuses_the_prefix_and_matches_baseline(engine) -> None:
     (dict(prompt="hi", top_p=1.5), "top_p must be in"),
     (dict(messages=[pb.ChatMessage(role="robot", content="hi")]), "message role"),
     (dict(prompt="x" * 5000), "at most 4096 are accepted"),
+    (dict(prompt="hi", mode=9), "mode 9 is not one of BASELINE=1, PREFIX_CACHE=2, CHUNK_KV_REUSE=3"),
+    (dict(prompt="hi", recompute_strategy=7), "recompute_strategy 7 is not one of NONE=1"),
 ])
 def test_malformed_requests_are_invalid_argument(engine, fields, message) -> None:
     async def scenario():

@@ -1,0 +1,134 @@
+"""Tests for inference_service/content_reuse.py: documents warmed alone, reused in a new prompt by content."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_service.assembler import assemble_context
+from inference_service.chunk_cache import InProcessCache
+from inference_service.content_reuse import exact_pending_chunks, place_content_hits, prefill_with_content_hits
+from inference_service.prompts import plan_prompt
+from inference_service.repair import APPROX, EXACT, MISSING, RepairOptions
+from inference_service.rope import rerotate_keys, rope_parameters
+from inference_service.runner import build_cache, kv_geometry, prefill
+from inference_service.writeback import PendingChunks, encode_pending
+
+NAMESPACE = b"n" * 32
+CHUNK_SIZE = 8
+
+
+def token_run(seed: int, length: int) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# A prompt of four segments: header (10 tokens), document A (20), document B (12), question (5).
+HEADER, DOC_A, DOC_B, DOC_C, QUESTION = token_run(1, 10), token_run(2, 20), token_run(3, 12), token_run(4, 16), token_run(5, 5)
+
+
+def warm_segment(model, cache: InProcessCache, segment: list[int], bits: int = 16) -> None:
+    """Stores a segment's chunks as they appear inside a prompt: keyed from its start, partial last chunk included."""
+    plan = plan_prompt(NAMESPACE, [segment, []], CHUNK_SIZE)
+    _, new_kv = prefill(model, build_cache(model.config, None, None), torch.tensor(segment), 0)
+    chunks = plan.chunks.chunks
+    cache.store(encode_pending(PendingChunks(NAMESPACE, chunks, plan.prefix_keys, plan.content_keys, new_kv, 0), bits))
+
+
+def reuse(model, cache, segments, options=RepairOptions(strategy="cacheblend", recompute_ratio=1.0)):
+    prompt = plan_prompt(NAMESPACE, segments, CHUNK_SIZE)
+    geometry = kv_geometry(model.config)
+    context = assemble_context(cache, NAMESPACE, prompt, geometry, model.device, model.dtype, with_content_hits=True)
+    return prompt, context, prefill_with_content_hits(model, cache, prompt, context, geometry,
+                                                      rope_parameters(model.config), options)
+
+
+@pytest.fixture()
+def warmed(tiny_llama):
+    """The header warmed as a prefix, documents A and B warmed alone."""
+    model = tiny_llama[0]
+    cache = InProcessCache()
+    for segment in (HEADER, DOC_A, DOC_B):
+        warm_segment(model, cache, segment)
+    return model, cache
+
+
+def test_content_hits_are_placed_rerotated_with_seams_at_each_document(warmed):
+    model, cache = warmed
+    prompt = plan_prompt(NAMESPACE, [HEADER, DOC_A, DOC_B, QUESTION], CHUNK_SIZE)
+    geometry = kv_geometry(model.config)
+    context = assemble_context(cache, NAMESPACE, prompt, geometry, model.device, model.dtype, with_content_hits=True)
+    placed = place_content_hits(cache, prompt, context, geometry, rope_parameters(model.config), model.device, model.dtype)
+    # Header 0..10 is the prefix run (chunks 0..8, 8..10); A is 10..30, B 30..42, the question 42..47.
+    expected = [EXACT] * 10 + [APPROX] * 32 + [MISSING] * 5
+    assert placed.status.tolist() == expected
+    # B follows A directly, but B's stored run starts over at position 0: a seam.
+    assert placed.seams.tolist() == [10, 30]
+    assert placed.num_content_chunks == 5  # A: 8+8+4, B: 8+4
+    # A's K/V were computed at 0..20 alone: its keys are those, rotated by +10.
+    _, alone = prefill(model, build_cache(model.config, None, None), torch.tensor(DOC_A), 0)
+    alone_keys = torch.stack([layer_keys[0] for layer_keys, _ in alone])
+    moved = rerotate_keys(alone_keys, torch.arange(20), torch.arange(10, 30), rope_parameters(model.config))
+    torch.testing.assert_close(placed.keys[:, :, 10:30], moved, atol=1e-6, rtol=0)
+
+
+def test_full_recompute_of_content_hits_equals_plain_forward(warmed):
+    model, cache = warmed
+    segments = [HEADER, DOC_B, DOC_A, QUESTION]  # a new order
+    prompt, _, prefilled = reuse(model, cache, segments)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt.token_ids])).logits[0, -1]
+    torch.testing.assert_close(prefilled.first_logits, logits, atol=1e-4, rtol=0)
+    assert (prefilled.num_cached_tokens, prefilled.num_recomputed_tokens) == (42, 32)
+    assert prefilled.num_exact_tokens == 10
+    assert prefilled.cache.get_seq_length() == prompt.num_tokens
+
+
+def test_without_repair_the_reused_documents_stay_approximate(warmed):
+    model, cache = warmed
+    prompt, _, prefilled = reuse(model, cache, [HEADER, DOC_B, DOC_A, QUESTION], RepairOptions(strategy="none"))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt.token_ids])).logits[0, -1]
+    assert prefilled.num_recomputed_tokens == 0
+    assert (prefilled.first_logits - logits).abs().max() > 1e-4
+
+
+def test_only_chunks_before_the_first_content_hit_are_written_back(warmed):
+    model, cache = warmed
+    # C is new: prefilled in full context right after the exact header, so its chunks are exact.
+    prompt, context, prefilled = reuse(model, cache, [HEADER, DOC_C, DOC_A, QUESTION])
+    pending = exact_pending_chunks(NAMESPACE, prompt, context, prefilled)
+    assert [(chunk.start, chunk.end) for chunk in pending.chunks] == [(10, 18), (18, 26)]
+    assert pending.prefix_keys == prompt.prefix_keys[2:4]
+    # What is stored for C equals what a plain forward computes there.
+    with torch.no_grad():
+        full = model(torch.tensor([prompt.token_ids]), use_cache=True).past_key_values
+    items = encode_pending(pending, 16)
+    assert len(items) == 2
+    stored_keys = torch.stack([layer_keys[0] for layer_keys, _ in pending.new_kv])[:, :, : 26 - pending.kv_start]
+    torch.testing.assert_close(stored_keys, torch.stack([layer.keys[0, :, 10:26] for layer in full.layers]),
+                               atol=1e-5, rtol=0)
+
+
+def test_nothing_to_reuse_by_content_gives_none(warmed, tiny_llama):
+    model, cache = warmed
+    # Only the header is known: no content hit after the prefix run.
+    assert reuse(model, cache, [HEADER, DOC_C, QUESTION])[2] is None
+    prompt = plan_prompt(NAMESPACE, [HEADER, DOC_A, QUESTION], CHUNK_SIZE)
+    geometry = kv_geometry(model.config)
+    context = assemble_context(cache, NAMESPACE, prompt, geometry, model.device, model.dtype, with_content_hits=True)
+    # No RoPE parameters (an unsupported rotary embedding): content hits are not used.
+    assert prefill_with_content_hits(model, cache, prompt, context, geometry, None, RepairOptions()) is None
+
+
+def test_quantized_content_hits_are_placed(tiny_llama):
+    model = tiny_llama[0]
+    logits = {}
+    for bits in (16, 8):
+        cache = InProcessCache()
+        for segment in (HEADER, DOC_A):
+            warm_segment(model, cache, segment, bits=bits)
+        _, _, prefilled = reuse(model, cache, [HEADER, DOC_A, QUESTION], RepairOptions(strategy="none"))
+        assert prefilled.num_cached_tokens == 30
+        logits[bits] = prefilled.first_logits
+    # int8 keys and values: close to, not equal to, the same reuse at 16 bits.
+    assert not torch.equal(logits[8], logits[16])
+    assert torch.nn.functional.cosine_similarity(logits[8], logits[16], dim=0) > 0.999

@@ -174,3 +174,60 @@ def test_full_budget_and_tiny_map_give_resource_exhausted_and_keep_serving(tmp_p
         assert daemon.process.poll() is None, "the daemon died"
     finally:
         assert daemon.terminate() == 0
+
+
+SERVICE_KILL_ROUNDS = 3
+SERVICE_CHUNK_SIZE = 16
+
+
+def service_prompt(round_index: int) -> str:
+    # Byte tokenizer: ~900 tokens, ~56 chunks of 16 to write back per request.
+    return f"Round {round_index}: " + "the harbour ferry leaves at six and returns at nine; bicycles cost extra. " * 12
+
+
+def test_kill_9_of_the_service_mid_write_back_leaves_only_whole_chunks(tmp_path: Path) -> None:
+    from kvboost.v1 import inference_pb2 as pb
+    from tests.e2e.service_process import generate, start_service
+    from tests.e2e.stack_process import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "tiny-model")
+    daemon = start_daemon(tmp_path / "lmdb", pick_free_port())
+    extra = ("--chunk-size", str(SERVICE_CHUNK_SIZE))
+    try:
+        for round_index in range(SERVICE_KILL_ROUNDS):
+            service = start_service(str(model_dir), daemon.address, pick_free_port(),
+                                    tmp_path / f"service-{round_index}.log", *extra)
+            try:
+                with service.stub() as stub:
+                    stream = stub.Generate(pb.GenerateRequest(prompt=service_prompt(round_index), max_new_tokens=64,
+                                                              mode=pb.PREFIX_CACHE), timeout=60)
+                    next(iter(stream))  # the first token: the prefill is done, its write-back under way
+                    service.process.kill()  # kill -9 while chunks stream to the daemon
+                    service.process.wait(timeout=30)
+            finally:
+                if service.process.poll() is None:
+                    service.process.kill()
+        assert daemon.process.poll() is None, "the daemon died with its client"
+        with cache_stub(daemon.address) as cache:
+            stats = cache.Stats(cache_pb2.CacheStatsRequest(), timeout=10)
+        assert stats.corrupted == 0
+        # A fresh service reuses whatever was stored: exact prefix reuse must give the baseline's tokens,
+        # so every chunk it fetched was whole.
+        service = start_service(str(model_dir), daemon.address, pick_free_port(), tmp_path / "service-after.log",
+                                *extra)
+        try:
+            with service.stub() as stub:
+                for round_index in range(SERVICE_KILL_ROUNDS):
+                    prompt = service_prompt(round_index)
+                    _, baseline = generate(stub, prompt, max_new_tokens=8, mode=pb.BASELINE)
+                    _, reused = generate(stub, prompt, max_new_tokens=8, mode=pb.PREFIX_CACHE)
+                    assert not reused.degraded
+                    assert list(reused.output_token_ids) == list(baseline.output_token_ids)
+                    print(f"\nservice kill round {round_index}: {reused.cached_tokens} of {reused.prompt_tokens} "
+                          f"prompt tokens reused after the kill, output identical to baseline")
+        finally:
+            service.terminate()
+        with cache_stub(daemon.address) as cache:
+            assert cache.Stats(cache_pb2.CacheStatsRequest(), timeout=10).corrupted == 0
+    finally:
+        daemon.terminate()

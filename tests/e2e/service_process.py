@@ -1,0 +1,84 @@
+"""Start `python -m inference_service` as a real process on a loopback port and wait until it serves."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+
+from client.healthcheck import wait_until_serving
+from kvboost.v1 import inference_pb2 as pb
+from kvboost.v1 import inference_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ServiceProcess:
+    process: subprocess.Popen
+    address: str
+    log_path: Path
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM: graceful shutdown (write-backs flushed); SIGKILL when it does not exit in time."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(timeout=timeout_s)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @contextmanager
+    def stub(self) -> Iterator[inference_pb2_grpc.InferenceServiceStub]:
+        with grpc.insecure_channel(self.address) as channel:
+            yield inference_pb2_grpc.InferenceServiceStub(channel)
+
+
+def start_service(model: str, cache_addr: str, port: int, log_path: Path, *extra_args: str,
+                  timeout_s: float = 60.0) -> ServiceProcess:
+    """Starts the service on 127.0.0.1:port (CPU) and returns once health says SERVING.
+
+    No KVBOOST_* variable of the test run leaks in: the flags say everything.
+    """
+    address = f"127.0.0.1:{port}"
+    command = [sys.executable, "-m", "inference_service", "--model", model, "--cache-addr", cache_addr,
+               "--listen", address, "--device", "cpu", *extra_args]
+    env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    service = ServiceProcess(process, address, log_path)
+    status = wait_until_serving(address, timeout_s, is_alive=lambda: process.poll() is None)
+    if status != "SERVING":
+        if process.poll() is None:
+            service.terminate()
+        raise RuntimeError(f"inference service not SERVING (health {status}, exit {process.returncode}):\n{service.log()}")
+    return service
+
+
+@contextmanager
+def running_service(model: str, cache_addr: str, port: int, log_path: Path, *extra_args: str,
+                    timeout_s: float = 60.0) -> Iterator[ServiceProcess]:
+    service = start_service(model, cache_addr, port, log_path, *extra_args, timeout_s=timeout_s)
+    try:
+        yield service
+    finally:
+        if service.process.poll() is None:
+            status = service.terminate()
+            assert status == 0, f"the service exited with {status} on SIGTERM:\n{service.log()}"
+
+
+def generate(stub: inference_pb2_grpc.InferenceServiceStub, prompt: str, timeout_s: float = 60.0,
+             **fields) -> tuple[list[pb.GenerateEvent], pb.GenerationResult]:
+    """All events of one Generate call and the final result."""
+    events = list(stub.Generate(pb.GenerateRequest(prompt=prompt, **fields), timeout=timeout_s))
+    assert events and events[-1].HasField("result"), "the stream must end with a result"
+    return events, events[-1].result

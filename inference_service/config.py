@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,7 +65,12 @@ class ServiceConfig:
     @property
     def listens_on_loopback(self) -> bool:
         host = self.listen.rsplit(":", 1)[0].strip("[]")
-        return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name: it may resolve beyond loopback
+            return False
 
     def auth_token(self) -> str | None:
         return read_secret(self.auth_token_file)

@@ -51,3 +51,11 @@ def test_tokens_come_from_files_and_never_appear_in_the_description(tmp_path) ->
     token_file.write_text("  \n")
     with pytest.raises(ValueError, match="is empty"):
         config.auth_token()
+
+
+@pytest.mark.parametrize("listen, loopback", [
+    ("127.0.0.1:1", True), ("127.0.0.2:1", True), ("[::1]:1", True), ("localhost:1", True),
+    ("0.0.0.0:1", False), ("[::]:1", False), ("10.1.2.3:1", False), ("example.org:1", False),
+])
+def test_loopback_detection(listen, loopback) -> None:
+    assert ServiceConfig(listen=listen).listens_on_loopback is loopback

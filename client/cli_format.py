@@ -47,7 +47,7 @@ def verify_text(report: VerifyReport) -> str:
             f"{check.first_token_kl:.2e}",
             str(check.matching_prefix_tokens),
             str(check.cached_tokens),
-            _shorten(check.prompt, 50),
+            shorten(check.prompt, 50),
         ))
     return table(rows) + f"\n\n{report.identical}/{report.total} prompts token-identical"
 
@@ -68,6 +68,7 @@ def _format_value(value) -> str:
     return str(value)
 
 
-def _shorten(text: str, limit: int) -> str:
+def shorten(text: str, limit: int) -> str:
+    """`text` on one line, cut to `limit` characters with an ellipsis."""
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"

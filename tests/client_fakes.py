@@ -27,7 +27,19 @@ def make_result(**overrides) -> inference_pb2.GenerationResult:
     return inference_pb2.GenerationResult(**values)
 
 
-class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
+class _Recorder:
+    """Keeps every request and its invocation metadata, in call order."""
+
+    def __init__(self) -> None:
+        self.requests: list = []
+        self.metadata: list[dict[str, str]] = []
+
+    def _record(self, request, context) -> None:
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+
+
+class FakeInference(_Recorder, inference_pb2_grpc.InferenceServiceServicer):
     """Answers from canned values; records every request and its metadata.
 
     Prompts that steer it: "invalid" aborts INVALID_ARGUMENT, "busy" aborts RESOURCE_EXHAUSTED,
@@ -35,13 +47,8 @@ class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
     """
 
     def __init__(self) -> None:
-        self.requests: list = []
-        self.metadata: list[dict[str, str]] = []
+        super().__init__()
         self.release = threading.Event()
-
-    def _record(self, request, context) -> None:
-        self.requests.append(request)
-        self.metadata.append(dict(context.invocation_metadata()))
 
     def Generate(self, request, context):
         self._record(request, context)
@@ -104,16 +111,8 @@ class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
         )
 
 
-class FakeCache(cache_pb2_grpc.CacheServiceServicer):
+class FakeCache(_Recorder, cache_pb2_grpc.CacheServiceServicer):
     """Knows KEY_A and KEY_B in NAMESPACE; records requests and metadata."""
-
-    def __init__(self) -> None:
-        self.requests: list = []
-        self.metadata: list[dict[str, str]] = []
-
-    def _record(self, request, context) -> None:
-        self.requests.append(request)
-        self.metadata.append(dict(context.invocation_metadata()))
 
     def Stats(self, request, context):
         self._record(request, context)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from client import KVBoostClient, KVBoostError
-from client.cli_format import table
+from client.cli_format import shorten, table
 
 DOCUMENT = Path(__file__).with_name("harbor_handbook.md")
 SYSTEM_PROMPT = (
@@ -33,11 +33,6 @@ MIN_FOLLOW_UP_REUSE = 0.8
 def ask(client: KVBoostClient, system: dict, question: str, mode: str, max_new_tokens: int):
     messages = [system, {"role": "user", "content": question}]
     return client.generate(messages=messages, mode=mode, max_new_tokens=max_new_tokens).result
-
-
-def shorten(text: str, limit: int = 70) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _row(number: str, result, question: str) -> tuple[str, ...]:
     return (number, result.mode.lower(), shorten(question, 40), str(result.prompt_tokens), str(result.cached_tokens),
-            f"{result.kv_reuse_ratio:.2f}", f"{result.ttft_ms:.1f}", shorten(result.output_text))
+            f"{result.kv_reuse_ratio:.2f}", f"{result.ttft_ms:.1f}", shorten(result.output_text, 70))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""client/examples/demo.py against a fake service: the table, the stop hint, the reuse check."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from kvboost.v1 import inference_pb2
+from tests.client_fakes import FakeInference, make_result, running_server
+
+DEMO_PATH = Path(__file__).resolve().parents[1] / "client" / "examples" / "demo.py"
+
+
+def load_demo():
+    spec = importlib.util.spec_from_file_location("kvboost_demo", DEMO_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class ReusingInference(FakeInference):
+    """Answers BASELINE with no reuse and cached modes with `reuse`."""
+
+    def __init__(self, reuse: float) -> None:
+        super().__init__()
+        self.reuse = reuse
+
+    def Generate(self, request, context):
+        self._record(request, context)
+        cached = request.mode != inference_pb2.BASELINE
+        yield inference_pb2.GenerateEvent(text="Paris", token_ids=[1])
+        yield inference_pb2.GenerateEvent(result=make_result(
+            output_text="Paris", mode=request.mode, prompt_tokens=1000, cached_tokens=int(self.reuse * 1000) * cached,
+            kv_reuse_ratio=self.reuse * cached, ttft_ms=20.0 if cached else 400.0))
+
+
+def test_demo_warms_asks_and_prints_the_table(capsys) -> None:
+    demo = load_demo()
+    inference = ReusingInference(reuse=0.95)
+    with running_server(inference=inference) as address:
+        assert demo.main(["--address", address, "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    warm = inference.requests[1]
+    assert [message.role for message in warm.messages] == ["system"]
+    assert "Lanterna Bay Ferry Company" in warm.messages[0].content
+    asked = [request for request in inference.requests if isinstance(request, inference_pb2.GenerateRequest)]
+    assert len(asked) == len(demo.QUESTIONS) + 1
+    assert all(request.messages[0] == warm.messages[0] for request in asked)  # the shared prefix
+    assert "#  mode            question" in out
+    assert "baseline TTFT 400.0 ms, with the cache 20.0 ms on average (20.0x faster)" in out
+    assert "stop it with `make down`" in out
+
+
+def test_demo_fails_when_follow_ups_reuse_too_little(capsys) -> None:
+    demo = load_demo()
+    with running_server(inference=ReusingInference(reuse=0.5)) as address:
+        assert demo.main(["--address", address]) == 1
+    assert "follow-up question(s) reused 80% of the prompt or less" in capsys.readouterr().err
+
+
+def test_demo_says_how_to_start_the_stack_when_it_is_down(capsys) -> None:
+    from tests.conftest import pick_free_port
+
+    demo = load_demo()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(demo.KVBoostClient, "wait_ready", lambda self, timeout: self._rpc.wait_ready(0.2))
+        assert demo.main(["--address", f"127.0.0.1:{pick_free_port()}"]) == 1
+    assert "Is the stack running? Start it with `make up`." in capsys.readouterr().err

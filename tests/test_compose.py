@@ -7,7 +7,11 @@ volume and the image targets must agree with each other and with the parsers' de
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.metadata
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -189,6 +193,30 @@ def test_each_service_builds_a_dockerfile_target_running_its_module(service, tar
 
 def test_daemon_image_has_no_torch() -> None:
     assert "torch" not in _stage("daemon")
+
+
+def test_daemon_image_installs_every_package_the_daemon_and_health_check_import() -> None:
+    # What `python -m cache_daemon` and `python -m client.healthcheck` load, in a clean interpreter.
+    probe = ("import importlib, pkgutil, sys, cache_daemon, client.healthcheck\n"
+             "for info in pkgutil.iter_modules(cache_daemon.__path__):\n"
+             "    importlib.import_module('cache_daemon.' + info.name)\n"
+             "for name, module in list(sys.modules.items()):\n"
+             "    if name.split('.')[0] in ('cache_daemon', 'client', 'kvboost') and getattr(module, '__file__', None):\n"
+             "        print(module.__file__)\n")
+    files = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    imported = set()
+    for path in files.stdout.split():
+        for node in ast.walk(ast.parse(Path(path).read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"cache_daemon", "client", "kvboost"}
+    distributions = importlib.metadata.packages_distributions()
+    installed = {name.lower() for name, _ in re.findall(r"([A-Za-z][A-Za-z0-9_.-]*)==(\S+)", _stage("daemon"))}
+    for module in sorted(third_party):
+        names = {name.lower().replace("_", "-") for name in distributions.get(module, [module])}
+        assert names & installed, f"the daemon image imports {module} but does not install {sorted(names)}"
 
 
 def test_dockerfile_pins_match_pyproject() -> None:

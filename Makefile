@@ -39,11 +39,12 @@ down:
 
 run: setup model up
 	$(PY) client/examples/demo.py
-	@echo "The stack is still running: 'make down' stops it."
 
 bench: setup model
 	$(PY) bench/bench_daemon.py
 	$(PY) bench/bench_ttft.py
+	$(PY) bench/bench_accuracy.py
+	$(PY) bench/load.py
 
 clean: down
 	rm -rf $(VENV) .run .pytest_cache .hypothesis build *.egg-info

@@ -9,26 +9,23 @@ import torch
 from inference_service.chunk_cache import CacheUnavailable, ChunkCache
 from inference_service.codec import BlobError, decode_chunk
 from inference_service.prompts import PromptPlan
-from inference_service.runner import KVGeometry
+from inference_service.runner import KVGeometry, allocate_kv
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class AssembledContext:
-    """K/V for the first num_cached_tokens prompt tokens, ready for build_cache."""
+    """Buffers whose first num_cached_tokens positions hold cached K/V, ready for build_cache."""
 
-    keys: torch.Tensor | None  # [layers, kv_heads, num_cached_tokens, head_dim]
-    values: torch.Tensor | None
-    num_cached_chunks: int = 0  # leading chunks whose K/V are all in keys/values
+    key_buffer: torch.Tensor | None  # [layers, kv_heads, capacity, head_dim]; None when nothing was reused
+    value_buffer: torch.Tensor | None
+    num_cached_tokens: int = 0
+    num_cached_chunks: int = 0  # leading chunks whose K/V are in the buffers
     num_recomputed_tokens: int = 0  # cached tokens whose K/V were recomputed by repair
     num_bytes_fetched: int = 0
     degraded: bool = False  # the cache became unreachable; chunks placed before that are still used
     content_hits: dict[int, bytes] = field(default_factory=dict)  # looked up, not reused yet
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
 
 
 def empty_context(degraded: bool = False) -> AssembledContext:
@@ -42,9 +39,12 @@ def assemble_context(
     geometry: KVGeometry,
     device: torch.device,
     dtype: torch.dtype,
+    capacity: int,
     with_content_hits: bool,
 ) -> AssembledContext:
-    """Everything the cache can give for this prompt. Never raises for cache trouble: an unreachable
+    """Everything the cache can give for this prompt, in buffers with room for `capacity` tokens.
+
+    Never raises for cache trouble: an unreachable
     cache gives an empty, degraded context, a bad or missing blob ends the reused run there.
 
     This is the one place hits become K/V: prefix hits now; content hits plug in here (repair).
@@ -57,28 +57,22 @@ def assemble_context(
         return empty_context(degraded=True)
     if lookup.prefix_run == 0:
         return AssembledContext(None, None, content_hits=lookup.content_hits)
-    context = fetch_prefix_run(cache, prompt, lookup.prefix_run, geometry, device, dtype)
+    context = fetch_prefix_run(cache, prompt, lookup.prefix_run, allocate_kv(geometry, capacity, device, dtype))
     context.content_hits = lookup.content_hits
     return context
 
 
 def fetch_prefix_run(
-    cache: ChunkCache,
-    prompt: PromptPlan,
-    run: int,
-    geometry: KVGeometry,
-    device: torch.device,
-    dtype: torch.dtype,
+    cache: ChunkCache, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor]
 ) -> AssembledContext:
-    """Fetches the first `run` chunks and decodes each blob straight into its slice of one tensor.
+    """Fetches the first `run` chunks and copies each decoded blob into its slice of the buffers.
 
-    A missing blob, one that fails to decode, or one that does not fit the chunk ends the run there.
+    buffers: keys, values [layers, kv_heads, capacity, head_dim]. A missing blob, one that fails to
+    decode, or one that does not fit its chunk ends the run there.
     """
     chunks = prompt.chunks.chunks[:run]
-    num_tokens = chunks[-1].end
-    shape = (geometry.num_layers, geometry.num_kv_heads, num_tokens, geometry.head_dim)
-    keys = torch.empty(shape, device=device, dtype=dtype)  # [layers, kv_heads, tokens, head_dim]
-    values = torch.empty(shape, device=device, dtype=dtype)
+    keys, values = buffers
+    shape = (keys.shape[0], keys.shape[1], chunks[-1].end, keys.shape[3])
     num_placed = num_bytes = 0
     degraded = False
     blobs = None
@@ -101,8 +95,7 @@ def fetch_prefix_run(
             close()  # stops a stream we no longer read
     if num_placed == 0:
         return AssembledContext(None, None, num_bytes_fetched=num_bytes, degraded=degraded)
-    end = chunks[num_placed - 1].end
-    return AssembledContext(keys[:, :, :end], values[:, :, :end], num_placed, num_bytes_fetched=num_bytes,
+    return AssembledContext(keys, values, chunks[num_placed - 1].end, num_placed, num_bytes_fetched=num_bytes,
                             degraded=degraded)
 
 

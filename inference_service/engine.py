@@ -20,7 +20,8 @@ from inference_service.generation import DecodeResult, OnToken, SamplingSettings
 from inference_service.keys import NamespaceSpec, namespace_digest
 from inference_service.prompts import PromptPlan, plan_prompt, tokenize_messages, tokenize_prompt, tokenize_segments
 from inference_service.runner import (
-    build_cache, canonical_config_json, dtype_name, kv_geometry, prefill, tokenizer_identity,
+    allocate_kv, build_cache, canonical_config_json, dtype_name, kv_geometry, prefer_gqa_attention, prefill,
+    tokenizer_identity,
 )
 from inference_service.stats import EngineStats
 from inference_service.verification import BUILTIN_PROMPTS, first_token_cosine, first_token_kl, matching_prefix_tokens
@@ -52,6 +53,7 @@ class Engine:
         self.model_id = model_id or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
         self.device = model.device
         self.dtype = model.dtype
+        prefer_gqa_attention(self.device)
         self.geometry = kv_geometry(model.config)
         self.max_prompt_tokens = config.max_prompt_tokens or self.geometry.max_context
         self.namespace = namespace_digest(NamespaceSpec(
@@ -89,13 +91,14 @@ class Engine:
         prompt = self._plan(self._tokenize(params))
         if should_stop():  # cancelled or past its deadline while queued
             return self._outcome(params, mode, prompt, None, _cancelled_before_start(), 0), None
-        prefilled = self._prefill(prompt, mode, params.request_id)
         room = max(1, self.geometry.max_context - prompt.num_tokens)
+        max_new_tokens = min(params.max_new_tokens, room)
+        prefilled = self._prefill(prompt, mode, prompt.num_tokens + max_new_tokens, params.request_id)
         decoded = decode_loop(
             self.model, prefilled.cache, prefilled.first_logits, prompt.num_tokens,
             IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params.stop),
             SamplingSettings(params.temperature, params.top_k, params.top_p, params.seed),
-            self.eos_ids, min(params.max_new_tokens, room), on_token, should_stop,
+            self.eos_ids, max_new_tokens, on_token, should_stop,
             after_first_token=lambda: self._maybe_write_back(prefilled.pending),
         )
         outcome = self._outcome(params, mode, prompt, prefilled, decoded, prefilled.num_cached_tokens)
@@ -119,17 +122,19 @@ class Engine:
             raise PromptTooLong(num_tokens, self.max_prompt_tokens)
         return plan_prompt(self.namespace, segments, self.config.chunk_size)
 
-    def _prefill(self, prompt: PromptPlan, mode: str, request_id: str) -> _Prefilled:
+    def _prefill(self, prompt: PromptPlan, mode: str, capacity: int, request_id: str) -> _Prefilled:
+        """Reuses what the cache has, then runs the rest of the prompt; capacity: prompt plus new tokens."""
         if mode == "baseline":
             context = empty_context()
         else:
             context = assemble_context(self.cache, self.namespace, prompt, self.geometry, self.device, self.dtype,
-                                       with_content_hits=mode == "chunk_kv_reuse")
+                                       capacity, with_content_hits=mode == "chunk_kv_reuse")
         # At least the last prompt token is always run, so there are logits to start from.
         num_cached = min(context.num_cached_tokens, prompt.num_tokens - 1)
-        keys = None if context.keys is None else context.keys[:, :, :num_cached]
-        values = None if context.values is None else context.values[:, :, :num_cached]
-        cache = build_cache(self.model.config, keys, values)
+        buffers = (context.key_buffer, context.value_buffer)
+        if buffers[0] is None:
+            buffers = allocate_kv(self.geometry, capacity, self.device, self.dtype)
+        cache = build_cache(self.model.config, *buffers, num_cached)
         live = torch.tensor(prompt.token_ids[num_cached:], device=self.device)
         first_logits, new_kv = prefill(self.model, cache, live, num_cached)
         pending = None
@@ -188,8 +193,9 @@ class Engine:
         chunks = prompt.chunks.chunks
         stored = 0
         if chunks:
-            _, new_kv = prefill(self.model, build_cache(self.model.config, None, None),
-                                torch.tensor(prompt.token_ids[: chunks[-1].end], device=self.device), 0)
+            num_chunk_tokens = chunks[-1].end
+            cache = build_cache(self.model.config, *allocate_kv(self.geometry, num_chunk_tokens, self.device, self.dtype), 0)
+            _, new_kv = prefill(self.model, cache, torch.tensor(prompt.token_ids[:num_chunk_tokens], device=self.device), 0)
             content_keys = prompt.content_keys if content_addressed else (None,) * len(chunks)
             stored = self._writeback.store_now(PendingChunks(
                 self.namespace, chunks, prompt.prefix_keys, content_keys, new_kv, 0, pin=pin))

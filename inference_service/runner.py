@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,18 @@ def load_model(name_or_path: str, device: str | None = None, dtype: str | None =
     return LoadedModel(model, tokenizer, model_id, path, architecture)
 
 
+def prefer_gqa_attention(device: torch.device) -> None:
+    """On CPU, lets SDPA group query heads itself even when a mask is given (a prefill after a cache hit).
+
+    Without it transformers copies every cached K/V head per query group first (repeat_kv), which is
+    most of the attention cost of a short suffix over a long cached prefix. The result is bit-identical
+    on CPU (tests/test_engine.py checks it); CUDA keeps the default, where masked GQA can be slower.
+    An explicit TRANSFORMERS_SDPA_FORCE_GQA in the environment wins.
+    """
+    if device.type == "cpu":
+        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -107,22 +120,67 @@ def kv_geometry(config) -> KVGeometry:
     return KVGeometry(text.num_hidden_layers, num_kv_heads, head_dim, int(text.max_position_embeddings))
 
 
-def build_cache(config, keys: torch.Tensor | None, values: torch.Tensor | None) -> DynamicCache:
-    """A DynamicCache holding the given K/V, as if a prefill of those tokens had just run.
+def allocate_kv(geometry: KVGeometry, capacity: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized key and value buffers [layers, kv_heads, capacity, head_dim] for a whole request."""
+    shape = (geometry.num_layers, geometry.num_kv_heads, capacity, geometry.head_dim)
+    return torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
 
-    keys, values: [layers, kv_heads, tokens, head_dim] on the model's device and dtype, or None for empty.
-    Full-attention layers take views of them (no copy); other layer kinds go through their own update().
+
+class PreallocatedLayer(DynamicLayer):
+    """A full-attention cache layer over a buffer with room for the tokens still to come.
+
+    update() writes new K/V in place instead of concatenating, so neither the prefill after a cache hit
+    nor a decode step copies the tokens already held. Views handed out earlier stay valid: positions
+    below the current length are never written again.
+    """
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, num_tokens: int) -> None:
+        super().__init__()
+        assert key_buffer.shape == value_buffer.shape and num_tokens <= key_buffer.shape[2], "buffers hold the tokens"
+        self.dtype, self.device = key_buffer.dtype, key_buffer.device
+        self.is_initialized = True
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer  # [1, kv_heads, capacity, head_dim]
+        self._set_length(num_tokens)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if end > self._key_buffer.shape[-2]:
+            self._grow(end)
+        self._key_buffer[:, :, start:end].copy_(key_states)
+        self._value_buffer[:, :, start:end].copy_(value_states)
+        self._set_length(end)
+        return self.keys, self.values
+
+    def _set_length(self, num_tokens: int) -> None:
+        self.keys = self._key_buffer[:, :, :num_tokens]
+        self.values = self._value_buffer[:, :, :num_tokens]
+
+    def _grow(self, needed: int) -> None:
+        length = self.keys.shape[-2]
+        shape = list(self._key_buffer.shape)
+        shape[2] = max(needed, 2 * shape[2])
+        key_buffer, value_buffer = self._key_buffer.new_empty(shape), self._value_buffer.new_empty(shape)
+        key_buffer[:, :, :length].copy_(self.keys)
+        value_buffer[:, :, :length].copy_(self.values)
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self._set_length(length)
+
+
+def build_cache(config, key_buffer: torch.Tensor, value_buffer: torch.Tensor, num_tokens: int) -> DynamicCache:
+    """A DynamicCache holding the first num_tokens positions of the buffers, as if their prefill had just run.
+
+    key_buffer, value_buffer: [layers, kv_heads, capacity, head_dim] on the model's device and dtype.
+    Full-attention layers keep working inside the buffers (no copy); other layer kinds (sliding
+    window) get the cached K/V through their own update().
     """
     cache = DynamicCache(config=config)
-    if keys is None or keys.shape[2] == 0:
-        return cache
     for index, layer in enumerate(cache.layers):
-        layer_keys, layer_values = keys[index].unsqueeze(0), values[index].unsqueeze(0)
+        layer_keys, layer_values = key_buffer[index : index + 1], value_buffer[index : index + 1]
         if type(layer) is DynamicLayer:
-            layer.lazy_initialization(layer_keys, layer_values)
-            layer.keys, layer.values = layer_keys, layer_values
-        else:
-            layer.update(layer_keys, layer_values)
+            cache.layers[index] = PreallocatedLayer(layer_keys, layer_values, num_tokens)
+        elif num_tokens:
+            layer.update(layer_keys[:, :, :num_tokens], layer_values[:, :, :num_tokens])
     return cache
 
 

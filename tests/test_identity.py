@@ -1,0 +1,104 @@
+"""Real SmolLM2 through the running cache daemon: with prefix hits, greedy output equals plain model.generate."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_service.cache_client import CacheClientOptions, GrpcChunkCache
+from inference_service.engine import Engine, EngineConfig, GenerationParams
+from inference_service.prompts import tokenize_messages, tokenize_prompt
+from tests.e2e.daemon_process import start_daemon
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW_TOKENS = 10
+PASSAGE = (
+    "The old observatory stood on a hill above the town. Every night the astronomer climbed the narrow "
+    "stairs, opened the dome and pointed the telescope at a different part of the sky. She kept careful "
+    "notes: the date, the weather, the seeing, and every comet or variable star she found. Over forty years "
+    "the notebooks filled three shelves. When the town built a school, her notes became its first library, "
+    "and children learned to read from descriptions of Saturn's rings, the phases of Venus and the slow "
+    "turning of the Milky Way. Visitors still come to see the brass telescope, polished every spring. "
+)
+QUESTIONS = ("What did she keep?", "Where was the observatory?", "Summarise the story.", "Who polishes it?")
+
+
+def exact_length_prompts(tokenizer, lengths: list[int]) -> list[str]:
+    """Texts of exactly the given token counts (cut out of the passage where they re-tokenize as cut)."""
+    ids = tokenize_prompt(tokenizer, PASSAGE * 4)[0]
+    prompts = []
+    for length in lengths:
+        for start in range(0, len(ids) - length):
+            text = tokenizer.decode(ids[start:start + length])
+            if tokenize_prompt(tokenizer, text)[0] == ids[start:start + length]:
+                prompts.append(text)
+                break
+        else:
+            raise AssertionError(f"no cut of the passage re-tokenizes to {length} tokens")
+    return prompts
+
+
+def identity_cases(tokenizer) -> list[dict]:
+    """52 requests: short, chunk-aligned, one past a boundary, mixed lengths, multi-turn chats."""
+    short = [{"prompt": text} for text in ("Hi!", "What is 2+2?", "Name a colour.", "Tell me a joke.")]
+    aligned = [{"prompt": text} for text in exact_length_prompts(tokenizer, [32, 64, 96, 128, 192, 256])]
+    one_past = [{"prompt": text} for text in exact_length_prompts(tokenizer, [33, 65, 97, 129, 193, 257])]
+    one_before = [{"prompt": text} for text in exact_length_prompts(tokenizer, [31, 63, 127])]
+    mixed = [{"prompt": PASSAGE[: 60 * n] + " " + QUESTIONS[n % 4]} for n in range(1, 19)]
+    chats = []
+    for n in range(1, 11):
+        turns = [("system", "You are a helpful assistant. " + PASSAGE[: 40 * n])]
+        for turn in range(n % 4 + 1):
+            turns += [("user", QUESTIONS[turn]), ("assistant", PASSAGE[30 * turn : 30 * turn + 50])]
+        chats.append({"messages": tuple(turns + [("user", QUESTIONS[n % 4])])})
+    chats += [{"messages": (("user", QUESTIONS[n]),)} for n in range(4)]
+    cases = short + aligned + one_past + one_before + mixed + chats + [{"prompt": PASSAGE}]
+    assert len(cases) >= 50
+    return cases
+
+
+@pytest.fixture(scope="module")
+def daemon_cache(tmp_path_factory):
+    from tests.conftest import pick_free_port
+
+    daemon = start_daemon(tmp_path_factory.mktemp("identity") / "lmdb", pick_free_port(), "--max-bytes", "2GB")
+    cache = GrpcChunkCache(CacheClientOptions(address=daemon.address))
+    try:
+        yield cache
+    finally:
+        cache.close()
+        daemon.terminate()
+
+
+def reference_ids(model, token_ids: list[int]) -> list[int]:
+    input_ids = torch.tensor([token_ids])
+    with torch.inference_mode():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=MAX_NEW_TOKENS)
+    return output[0, len(token_ids):].tolist()
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_prefix_hits_are_token_identical_to_generate(smollm2, daemon_cache, chunk_size):
+    model, tokenizer, path = smollm2
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=chunk_size), daemon_cache, model_id=path)
+    cases = identity_cases(tokenizer)
+    if chunk_size == 64:
+        cases = cases[::3]  # the second chunk size on a third of the cases keeps the test short
+    mismatches, hits = [], 0
+    for case in cases:
+        token_ids = (tokenize_messages(tokenizer, case["messages"]) if "messages" in case
+                     else tokenize_prompt(tokenizer, case["prompt"]))[0]
+        expected = reference_ids(model, token_ids)
+        outcomes = []
+        for _ in range(2):  # the first call misses and writes back, the second hits
+            outcomes.append(engine.generate(GenerationParams(**case, max_new_tokens=MAX_NEW_TOKENS, mode="prefix_cache")))
+            engine.flush_writes()
+        assert not any(outcome.degraded for outcome in outcomes)
+        full_chunk_tokens = len(token_ids) // chunk_size * chunk_size
+        assert outcomes[1].cached_tokens == min(full_chunk_tokens, len(token_ids) - 1), case
+        hits += outcomes[1].cached_tokens > 0
+        if [outcome.output_token_ids for outcome in outcomes] != [expected, expected]:
+            mismatches.append((case, expected, [outcome.output_token_ids for outcome in outcomes]))
+    assert mismatches == []
+    assert hits >= len(cases) * 0.7, "most cases must exercise prefix hits"

@@ -87,7 +87,7 @@ def exact_prefix_length(status: torch.Tensor) -> int:
     return int(approx[0]) if approx.numel() else status.numel()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def repair_prefill(
     model,
     input_ids: torch.Tensor,
@@ -121,11 +121,8 @@ def repair_prefill(
             extra = torch.cat((selective_positions(status, options.selective_tokens, seams), sinks))
             chosen = torch.cat((chosen, extra)).unique()
         hidden = runner.run(runner.embed(input_ids, chosen), chosen, range(runner.num_layers))
-    from transformers import DynamicCache
-
     return RepairResult(
-        # With the config, layer kinds match the model's (sliding-window layers keep their window).
-        cache=DynamicCache(ddp_cache_data=list(zip(keys, values)), config=runner.config),
+        cache=_cache_over(runner.config, keys, values),
         last_logits=runner.logits(hidden[:, -1:])[0, -1].float(),
         num_recomputed=int((status[chosen] == APPROX).sum()),
     )
@@ -156,6 +153,22 @@ def _cacheblend(runner: _LayerRunner, input_ids, status, options: RepairOptions)
     chosen = select_tokens(deviation, status, options.recompute_ratio, options.sink_tokens)
     rows = torch.searchsorted(live, chosen)  # chosen ⊆ live, both sorted
     return chosen, runner.run(hidden[:, rows], chosen, range(check, runner.num_layers))
+
+
+def _cache_over(config, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    """A DynamicCache whose layers are the model's kinds (sliding-window layers keep their window) and
+    whose full-attention layers hold the given tensors as they are, without a copy."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    for layer, layer_keys, layer_values in zip(cache.layers, keys, values):
+        if type(layer) is DynamicLayer:
+            layer.lazy_initialization(layer_keys, layer_values)
+            layer.keys, layer.values = layer_keys, layer_values
+        else:
+            layer.update(layer_keys, layer_values)
+    return cache
 
 
 def _squared_distance(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from inference_service.content_reuse import exact_pending_chunks, place_content_
 from inference_service.prompts import plan_prompt
 from inference_service.repair import APPROX, EXACT, MISSING, RepairOptions
 from inference_service.rope import rerotate_keys, rope_parameters
-from inference_service.runner import build_cache, kv_geometry, prefill
+from inference_service.runner import allocate_kv, build_cache, kv_geometry, prefill
 from inference_service.writeback import PendingChunks, encode_pending
 
 NAMESPACE = b"n" * 32
@@ -28,17 +28,30 @@ HEADER, DOC_A, DOC_B, DOC_C, QUESTION = token_run(1, 10), token_run(2, 20), toke
 def warm_segment(model, cache: InProcessCache, segment: list[int], bits: int = 16) -> None:
     """Stores a segment's chunks as they appear inside a prompt: keyed from its start, partial last chunk included."""
     plan = plan_prompt(NAMESPACE, [segment, []], CHUNK_SIZE)
-    _, new_kv = prefill(model, build_cache(model.config, None, None), torch.tensor(segment), 0)
+    _, new_kv = prefill_alone(model, segment)
     chunks = plan.chunks.chunks
     cache.store(encode_pending(PendingChunks(NAMESPACE, chunks, plan.prefix_keys, plan.content_keys, new_kv, 0), bits))
 
 
-def reuse(model, cache, segments, options=RepairOptions(strategy="cacheblend", recompute_ratio=1.0)):
+def prefill_alone(model, token_ids: list[int]):
+    """(logits, per-layer K/V) of the tokens run alone at positions 0.."""
+    buffers = allocate_kv(kv_geometry(model.config), len(token_ids), model.device, model.dtype)
+    return prefill(model, build_cache(model.config, *buffers, 0), torch.tensor(token_ids), 0)
+
+
+def assemble(model, cache, segments, capacity_room: int = 4):
+    """(prompt, context) as the engine assembles them, with buffers for the prompt plus capacity_room tokens."""
     prompt = plan_prompt(NAMESPACE, segments, CHUNK_SIZE)
-    geometry = kv_geometry(model.config)
-    context = assemble_context(cache, NAMESPACE, prompt, geometry, model.device, model.dtype, with_content_hits=True)
-    return prompt, context, prefill_with_content_hits(model, cache, prompt, context, geometry,
-                                                      rope_parameters(model.config), options)
+    capacity = prompt.num_tokens + capacity_room
+    context = assemble_context(cache, NAMESPACE, prompt, kv_geometry(model.config), model.device, model.dtype,
+                               capacity, with_content_hits=True)
+    return prompt, context, capacity
+
+
+def reuse(model, cache, segments, options=RepairOptions(strategy="cacheblend", recompute_ratio=1.0)):
+    prompt, context, capacity = assemble(model, cache, segments)
+    return prompt, context, prefill_with_content_hits(model, cache, prompt, context, kv_geometry(model.config),
+                                                      rope_parameters(model.config), options, capacity)
 
 
 @pytest.fixture()
@@ -53,10 +66,9 @@ def warmed(tiny_llama):
 
 def test_content_hits_are_placed_rerotated_with_seams_at_each_document(warmed):
     model, cache = warmed
-    prompt = plan_prompt(NAMESPACE, [HEADER, DOC_A, DOC_B, QUESTION], CHUNK_SIZE)
-    geometry = kv_geometry(model.config)
-    context = assemble_context(cache, NAMESPACE, prompt, geometry, model.device, model.dtype, with_content_hits=True)
-    placed = place_content_hits(cache, prompt, context, geometry, rope_parameters(model.config), model.device, model.dtype)
+    prompt, context, capacity = assemble(model, cache, [HEADER, DOC_A, DOC_B, QUESTION])
+    placed = place_content_hits(cache, prompt, context, kv_geometry(model.config), rope_parameters(model.config),
+                                model.device, model.dtype, capacity)
     # Header 0..10 is the prefix run (chunks 0..8, 8..10); A is 10..30, B 30..42, the question 42..47.
     expected = [EXACT] * 10 + [APPROX] * 32 + [MISSING] * 5
     assert placed.status.tolist() == expected
@@ -64,10 +76,10 @@ def test_content_hits_are_placed_rerotated_with_seams_at_each_document(warmed):
     assert placed.seams.tolist() == [10, 30]
     assert placed.num_content_chunks == 5  # A: 8+8+4, B: 8+4
     # A's K/V were computed at 0..20 alone: its keys are those, rotated by +10.
-    _, alone = prefill(model, build_cache(model.config, None, None), torch.tensor(DOC_A), 0)
+    _, alone = prefill_alone(model, DOC_A)
     alone_keys = torch.stack([layer_keys[0] for layer_keys, _ in alone])
     moved = rerotate_keys(alone_keys, torch.arange(20), torch.arange(10, 30), rope_parameters(model.config))
-    torch.testing.assert_close(placed.keys[:, :, 10:30], moved, atol=1e-6, rtol=0)
+    torch.testing.assert_close(placed.key_buffer[:, :, 10:30], moved, atol=1e-6, rtol=0)
 
 
 def test_full_recompute_of_content_hits_equals_plain_forward(warmed):
@@ -80,6 +92,13 @@ def test_full_recompute_of_content_hits_equals_plain_forward(warmed):
     assert (prefilled.num_cached_tokens, prefilled.num_recomputed_tokens) == (42, 32)
     assert prefilled.num_exact_tokens == 10
     assert prefilled.cache.get_seq_length() == prompt.num_tokens
+    # Decoding goes on in the buffers' spare room: one more token matches a plain forward of it all.
+    next_id = torch.tensor([[65]])
+    with torch.no_grad():
+        step = model(next_id, position_ids=torch.tensor([[prompt.num_tokens]]), past_key_values=prefilled.cache,
+                     use_cache=True).logits[0, -1]
+        whole = model(torch.tensor([[*prompt.token_ids, 65]])).logits[0, -1]
+    torch.testing.assert_close(step, whole, atol=1e-4, rtol=0)
 
 
 def test_without_repair_the_reused_documents_stay_approximate(warmed):
@@ -112,11 +131,10 @@ def test_nothing_to_reuse_by_content_gives_none(warmed, tiny_llama):
     model, cache = warmed
     # Only the header is known: no content hit after the prefix run.
     assert reuse(model, cache, [HEADER, DOC_C, QUESTION])[2] is None
-    prompt = plan_prompt(NAMESPACE, [HEADER, DOC_A, QUESTION], CHUNK_SIZE)
-    geometry = kv_geometry(model.config)
-    context = assemble_context(cache, NAMESPACE, prompt, geometry, model.device, model.dtype, with_content_hits=True)
+    prompt, context, capacity = assemble(model, cache, [HEADER, DOC_A, QUESTION])
     # No RoPE parameters (an unsupported rotary embedding): content hits are not used.
-    assert prefill_with_content_hits(model, cache, prompt, context, geometry, None, RepairOptions()) is None
+    assert prefill_with_content_hits(model, cache, prompt, context, kv_geometry(model.config), None,
+                                     RepairOptions(), capacity) is None
 
 
 def test_quantized_content_hits_are_placed(tiny_llama):

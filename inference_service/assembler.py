@@ -1,4 +1,4 @@
-"""Looks a prompt's chunks up, fetches the hits and places their K/V into one tensor per kind."""
+"""Looks a prompt's chunks up, fetches the hits and places their K/V into the request's K/V buffers."""
 from __future__ import annotations
 
 import logging
@@ -44,8 +44,8 @@ def assemble_context(
 ) -> AssembledContext:
     """Everything the cache can give for this prompt, in buffers with room for `capacity` tokens.
 
-    Never raises for cache trouble: an unreachable
-    cache gives an empty, degraded context, a bad or missing blob ends the reused run there.
+    Never raises for cache trouble: an unreachable cache gives an empty, degraded context; a bad or
+    missing blob ends the reused run there.
 
     This is the one place hits become K/V: prefix hits now; content hits plug in here (repair).
     """

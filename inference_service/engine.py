@@ -18,7 +18,9 @@ from inference_service.engine_types import (
 from inference_service.errors import InvalidRequest, PromptTooLong
 from inference_service.generation import DecodeResult, OnToken, SamplingSettings, decode_loop, eos_token_ids
 from inference_service.keys import NamespaceSpec, namespace_digest
-from inference_service.prompts import PromptPlan, plan_prompt, tokenize_messages, tokenize_prompt, tokenize_segments
+from inference_service.prompts import (
+    PromptPlan, plan_prompt, tokenize_document, tokenize_messages, tokenize_prompt, tokenize_segments,
+)
 from inference_service.runner import (
     allocate_kv, build_cache, canonical_config_json, dtype_name, kv_geometry, prefer_gqa_attention, prefill,
     tokenizer_identity,
@@ -90,7 +92,7 @@ class Engine:
                                  f"{self.config.max_new_tokens_limit}")
         prompt = self._plan(self._tokenize(params))
         if should_stop():  # cancelled or past its deadline while queued
-            return self._outcome(params, mode, prompt, None, _cancelled_before_start(), 0), None
+            return self._outcome(params, mode, prompt, None, _cancelled_before_start()), None
         room = max(1, self.geometry.max_context - prompt.num_tokens)
         max_new_tokens = min(params.max_new_tokens, room)
         prefilled = self._prefill(prompt, mode, prompt.num_tokens + max_new_tokens, params.request_id)
@@ -101,7 +103,7 @@ class Engine:
             self.eos_ids, max_new_tokens, on_token, should_stop,
             after_first_token=lambda: self._maybe_write_back(prefilled.pending),
         )
-        outcome = self._outcome(params, mode, prompt, prefilled, decoded, prefilled.num_cached_tokens)
+        outcome = self._outcome(params, mode, prompt, prefilled, decoded)
         logger.info("[%s] %s: %d prompt tokens, %d cached, ttft %.1f ms, %d generated (%s)%s",
                     params.request_id, mode, outcome.prompt_tokens, outcome.cached_tokens, outcome.ttft_ms,
                     outcome.generated_tokens, outcome.finish_reason, " degraded" if outcome.degraded else "")
@@ -149,8 +151,9 @@ class Engine:
             self._writeback.submit(pending)
 
     def _outcome(self, params: GenerationParams, mode: str, prompt: PromptPlan, prefilled: _Prefilled | None,
-                 decoded: DecodeResult, num_cached: int) -> GenerationOutcome:
+                 decoded: DecodeResult) -> GenerationOutcome:
         context = prefilled.context if prefilled else empty_context()
+        num_cached = prefilled.num_cached_tokens if prefilled else 0
         generated = len(decoded.token_ids)
         ttft_ms = (decoded.first_token_time - params.arrival) * 1000 if generated else 0.0
         decode_seconds = decoded.last_token_time - decoded.first_token_time
@@ -185,8 +188,10 @@ class Engine:
         """
         if messages:
             segments = tokenize_messages(self.tokenizer, messages, add_generation_prompt=False)
+        elif text and content_addressed:
+            segments = tokenize_document(self.tokenizer, text)
         elif text:
-            segments = tokenize_segments(self.tokenizer, [text]) if content_addressed else tokenize_prompt(self.tokenizer, text)
+            segments = tokenize_prompt(self.tokenizer, text)
         else:
             raise InvalidRequest("Warm needs text or messages")
         prompt = self._plan(segments)
@@ -194,8 +199,9 @@ class Engine:
         stored = 0
         if chunks:
             num_chunk_tokens = chunks[-1].end
-            cache = build_cache(self.model.config, *allocate_kv(self.geometry, num_chunk_tokens, self.device, self.dtype), 0)
-            _, new_kv = prefill(self.model, cache, torch.tensor(prompt.token_ids[:num_chunk_tokens], device=self.device), 0)
+            buffers = allocate_kv(self.geometry, num_chunk_tokens, self.device, self.dtype)
+            token_ids = torch.tensor(prompt.token_ids[:num_chunk_tokens], device=self.device)
+            _, new_kv = prefill(self.model, build_cache(self.model.config, *buffers, 0), token_ids, 0)
             content_keys = prompt.content_keys if content_addressed else (None,) * len(chunks)
             stored = self._writeback.store_now(PendingChunks(
                 self.namespace, chunks, prompt.prefix_keys, content_keys, new_kv, 0, pin=pin))

@@ -42,6 +42,11 @@ def tokenize_segments(tokenizer, segments: Sequence[str]) -> list[list[int]]:
     return [list(tokenizer(text, add_special_tokens=index == 0)["input_ids"]) for index, text in enumerate(segments)]
 
 
+def tokenize_document(tokenizer, text: str) -> list[list[int]]:
+    """A document as it appears as a later segment: alone, without special tokens."""
+    return [list(tokenizer(text, add_special_tokens=False)["input_ids"])]
+
+
 def plan_prompt(namespace: Namespace, segments: Sequence[Sequence[int]], chunk_size: int) -> PromptPlan:
     """Chunks every segment from its own start and keys every chunk (prefix chain and content)."""
     chunks = plan_segments(segments, chunk_size)

@@ -120,7 +120,8 @@ def kv_geometry(config) -> KVGeometry:
     return KVGeometry(text.num_hidden_layers, num_kv_heads, head_dim, int(text.max_position_embeddings))
 
 
-def allocate_kv(geometry: KVGeometry, capacity: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def allocate_kv(geometry: KVGeometry, capacity: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialized key and value buffers [layers, kv_heads, capacity, head_dim] for a whole request."""
     shape = (geometry.num_layers, geometry.num_kv_heads, capacity, geometry.head_dim)
     return torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
@@ -142,7 +143,7 @@ class PreallocatedLayer(DynamicLayer):
         self._key_buffer, self._value_buffer = key_buffer, value_buffer  # [1, kv_heads, capacity, head_dim]
         self._set_length(num_tokens)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
         if end > self._key_buffer.shape[-2]:

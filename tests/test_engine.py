@@ -216,6 +216,16 @@ def test_chunk_evicted_between_lookup_and_fetch_ends_the_run(tiny_llama):
     assert run(engine, prompt=prompt).cached_tokens == 16
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_storage_hits_with_fewer_bytes(tiny_llama, bits):
+    exact, quantized = make_engine(tiny_llama), make_engine(tiny_llama, kv_cache_bits=bits)
+    prompt = text_of_length(40)
+    for engine in (exact, quantized):
+        run(engine, prompt=prompt)
+        assert run(engine, prompt=prompt).cached_tokens == 39
+    assert quantized.stats()["bytes_stored"] * 1.9 < exact.stats()["bytes_stored"]
+
+
 def test_other_namespace_does_not_hit(tiny_llama):
     cache = InProcessCache()
     prompt = text_of_length(40)

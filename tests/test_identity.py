@@ -11,7 +11,7 @@ from tests.e2e.daemon_process import start_daemon
 
 pytestmark = pytest.mark.slow
 
-MAX_NEW_TOKENS = 10
+MAX_NEW_TOKENS = 8
 PASSAGE = (
     "The old observatory stood on a hill above the town. Every night the astronomer climbed the narrow "
     "stairs, opened the dome and pointed the telescope at a different part of the sky. She kept careful "
@@ -84,7 +84,7 @@ def test_prefix_hits_are_token_identical_to_generate(smollm2, daemon_cache, chun
     engine = Engine(model, tokenizer, EngineConfig(chunk_size=chunk_size), daemon_cache, model_id=path)
     cases = identity_cases(tokenizer)
     if chunk_size == 64:
-        cases = cases[::3]  # the second chunk size on a third of the cases keeps the test short
+        cases = cases[::4]  # the second chunk size on a quarter of the cases keeps the test short
     mismatches, hits = [], 0
     for case in cases:
         token_ids = (tokenize_messages(tokenizer, case["messages"]) if "messages" in case

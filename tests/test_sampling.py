@@ -42,7 +42,11 @@ def test_zero_temperature_is_greedy():
 
 def test_sampling_follows_the_seed():
     logits = torch.zeros(1000)
-    draws = lambda seed: [int(sample(logits, 1.0, generator=generator)) for generator in [make_generator(seed)] for _ in range(20)]
+
+    def draws(seed: int) -> list[int]:
+        generator = make_generator(seed)
+        return [int(sample(logits, 1.0, generator=generator)) for _ in range(20)]
+
     assert draws(1) == draws(1) != draws(2)
 
 

@@ -95,9 +95,11 @@ def rerotate_keys(
     delta = (to_positions.to(torch.float64) - from_positions.to(torch.float64)).to(keys.device)
     angles = delta[:, None] * params.inv_freq.to(device=keys.device, dtype=torch.float64)[None, :]
     angles = torch.cat((angles, angles), dim=-1)  # [tokens, rotary_dim]
-    cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
-    rotary, passthrough = keys[..., : params.rotary_dim], keys[..., params.rotary_dim :]
-    rotated = rotary * cos + _rotate_half(rotary) * sin
+    # Rotate in at least float32 (bf16/fp16 keys lose digits otherwise), then back to the keys' dtype.
+    compute_dtype = torch.promote_types(keys.dtype, torch.float32)
+    cos, sin = angles.cos().to(compute_dtype), angles.sin().to(compute_dtype)
+    rotary, passthrough = keys[..., : params.rotary_dim].to(compute_dtype), keys[..., params.rotary_dim :]
+    rotated = (rotary * cos + _rotate_half(rotary) * sin).to(keys.dtype)
     return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
 
 

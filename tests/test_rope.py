@@ -113,3 +113,15 @@ def test_partial_rotary_passes_the_other_dims_through():
     assert torch.equal(moved[..., 8:], keys[..., 8:])
     assert not torch.allclose(moved[..., :8], keys[..., :8])
     assert moved.shape == keys.shape and moved.dtype == keys.dtype
+
+
+def test_half_precision_keys_are_rotated_in_float32():
+    params = RopeParams(inv_freq=1.0 / (10000 ** (torch.arange(0, 16, 2) / 16)), attention_scaling=1.0,
+                        rope_type="default")
+    keys = torch.randn(2, 3, 9, 16).to(torch.bfloat16)
+    from_positions, to_positions = torch.arange(9), torch.arange(9) + 1000
+    exact = rerotate_keys(keys.float(), from_positions, to_positions, params)
+    moved = rerotate_keys(keys, from_positions, to_positions, params)
+    assert moved.dtype == torch.bfloat16
+    # Only the final rounding to bfloat16 remains: within one bf16 step of the float32 result.
+    torch.testing.assert_close(moved.float(), exact, atol=0, rtol=2 ** -8)

@@ -1,7 +1,8 @@
 """TTFT of BASELINE, PREFIX_CACHE and CHUNK_KV_REUSE on SmolLM2 (CPU): a long shared context plus a new question.
 
-The context is warmed once per store; every run then asks a question never seen before, so the
-cached modes reuse the context's full chunks and prefill only the rest. TTFT counts everything from
+The context (a whole number of chunks unless --unaligned) is warmed once per store; every run then
+asks a question never seen before, so the cached modes reuse the context's full chunks and prefill
+only the rest. TTFT counts everything from
 request arrival: tokenize, hash, lookup, fetch, decode, assembly, prefill, first token. Modes are
 interleaved within each run and ratios are taken against BASELINE of the same run set. Stores: an
 in-process dict and the real cache daemon (started here unless --daemon-addr is given).
@@ -43,19 +44,32 @@ PASSAGE = (
 SUBJECTS = ("pump", "valve", "seal", "alarm", "bearing", "motor", "log", "operator", "inventory", "building")
 
 
+def context_length(prompt_tokens: int, chunk_size: int, aligned: bool) -> int:
+    """Tokens of shared context for a prompt of about prompt_tokens tokens: a whole number of chunks when
+    aligned (what Warm's chunk_boundary_aligned asks for), else whatever the question leaves."""
+    if not aligned:
+        return prompt_tokens - QUESTION_TOKENS
+    return max(chunk_size, round((prompt_tokens - QUESTION_TOKENS) / chunk_size) * chunk_size)
+
+
 def build_context(tokenizer, num_tokens: int) -> str:
-    """A handbook-like text of num_tokens tokens (give or take one where the cut re-tokenizes), ending a line."""
+    """Handbook text that tokenizes to exactly num_tokens tokens, also when a question follows it."""
     text, section = "", 0
-    while len(tokenizer(text)["input_ids"]) < num_tokens:
+    while len(tokenizer(text)["input_ids"]) < num_tokens + 200:
         section += 1
         text += PASSAGE.format(n=section)
-    return tokenizer.decode(tokenizer(text)["input_ids"][: num_tokens - 1]) + "\n"
+    ids = tokenizer(text)["input_ids"]
+    for start in range(200):  # a cut whose tokens survive re-tokenizing next to the question
+        context = tokenizer.decode(ids[start : start + num_tokens])
+        if tokenizer(context + question(0))["input_ids"][:num_tokens] == ids[start : start + num_tokens]:
+            return context
+    raise RuntimeError(f"no cut of the handbook keeps its {num_tokens} tokens")
 
 
 def question(run: int) -> str:
-    """A question no earlier run asked (about QUESTION_TOKENS tokens)."""
+    """A question no earlier run asked (about QUESTION_TOKENS tokens), starting a new line."""
     subject = SUBJECTS[run % len(SUBJECTS)]
-    return (f"Question {run * 7919 % 10007}: according to the handbook, how often is the {subject} checked, "
+    return (f"\nQuestion {run * 7919 % 10007}: according to the handbook, how often is the {subject} checked, "
             "who records it, and where is it kept? Answer:")
 
 
@@ -145,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--daemon-addr", help="a running cache daemon (default: start one here)")
     parser.add_argument("--no-daemon", action="store_true", help="in-process store only")
     parser.add_argument("--quick", action="store_true", help="512 and 1600 tokens only")
+    parser.add_argument("--unaligned", action="store_true",
+                        help="context of prompt length minus the question, not a whole number of chunks")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
@@ -162,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         if daemon is not None:
             stores["daemon"] = daemon
         for length in lengths:
-            context = build_context(loaded.tokenizer, length - QUESTION_TOKENS)
+            context = build_context(loaded.tokenizer, context_length(length, args.chunk_size, not args.unaligned))
             for store, cache in stores.items():
                 engine = Engine(loaded.model, loaded.tokenizer, config, cache, model_id=loaded.model_id)
                 # Warm-up request: first-call allocations and lazy imports stay out of the medians.

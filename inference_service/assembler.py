@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from dataclasses import dataclass, field
+from typing import Iterator, TypeVar
 
 import torch
 
@@ -12,6 +15,9 @@ from inference_service.prompts import PromptPlan
 from inference_service.runner import KVGeometry, allocate_kv
 
 logger = logging.getLogger(__name__)
+
+_DONE = object()  # marks the end of a prefetched stream
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -73,13 +79,14 @@ def fetch_prefix_run(
     chunks = prompt.chunks.chunks[:run]
     keys, values = buffers
     shape = (keys.shape[0], keys.shape[1], chunks[-1].end, keys.shape[3])
+    verify = not getattr(cache, "verifies_blobs", False)  # one checksum per blob is enough
     num_placed = num_bytes = 0
     degraded = False
     blobs = None
     try:
-        blobs = cache.fetch(list(prompt.prefix_keys[:run]))
+        blobs = prefetched(cache.fetch(list(prompt.prefix_keys[:run])))
         for chunk, expected_key, (key, blob) in zip(chunks, prompt.prefix_keys, blobs):
-            decoded = _decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape)
+            decoded = _decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify)
             if decoded is None:
                 break
             keys[:, :, chunk.start : chunk.end].copy_(decoded.keys)
@@ -99,13 +106,52 @@ def fetch_prefix_run(
                             degraded=degraded)
 
 
-def _decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: int, shape: tuple[int, ...]):
+def prefetched(items: Iterator[T]) -> Iterator[T]:
+    """Iterates `items` on a helper thread, ahead of the consumer.
+
+    Receiving the next blob (network, parsing, checksum) then overlaps decoding and copying the current
+    one; the queue holds at most the run's blobs, which the consumer copies out anyway. An exception
+    raised by `items` reaches the consumer in order. When the consumer stops early, the helper stops
+    after the item it is receiving and closes `items` (ending the stream) on its own thread.
+    """
+    ready: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def drain() -> None:
+        try:
+            for item in items:
+                if stop.is_set():
+                    break
+                ready.put((item, None))
+            ready.put((_DONE, None))
+        except BaseException as error:  # handed to the consumer, never lost on this thread
+            ready.put((_DONE, error))
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    threading.Thread(target=drain, name="kvboost-fetch", daemon=True).start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            if item is _DONE:
+                return
+            yield item
+    finally:
+        stop.set()
+
+
+def _decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: int, shape: tuple[int, ...],
+                verify: bool):
     """The decoded chunk, or None (logged) when the blob cannot stand for this chunk."""
     if blob is None or key != expected_key:
         logger.info("chunk at position %d missing at fetch (evicted since lookup?)", start)
         return None
     try:
-        decoded = decode_chunk(blob)
+        decoded = decode_chunk(blob, verify=verify)
     except BlobError as error:
         logger.warning("chunk at position %d could not be decoded, recomputing from there: %s", start, error)
         return None

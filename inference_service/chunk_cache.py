@@ -34,6 +34,9 @@ class StoreItem:
 
 class ChunkCache(Protocol):
     degraded: bool  # True while the backend is unreachable
+    # Optional, read with getattr(cache, "verifies_blobs", False): True when fetch already checked every
+    # blob it returns against a checksum taken over the same bytes when they were stored, so the engine
+    # need not run the blob's own CRC-32 a second time.
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None) -> LookupResult:
         """Which chunks are stored; moves no blob bytes. Raises CacheUnavailable."""

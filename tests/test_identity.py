@@ -57,6 +57,17 @@ def identity_cases(tokenizer) -> list[dict]:
     return cases
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Small-batch forwards gain little from a second thread and lose a lot when cores are shared."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def daemon_cache(tmp_path_factory):
     from tests.conftest import pick_free_port

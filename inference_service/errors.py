@@ -11,7 +11,7 @@ class InvalidRequest(EngineError):
 
 
 class PromptTooLong(EngineError):
-    """The prompt has more tokens than the server accepts (OUT_OF_RANGE)."""
+    """The prompt has more tokens than the server accepts (INVALID_ARGUMENT, with a hint)."""
 
     def __init__(self, num_tokens: int, max_tokens: int) -> None:
         super().__init__(f"prompt has {num_tokens} tokens; at most {max_tokens} are accepted")

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import zlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import grpc
 
 from inference_service.chunk_cache import CacheUnavailable, LookupResult, StoreItem
+from inference_service.checksum import crc32
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,9 @@ class GrpcChunkCache:
     once, without touching the network; a background thread probes a fresh channel at most once
     per `reconnect_interval_s` and clears `degraded` when the daemon answers.
     """
+
+    # fetch() checks every blob against the CRC-32 the daemon stored with it, so the engine skips its own.
+    verifies_blobs = True
 
     def __init__(self, options: CacheClientOptions) -> None:
         self.options = options
@@ -176,7 +179,7 @@ def iter_store_frames(items: Iterable[StoreItem]) -> Iterator[cache_pb2.ChunkFra
     for item in items:
         meta = cache_pb2.ChunkMeta(
             key=item.key, namespace=item.namespace, content_key=item.content_key or b"",
-            num_tokens=item.num_tokens, size_bytes=len(item.blob), checksum=zlib.crc32(item.blob), pinned=item.pin,
+            num_tokens=item.num_tokens, size_bytes=len(item.blob), checksum=crc32(item.blob), pinned=item.pin,
         )
         yield cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=meta))
         view = memoryview(item.blob)
@@ -202,7 +205,7 @@ def reassemble_chunks(frames: Iterable[cache_pb2.ChunkFrame], keys: list[bytes])
             yield expected_key, None
             continue
         blob = _read_blob(frames, meta.size_bytes, expected_key)
-        if zlib.crc32(blob) != meta.checksum:
+        if crc32(blob) != meta.checksum:
             logger.warning("chunk %s failed its CRC-32 on the wire: treated as a miss", expected_key.hex()[:16])
             yield expected_key, None
             continue

@@ -4,12 +4,12 @@ from __future__ import annotations
 import struct
 import sys
 import warnings
-import zlib
 from dataclasses import dataclass
 from typing import Union
 
 import torch
 
+from inference_service.checksum import crc32
 from inference_service.quant import (
     QuantizedTensor,
     dequantize,
@@ -216,7 +216,7 @@ def _layout(dtype: str, bits: int, shape: tuple[int, ...], group_size: int) -> l
 
 def _checksum(view: memoryview) -> int:
     """CRC-32 over the header without its checksum field, then the payload."""
-    return zlib.crc32(view[HEADER_SIZE:], zlib.crc32(view[:_CHECKSUM_OFFSET]))
+    return crc32(view[HEADER_SIZE:], crc32(view[:_CHECKSUM_OFFSET]))
 
 
 def _payload_tensor(view: memoryview, payload_bytes: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from cache_daemon.errors import StartupError
 from cache_daemon.interceptors import RequestContextInterceptor
 from cache_daemon.metrics import start_metrics_server
 from cache_daemon.servicer import CacheServicer, add_cache_servicer
+from cache_daemon.undecodable import UndecodableRequestInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ def build_server(config: DaemonConfig, cache: ChunkCache,
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestContextInterceptor()]
     if config.auth_token_file is not None:
         interceptors.append(BearerTokenInterceptor(load_token(config.auth_token_file)))
+    interceptors.append(UndecodableRequestInterceptor())  # innermost: unauthenticated calls are refused first
     server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
     add_cache_servicer(CacheServicer(cache), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

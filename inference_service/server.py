@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_service.config import ServiceConfig
 from inference_service.servicer import InferenceServicer
+from inference_service.undecodable import UndecodableRequestInterceptor
 from inference_service.worker import ModelWorker
 from kvboost.v1 import inference_pb2, inference_pb2_grpc
 
@@ -78,7 +79,9 @@ def build_server(config: ServiceConfig, engine: Any = None, cache: Any = None) -
     """
     cache = cache if cache is not None else getattr(engine, "cache", None)
     token = config.auth_token()
+    # The undecodable-request check is innermost: unauthenticated calls are refused first.
     interceptors = [BearerTokenInterceptor(token)] if token else []
+    interceptors.append(UndecodableRequestInterceptor())
     options = [("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES)]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     servicer = InferenceServicer(ModelWorker(config.max_queue), config.cache_addr, engine)

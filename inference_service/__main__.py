@@ -51,6 +51,11 @@ def load_engine(config: ServiceConfig, cache: ChunkCache) -> Any:
         max_prompt_tokens=config.max_prompt_tokens or None,
         default_mode=config.default_mode,
         default_recompute_strategy=config.recompute_strategy,
+        recompute_ratio=config.recompute_ratio,
+        selective_tokens=config.selective_tokens,
+        sink_tokens=config.sink_tokens,
+        overlap_tokens=config.overlap_tokens,
+        kv_group_size=config.kv_group_size,
     )
     if isinstance(cache, GrpcChunkCache) and cache.check():
         logger.info("cache daemon at %s answers", cache.address)

@@ -31,6 +31,11 @@ class ServiceConfig:
     strict: bool = True  # refuse architectures whose K/V cannot be reused correctly
     default_mode: str = "chunk_kv_reuse"
     recompute_strategy: str = "selective"
+    recompute_ratio: float = 0.15
+    selective_tokens: int = 16
+    sink_tokens: int = 0
+    overlap_tokens: int = 0
+    kv_group_size: int = 128
     max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
     max_new_tokens: int = 4096
     max_prompt_tokens: int = 0  # 0: the model's context length
@@ -52,6 +57,11 @@ class ServiceConfig:
         _require(self.kv_cache_bits in (4, 8, 16), f"--kv-cache-bits must be 4, 8 or 16, got {self.kv_cache_bits}")
         _require(self.default_mode in MODES, f"--default-mode must be one of {MODES}, got {self.default_mode!r}")
         _require(self.recompute_strategy in RECOMPUTE_STRATEGIES, f"--recompute-strategy must be one of {RECOMPUTE_STRATEGIES}, got {self.recompute_strategy!r}")
+        _require(0.0 < self.recompute_ratio <= 1.0, f"--recompute-ratio must be in (0, 1], got {self.recompute_ratio}")
+        _require(self.selective_tokens >= 0, f"--selective-tokens must be >= 0, got {self.selective_tokens}")
+        _require(self.sink_tokens >= 0, f"--sink-tokens must be >= 0, got {self.sink_tokens}")
+        _require(self.overlap_tokens >= 0, f"--overlap-k must be >= 0, got {self.overlap_tokens}")
+        _require(self.kv_group_size > 0, f"--kv-group-size must be positive, got {self.kv_group_size}")
         _require(self.max_queue > 0, f"--max-queue must be positive, got {self.max_queue}")
         _require(self.max_new_tokens > 0, f"--max-new-tokens must be positive, got {self.max_new_tokens}")
         _require(self.max_prompt_tokens >= 0, f"--max-prompt-tokens must be >= 0, got {self.max_prompt_tokens}")
@@ -130,6 +140,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--no-strict", dest="strict", action="store_false", default=not default("NO_STRICT", False), help="try unsupported architectures anyway (KVBOOST_NO_STRICT=1; strict check now: %(default)s)")
     add("--default-mode", default=default("DEFAULT_MODE", defaults.default_mode), choices=MODES, help="mode for requests that name none (KVBOOST_DEFAULT_MODE)")
     add("--recompute-strategy", default=default("RECOMPUTE_STRATEGY", defaults.recompute_strategy), choices=RECOMPUTE_STRATEGIES, help="default repair of content hits (KVBOOST_RECOMPUTE_STRATEGY)")
+    add("--recompute-ratio", type=float, default=default("RECOMPUTE_RATIO", defaults.recompute_ratio), help="cacheblend: share of content-hit tokens recomputed in the later layers, (0, 1] (KVBOOST_RECOMPUTE_RATIO)")
+    add("--selective-tokens", type=int, default=default("SELECTIVE_TOKENS", defaults.selective_tokens), help="selective: content-hit tokens recomputed after each seam (KVBOOST_SELECTIVE_TOKENS)")
+    add("--sink-tokens", type=int, default=default("SINK_TOKENS", defaults.sink_tokens), help="selective, cacheblend: content-hit tokens among the first N of a prompt are always recomputed (KVBOOST_SINK_TOKENS)")
+    add("--overlap-k", dest="overlap_tokens", type=int, default=default("OVERLAP_K", defaults.overlap_tokens), help="the first K tokens of every content-hit run are recomputed with their real left context, whatever the strategy (KVBOOST_OVERLAP_K)")
+    add("--kv-group-size", type=int, default=default("KV_GROUP_SIZE", defaults.kv_group_size), help="quantization group at 8 and 4 bits: tokens per key scale, channels per value scale (KVBOOST_KV_GROUP_SIZE)")
     add("--max-queue", type=int, default=default("MAX_QUEUE", defaults.max_queue), help="requests waiting for the model before RESOURCE_EXHAUSTED (KVBOOST_MAX_QUEUE)")
     add("--max-new-tokens", type=int, default=default("MAX_NEW_TOKENS", defaults.max_new_tokens), help="largest max_new_tokens a request may ask for (KVBOOST_MAX_NEW_TOKENS)")
     add("--max-prompt-tokens", type=int, default=default("MAX_PROMPT_TOKENS", defaults.max_prompt_tokens), help="longest prompt accepted; 0 = the model's context (KVBOOST_MAX_PROMPT_TOKENS)")

@@ -28,6 +28,7 @@ class PlacedPrompt:
     seams: torch.Tensor  # [n] starts of content-hit runs that do not continue a stored run
     num_content_chunks: int
     num_bytes_fetched: int
+    degraded: bool = False  # the cache became unreachable while fetching content hits
 
 
 @dataclass(slots=True)
@@ -43,6 +44,7 @@ class ContentPrefill:
     key_buffer: torch.Tensor  # [layers, kv_heads, capacity, head_dim]; rows [0, S) repaired, held by `cache`
     value_buffer: torch.Tensor
     num_exact_tokens: int  # tokens [0, n) have exact K/V: only chunks inside may be stored
+    degraded: bool = False  # the cache became unreachable while fetching content hits
 
 
 def place_content_hits(
@@ -54,10 +56,15 @@ def place_content_hits(
     device: torch.device,
     dtype: torch.dtype,
     capacity: int,
+    overlap_tokens: int = 0,
 ) -> PlacedPrompt | None:
     """Lays every content hit after the prefix run (APPROX, keys re-rotated from the position they were
     computed at) into the context's buffers, next to the prefix run (EXACT). None when no content hit
     could be placed.
+
+    overlap_tokens: the first N tokens of every stored run placed (each seam) are left MISSING, so they
+    are recomputed with their real left context whatever the repair strategy; the stored run then
+    starts N tokens later, where its K/V had N tokens of its own left context when it was computed.
 
     Never raises for cache trouble: a chunk that cannot be fetched, decoded or re-rotated stays
     MISSING; an unreachable cache keeps the hits placed before it.
@@ -71,6 +78,7 @@ def place_content_hits(
     hits = sorted((i, key) for i, key in context.content_hits.items() if i >= context.num_cached_chunks)
     seams: list[int] = []
     num_placed = num_bytes = 0
+    degraded = False
     previous: tuple[int, int] | None = None  # (chunk index, stored end position) of the last placed hit
     try:
         for (index, expected_key), (key, blob) in zip(hits, cache.fetch([key for _, key in hits])):
@@ -98,11 +106,17 @@ def place_content_hits(
             num_bytes += len(blob)
     except CacheUnavailable as error:
         logger.warning("cache unavailable during content fetch, %d of %d hits placed: %s", num_placed, len(hits), error)
+        degraded = True
     if num_placed == 0:
         return None
+    if overlap_tokens:
+        for seam in seams:
+            window = status[seam : seam + overlap_tokens]
+            window[window == APPROX] = MISSING
+        seams = [seam + overlap_tokens for seam in seams]  # where the reused part of each run now starts
     status[-1] = MISSING  # the last token always runs, so there are logits
-    seams_tensor = torch.tensor(seams, dtype=torch.long, device=device)
-    return PlacedPrompt(key_buffer, value_buffer, status, seams_tensor, num_placed, num_bytes)
+    seams_tensor = torch.tensor([s for s in seams if s < prompt.num_tokens], dtype=torch.long, device=device)
+    return PlacedPrompt(key_buffer, value_buffer, status, seams_tensor, num_placed, num_bytes, degraded)
 
 
 def prefill_with_content_hits(
@@ -114,6 +128,7 @@ def prefill_with_content_hits(
     rope: RopeParams | None,
     options: RepairOptions,
     capacity: int,
+    overlap_tokens: int = 0,
 ) -> ContentPrefill | None:
     """Places the content hits after the prefix run and prefills the rest with repair.
 
@@ -123,7 +138,8 @@ def prefill_with_content_hits(
     """
     if rope is None or not context.content_hits:
         return None
-    placed = place_content_hits(cache, prompt, context, geometry, rope, model.device, model.dtype, capacity)
+    placed = place_content_hits(cache, prompt, context, geometry, rope, model.device, model.dtype, capacity,
+                                overlap_tokens)
     if placed is None:
         return None
     num_tokens = prompt.num_tokens
@@ -143,6 +159,7 @@ def prefill_with_content_hits(
         key_buffer=placed.key_buffer,
         value_buffer=placed.value_buffer,
         num_exact_tokens=exact_prefix_length(placed.status),
+        degraded=placed.degraded,
     )
 
 

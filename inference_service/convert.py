@@ -58,6 +58,7 @@ def generation_params(request: pb.GenerateRequest, arrival: float | None = None)
         recompute_strategy=strategy_name(request.recompute_strategy),
         recompute_ratio=request.recompute_ratio if request.HasField("recompute_ratio") else None,
         selective_tokens=request.selective_tokens if request.HasField("selective_tokens") else None,
+        sink_tokens=request.sink_tokens if request.HasField("sink_tokens") else None,
         request_id=new_request_id(request.request_id),
         arrival=time.perf_counter() if arrival is None else arrival,
     )

@@ -11,6 +11,7 @@ import torch
 from inference_service import codec
 from inference_service.assembler import AssembledContext, assemble_context, empty_context
 from inference_service.chunk_cache import ChunkCache
+from inference_service.content_reuse import exact_pending_chunks, prefill_with_content_hits
 from inference_service.detokenizer import IncrementalDetokenizer
 from inference_service.engine_types import (
     EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome,
@@ -18,6 +19,8 @@ from inference_service.engine_types import (
 from inference_service.errors import InvalidRequest, PromptTooLong
 from inference_service.generation import DecodeResult, OnToken, SamplingSettings, decode_loop, eos_token_ids
 from inference_service.keys import NamespaceSpec, namespace_digest
+from inference_service.repair import RepairOptions
+from inference_service.rope import RopeParams, UnsupportedRope, rope_parameters
 from inference_service.prompts import (
     PromptPlan, plan_prompt, tokenize_document, tokenize_messages, tokenize_prompt, tokenize_segments,
 )
@@ -70,7 +73,8 @@ class Engine:
         ))
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.counters = EngineStats()
-        self._writeback = WriteBack(cache, config.kv_cache_bits, self.counters.add_stored)
+        self._writeback = WriteBack(cache, config.kv_cache_bits, self.counters.add_stored, config.kv_group_size)
+        self.rope = _rope_or_none(model.config)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -95,7 +99,8 @@ class Engine:
             return self._outcome(params, mode, prompt, None, _cancelled_before_start()), None
         room = max(1, self.geometry.max_context - prompt.num_tokens)
         max_new_tokens = min(params.max_new_tokens, room)
-        prefilled = self._prefill(prompt, mode, prompt.num_tokens + max_new_tokens, params.request_id)
+        prefilled = self._prefill(prompt, mode, prompt.num_tokens + max_new_tokens, params.request_id,
+                                  self.repair_options(params))
         decoded = decode_loop(
             self.model, prefilled.cache, prefilled.first_logits, prompt.num_tokens,
             IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params.stop),
@@ -124,13 +129,46 @@ class Engine:
             raise PromptTooLong(num_tokens, self.max_prompt_tokens)
         return plan_prompt(self.namespace, segments, self.config.chunk_size)
 
-    def _prefill(self, prompt: PromptPlan, mode: str, capacity: int, request_id: str) -> _Prefilled:
-        """Reuses what the cache has, then runs the rest of the prompt; capacity: prompt plus new tokens."""
+    def repair_options(self, params: GenerationParams | None = None) -> RepairOptions:
+        """The request's repair of content hits, the server's defaults where it names none."""
+        config = self.config
+
+        def pick(name: str, default):
+            given = getattr(params, name, None)
+            return default if given is None else given
+
+        return RepairOptions(
+            strategy=pick("recompute_strategy", config.default_recompute_strategy),
+            recompute_ratio=pick("recompute_ratio", config.recompute_ratio),
+            selective_tokens=pick("selective_tokens", config.selective_tokens),
+            sink_tokens=pick("sink_tokens", config.sink_tokens),
+            check_layers=min(config.check_layers, max(1, self.geometry.num_layers - 1)),
+        )
+
+    def _prefill(self, prompt: PromptPlan, mode: str, capacity: int, request_id: str,
+                 repair: RepairOptions | None = None) -> _Prefilled:
+        """Reuses what the cache has, then runs the rest of the prompt; capacity: prompt plus new tokens.
+
+        In chunk_kv_reuse mode, content hits after the prefix run are re-rotated, placed and repaired
+        by `repair` (the server's defaults when None) in the same pass that computes the missing tokens.
+        """
         if mode == "baseline":
             context = empty_context()
         else:
             context = assemble_context(self.cache, self.namespace, prompt, self.geometry, self.device, self.dtype,
                                        capacity, with_content_hits=mode == "chunk_kv_reuse")
+        if mode == "chunk_kv_reuse" and context.content_hits and not context.degraded:
+            reused = prefill_with_content_hits(self.model, self.cache, prompt, context, self.geometry, self.rope,
+                                               repair or self.repair_options(),
+                                               capacity, overlap_tokens=self.config.overlap_tokens)
+            if reused is not None:
+                pending = exact_pending_chunks(self.namespace, prompt, context, reused, request_id)
+                context.num_recomputed_tokens = reused.num_recomputed_tokens
+                context.num_bytes_fetched += reused.num_bytes_fetched
+                context.num_cached_chunks += reused.num_content_chunks
+                context.degraded = reused.degraded
+                return _Prefilled(prompt, context, reused.num_cached_tokens, reused.cache, reused.first_logits,
+                                  None if reused.degraded else pending)
         # At least the last prompt token is always run, so there are logits to start from.
         num_cached = min(context.num_cached_tokens, prompt.num_tokens - 1)
         buffers = (context.key_buffer, context.value_buffer)
@@ -263,6 +301,15 @@ class Engine:
     def close(self) -> None:
         """Finishes queued write-backs and stops the write-back thread."""
         self._writeback.close()
+
+
+def _rope_or_none(config) -> RopeParams | None:
+    """The model's rotary parameters, or None (content hits then fall back to prefix reuse only)."""
+    try:
+        return rope_parameters(config)
+    except (UnsupportedRope, AttributeError, KeyError) as error:
+        logger.info("content hits will not be reused by this model: %s", error)
+        return None
 
 
 def _cancelled_before_start() -> DecodeResult:

@@ -29,6 +29,10 @@ class EngineConfig:
     default_recompute_strategy: str = "selective"
     recompute_ratio: float = 0.15
     selective_tokens: int = 16
+    sink_tokens: int = 0  # content-hit tokens among the first N of a prompt are always recomputed
+    overlap_tokens: int = 0  # the first N tokens of every content-hit run are recomputed with their real left context
+    check_layers: int = 1  # cacheblend: leading layers run on every non-exact token to measure deviation
+    kv_group_size: int = 128  # quantization group (tokens for keys, channels for values) at 8 and 4 bits
 
     def __post_init__(self) -> None:
         assert self.chunk_size > 0, f"chunk_size must be positive, got {self.chunk_size}"
@@ -40,6 +44,10 @@ class EngineConfig:
             f"default_recompute_strategy must be one of {RECOMPUTE_STRATEGIES}, got {self.default_recompute_strategy!r}")
         assert 0.0 < self.recompute_ratio <= 1.0, f"recompute_ratio must be in (0, 1], got {self.recompute_ratio}"
         assert self.selective_tokens >= 0, f"selective_tokens must be >= 0, got {self.selective_tokens}"
+        assert self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}"
+        assert self.overlap_tokens >= 0, f"overlap_tokens must be >= 0, got {self.overlap_tokens}"
+        assert self.check_layers >= 1, f"check_layers must be >= 1, got {self.check_layers}"
+        assert self.kv_group_size > 0, f"kv_group_size must be positive, got {self.kv_group_size}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +67,7 @@ class GenerationParams:
     recompute_strategy: str | None = None
     recompute_ratio: float | None = None
     selective_tokens: int | None = None
+    sink_tokens: int | None = None
     request_id: str = ""
     arrival: float = field(default_factory=time.perf_counter)  # time.perf_counter() when the request arrived
 
@@ -85,6 +94,7 @@ class GenerationParams:
                  f"recompute_ratio must be in (0, 1], got {self.recompute_ratio}")
         _require(self.selective_tokens is None or self.selective_tokens >= 0,
                  f"selective_tokens must be >= 0, got {self.selective_tokens}")
+        _require(self.sink_tokens is None or self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
 
 
 @dataclass(slots=True)

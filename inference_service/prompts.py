@@ -43,8 +43,9 @@ def tokenize_segments(tokenizer, segments: Sequence[str]) -> list[list[int]]:
 
 
 def tokenize_document(tokenizer, text: str) -> list[list[int]]:
-    """A document as it appears as a later segment: alone, without special tokens."""
-    return [list(tokenizer(text, add_special_tokens=False)["input_ids"])]
+    """A document as it appears as a later, not final, segment: alone, without special tokens, followed
+    by an empty segment so its partial last chunk is a chunk (stored and content-keyed) as it is there."""
+    return [list(tokenizer(text, add_special_tokens=False)["input_ids"]), []]
 
 
 def plan_prompt(namespace: Namespace, segments: Sequence[Sequence[int]], chunk_size: int) -> PromptPlan:

@@ -35,11 +35,14 @@ class PendingChunks:
         assert all(chunk.start >= self.kv_start for chunk in self.chunks), "every chunk lies in the prefill's tokens"
 
 
-def encode_pending(pending: PendingChunks, bits: int) -> list[StoreItem]:
+DEFAULT_GROUP_SIZE = 128  # quantization group at 8 and 4 bits; ~1.9x fewer bytes than 16 bits at 8
+
+
+def encode_pending(pending: PendingChunks, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> list[StoreItem]:
     items = []
     for chunk, key, content in zip(pending.chunks, pending.prefix_keys, pending.content_keys):
         keys, values = stack_layers(pending.new_kv, chunk.start - pending.kv_start, chunk.end - pending.kv_start)
-        blob = encode_chunk(keys, values, chunk.start, bits=bits)
+        blob = encode_chunk(keys, values, chunk.start, bits=bits, group_size=group_size)
         items.append(StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin))
     return items
 
@@ -47,9 +50,11 @@ def encode_pending(pending: PendingChunks, bits: int) -> list[StoreItem]:
 class WriteBack:
     """One worker thread, so stores happen in submission order and never compete with each other."""
 
-    def __init__(self, cache: ChunkCache, bits: int, on_stored: Callable[[int, int], None]) -> None:
+    def __init__(self, cache: ChunkCache, bits: int, on_stored: Callable[[int, int], None],
+                 group_size: int = DEFAULT_GROUP_SIZE) -> None:
         self._cache = cache
         self._bits = bits
+        self._group_size = group_size
         self._on_stored = on_stored  # (chunks stored, bytes stored)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-writeback")
         self._pending: set[Future] = set()
@@ -71,7 +76,7 @@ class WriteBack:
             CacheUnavailable: the cache cannot be reached.
         """
         with torch.inference_mode():
-            items = encode_pending(pending, self._bits)
+            items = encode_pending(pending, self._bits, self._group_size)
         stored = self._cache.store(items)
         self._on_stored(stored, sum(len(item.blob) for item in items))
         return stored

@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvboost/v1/inference.proto\x12\nkvboost.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc6\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvboost.v1.ChatMessage\x12\x10\n\x08segments\x18\x03 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x1e\n\x04mode\x18\x05 \x01(\x0e\x32\x10.kvboost.v1.Mode\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x39\n\x12recompute_strategy\x18\x0b \x01(\x0e\x32\x1d.kvboost.v1.RecomputeStrategy\x12\x1c\n\x0frecompute_ratio\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10selective_tokens\x18\r \x01(\rH\x04\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0e \x01(\tB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x12\n\x10_recompute_ratioB\x13\n\x11_selective_tokens\"\xd4\x02\n\x10GenerationResult\x12\x13\n\x0boutput_text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x16\n\x0etokens_per_sec\x18\x05 \x01(\x01\x12\x16\n\x0ekv_reuse_ratio\x18\x06 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x19\n\x11recomputed_tokens\x18\t \x01(\r\x12\x1e\n\x04mode\x18\n \x01(\x0e\x32\x10.kvboost.v1.Mode\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\x18\n\x10output_token_ids\x18\x0c \x03(\r\x12\x10\n\x08\x64\x65graded\x18\r \x01(\x08\x12\x12\n\nrequest_id\x18\x0e \x01(\t\"^\n\rGenerateEvent\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x06result\x18\x03 \x01(\x0b\x32\x1c.kvboost.v1.GenerationResult\"E\n\x14GenerateBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.kvboost.v1.GenerateRequest\"C\n\x12GenerateBatchReply\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.kvboost.v1.GenerationResult\"n\n\x0bWarmRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x19\n\x11\x63ontent_addressed\x18\x02 \x01(\x08\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvboost.v1.ChatMessage\x12\x0b\n\x03pin\x18\x04 \x01(\x08\"\xa4\x01\n\nWarmResult\x12\x15\n\rchunks_stored\x18\x01 \x01(\r\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x1e\n\x16\x63hunk_boundary_aligned\x18\x04 \x01(\x08\x12\x1b\n\x13partial_tail_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x61lignment_warning\x18\x06 \x01(\t\"X\n\rVerifyRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x1e\n\x04mode\x18\x03 \x01(\x0e\x32\x10.kvboost.v1.Mode\"\xd4\x01\n\x12PromptVerification\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x17\n\x0ftoken_identical\x18\x02 \x01(\x08\x12\x1a\n\x12\x66irst_token_cosine\x18\x03 \x01(\x01\x12\x16\n\x0e\x66irst_token_kl\x18\x04 \x01(\x01\x12\x1e\n\x16matching_prefix_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x15\n\rbaseline_text\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63hed_text\x18\x08 \x01(\t\"a\n\x0cVerifyReport\x12/\n\x07prompts\x18\x01 \x03(\x0b\x32\x1e.kvboost.v1.PromptVerification\x12\x11\n\tidentical\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\"\x15\n\x13ServiceStatsRequest\"\xb0\x02\n\x11ServiceStatsReply\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x10\n\x08rejected\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\x05 \x01(\x04\x12\x16\n\x0e\x63hunks_fetched\x18\x06 \x01(\x04\x12\x15\n\rchunks_stored\x18\x07 \x01(\x04\x12\x15\n\rbytes_fetched\x18\x08 \x01(\x04\x12\x14\n\x0c\x62ytes_stored\x18\t \x01(\x04\x12\x10\n\x08\x64\x65graded\x18\n \x01(\x08\x12\x15\n\rcache_address\x18\x0b \x01(\t\x12\x13\n\x0bqueue_depth\x18\x0c \x01(\r\x12\x14\n\x0cmean_ttft_ms\x18\r \x01(\x01\"\x12\n\x10ModelInfoRequest\"\xaa\x02\n\x0eModelInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x12\n\nchunk_size\x18\t \x01(\r\x12\x15\n\rkv_cache_bits\x18\n \x01(\r\x12\x15\n\rnamespace_hex\x18\x0b \x01(\t\x12\x41\n\x1a\x64\x65\x66\x61ult_recompute_strategy\x18\x0c \x01(\x0e\x32\x1d.kvboost.v1.RecomputeStrategy*P\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x42\x41SELINE\x10\x01\x12\x10\n\x0cPREFIX_CACHE\x10\x02\x12\x12\n\x0e\x43HUNK_KV_REUSE\x10\x03*`\n\x11RecomputeStrategy\x12\"\n\x1eRECOMPUTE_STRATEGY_UNSPECIFIED\x10\x00\x12\x08\n\x04NONE\x10\x01\x12\r\n\tSELECTIVE\x10\x02\x12\x0e\n\nCACHEBLEND\x10\x03\x32\x90\x04\n\x10InferenceService\x12\x44\n\x08Generate\x12\x1b.kvboost.v1.GenerateRequest\x1a\x19.kvboost.v1.GenerateEvent0\x01\x12Q\n\rGenerateBatch\x12 .kvboost.v1.GenerateBatchRequest\x1a\x1e.kvboost.v1.GenerateBatchReply\x12P\n\x0cGenerateMany\x12 .kvboost.v1.GenerateBatchRequest\x1a\x1e.kvboost.v1.GenerateBatchReply\x12\x37\n\x04Warm\x12\x17.kvboost.v1.WarmRequest\x1a\x16.kvboost.v1.WarmResult\x12H\n\x11VerifyCorrectness\x12\x19.kvboost.v1.VerifyRequest\x1a\x18.kvboost.v1.VerifyReport\x12G\n\x05Stats\x12\x1f.kvboost.v1.ServiceStatsRequest\x1a\x1d.kvboost.v1.ServiceStatsReply\x12\x45\n\tModelInfo\x12\x1c.kvboost.v1.ModelInfoRequest\x1a\x1a.kvboost.v1.ModelInfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvboost/v1/inference.proto\x12\nkvboost.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf0\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvboost.v1.ChatMessage\x12\x10\n\x08segments\x18\x03 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x1e\n\x04mode\x18\x05 \x01(\x0e\x32\x10.kvboost.v1.Mode\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x39\n\x12recompute_strategy\x18\x0b \x01(\x0e\x32\x1d.kvboost.v1.RecomputeStrategy\x12\x1c\n\x0frecompute_ratio\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10selective_tokens\x18\r \x01(\rH\x04\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0e \x01(\t\x12\x18\n\x0bsink_tokens\x18\x0f \x01(\rH\x05\x88\x01\x01\x42\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x12\n\x10_recompute_ratioB\x13\n\x11_selective_tokensB\x0e\n\x0c_sink_tokens\"\xd4\x02\n\x10GenerationResult\x12\x13\n\x0boutput_text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x16\n\x0etokens_per_sec\x18\x05 \x01(\x01\x12\x16\n\x0ekv_reuse_ratio\x18\x06 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x19\n\x11recomputed_tokens\x18\t \x01(\r\x12\x1e\n\x04mode\x18\n \x01(\x0e\x32\x10.kvboost.v1.Mode\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\x18\n\x10output_token_ids\x18\x0c \x03(\r\x12\x10\n\x08\x64\x65graded\x18\r \x01(\x08\x12\x12\n\nrequest_id\x18\x0e \x01(\t\"^\n\rGenerateEvent\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x06result\x18\x03 \x01(\x0b\x32\x1c.kvboost.v1.GenerationResult\"E\n\x14GenerateBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.kvboost.v1.GenerateRequest\"C\n\x12GenerateBatchReply\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.kvboost.v1.GenerationResult\"n\n\x0bWarmRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x19\n\x11\x63ontent_addressed\x18\x02 \x01(\x08\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvboost.v1.ChatMessage\x12\x0b\n\x03pin\x18\x04 \x01(\x08\"\xa4\x01\n\nWarmResult\x12\x15\n\rchunks_stored\x18\x01 \x01(\r\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x1e\n\x16\x63hunk_boundary_aligned\x18\x04 \x01(\x08\x12\x1b\n\x13partial_tail_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x61lignment_warning\x18\x06 \x01(\t\"X\n\rVerifyRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x1e\n\x04mode\x18\x03 \x01(\x0e\x32\x10.kvboost.v1.Mode\"\xd4\x01\n\x12PromptVerification\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x17\n\x0ftoken_identical\x18\x02 \x01(\x08\x12\x1a\n\x12\x66irst_token_cosine\x18\x03 \x01(\x01\x12\x16\n\x0e\x66irst_token_kl\x18\x04 \x01(\x01\x12\x1e\n\x16matching_prefix_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x15\n\rbaseline_text\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63hed_text\x18\x08 \x01(\t\"a\n\x0cVerifyReport\x12/\n\x07prompts\x18\x01 \x03(\x0b\x32\x1e.kvboost.v1.PromptVerification\x12\x11\n\tidentical\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\"\x15\n\x13ServiceStatsRequest\"\xb0\x02\n\x11ServiceStatsReply\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x10\n\x08rejected\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\x05 \x01(\x04\x12\x16\n\x0e\x63hunks_fetched\x18\x06 \x01(\x04\x12\x15\n\rchunks_stored\x18\x07 \x01(\x04\x12\x15\n\rbytes_fetched\x18\x08 \x01(\x04\x12\x14\n\x0c\x62ytes_stored\x18\t \x01(\x04\x12\x10\n\x08\x64\x65graded\x18\n \x01(\x08\x12\x15\n\rcache_address\x18\x0b \x01(\t\x12\x13\n\x0bqueue_depth\x18\x0c \x01(\r\x12\x14\n\x0cmean_ttft_ms\x18\r \x01(\x01\"\x12\n\x10ModelInfoRequest\"\xaa\x02\n\x0eModelInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x12\n\nchunk_size\x18\t \x01(\r\x12\x15\n\rkv_cache_bits\x18\n \x01(\r\x12\x15\n\rnamespace_hex\x18\x0b \x01(\t\x12\x41\n\x1a\x64\x65\x66\x61ult_recompute_strategy\x18\x0c \x01(\x0e\x32\x1d.kvboost.v1.RecomputeStrategy*P\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x42\x41SELINE\x10\x01\x12\x10\n\x0cPREFIX_CACHE\x10\x02\x12\x12\n\x0e\x43HUNK_KV_REUSE\x10\x03*`\n\x11RecomputeStrategy\x12\"\n\x1eRECOMPUTE_STRATEGY_UNSPECIFIED\x10\x00\x12\x08\n\x04NONE\x10\x01\x12\r\n\tSELECTIVE\x10\x02\x12\x0e\n\nCACHEBLEND\x10\x03\x32\x90\x04\n\x10InferenceService\x12\x44\n\x08Generate\x12\x1b.kvboost.v1.GenerateRequest\x1a\x19.kvboost.v1.GenerateEvent0\x01\x12Q\n\rGenerateBatch\x12 .kvboost.v1.GenerateBatchRequest\x1a\x1e.kvboost.v1.GenerateBatchReply\x12P\n\x0cGenerateMany\x12 .kvboost.v1.GenerateBatchRequest\x1a\x1e.kvboost.v1.GenerateBatchReply\x12\x37\n\x04Warm\x12\x17.kvboost.v1.WarmRequest\x1a\x16.kvboost.v1.WarmResult\x12H\n\x11VerifyCorrectness\x12\x19.kvboost.v1.VerifyRequest\x1a\x18.kvboost.v1.VerifyReport\x12G\n\x05Stats\x12\x1f.kvboost.v1.ServiceStatsRequest\x1a\x1d.kvboost.v1.ServiceStatsReply\x12\x45\n\tModelInfo\x12\x1c.kvboost.v1.ModelInfoRequest\x1a\x1a.kvboost.v1.ModelInfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvboost.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=2458
-  _globals['_MODE']._serialized_end=2538
-  _globals['_RECOMPUTESTRATEGY']._serialized_start=2540
-  _globals['_RECOMPUTESTRATEGY']._serialized_end=2636
+  _globals['_MODE']._serialized_start=2500
+  _globals['_MODE']._serialized_end=2580
+  _globals['_RECOMPUTESTRATEGY']._serialized_start=2582
+  _globals['_RECOMPUTESTRATEGY']._serialized_end=2678
   _globals['_CHATMESSAGE']._serialized_start=42
   _globals['_CHATMESSAGE']._serialized_end=86
   _globals['_GENERATEREQUEST']._serialized_start=89
-  _globals['_GENERATEREQUEST']._serialized_end=543
-  _globals['_GENERATIONRESULT']._serialized_start=546
-  _globals['_GENERATIONRESULT']._serialized_end=886
-  _globals['_GENERATEEVENT']._serialized_start=888
-  _globals['_GENERATEEVENT']._serialized_end=982
-  _globals['_GENERATEBATCHREQUEST']._serialized_start=984
-  _globals['_GENERATEBATCHREQUEST']._serialized_end=1053
-  _globals['_GENERATEBATCHREPLY']._serialized_start=1055
-  _globals['_GENERATEBATCHREPLY']._serialized_end=1122
-  _globals['_WARMREQUEST']._serialized_start=1124
-  _globals['_WARMREQUEST']._serialized_end=1234
-  _globals['_WARMRESULT']._serialized_start=1237
-  _globals['_WARMRESULT']._serialized_end=1401
-  _globals['_VERIFYREQUEST']._serialized_start=1403
-  _globals['_VERIFYREQUEST']._serialized_end=1491
-  _globals['_PROMPTVERIFICATION']._serialized_start=1494
-  _globals['_PROMPTVERIFICATION']._serialized_end=1706
-  _globals['_VERIFYREPORT']._serialized_start=1708
-  _globals['_VERIFYREPORT']._serialized_end=1805
-  _globals['_SERVICESTATSREQUEST']._serialized_start=1807
-  _globals['_SERVICESTATSREQUEST']._serialized_end=1828
-  _globals['_SERVICESTATSREPLY']._serialized_start=1831
-  _globals['_SERVICESTATSREPLY']._serialized_end=2135
-  _globals['_MODELINFOREQUEST']._serialized_start=2137
-  _globals['_MODELINFOREQUEST']._serialized_end=2155
-  _globals['_MODELINFOREPLY']._serialized_start=2158
-  _globals['_MODELINFOREPLY']._serialized_end=2456
-  _globals['_INFERENCESERVICE']._serialized_start=2639
-  _globals['_INFERENCESERVICE']._serialized_end=3167
+  _globals['_GENERATEREQUEST']._serialized_end=585
+  _globals['_GENERATIONRESULT']._serialized_start=588
+  _globals['_GENERATIONRESULT']._serialized_end=928
+  _globals['_GENERATEEVENT']._serialized_start=930
+  _globals['_GENERATEEVENT']._serialized_end=1024
+  _globals['_GENERATEBATCHREQUEST']._serialized_start=1026
+  _globals['_GENERATEBATCHREQUEST']._serialized_end=1095
+  _globals['_GENERATEBATCHREPLY']._serialized_start=1097
+  _globals['_GENERATEBATCHREPLY']._serialized_end=1164
+  _globals['_WARMREQUEST']._serialized_start=1166
+  _globals['_WARMREQUEST']._serialized_end=1276
+  _globals['_WARMRESULT']._serialized_start=1279
+  _globals['_WARMRESULT']._serialized_end=1443
+  _globals['_VERIFYREQUEST']._serialized_start=1445
+  _globals['_VERIFYREQUEST']._serialized_end=1533
+  _globals['_PROMPTVERIFICATION']._serialized_start=1536
+  _globals['_PROMPTVERIFICATION']._serialized_end=1748
+  _globals['_VERIFYREPORT']._serialized_start=1750
+  _globals['_VERIFYREPORT']._serialized_end=1847
+  _globals['_SERVICESTATSREQUEST']._serialized_start=1849
+  _globals['_SERVICESTATSREQUEST']._serialized_end=1870
+  _globals['_SERVICESTATSREPLY']._serialized_start=1873
+  _globals['_SERVICESTATSREPLY']._serialized_end=2177
+  _globals['_MODELINFOREQUEST']._serialized_start=2179
+  _globals['_MODELINFOREQUEST']._serialized_end=2197
+  _globals['_MODELINFOREPLY']._serialized_start=2200
+  _globals['_MODELINFOREPLY']._serialized_end=2498
+  _globals['_INFERENCESERVICE']._serialized_start=2681
+  _globals['_INFERENCESERVICE']._serialized_end=3209
 # @@protoc_insertion_point(module_scope)

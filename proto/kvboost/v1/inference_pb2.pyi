@@ -38,7 +38,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "segments", "max_new_tokens", "mode", "temperature", "top_p", "top_k", "seed", "stop", "recompute_strategy", "recompute_ratio", "selective_tokens", "request_id")
+    __slots__ = ("prompt", "messages", "segments", "max_new_tokens", "mode", "temperature", "top_p", "top_k", "seed", "stop", "recompute_strategy", "recompute_ratio", "selective_tokens", "request_id", "sink_tokens")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class GenerateRequest(_message.Message):
     RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     SELECTIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     segments: _containers.RepeatedScalarFieldContainer[str]
@@ -67,7 +68,8 @@ class GenerateRequest(_message.Message):
     recompute_ratio: float
     selective_tokens: int
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., segments: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., recompute_strategy: _Optional[_Union[RecomputeStrategy, str]] = ..., recompute_ratio: _Optional[float] = ..., selective_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    sink_tokens: int
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., segments: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., recompute_strategy: _Optional[_Union[RecomputeStrategy, str]] = ..., recompute_ratio: _Optional[float] = ..., selective_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
     __slots__ = ("output_text", "generated_tokens", "ttft_ms", "total_ms", "tokens_per_sec", "kv_reuse_ratio", "prompt_tokens", "cached_tokens", "recomputed_tokens", "mode", "finish_reason", "output_token_ids", "degraded", "request_id")

@@ -7,6 +7,8 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 
 from inference_service import convert
+from inference_service.batch import generate_batch, generate_many
+from inference_service.errors import InvalidRequest
 from inference_service.status import abort_with
 from inference_service.worker import Job, ModelNotLoaded, ModelWorker
 from kvboost.v1 import inference_pb2 as pb
@@ -40,18 +42,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         yield convert.final_event(outcome)
 
     async def GenerateBatch(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext) -> pb.GenerateBatchReply:
+        return await self._batch(request, context, "GenerateBatch", generate_batch)
+
+    async def GenerateMany(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext) -> pb.GenerateBatchReply:
+        return await self._batch(request, context, "GenerateMany", generate_many)
+
+    async def _batch(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext, name: str,
+                     run: Callable[..., list[Any]]) -> pb.GenerateBatchReply:
+        """The whole batch is one job on the model worker (one padded batch per group of shared prefix)."""
         arrival = time.perf_counter()
         try:
             batch = convert.batch_params(request, arrival)
-            outcomes = await self._run(context, "batch", lambda job: [
-                self._engine().generate(params, on_token=None, should_stop=job.should_stop) for params in batch])
+            if not batch:
+                raise InvalidRequest(f"{name} needs at least one request in `requests`")
+            outcomes = await self._run(context, name, lambda job: run(self._engine(), batch, should_stop=job.should_stop))
         except Exception as error:
-            await abort_with(context, error, "batch")
+            await abort_with(context, error, name)
         return pb.GenerateBatchReply(results=[convert.generation_result(outcome) for outcome in outcomes])
-
-    async def GenerateMany(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext) -> pb.GenerateBatchReply:
-        # Until prompts are grouped by shared prefix, each runs on its own, in input order.
-        return await self.GenerateBatch(request, context)
 
     async def Warm(self, request: pb.WarmRequest, context: grpc.aio.ServicerContext) -> pb.WarmResult:
         try:

@@ -1,0 +1,324 @@
+"""Batched generation: prompts that share a prefix fetch it once, then one padded prefill and one decode loop.
+
+Rows that cannot join the padded batch run alone through Engine.generate, in the same call:
+rows of another mode than the batch's (the most common one), CHUNK_KV_REUSE rows with content hits
+(they need repair, which is per prompt), a batch of one row, and every row of a model with
+sliding-window layers (pads would shift the window).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from inference_service import batch_runner
+from inference_service.assembler import AssembledContext, assemble_context, empty_context
+from inference_service.chunk_cache import CacheUnavailable
+from inference_service.chunking import ChunkPlan
+from inference_service.detokenizer import IncrementalDetokenizer
+from inference_service.engine_types import GenerationOutcome, GenerationParams
+from inference_service.errors import InvalidRequest
+from inference_service.prompts import PromptPlan
+from inference_service.runner import allocate_kv, build_cache, prefill
+from inference_service.sampling import make_generator, sample
+from inference_service.writeback import PendingChunks
+
+logger = logging.getLogger(__name__)
+
+# Rows per padded batch. No ServiceConfig flag sets it yet (a `--max-batch-size` would).
+MAX_BATCH_SIZE = 16
+
+ShouldStop = Callable[[], bool]
+
+
+@dataclass(slots=True)
+class _Row:
+    """One request of the batch: its plan, then its decoding state."""
+
+    index: int  # position in the caller's list
+    params: GenerationParams
+    mode: str
+    prompt: PromptPlan
+    max_new_tokens: int  # the request's, capped by the room left in the context
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    first_token_time: float = 0.0
+    last_token_time: float = 0.0
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+
+    def add(self, token_id: int, now: float, eos_ids: frozenset[int], should_stop: ShouldStop) -> None:
+        self.token_ids.append(token_id)
+        self.first_token_time = self.first_token_time or now
+        self.last_token_time = now
+        self.detokenizer.add(token_id)
+        if token_id in eos_ids:
+            self.finish_reason = "eos"
+        elif self.detokenizer.stopped:
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        elif should_stop():
+            self.finish_reason = "cancelled"
+        if self.finish_reason:
+            self.detokenizer.finish()
+
+
+@dataclass(slots=True)
+class _SharedPrefix:
+    num_tokens: int
+    keys: torch.Tensor | None  # [layers, kv_heads, num_tokens, head_dim]
+    values: torch.Tensor | None
+    context: AssembledContext  # what the cache gave (num_cached_tokens <= num_tokens)
+    pending: PendingChunks | None  # shared chunks computed here, to store after the first token
+
+
+def generate_batch(engine, params_list: Sequence[GenerationParams], should_stop: ShouldStop = lambda: False,
+                   pad_token_id: int | None = None) -> list[GenerationOutcome]:
+    """Runs prompts that share a prefix as padded batches of at most MAX_BATCH_SIZE rows; input order kept.
+
+    Raises:
+        InvalidRequest: no requests, or one the server does not accept (nothing runs then).
+        PromptTooLong: a prompt with more tokens than max_prompt_tokens.
+    """
+    rows = _plan_rows(engine, params_list)
+    outcomes: list[GenerationOutcome | None] = [None] * len(rows)
+    for start in range(0, len(rows), MAX_BATCH_SIZE):
+        _run_rows(engine, rows[start : start + MAX_BATCH_SIZE], should_stop, pad_token_id, outcomes)
+    return outcomes  # type: ignore[return-value]
+
+
+def generate_many(engine, params_list: Sequence[GenerationParams], should_stop: ShouldStop = lambda: False,
+                  pad_token_id: int | None = None) -> list[GenerationOutcome]:
+    """Groups prompts by mode and first chunk (prefix key), runs each group as generate_batch does; input order kept.
+
+    Prompts with no chunk before their last token share nothing and are batched together.
+
+    Raises:
+        InvalidRequest, PromptTooLong: as generate_batch.
+    """
+    rows = _plan_rows(engine, params_list)
+    groups: dict[tuple[str, bytes | None], list[_Row]] = {}
+    for row in rows:
+        groups.setdefault((row.mode, _first_shareable_key(row.prompt)), []).append(row)
+    outcomes: list[GenerationOutcome | None] = [None] * len(rows)
+    for group in groups.values():
+        for start in range(0, len(group), MAX_BATCH_SIZE):
+            _run_rows(engine, group[start : start + MAX_BATCH_SIZE], should_stop, pad_token_id, outcomes)
+    return outcomes  # type: ignore[return-value]
+
+
+def shared_chunk_count(prompts: Sequence[PromptPlan]) -> int:
+    """Leading chunks whose prefix keys are equal in every prompt, leaving each prompt at least one token to run."""
+    first = prompts[0]
+    last_start = min(prompt.num_tokens for prompt in prompts) - 1
+    count = 0
+    for index, (chunk, key) in enumerate(zip(first.chunks.chunks, first.prefix_keys)):
+        if chunk.end > last_start or any(
+                index >= len(prompt.prefix_keys) or prompt.prefix_keys[index] != key for prompt in prompts):
+            break
+        count += 1
+    return count
+
+
+def _first_shareable_key(prompt: PromptPlan) -> bytes | None:
+    chunks = prompt.chunks.chunks
+    return prompt.prefix_keys[0] if chunks and chunks[0].end < prompt.num_tokens else None
+
+
+# ---- planning ---------------------------------------------------------------------------------------
+
+def _plan_rows(engine, params_list: Sequence[GenerationParams]) -> list[_Row]:
+    if not params_list:
+        raise InvalidRequest("a batch needs at least one request")
+    limit = engine.config.max_new_tokens_limit
+    rows = []
+    for index, params in enumerate(params_list):
+        if params.max_new_tokens > limit:
+            raise InvalidRequest(f"requests[{index}]: max_new_tokens {params.max_new_tokens} is over the "
+                                 f"server's limit {limit}")
+        prompt = engine._plan(engine._tokenize(params))
+        room = max(1, engine.geometry.max_context - prompt.num_tokens)
+        mode = params.mode or engine.config.default_mode
+        rows.append(_Row(index, params, mode, prompt, min(params.max_new_tokens, room)))
+    return rows
+
+
+def _run_rows(engine, rows: list[_Row], should_stop: ShouldStop, pad_token_id: int | None,
+              outcomes: list[GenerationOutcome | None]) -> None:
+    batched, alone = _split_compatible(engine, rows)
+    if batched:
+        for row, outcome in zip(batched, _run_padded(engine, batched, should_stop, pad_token_id)):
+            outcomes[row.index] = outcome
+    for row in alone:
+        outcomes[row.index] = engine.generate(row.params, should_stop=should_stop)
+
+
+def _split_compatible(engine, rows: list[_Row]) -> tuple[list[_Row], list[_Row]]:
+    """(rows for the padded batch, rows to run alone); see the module docstring for who runs alone."""
+    if len(rows) < 2 or batch_runner.has_sliding_layers(engine.model.config):
+        return [], rows
+    mode = Counter(row.mode for row in rows).most_common(1)[0][0]  # ties: the earliest row's mode
+    batched = [row for row in rows if row.mode == mode and not _has_content_hits(engine, row)]
+    if len(batched) < 2:
+        return [], rows
+    chosen = {id(row) for row in batched}
+    return batched, [row for row in rows if id(row) not in chosen]
+
+
+def _has_content_hits(engine, row: _Row) -> bool:
+    if row.mode != "chunk_kv_reuse":
+        return False
+    try:
+        lookup = engine.cache.lookup(engine.namespace, list(row.prompt.prefix_keys), list(row.prompt.content_keys))
+    except CacheUnavailable:
+        return False  # served without the cache in the batch, as a single request would be
+    return bool(lookup.content_hits)
+
+
+# ---- the padded batch -------------------------------------------------------------------------------
+
+def _run_padded(engine, rows: list[_Row], should_stop: ShouldStop, pad_token_id: int | None) -> list[GenerationOutcome]:
+    mode = rows[0].mode
+    if should_stop():  # cancelled or past its deadline while queued
+        for row in rows:
+            row.finish_reason = "cancelled"
+        return [_outcome(engine, row, empty_context(), 0, 0) for row in rows]
+    num_shared = 0 if mode == "baseline" else shared_chunk_count([row.prompt for row in rows])
+    shared = _shared_prefix(engine, rows[0].prompt, num_shared, mode != "baseline", rows[0].params.request_id)
+    for row in rows:
+        row.detokenizer = IncrementalDetokenizer(engine.tokenizer, row.prompt.token_ids, row.params.stop)
+        if row.params.temperature > 0:
+            row.generator = make_generator(row.params.seed, engine.device)
+    capacity = max(row.prompt.num_tokens + row.max_new_tokens for row in rows)
+    batch = batch_runner.allocate_batch(engine.model.config, engine.geometry, len(rows), capacity, shared.keys,
+                                        shared.values, engine.device, engine.dtype)
+    suffixes = [row.prompt.token_ids[shared.num_tokens :] for row in rows]
+    logits, row_kv = batch_runner.prefill_suffixes(engine.model, batch, suffixes, _pad_id(engine, pad_token_id))
+    pending = [shared.pending] + [_row_pending(engine, row, num_shared, kv, shared.num_tokens)
+                                  for row, kv in zip(rows, row_kv)]
+    degraded = shared.context.degraded or (mode != "baseline" and num_shared == 0
+                                           and bool(getattr(engine.cache, "degraded", False)))
+    _decode(engine, batch, rows, logits, should_stop,
+            after_first_token=lambda: None if degraded or mode == "baseline" else _write_back(engine, pending))
+    cached = min(shared.context.num_cached_tokens, shared.num_tokens)
+    shared.context.degraded = degraded
+    # Fetched chunks and bytes moved once: the counters charge them to the first row.
+    return [_outcome(engine, row, shared.context, cached, position) for position, row in enumerate(rows)]
+
+
+def _shared_prefix(engine, prompt: PromptPlan, num_chunks: int, use_cache: bool, request_id: str) -> _SharedPrefix:
+    """The first num_chunks chunks' K/V: fetched once from the cache, the rest computed once (batch of one)."""
+    if num_chunks == 0:
+        return _SharedPrefix(0, None, None, empty_context(), None)
+    chunks = prompt.chunks.chunks[:num_chunks]
+    num_tokens = chunks[-1].end
+    plan = PromptPlan(prompt.token_ids[:num_tokens], ChunkPlan(chunks, (), num_tokens),
+                      prompt.prefix_keys[:num_chunks], prompt.content_keys[:num_chunks])
+    context = empty_context()
+    if use_cache:
+        context = assemble_context(engine.cache, engine.namespace, plan, engine.geometry, engine.device, engine.dtype,
+                                   num_tokens, with_content_hits=False)
+    buffers = (context.key_buffer, context.value_buffer)
+    if buffers[0] is None:
+        buffers = allocate_kv(engine.geometry, num_tokens, engine.device, engine.dtype)
+    num_cached = context.num_cached_tokens
+    pending = None
+    if num_cached < num_tokens:
+        cache = build_cache(engine.model.config, *buffers, num_cached)
+        live = torch.tensor(plan.token_ids[num_cached:], device=engine.device)
+        _, new_kv = prefill(engine.model, cache, live, num_cached)
+        index = context.num_cached_chunks
+        pending = PendingChunks(engine.namespace, chunks[index:], plan.prefix_keys[index:], plan.content_keys[index:],
+                                new_kv, num_cached, request_id=request_id)
+    keys, values = buffers  # [layers, kv_heads, capacity, head_dim]
+    return _SharedPrefix(num_tokens, keys[:, :, :num_tokens], values[:, :, :num_tokens], context, pending)
+
+
+def _row_pending(engine, row: _Row, num_shared: int, kv, kv_start: int) -> PendingChunks:
+    prompt = row.prompt
+    return PendingChunks(engine.namespace, prompt.chunks.chunks[num_shared:], prompt.prefix_keys[num_shared:],
+                         prompt.content_keys[num_shared:], kv, kv_start, request_id=row.params.request_id)
+
+
+def _write_back(engine, pending: list[PendingChunks | None]) -> None:
+    """Submits every chunk once (rows may repeat each other's chunks)."""
+    seen: set[bytes] = set()
+    for item in pending:
+        if item is None:
+            continue
+        keep = [i for i, key in enumerate(item.prefix_keys) if key not in seen]
+        seen.update(item.prefix_keys)
+        if keep:
+            engine._writeback.submit(PendingChunks(
+                item.namespace, tuple(item.chunks[i] for i in keep), tuple(item.prefix_keys[i] for i in keep),
+                tuple(item.content_keys[i] for i in keep), item.new_kv, item.kv_start, request_id=item.request_id))
+
+
+def _decode(engine, batch: batch_runner.PaddedBatch, rows: list[_Row], logits: torch.Tensor,
+            should_stop: ShouldStop, after_first_token: Callable[[], None]) -> None:
+    """Samples every active row from its logits (logits: [active rows, vocab]) until each one finishes."""
+    active = list(rows)  # in buffer order
+    first_step = True
+    while True:
+        now = time.perf_counter()
+        for slot, row in enumerate(active):
+            params = row.params
+            token = sample(logits[slot], params.temperature, params.top_k, params.top_p, row.generator)
+            row.add(int(token), now, engine.eos_ids, should_stop)
+        if first_step:
+            after_first_token()
+            first_step = False
+        kept = [slot for slot, row in enumerate(active) if not row.finish_reason]
+        if not kept:
+            return
+        if len(kept) < len(active):  # finished rows leave the batch and cost nothing more
+            batch_runner.keep_rows(engine.model.config, batch, kept)
+            active = [active[slot] for slot in kept]
+        logits = batch_runner.decode_rows(
+            engine.model, batch, [row.token_ids[-1] for row in active],
+            [row.prompt.num_tokens + len(row.token_ids) - 1 for row in active])
+
+
+def _pad_id(engine, pad_token_id: int | None) -> int:
+    """Any id works (pads are masked); the tokenizer's pad, else EOS, else 0."""
+    if pad_token_id is not None:
+        return pad_token_id
+    for candidate in (engine.tokenizer.pad_token_id, engine.tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def _outcome(engine, row: _Row, context: AssembledContext, num_cached: int, position: int) -> GenerationOutcome:
+    params, prompt = row.params, row.prompt
+    generated = len(row.token_ids)
+    ttft_ms = (row.first_token_time - params.arrival) * 1000 if generated else 0.0
+    decode_seconds = row.last_token_time - row.first_token_time
+    first = position == 0
+    engine.counters.add_request(prompt.num_tokens, num_cached, 0, context.num_cached_chunks if first else 0,
+                                context.num_bytes_fetched if first else 0, ttft_ms if generated else None)
+    outcome = GenerationOutcome(
+        output_text=row.detokenizer.text if row.detokenizer else "",
+        generated_tokens=generated,
+        output_token_ids=list(row.token_ids),
+        ttft_ms=ttft_ms,
+        total_ms=(row.last_token_time - params.arrival) * 1000 if generated else 0.0,
+        tokens_per_sec=(generated - 1) / decode_seconds if generated > 1 and decode_seconds > 0 else 0.0,
+        kv_reuse_ratio=num_cached / prompt.num_tokens,
+        prompt_tokens=prompt.num_tokens,
+        cached_tokens=num_cached,
+        recomputed_tokens=0,
+        mode=row.mode,
+        finish_reason=row.finish_reason,
+        degraded=context.degraded,
+        request_id=params.request_id,
+    )
+    logger.info("[%s] %s batch row %d: %d prompt tokens, %d cached, ttft %.1f ms, %d generated (%s)%s",
+                params.request_id, row.mode, position, outcome.prompt_tokens, outcome.cached_tokens, outcome.ttft_ms,
+                generated, outcome.finish_reason, " degraded" if outcome.degraded else "")
+    return outcome

@@ -1,0 +1,262 @@
+"""GenerateBatch / GenerateMany: shared prefix fetched once, left-padded suffixes, per-row decoding.
+
+Every greedy row is checked against plain transformers `model.generate` on that prompt alone.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_service.batch import generate_batch, generate_many, shared_chunk_count
+from inference_service.chunk_cache import InProcessCache
+from inference_service.engine import Engine, EngineConfig, GenerationParams
+from inference_service.errors import InvalidRequest
+from inference_service.prompts import plan_prompt, tokenize_messages, tokenize_prompt
+
+SYSTEM = "The quick brown fox jumps over the lazy dog. " * 2  # 90 byte tokens: 11 chunks of 8 and a tail
+QUESTIONS = ["Q1?", "A much longer question here, with padding to spare?", "Mid-sized one?"]
+OTHER_SYSTEM = "Pack my box with five dozen liquor jugs, said the sphinx. "
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(params=["tiny_llama", "tiny_qwen2"])
+def tiny_model(request):
+    return request.getfixturevalue(request.param)
+
+
+class CountingCache(InProcessCache):
+    """An InProcessCache that records every fetch call's keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fetches: list[list[bytes]] = []
+
+    def fetch(self, keys):
+        self.fetches.append(list(keys))
+        return super().fetch(keys)
+
+
+def make_engine(model, tokenizer, chunk_size=8, cache=None) -> Engine:
+    cache = InProcessCache() if cache is None else cache
+    return Engine(model, tokenizer, EngineConfig(chunk_size=chunk_size), cache, model_id="batch-test")
+
+
+def reference_ids(model, token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain transformers greedy generation of one prompt alone: the ground truth."""
+    input_ids = torch.tensor([token_ids])
+    with torch.inference_mode():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=max_new_tokens)
+    return output[0, len(token_ids):].tolist()
+
+
+def prompt_references(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    return [reference_ids(model, tokenize_prompt(tokenizer, p)[0], max_new_tokens) for p in prompts]
+
+
+def params(prompts, mode="prefix_cache", max_new_tokens=10, **fields) -> list[GenerationParams]:
+    return [GenerationParams(prompt=p, mode=mode, max_new_tokens=max_new_tokens, request_id=f"r{i}", **fields)
+            for i, p in enumerate(prompts)]
+
+
+def ids_of(outcomes) -> list[list[int]]:
+    return [o.output_token_ids for o in outcomes]
+
+
+# -- the shared run of chunks (pure) ------------------------------------------------------------------
+
+def test_shared_chunk_count_stops_at_the_first_different_chunk_and_before_the_last_token():
+    def plan(tokens):
+        return plan_prompt(bytes(32), [tokens], 4)
+
+    base = list(range(12))
+    # 12 and 14 tokens agreeing on 3 chunks: the last chunk of the 12-token prompt holds its last token.
+    assert shared_chunk_count([plan(base), plan(base + [50, 51])]) == 2
+    assert shared_chunk_count([plan(base + [1]), plan(base + [50, 51])]) == 3
+    # A change in chunk 1 ends the run there; a prompt shorter than a chunk shares nothing.
+    assert shared_chunk_count([plan(base + [1]), plan(base[:5] + [99] + base[6:] + [1])]) == 1
+    assert shared_chunk_count([plan(base + [1]), plan([0, 1])]) == 0
+
+
+# -- identity with plain model.generate ---------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["baseline", "prefix_cache", "chunk_kv_reuse"])
+def test_batch_is_token_identical_to_generate_uncached_then_cached(tiny_model, mode):
+    model, tokenizer = tiny_model
+    engine = make_engine(model, tokenizer)
+    prompts = [SYSTEM + q for q in QUESTIONS]  # suffixes of 5, 52 and 16 tokens: real left padding
+    expected = prompt_references(model, tokenizer, prompts, 10)
+
+    first = generate_batch(engine, params(prompts, mode))
+    engine.flush_writes()
+    second = generate_batch(engine, params(prompts, mode))
+
+    assert ids_of(first) == ids_of(second) == expected
+    assert [o.cached_tokens for o in first] == [0, 0, 0]
+    shared = 0 if mode == "baseline" else 88  # 11 chunks of 8 are shared and were written back once
+    assert [o.cached_tokens for o in second] == [shared] * 3
+    assert [o.prompt_tokens for o in second] == [len(p) for p in prompts]
+    assert [o.kv_reuse_ratio for o in second] == pytest.approx([shared / len(p) for p in prompts])
+    assert all(o.mode == mode and o.finish_reason == "length" and o.ttft_ms > 0 for o in second)
+    assert [o.request_id for o in second] == ["r0", "r1", "r2"]
+
+
+def test_rows_finish_on_their_own_length_and_stop_string(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = make_engine(model, tokenizer)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    expected = prompt_references(model, tokenizer, prompts, 16)
+    # Row 2 stops at a piece of its own expected text, made of 2 bytes from its 6th and 7th tokens.
+    stop = tokenizer.decode(expected[2][5:7])
+    requests = [GenerationParams(prompt=prompts[0], max_new_tokens=3, mode="prefix_cache"),
+                GenerationParams(prompt=prompts[1], max_new_tokens=16, mode="prefix_cache"),
+                GenerationParams(prompt=prompts[2], max_new_tokens=16, mode="prefix_cache", stop=(stop,))]
+
+    outcomes = generate_batch(engine, requests)
+
+    assert [o.finish_reason for o in outcomes] == ["length", "length", "stop"]
+    assert outcomes[0].output_token_ids == expected[0][:3]
+    assert outcomes[1].output_token_ids == expected[1]
+    full_text = tokenizer.decode(expected[2])
+    assert outcomes[2].output_token_ids == expected[2][:7]  # the token that completed the stop string is the last
+    assert outcomes[2].output_text == full_text[: full_text.index(stop)]
+
+
+def test_pads_are_masked_out(tiny_qwen2):
+    model, tokenizer = tiny_qwen2
+    engine = make_engine(model, tokenizer)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+
+    runs = [ids_of(generate_batch(engine, params(prompts, "baseline"), pad_token_id=pad)) for pad in (0, 65, 258)]
+
+    assert runs[0] == runs[1] == runs[2] == prompt_references(model, tokenizer, prompts, 10)
+
+
+def test_the_shared_prefix_is_fetched_once_for_the_batch(tiny_llama):
+    model, tokenizer = tiny_llama
+    cache = CountingCache()
+    engine = make_engine(model, tokenizer, cache=cache)
+    warmed = engine.warm(SYSTEM)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+
+    outcomes = generate_batch(engine, params(prompts))
+
+    assert warmed.chunks_stored == 11
+    assert len(cache.fetches) == 1  # one Fetch for three rows
+    assert cache.fetches[0] == list(plan_prompt(engine.namespace, tokenize_prompt(tokenizer, SYSTEM), 8).prefix_keys)
+    assert [o.cached_tokens for o in outcomes] == [88] * 3
+    stats = engine.stats()
+    assert (stats["requests"], stats["chunks_fetched"], stats["cached_tokens"]) == (3, 11, 3 * 88)
+    assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 10)
+
+
+def test_sampling_rows_keep_their_own_seeded_stream(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = make_engine(model, tokenizer)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    sampled = GenerationParams(prompt=prompts[0], max_new_tokens=8, temperature=0.9, top_k=20, top_p=0.9, seed=7)
+
+    alongside_two = generate_batch(engine, [sampled] + params(prompts[1:], "chunk_kv_reuse"))
+    alongside_one = generate_batch(engine, [sampled, params(prompts[2:], "chunk_kv_reuse")[0]])
+
+    # The seeded row draws the same tokens whatever its companions; greedy rows still match generate.
+    assert alongside_two[0].output_token_ids == alongside_one[0].output_token_ids
+    assert ids_of(alongside_two[1:]) == prompt_references(model, tokenizer, prompts[1:], 10)
+
+
+def test_incompatible_rows_run_alone_through_the_engine(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = make_engine(model, tokenizer)
+    alone = []
+    original = engine.generate
+    engine.generate = lambda p, **kwargs: alone.append(p.request_id) or original(p, **kwargs)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    requests = params(prompts[:2]) + [GenerationParams(prompt=prompts[2], mode="baseline", max_new_tokens=10,
+                                                       request_id="r2")]
+
+    outcomes = generate_batch(engine, requests)
+
+    assert alone == ["r2"]  # the odd mode out; the two prefix_cache rows ran as one batch
+    assert [o.mode for o in outcomes] == ["prefix_cache", "prefix_cache", "baseline"]
+    assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 10)
+
+
+def test_content_hits_send_a_chunk_kv_reuse_row_to_the_engine(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = make_engine(model, tokenizer)
+    document = "Pack my box with five dozen liquor jugs!!"  # 41 bytes: 5 chunks of 8
+    engine.warm(document, content_addressed=True)
+    alone = []
+    original = engine.generate
+    engine.generate = lambda p, **kwargs: alone.append(p.request_id) or original(p, **kwargs)
+    requests = [GenerationParams(segments=(SYSTEM[:16], document, "Why?"), mode="chunk_kv_reuse", request_id="doc")]
+    requests += params([SYSTEM + q for q in QUESTIONS[:2]], "chunk_kv_reuse")
+
+    outcomes = generate_batch(engine, requests)
+
+    assert alone == ["doc"]  # the two rows without content hits ran as one batch
+    assert [o.request_id for o in outcomes] == ["doc", "r0", "r1"]
+
+
+def test_generate_many_keeps_the_input_order_over_mixed_groups(tiny_qwen2):
+    model, tokenizer = tiny_qwen2
+    cache = CountingCache()
+    engine = make_engine(model, tokenizer, cache=cache)
+    engine.warm(SYSTEM)
+    engine.warm(OTHER_SYSTEM)
+    prompts = [SYSTEM + QUESTIONS[0], OTHER_SYSTEM + "Why?", "short", SYSTEM + QUESTIONS[1],
+               OTHER_SYSTEM + "And how, exactly?", "tiny", SYSTEM + QUESTIONS[2]]
+
+    outcomes = generate_many(engine, params(prompts, max_new_tokens=6))
+
+    assert [o.request_id for o in outcomes] == [f"r{i}" for i in range(7)]
+    assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 6)
+    assert [o.cached_tokens for o in outcomes] == [88, 56, 0, 88, 56, 0, 88]
+    assert len(cache.fetches) == 2  # one per system prompt; the two short prompts share nothing
+
+
+def test_an_empty_batch_is_invalid(tiny_llama):
+    engine = make_engine(*tiny_llama)
+    with pytest.raises(InvalidRequest, match="at least one request"):
+        generate_batch(engine, [])
+    with pytest.raises(InvalidRequest, match="at least one request"):
+        generate_many(engine, [])
+
+
+# -- the real SmolLM2 ---------------------------------------------------------------------------------
+
+SMOL_SYSTEM = ("You are a careful assistant for a hardware store. You answer questions about tools, paint, garden "
+               "supplies and plumbing in two short sentences. You never invent prices or stock levels, and when a "
+               "question is unclear you say which detail is missing before you answer. Safety comes first: mention gloves, "
+               "goggles or a dust mask whenever a job needs them, and suggest a professional for gas or mains work.")
+SMOL_QUESTIONS = ["Which drill for concrete?",
+                  "I need to repaint a small bathroom ceiling that gets a lot of steam every morning; which kind of "
+                  "paint should I pick, and do I need a primer first?",
+                  "How do I fix a dripping kitchen tap?"]
+
+
+def test_smollm2_chat_batch_is_token_identical_uncached_then_cached(smollm2):
+    model, tokenizer, _ = smollm2
+    engine = make_engine(model, tokenizer, chunk_size=16)
+    chats = [(("system", SMOL_SYSTEM), ("user", q)) for q in SMOL_QUESTIONS]
+    token_ids = [tokenize_messages(tokenizer, chat)[0] for chat in chats]
+    expected = [reference_ids(model, ids, 12) for ids in token_ids]
+    requests = [GenerationParams(messages=chat, max_new_tokens=12, mode="prefix_cache") for chat in chats]
+
+    first = generate_batch(engine, requests)
+    engine.flush_writes()
+    second = generate_batch(engine, requests)
+
+    common = next(i for i, column in enumerate(zip(*token_ids)) if len(set(column)) > 1)
+    assert ids_of(first) == ids_of(second) == expected
+    assert len({len(ids) for ids in token_ids}) == 3  # three suffix lengths: rows are padded
+    assert common // 16 >= 5  # the system prompt spans several chunks
+    assert [o.cached_tokens for o in second] == [common // 16 * 16] * 3
+    assert [o.cached_tokens for o in first] == [0, 0, 0]

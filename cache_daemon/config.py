@@ -12,6 +12,9 @@ from typing import Mapping, Sequence
 
 DEFAULT_LISTEN = "127.0.0.1:50052"
 DEFAULT_MAX_BYTES = 1 << 30
+# Data frames are 1 MiB plus a few bytes of framing: the message limit leaves room above that.
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
+MIN_MAX_MESSAGE_BYTES = 2 << 20
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -28,6 +31,8 @@ class DaemonConfig:
     half_life_s: float = 3600.0  # frequencies halve after this long without hits; 0 = never decay
     flush_interval_s: float = 1.0  # hits reach LMDB at most this late (write-behind)
     shutdown_grace_s: float = 10.0  # in-flight RPCs get this long on SIGTERM
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # largest gRPC message received or sent
+    max_concurrent_streams: int = 0  # RPCs in flight per client connection (more wait); 0 = gRPC's default
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -38,6 +43,10 @@ class DaemonConfig:
         _require(self.half_life_s >= 0, f"--half-life must be >= 0, got {self.half_life_s}")
         _require(self.flush_interval_s > 0, f"--flush-interval must be positive, got {self.flush_interval_s}")
         _require(self.shutdown_grace_s >= 0, f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
+        _require(self.max_message_bytes >= MIN_MAX_MESSAGE_BYTES, f"--max-message-bytes must be at least 2M "
+                 f"(data frames are 1 MiB), got {self.max_message_bytes}")
+        _require(self.max_concurrent_streams >= 0,
+                 f"--max-concurrent-streams must be >= 0, got {self.max_concurrent_streams}")
         split_host_port(self.listen)
 
     @property
@@ -117,6 +126,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                         help="seconds between write-behind flushes of hit counts [KVBOOST_FLUSH_INTERVAL]")
     parser.add_argument("--shutdown-grace", type=float, default=env("KVBOOST_SHUTDOWN_GRACE", "10"),
                         help="seconds in-flight RPCs get to finish on SIGTERM [KVBOOST_SHUTDOWN_GRACE]")
+    parser.add_argument("--max-message-bytes", type=parse_size,
+                        default=env("KVBOOST_MAX_MESSAGE_BYTES", str(DEFAULT_MAX_MESSAGE_BYTES)),
+                        help="largest gRPC message received or sent, at least 2M; larger ones are "
+                             "RESOURCE_EXHAUSTED [KVBOOST_MAX_MESSAGE_BYTES]")
+    parser.add_argument("--max-concurrent-streams", type=int, default=env("KVBOOST_MAX_CONCURRENT_STREAMS", "0"),
+                        help="RPCs in flight per client connection; further calls wait for a free stream, "
+                             "0 = gRPC's default [KVBOOST_MAX_CONCURRENT_STREAMS]")
     parser.add_argument("--log-level", default=env("KVBOOST_LOG_LEVEL", "INFO"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="[KVBOOST_LOG_LEVEL]")
     return parser
@@ -132,7 +148,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             map_size=args.map_size, metrics_port=args.metrics_port,
             auth_token_file=args.auth_token_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
             half_life_s=args.half_life, flush_interval_s=args.flush_interval,
-            shutdown_grace_s=args.shutdown_grace, log_level=args.log_level,
+            shutdown_grace_s=args.shutdown_grace, max_message_bytes=args.max_message_bytes,
+            max_concurrent_streams=args.max_concurrent_streams, log_level=args.log_level,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -24,13 +24,17 @@ from cache_daemon.undecodable import UndecodableRequestInterceptor
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
-# Data frames are 1 MiB plus a few bytes of framing; leave room above that.
-MAX_MESSAGE_BYTES = 8 << 20
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail, not share it
-]
+
+
+def grpc_options(config: DaemonConfig) -> list[tuple[str, int]]:
+    options = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail, not share it
+    ]
+    if config.max_concurrent_streams:
+        options.append(("grpc.max_concurrent_streams", config.max_concurrent_streams))
+    return options
 
 
 def build_server(config: DaemonConfig, cache: ChunkCache,
@@ -41,7 +45,7 @@ def build_server(config: DaemonConfig, cache: ChunkCache,
     if config.auth_token_file is not None:
         interceptors.append(BearerTokenInterceptor(load_token(config.auth_token_file)))
     interceptors.append(UndecodableRequestInterceptor())  # innermost: unauthenticated calls are refused first
-    server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
     add_cache_servicer(CacheServicer(cache), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

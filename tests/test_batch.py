@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inference_service.batch import generate_batch, generate_many, shared_chunk_count
-from inference_service.chunk_cache import InProcessCache
+from inference_service.chunk_cache import CacheUnavailable, InProcessCache
 from inference_service.engine import Engine, EngineConfig, GenerationParams
 from inference_service.errors import InvalidRequest
 from inference_service.prompts import plan_prompt, tokenize_messages, tokenize_prompt
@@ -108,25 +108,65 @@ def test_batch_is_token_identical_to_generate_uncached_then_cached(tiny_model, m
     assert [o.request_id for o in second] == ["r0", "r1", "r2"]
 
 
-def test_rows_finish_on_their_own_length_and_stop_string(tiny_llama):
+def test_rows_finish_on_their_own_at_eos_or_length(tiny_llama):
     model, tokenizer = tiny_llama
     engine = make_engine(model, tokenizer)
     prompts = [SYSTEM + q for q in QUESTIONS]
-    expected = prompt_references(model, tokenizer, prompts, 16)
-    # Row 2 stops at a piece of its own expected text, made of 2 bytes from its 6th and 7th tokens.
-    stop = tokenizer.decode(expected[2][5:7])
-    requests = [GenerationParams(prompt=prompts[0], max_new_tokens=3, mode="prefix_cache"),
-                GenerationParams(prompt=prompts[1], max_new_tokens=16, mode="prefix_cache"),
-                GenerationParams(prompt=prompts[2], max_new_tokens=16, mode="prefix_cache", stop=(stop,))]
+    greedy = prompt_references(model, tokenizer, prompts, 16)
+    # An "EOS" that row 0 emits after a few tokens and row 1 never does within 16.
+    eos = next(t for i, t in enumerate(greedy[0]) if i >= 3 and t not in greedy[0][:i] and t not in greedy[1])
+    engine.eos_ids = frozenset({eos})
+    limits = [16, 16, 5]
 
-    outcomes = generate_batch(engine, requests)
+    outcomes = generate_batch(engine, [GenerationParams(prompt=p, max_new_tokens=n, mode="prefix_cache")
+                                       for p, n in zip(prompts, limits)])
 
-    assert [o.finish_reason for o in outcomes] == ["length", "length", "stop"]
-    assert outcomes[0].output_token_ids == expected[0][:3]
-    assert outcomes[1].output_token_ids == expected[1]
-    full_text = tokenizer.decode(expected[2])
-    assert outcomes[2].output_token_ids == expected[2][:7]  # the token that completed the stop string is the last
-    assert outcomes[2].output_text == full_text[: full_text.index(stop)]
+    expected = []
+    for prompt, limit in zip(prompts, limits):
+        input_ids = torch.tensor([tokenize_prompt(tokenizer, prompt)[0]])
+        with torch.inference_mode():
+            output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                    max_new_tokens=limit, eos_token_id=eos)
+        expected.append(output[0, input_ids.shape[1]:].tolist())
+    assert ids_of(outcomes) == expected
+    assert [o.finish_reason for o in outcomes] == ["eos", "length", "length"]
+    assert outcomes[0].output_token_ids[-1] == eos and len(outcomes[0].output_token_ids) < 16
+
+
+def test_cancellation_stops_every_row(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = make_engine(model, tokenizer)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    calls = []
+
+    def stop_after_three_tokens() -> bool:  # polled once before starting, then once per row and token
+        calls.append(1)
+        return len(calls) > 1 + 3 * len(prompts)
+
+    before_start = generate_batch(engine, params(prompts), should_stop=lambda: True)
+    midway = generate_batch(engine, params(prompts, max_new_tokens=50), should_stop=stop_after_three_tokens)
+
+    assert [(o.finish_reason, o.generated_tokens) for o in before_start] == [("cancelled", 0)] * 3
+    assert [o.finish_reason for o in midway] == ["cancelled"] * 3
+    assert [o.generated_tokens for o in midway] == [4, 4, 4]
+
+
+def test_an_unreachable_cache_serves_the_batch_degraded(tiny_llama):
+    model, tokenizer = tiny_llama
+
+    class UnreachableCache(InProcessCache):
+        def lookup(self, *args, **kwargs):
+            raise CacheUnavailable("down")
+
+    engine = make_engine(model, tokenizer, cache=UnreachableCache())
+    prompts = [SYSTEM + q for q in QUESTIONS]
+
+    outcomes = generate_batch(engine, params(prompts))
+    engine.flush_writes()
+
+    assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 10)
+    assert [(o.degraded, o.cached_tokens) for o in outcomes] == [(True, 0)] * 3
+    assert engine.stats()["chunks_stored"] == 0
 
 
 def test_pads_are_masked_out(tiny_qwen2):
@@ -242,21 +282,98 @@ SMOL_QUESTIONS = ["Which drill for concrete?",
                   "How do I fix a dripping kitchen tap?"]
 
 
-def test_smollm2_chat_batch_is_token_identical_uncached_then_cached(smollm2):
+def test_smollm2_chat_batch_is_token_identical_uncached_cached_and_baseline(smollm2):
     model, tokenizer, _ = smollm2
     engine = make_engine(model, tokenizer, chunk_size=16)
     chats = [(("system", SMOL_SYSTEM), ("user", q)) for q in SMOL_QUESTIONS]
     token_ids = [tokenize_messages(tokenizer, chat)[0] for chat in chats]
     expected = [reference_ids(model, ids, 12) for ids in token_ids]
-    requests = [GenerationParams(messages=chat, max_new_tokens=12, mode="prefix_cache") for chat in chats]
+    # Row 2 stops at the first word of its answer's second half; row 0 ends early by length.
+    stop = tokenizer.decode(expected[2][6:]).split()[0]
+    num_to_stop = next(k for k in range(1, 13) if stop in tokenizer.decode(expected[2][:k]))
 
-    first = generate_batch(engine, requests)
+    def requests(mode, limits=(12, 12, 12), stop_row_2=()):
+        return [GenerationParams(messages=chat, max_new_tokens=limit, mode=mode, stop=stop_row_2 if i == 2 else ())
+                for i, (chat, limit) in enumerate(zip(chats, limits))]
+
+    uncached = generate_batch(engine, requests("prefix_cache"))
     engine.flush_writes()
-    second = generate_batch(engine, requests)
+    cached = generate_batch(engine, requests("prefix_cache", limits=(4, 12, 12), stop_row_2=(stop,)))
+    baseline = generate_batch(engine, requests("baseline"))
 
     common = next(i for i, column in enumerate(zip(*token_ids)) if len(set(column)) > 1)
-    assert ids_of(first) == ids_of(second) == expected
     assert len({len(ids) for ids in token_ids}) == 3  # three suffix lengths: rows are padded
     assert common // 16 >= 5  # the system prompt spans several chunks
-    assert [o.cached_tokens for o in second] == [common // 16 * 16] * 3
-    assert [o.cached_tokens for o in first] == [0, 0, 0]
+    assert ids_of(uncached) == ids_of(baseline) == expected
+    assert [o.cached_tokens for o in uncached] == [0, 0, 0]
+    assert [o.cached_tokens for o in cached] == [common // 16 * 16] * 3
+    assert ids_of(cached) == [expected[0][:4], expected[1], expected[2][:num_to_stop]]
+    assert [o.finish_reason for o in cached] == ["length", "length", "stop"]
+    full_text = tokenizer.decode(expected[2], skip_special_tokens=True)
+    assert cached[2].output_text == full_text[: full_text.index(stop)]
+    assert cached[1].output_text == tokenizer.decode(expected[1], skip_special_tokens=True)
+
+
+# -- through the gRPC servicer ------------------------------------------------------------------------
+
+def test_generate_batch_and_many_over_grpc_run_as_one_job(tiny_llama):
+    from kvboost.v1 import inference_pb2 as pb
+    from tests.test_inference_servicer import run, serving
+
+    model, tokenizer = tiny_llama
+    engine = make_engine(model, tokenizer)  # chunk 8, as the servicer tests' server config
+    alone = []
+    original = engine.generate
+    engine.generate = lambda p, **kwargs: alone.append(p.request_id) or original(p, **kwargs)
+    prompts = [SYSTEM + q for q in QUESTIONS] + ["short one"]
+    request = pb.GenerateBatchRequest(requests=[
+        pb.GenerateRequest(prompt=p, max_new_tokens=10, mode=pb.PREFIX_CACHE, request_id=f"r{i}")
+        for i, p in enumerate(prompts)])
+
+    async def scenario():
+        async with serving(engine) as (server, stub, _health):
+            worker, jobs = server.servicer.worker, []
+            submit = worker.submit
+            worker.submit = lambda run_job, **kwargs: jobs.append(kwargs.get("name")) or submit(run_job, **kwargs)
+            batch = await stub.GenerateBatch(request, timeout=60)
+            many = await stub.GenerateMany(request, timeout=60)
+            return batch, many, jobs
+
+    try:
+        batch, many, jobs = run(scenario())
+    finally:
+        engine.close()
+    expected = prompt_references(model, tokenizer, prompts, 10)
+    for reply in (batch, many):
+        assert [r.request_id for r in reply.results] == ["r0", "r1", "r2", "r3"]
+        assert [list(r.output_token_ids) for r in reply.results] == expected
+        assert all(r.mode == pb.PREFIX_CACHE and r.finish_reason == "length" for r in reply.results)
+    assert jobs == ["GenerateBatch", "GenerateMany"]  # one worker job per call
+    # GenerateBatch pads all four rows into one batch; GenerateMany puts the short prompt in a group of one.
+    assert alone == ["r3"]
+
+
+def test_an_empty_batch_over_grpc_is_invalid_argument(tiny_llama):
+    import grpc
+
+    from kvboost.v1 import inference_pb2 as pb
+    from tests.test_inference_servicer import run, serving
+
+    engine = make_engine(*tiny_llama)
+
+    async def scenario():
+        errors = []
+        async with serving(engine) as (_, stub, _health):
+            for method in (stub.GenerateBatch, stub.GenerateMany):
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await method(pb.GenerateBatchRequest(), timeout=10)
+                errors.append(raised.value)
+        return errors
+
+    try:
+        errors = run(scenario())
+    finally:
+        engine.close()
+    assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 2
+    assert [e.details() for e in errors] == ["GenerateBatch needs at least one request in `requests`",
+                                             "GenerateMany needs at least one request in `requests`"]

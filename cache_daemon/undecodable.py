@@ -6,11 +6,14 @@ other, and tests/test_undecodable.py compares the files.
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
+
+logger = logging.getLogger(__name__)
 
 _BEHAVIOR_FIELDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
@@ -66,6 +69,7 @@ def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, request: Undecodable) -> None:
+    logger.info("%s -> INVALID_ARGUMENT: request not parsed: %s", method, request.reason)
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: request not parsed: {request.reason}")
 
 

@@ -141,7 +141,10 @@ def _plan_rows(engine, params_list: Sequence[GenerationParams]) -> list[_Row]:
         if params.max_new_tokens > limit:
             raise InvalidRequest(f"requests[{index}]: max_new_tokens {params.max_new_tokens} is over the "
                                  f"server's limit {limit}")
-        prompt = engine._plan(engine._tokenize(params))
+        try:
+            prompt = engine._plan(engine._tokenize(params))
+        except InvalidRequest as error:
+            raise InvalidRequest(f"requests[{index}]: {error}") from None
         room = max(1, engine.geometry.max_context - prompt.num_tokens)
         mode = params.mode or engine.config.default_mode
         rows.append(_Row(index, params, mode, prompt, min(params.max_new_tokens, room)))

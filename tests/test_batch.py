@@ -245,6 +245,27 @@ def test_content_hits_send_a_chunk_kv_reuse_row_to_the_engine(tiny_llama):
     assert [o.request_id for o in outcomes] == ["doc", "r0", "r1"]
 
 
+def test_a_sliding_window_model_runs_every_row_alone(tiny_llama):
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    _, tokenizer = tiny_llama
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           sliding_window=12, eos_token_id=len(tokenizer) - 2, pad_token_id=len(tokenizer) - 1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    engine = make_engine(model, tokenizer)
+    alone = []
+    original = engine.generate
+    engine.generate = lambda p, **kwargs: alone.append(p.request_id) or original(p, **kwargs)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+
+    outcomes = generate_batch(engine, params(prompts))
+
+    assert alone == ["r0", "r1", "r2"]  # pads would shift the window, so no padded batch
+    assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 10)
+
+
 def test_generate_many_keeps_the_input_order_over_mixed_groups(tiny_qwen2):
     model, tokenizer = tiny_qwen2
     cache = CountingCache()
@@ -262,12 +283,14 @@ def test_generate_many_keeps_the_input_order_over_mixed_groups(tiny_qwen2):
     assert len(cache.fetches) == 2  # one per system prompt; the two short prompts share nothing
 
 
-def test_an_empty_batch_is_invalid(tiny_llama):
+def test_an_empty_or_malformed_batch_is_invalid(tiny_llama):
     engine = make_engine(*tiny_llama)
     with pytest.raises(InvalidRequest, match="at least one request"):
         generate_batch(engine, [])
     with pytest.raises(InvalidRequest, match="at least one request"):
         generate_many(engine, [])
+    with pytest.raises(InvalidRequest, match=r"^requests\[1\]: max_new_tokens 5000 is over the server's limit"):
+        generate_batch(engine, [GenerationParams(prompt="fine"), GenerationParams(prompt="long", max_new_tokens=5000)])
 
 
 # -- the real SmolLM2 ---------------------------------------------------------------------------------

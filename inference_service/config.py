@@ -39,6 +39,8 @@ class ServiceConfig:
     max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
     max_new_tokens: int = 4096
     max_prompt_tokens: int = 0  # 0: the model's context length
+    max_message_bytes: int = 64 << 20  # largest gRPC message received or sent
+    max_concurrent_streams: int = 0  # RPCs in flight per client connection (more wait); 0 = gRPC's default
     auth_token_file: str = ""  # clients must send `authorization: Bearer <token>`
     tls_cert: str = ""
     tls_key: str = ""
@@ -64,6 +66,8 @@ class ServiceConfig:
         _require(self.kv_group_size > 0, f"--kv-group-size must be positive, got {self.kv_group_size}")
         _require(self.max_queue > 0, f"--max-queue must be positive, got {self.max_queue}")
         _require(self.max_new_tokens > 0, f"--max-new-tokens must be positive, got {self.max_new_tokens}")
+        _require(self.max_message_bytes >= 1 << 20, f"--max-message-bytes must be at least 1048576, got {self.max_message_bytes}")
+        _require(self.max_concurrent_streams >= 0, f"--max-concurrent-streams must be >= 0, got {self.max_concurrent_streams}")
         _require(self.max_prompt_tokens >= 0, f"--max-prompt-tokens must be >= 0, got {self.max_prompt_tokens}")
         _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
         _require(self.cache_timeout_s > 0, f"--cache-timeout must be positive, got {self.cache_timeout_s}")
@@ -148,6 +152,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--max-queue", type=int, default=default("MAX_QUEUE", defaults.max_queue), help="requests waiting for the model before RESOURCE_EXHAUSTED (KVBOOST_MAX_QUEUE)")
     add("--max-new-tokens", type=int, default=default("MAX_NEW_TOKENS", defaults.max_new_tokens), help="largest max_new_tokens a request may ask for (KVBOOST_MAX_NEW_TOKENS)")
     add("--max-prompt-tokens", type=int, default=default("MAX_PROMPT_TOKENS", defaults.max_prompt_tokens), help="longest prompt accepted; 0 = the model's context (KVBOOST_MAX_PROMPT_TOKENS)")
+    add("--max-message-bytes", type=int, default=default("MAX_MESSAGE_BYTES", defaults.max_message_bytes), help="largest gRPC message received or sent, bytes; larger ones get RESOURCE_EXHAUSTED (KVBOOST_MAX_MESSAGE_BYTES)")
+    add("--max-concurrent-streams", type=int, default=default("MAX_CONCURRENT_STREAMS", defaults.max_concurrent_streams), help="RPCs in flight per client connection, more wait; 0 = gRPC's default (KVBOOST_MAX_CONCURRENT_STREAMS)")
     add("--auth-token-file", default=default("AUTH_TOKEN_FILE", defaults.auth_token_file), help="file holding the bearer token clients must send (KVBOOST_AUTH_TOKEN_FILE)")
     add("--tls-cert", default=default("TLS_CERT", defaults.tls_cert), help="PEM certificate chain to serve TLS (KVBOOST_TLS_CERT)")
     add("--tls-key", default=default("TLS_KEY", defaults.tls_key), help="PEM private key to serve TLS (KVBOOST_TLS_KEY)")

@@ -23,7 +23,6 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].ful
 # Health entry that mirrors the cache daemon as this service sees it: NOT_SERVING while degraded.
 CACHE_HEALTH_NAME = "kvboost.v1.CacheService"
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -82,7 +81,10 @@ def build_server(config: ServiceConfig, engine: Any = None, cache: Any = None) -
     # The undecodable-request check is innermost: unauthenticated calls are refused first.
     interceptors = [BearerTokenInterceptor(token)] if token else []
     interceptors.append(UndecodableRequestInterceptor())
-    options = [("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES)]
+    options = [("grpc.max_receive_message_length", config.max_message_bytes),
+               ("grpc.max_send_message_length", config.max_message_bytes)]
+    if config.max_concurrent_streams:
+        options.append(("grpc.max_concurrent_streams", config.max_concurrent_streams))
     server = grpc.aio.server(interceptors=interceptors, options=options)
     servicer = InferenceServicer(ModelWorker(config.max_queue), config.cache_addr, engine)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)

@@ -219,6 +219,9 @@ class Engine:
     def warm(self, text: str | None, messages=None, content_addressed: bool = False, pin: bool = False) -> WarmOutcome:
         """Computes and stores every full chunk of the text (or chat prefix, no generation prompt).
 
+        content_addressed: the text is chunked as a segment (its partial last chunk stored too) and
+        every chunk is also keyed by content.
+
         Raises:
             InvalidRequest: neither text nor messages.
             PromptTooLong: more tokens than max_prompt_tokens.

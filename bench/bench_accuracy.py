@@ -1,0 +1,240 @@
+"""Answer accuracy, agreement and TTFT by reuse mode on SmolLM2: RAG questions over documents warmed alone.
+
+Each question is asked over 4-6 documents (bench/rag_dataset.py) presented in a new order as
+`segments`; every document was warmed alone (content-addressed) beforehand, so in CHUNK_KV_REUSE its
+chunks hit by content and are re-rotated and repaired. Every column has its own engine and in-process
+store, warmed the same way; columns are interleaved per question so drift hits all alike. Agreement
+and first-token KL are against full prefill of the same run. A second table reuses whole prompts by
+prefix (identity prompts) at 16, 8 and 4 bits: greedy agreement with full prefill and bytes stored.
+
+    python bench/bench_accuracy.py            # 100 questions, all 52 identity prompts
+    python bench/bench_accuracy.py --quick    # 24 questions, 12 identity prompts
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+from inference_service import codec  # noqa: E402
+from inference_service.chunk_cache import InProcessCache  # noqa: E402
+from inference_service.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
+from inference_service.model_loader import DEFAULT_MODEL  # noqa: E402
+from inference_service.runner import load_model  # noqa: E402
+from inference_service.verification import first_token_kl  # noqa: E402
+from inference_service.verification import matching_prefix_tokens  # noqa: E402
+from tests.test_identity import identity_cases  # noqa: E402
+from rag_dataset import build_documents, build_questions, chat_segments, document_segment  # noqa: E402
+
+
+@dataclass(slots=True, frozen=True)
+class Column:
+    name: str
+    mode: str
+    bits: int = 16
+    strategy: str | None = None  # repair of content hits (CHUNK_KV_REUSE columns)
+    ratio: float | None = None  # cacheblend recompute ratio; 0.0 plots `none`
+
+
+def columns() -> list[Column]:
+    def blend(ratio: float, bits: int = 16, name: str | None = None) -> Column:
+        return Column(name or f"cacheblend {round(ratio * 100)}%", "chunk_kv_reuse", bits, "cacheblend", ratio)
+
+    return [
+        Column("full prefill", "baseline"),
+        Column("prefix cache", "prefix_cache"),
+        Column("reuse none", "chunk_kv_reuse", strategy="none", ratio=0.0),
+        Column("selective", "chunk_kv_reuse", strategy="selective"),
+        blend(0.05), blend(0.15), blend(0.30),
+        blend(0.15, 8, "int8 (cb 15%)"), blend(0.15, 4, "int4 (cb 15%)"),
+    ]
+
+
+def make_engine(loaded, bits: int, chunk_size: int) -> Engine:
+    """An engine with its own in-process store (so columns never share chunks), warmed up once."""
+    config = EngineConfig(chunk_size=chunk_size, kv_cache_bits=bits)
+    engine = Engine(loaded.model, loaded.tokenizer, config, InProcessCache(), model_id=loaded.model_id)
+    engine.generate(GenerationParams(prompt="Warm-up.", max_new_tokens=1, mode="baseline"))
+    return engine
+
+
+def ask(engine: Engine, column: Column, max_new_tokens: int, **prompt):
+    """(outcome, first-token logits [vocab]) of one greedy request; write-back finished before returning."""
+    params = GenerationParams(**prompt, max_new_tokens=max_new_tokens, mode=column.mode,
+                              recompute_strategy=column.strategy,
+                              recompute_ratio=column.ratio if column.strategy == "cacheblend" else None)
+    outcome, first_logits = engine._generate(params, None, lambda: False)
+    engine.flush_writes()
+    assert not outcome.degraded, "the store was unreachable"
+    return outcome, first_logits
+
+
+def run_questions(loaded, documents, questions, chunk_size: int, max_new_tokens: int) -> dict:
+    cols = columns()
+    engines = [make_engine(loaded, column.bits, chunk_size) for column in cols]
+    for engine in engines:
+        for document in documents:
+            engine.warm(document_segment(document), content_addressed=True)
+    rows = {column.name: {"correct": [], "agree": [], "kl": [], "ttft_ms": [], "reuse": [], "recomputed": []}
+            for column in cols}
+    for number, question in enumerate(questions):
+        segments = chat_segments(loaded.tokenizer, documents, question)
+        reference = None
+        for column, engine in zip(cols, engines):
+            outcome, logits = ask(engine, column, max_new_tokens, segments=tuple(segments))
+            if reference is None:  # full prefill comes first
+                reference = (outcome.output_token_ids, logits)
+            row = rows[column.name]
+            row["correct"].append(question.answer.lower() in outcome.output_text.lower())
+            row["agree"].append(outcome.output_token_ids == reference[0])
+            row["kl"].append(first_token_kl(reference[1], logits))
+            row["ttft_ms"].append(outcome.ttft_ms)
+            row["reuse"].append(outcome.kv_reuse_ratio)
+            row["recomputed"].append(outcome.recomputed_tokens / max(1, outcome.cached_tokens))
+        if (number + 1) % 10 == 0:
+            print(f"  {number + 1}/{len(questions)} questions", flush=True)
+    for engine in engines:
+        engine.close()
+    return {"columns": cols, "rows": rows}
+
+
+def run_identity(loaded, chunk_size: int, max_new_tokens: int, limit: int | None) -> dict:
+    """The identity prompts (tests/test_identity.py) reused by exact prefix after one write-back, stored
+    at 16, 8 and 4 bits: greedy agreement with full prefill (whole outputs and tokens) and bytes stored."""
+    cases = identity_cases(loaded.tokenizer)
+    if limit:  # spread over the kinds (short, aligned, one past a boundary, mixed, chats)
+        cases = cases[:: max(1, len(cases) // limit)][:limit]
+    full, reference_engine = Column("full prefill", "baseline"), make_engine(loaded, 16, chunk_size)
+    references = [ask(reference_engine, full, max_new_tokens, **case)[0].output_token_ids for case in cases]
+    reference_engine.close()
+    results = {}
+    for bits in (16, 8, 4):
+        engine = make_engine(loaded, bits, chunk_size)
+        column = Column(f"{bits}-bit", "prefix_cache", bits)
+        same_output = same_tokens = total_tokens = with_hits = 0
+        for case, reference in zip(cases, references):
+            ask(engine, column, 1, **case)  # stores the prompt's full chunks
+            outcome, _ = ask(engine, column, max_new_tokens, **case)
+            with_hits += outcome.cached_tokens > 0
+            same_output += outcome.output_token_ids == reference
+            same_tokens += matching_prefix_tokens(reference, outcome.output_token_ids)
+            total_tokens += len(reference)
+        stats = engine.stats()
+        engine.close()
+        # 16-bit storage keeps the model's dtype (4 bytes an element on CPU fp32); the fp16 size is what
+        # the same chunks take from a bf16/fp16 model, the usual baseline for "x fewer bytes".
+        element_bytes = loaded.model.dtype.itemsize
+        payload = stats["bytes_stored"] - codec.HEADER_SIZE * stats["chunks_stored"]
+        fp16_bytes = payload * 2 // element_bytes + codec.HEADER_SIZE * stats["chunks_stored"]
+        results[bits] = {"prompts": len(cases), "prompts_with_hits": with_hits, "fp16_equivalent_bytes": fp16_bytes,
+                         "output_agreement": same_output / len(cases), "token_agreement": same_tokens / total_tokens,
+                         "bytes_stored": stats["bytes_stored"], "chunks_stored": stats["chunks_stored"]}
+    return results
+
+
+def summarize(run: dict) -> list[dict]:
+    rows = run["rows"]
+    full_ttft = statistics.median(rows["full prefill"]["ttft_ms"])
+    table = []
+    for column in run["columns"]:
+        row = rows[column.name]
+        ttft = statistics.median(row["ttft_ms"])
+        table.append({
+            "column": column.name, "ratio": column.ratio,
+            "accuracy": statistics.mean(row["correct"]), "agreement": statistics.mean(row["agree"]),
+            "first_token_kl": statistics.mean(row["kl"]), "ttft_ms": ttft, "ttft_ratio": ttft / full_ttft,
+            "reused": statistics.mean(row["reuse"]), "recomputed": statistics.mean(row["recomputed"]),
+        })
+    return table
+
+
+def print_tables(table: list[dict], identity: dict) -> None:
+    header = (f"{'column':<16} {'accuracy':>8} {'agree':>6} {'1st-tok KL':>10} {'TTFT ms':>8} {'x full':>6} "
+              f"{'reused':>6} {'recomp':>6}")
+    print(header)
+    print("-" * len(header))
+    for r in table:
+        print(f"{r['column']:<16} {r['accuracy']:>8.3f} {r['agreement']:>6.3f} {r['first_token_kl']:>10.4f} "
+              f"{r['ttft_ms']:>8.1f} {r['ttft_ratio']:>6.2f} {r['reused']:>6.2f} {r['recomputed']:>6.2f}")
+    print(f"\n{'identity prompts':<16} {'prompts':>7} {'w/ hits':>7} {'same output':>11} {'same tokens':>11} "
+          f"{'bytes stored':>12} {'x fewer':>7} {'x fewer than fp16':>17}")
+    for bits, r in identity.items():
+        fewer = identity[16]["bytes_stored"] / r["bytes_stored"]
+        fewer_fp16 = identity[16]["fp16_equivalent_bytes"] / r["bytes_stored"] if bits != 16 else 1.0
+        print(f"{f'{bits}-bit':<16} {r['prompts']:>7d} {r['prompts_with_hits']:>7d} {r['output_agreement']:>11.3f} "
+              f"{r['token_agreement']:>11.3f} {r['bytes_stored']:>12d} {fewer:>7.2f} {fewer_fp16:>17.2f}")
+
+
+def write_plot(table: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    by_name = {r["column"]: r for r in table}
+    blend = sorted((r for r in table if r["ratio"] is not None), key=lambda r: r["ratio"])
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for axis, key, label in ((axes[0], "accuracy", "answer accuracy"), (axes[1], "ttft_ratio", "TTFT / full prefill")):
+        axis.plot([r["ratio"] for r in blend], [r[key] for r in blend], marker="o", label="content reuse + cacheblend")
+        for name, style in (("full prefill", "k--"), ("prefix cache", "c:"), ("selective", "m-.")):
+            axis.axhline(by_name[name][key], color=style[0], linestyle=style[1:], label=name)
+        for name, marker in (("int8 (cb 15%)", "s"), ("int4 (cb 15%)", "^")):
+            axis.plot([0.15], [by_name[name][key]], marker=marker, linestyle="", label=name)
+        axis.set_xlabel("recompute ratio (0 = repair none)")
+        axis.set_ylabel(label)
+        axis.legend(fontsize=7)
+    figure.suptitle("SmolLM2-135M, RAG questions over documents reused in new orders")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--identity-prompts", type=int, default=None,
+                        help="first N identity prompts (default: all of tests/test_identity.py's)")
+    parser.add_argument("--identity-chunk-size", type=int, default=128, help="chunk size of the identity part "
+                        "(the service default, where int8's scales cost least)")
+    parser.add_argument("--identity-new-tokens", type=int, default=16)
+    parser.add_argument("--chunk-size", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--quick", action="store_true", help="24 questions, 12 identity prompts")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    num_questions, num_identity = (24, 12) if args.quick else (args.questions, args.identity_prompts)
+
+    loaded = load_model(args.model, device="cpu", dtype="float32")
+    documents = build_documents()
+    questions = build_questions(documents, num_questions)
+    started = time.perf_counter()
+    run = run_questions(loaded, documents, questions, args.chunk_size, args.max_new_tokens)
+    identity = run_identity(loaded, args.identity_chunk_size, args.identity_new_tokens, num_identity)
+    table = summarize(run)
+    print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size {args.chunk_size}, "
+          f"{num_questions} questions over 4-6 of {len(documents)} documents, greedy {args.max_new_tokens} tokens, "
+          f"TTFT median, {time.perf_counter() - started:.0f} s\n")
+    print_tables(table, identity)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (args.out / f"accuracy-{stamp}.json").write_text(json.dumps({"table": table, "identity": identity}, indent=2))
+    write_plot(table, args.out / f"accuracy-{stamp}.png")
+    print(f"\nwrote {args.out}/accuracy-{stamp}.json and .png")
+
+
+if __name__ == "__main__":
+    main()

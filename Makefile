@@ -43,6 +43,7 @@ run: setup model up
 bench: setup model
 	$(PY) bench/bench_daemon.py
 	$(PY) bench/bench_ttft.py
+	$(PY) bench/bench_isolation.py
 	$(PY) bench/bench_accuracy.py
 	$(PY) bench/load.py
 

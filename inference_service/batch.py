@@ -135,19 +135,13 @@ def _first_shareable_key(prompt: PromptPlan) -> bytes | None:
 def _plan_rows(engine, params_list: Sequence[GenerationParams]) -> list[_Row]:
     if not params_list:
         raise InvalidRequest("a batch needs at least one request")
-    limit = engine.config.max_new_tokens_limit
     rows = []
     for index, params in enumerate(params_list):
-        if params.max_new_tokens > limit:
-            raise InvalidRequest(f"requests[{index}]: max_new_tokens {params.max_new_tokens} is over the "
-                                 f"server's limit {limit}")
         try:
-            prompt = engine._plan(engine._tokenize(params))
+            mode, prompt, max_new_tokens = engine.plan_request(params)
         except InvalidRequest as error:
             raise InvalidRequest(f"requests[{index}]: {error}") from None
-        room = max(1, engine.geometry.max_context - prompt.num_tokens)
-        mode = params.mode or engine.config.default_mode
-        rows.append(_Row(index, params, mode, prompt, min(params.max_new_tokens, room)))
+        rows.append(_Row(index, params, mode, prompt, max_new_tokens))
     return rows
 
 
@@ -257,7 +251,7 @@ def _write_back(engine, pending: list[PendingChunks | None]) -> None:
         keep = [i for i, key in enumerate(item.prefix_keys) if key not in seen]
         seen.update(item.prefix_keys)
         if keep:
-            engine._writeback.submit(PendingChunks(
+            engine.submit_write_back(PendingChunks(
                 item.namespace, tuple(item.chunks[i] for i in keep), tuple(item.prefix_keys[i] for i in keep),
                 tuple(item.content_keys[i] for i in keep), item.new_kv, item.kv_start, request_id=item.request_id))
 

@@ -90,15 +90,9 @@ class Engine:
 
     def _generate(self, params: GenerationParams, on_token: OnToken | None,
                   should_stop: Callable[[], bool]) -> tuple[GenerationOutcome, torch.Tensor | None]:
-        mode = params.mode or self.config.default_mode
-        if params.max_new_tokens > self.config.max_new_tokens_limit:
-            raise InvalidRequest(f"max_new_tokens {params.max_new_tokens} is over the server's limit "
-                                 f"{self.config.max_new_tokens_limit}")
-        prompt = self._plan(self._tokenize(params))
+        mode, prompt, max_new_tokens = self.plan_request(params)
         if should_stop():  # cancelled or past its deadline while queued
             return self._outcome(params, mode, prompt, None, _cancelled_before_start()), None
-        room = max(1, self.geometry.max_context - prompt.num_tokens)
-        max_new_tokens = min(params.max_new_tokens, room)
         prefilled = self._prefill(prompt, mode, prompt.num_tokens + max_new_tokens, params.request_id,
                                   self.repair_options(params))
         decoded = decode_loop(
@@ -106,13 +100,27 @@ class Engine:
             IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params.stop),
             SamplingSettings(params.temperature, params.top_k, params.top_p, params.seed),
             self.eos_ids, max_new_tokens, on_token, should_stop,
-            after_first_token=lambda: self._maybe_write_back(prefilled.pending),
+            after_first_token=lambda: self.submit_write_back(prefilled.pending),
         )
         outcome = self._outcome(params, mode, prompt, prefilled, decoded)
         logger.info("[%s] %s: %d prompt tokens, %d cached, ttft %.1f ms, %d generated (%s)%s",
                     params.request_id, mode, outcome.prompt_tokens, outcome.cached_tokens, outcome.ttft_ms,
                     outcome.generated_tokens, outcome.finish_reason, " degraded" if outcome.degraded else "")
         return outcome, prefilled.first_logits
+
+    def plan_request(self, params: GenerationParams) -> tuple[str, PromptPlan, int]:
+        """(mode, tokenized and keyed prompt, max_new_tokens capped by the context room) of a request.
+
+        Raises:
+            InvalidRequest: max_new_tokens over the server's limit, or an empty prompt.
+            PromptTooLong: more prompt tokens than max_prompt_tokens.
+        """
+        if params.max_new_tokens > self.config.max_new_tokens_limit:
+            raise InvalidRequest(f"max_new_tokens {params.max_new_tokens} is over the server's limit "
+                                 f"{self.config.max_new_tokens_limit}")
+        prompt = self._plan(self._tokenize(params))
+        room = max(1, self.geometry.max_context - prompt.num_tokens)
+        return params.mode or self.config.default_mode, prompt, min(params.max_new_tokens, room)
 
     def _tokenize(self, params: GenerationParams) -> list[list[int]]:
         if params.prompt:
@@ -184,7 +192,8 @@ class Engine:
                                     prompt.content_keys[index:], new_kv, num_cached, request_id=request_id)
         return _Prefilled(prompt, context, num_cached, cache, first_logits, pending)
 
-    def _maybe_write_back(self, pending: PendingChunks | None) -> None:
+    def submit_write_back(self, pending: PendingChunks | None) -> None:
+        """Queues new chunks for the background write-back; returns at once."""
         if pending is not None:
             self._writeback.submit(pending)
 

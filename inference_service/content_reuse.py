@@ -67,7 +67,9 @@ def place_content_hits(
     starts N tokens later, where its K/V had N tokens of its own left context when it was computed.
 
     Never raises for cache trouble: a chunk that cannot be fetched, decoded or re-rotated stays
-    MISSING; an unreachable cache keeps the hits placed before it.
+    MISSING; an unreachable cache keeps the hits placed before it and marks the context degraded
+    (also when no hit was placed, so the caller's prefix-only fallback neither writes back nor
+    reports the request as served with the cache).
     """
     if context.key_buffer is None:
         key_buffer, value_buffer = allocate_kv(geometry, capacity, device, dtype)
@@ -106,7 +108,7 @@ def place_content_hits(
             num_bytes += len(blob)
     except CacheUnavailable as error:
         logger.warning("cache unavailable during content fetch, %d of %d hits placed: %s", num_placed, len(hits), error)
-        degraded = True
+        degraded = context.degraded = True
     if num_placed == 0:
         return None
     if overlap_tokens:

@@ -21,7 +21,7 @@ from inference_service.chunk_cache import CacheUnavailable
 from inference_service.chunking import ChunkPlan
 from inference_service.detokenizer import IncrementalDetokenizer
 from inference_service.engine_types import GenerationOutcome, GenerationParams
-from inference_service.errors import InvalidRequest
+from inference_service.errors import InvalidRequest, PromptTooLong
 from inference_service.prompts import PromptPlan
 from inference_service.runner import allocate_kv, build_cache, prefill
 from inference_service.sampling import make_generator, sample
@@ -141,6 +141,10 @@ def _plan_rows(engine, params_list: Sequence[GenerationParams]) -> list[_Row]:
             mode, prompt, max_new_tokens = engine.plan_request(params)
         except InvalidRequest as error:
             raise InvalidRequest(f"requests[{index}]: {error}") from None
+        except PromptTooLong as error:
+            named = PromptTooLong(error.num_tokens, error.max_tokens)
+            named.args = (f"requests[{index}]: {error}",)
+            raise named from None
         rows.append(_Row(index, params, mode, prompt, max_new_tokens))
     return rows
 

@@ -113,3 +113,12 @@ def test_batch_rows_write_back_their_own_chunks_exactly(fixture, request):
 def engine_params(prompt: str):
     from inference_service.engine import GenerationParams
     return GenerationParams(prompt=prompt, mode="prefix_cache", max_new_tokens=10)
+
+
+def test_a_batch_row_over_max_prompt_tokens_is_named_by_its_index(tiny_llama):
+    from inference_service.engine import GenerationParams
+    from inference_service.errors import PromptTooLong
+
+    engine = make_engine(tiny_llama, max_prompt_tokens=32)
+    with pytest.raises(PromptTooLong, match=r"^requests\[1\]: prompt has 40 tokens; at most 32 are accepted$"):
+        generate_batch(engine, [GenerationParams(prompt="fine"), GenerationParams(prompt="x" * 40)])

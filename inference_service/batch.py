@@ -195,7 +195,10 @@ def _run_padded(engine, rows: list[_Row], should_stop: ShouldStop, pad_token_id:
         row.detokenizer = IncrementalDetokenizer(engine.tokenizer, row.prompt.token_ids, row.params.stop)
         if row.params.temperature > 0:
             row.generator = make_generator(row.params.seed, engine.device)
-    capacity = max(row.prompt.num_tokens + row.max_new_tokens for row in rows)
+    # Left padding puts every row's generated tokens after the longest prompt: row i's last one sits at
+    # buffer index max prompt + its max_new_tokens - 1, whatever its own prompt length. Sized for that,
+    # the buffers never grow (a grown layer would leave batch.keys stale for keep_rows).
+    capacity = max(row.prompt.num_tokens for row in rows) + max(row.max_new_tokens for row in rows)
     batch = batch_runner.allocate_batch(engine.model.config, engine.geometry, len(rows), capacity, shared.keys,
                                         shared.values, engine.device, engine.dtype)
     suffixes = [row.prompt.token_ids[shared.num_tokens :] for row in rows]

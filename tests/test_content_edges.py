@@ -122,3 +122,18 @@ def test_a_batch_row_over_max_prompt_tokens_is_named_by_its_index(tiny_llama):
     engine = make_engine(tiny_llama, max_prompt_tokens=32)
     with pytest.raises(PromptTooLong, match=r"^requests\[1\]: prompt has 40 tokens; at most 32 are accepted$"):
         generate_batch(engine, [GenerationParams(prompt="fine"), GenerationParams(prompt="x" * 40)])
+
+
+def test_a_short_prompt_with_many_new_tokens_beside_a_long_one(tiny_llama):
+    """Left padding puts the short prompt's new tokens after the long prompt: the buffers must hold them,
+    also once other rows have finished and left the batch."""
+    from inference_service.engine import GenerationParams
+
+    model, tokenizer = tiny_llama
+    engine = make_engine(tiny_llama)
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 2, "Short one", "Short two"]
+    limits = [1, 20, 30]
+    outcomes = generate_batch(engine, [GenerationParams(prompt=p, max_new_tokens=n, mode="baseline")
+                                       for p, n in zip(prompts, limits)])
+    assert [o.output_token_ids for o in outcomes] == [
+        reference_ids(model, tokenize_prompt(tokenizer, p)[0], n) for p, n in zip(prompts, limits)]

@@ -19,7 +19,7 @@ from inference_service.engine_types import (
 from inference_service.errors import InvalidRequest, PromptTooLong
 from inference_service.generation import DecodeResult, OnToken, SamplingSettings, decode_loop, eos_token_ids
 from inference_service.keys import NamespaceSpec, namespace_digest
-from inference_service.repair import RepairOptions
+from inference_service.repair import MASKABLE_ATTENTION, RepairOptions
 from inference_service.rope import RopeParams, UnsupportedRope, rope_parameters
 from inference_service.prompts import (
     PromptPlan, plan_prompt, tokenize_document, tokenize_messages, tokenize_prompt, tokenize_segments,
@@ -75,6 +75,11 @@ class Engine:
         self.counters = EngineStats()
         self._writeback = WriteBack(cache, config.kv_cache_bits, self.counters.add_stored, config.kv_group_size)
         self.rope = _rope_or_none(model.config)
+        attention = getattr(model.config, "_attn_implementation", None)
+        if self.rope is not None and attention not in MASKABLE_ATTENTION:
+            logger.info("content hits will not be reused: repair needs %s attention, the model uses %r",
+                        " or ".join(MASKABLE_ATTENTION), attention)
+            self.rope = None  # content hits then fall back to prefix reuse instead of failing requests
 
     # ---- requests -------------------------------------------------------------------------------
 

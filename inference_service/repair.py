@@ -8,7 +8,7 @@ import torch
 # Per-position status of an assembled prompt, as an int8 tensor [S].
 EXACT, APPROX, MISSING = 0, 1, 2  # prefix hit (reused as is), content hit (re-rotated, repairable), not cached
 STRATEGIES = ("none", "selective", "cacheblend")
-_MASKABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an arbitrary additive 4D mask
+MASKABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an arbitrary additive 4D mask
 
 
 @dataclass(slots=True, frozen=True)
@@ -224,8 +224,8 @@ class _LayerRunner:
 
     def __init__(self, model, keys: list[torch.Tensor], values: list[torch.Tensor]):
         implementation = model.config._attn_implementation
-        assert implementation in _MASKABLE_ATTENTION, (
-            f"repair needs attention that takes a 4D mask {_MASKABLE_ATTENTION}, the model uses {implementation!r}"
+        assert implementation in MASKABLE_ATTENTION, (
+            f"repair needs attention that takes a 4D mask {MASKABLE_ATTENTION}, the model uses {implementation!r}"
         )
         self.model, self.decoder = model, model.get_decoder()
         self.config = model.config.get_text_config(decoder=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from inference_service import convert
+from inference_service import engine as engine_module
 from inference_service.engine import GenerationParams
 from inference_service.prompts import tokenize_segments
 from kvboost.v1 import inference_pb2 as pb
@@ -145,3 +146,16 @@ def test_request_fields_reach_the_repair_options(tiny_llama):
     defaults = engine.repair_options(GenerationParams(prompt="x"))
     assert (defaults.strategy, defaults.recompute_ratio, defaults.selective_tokens, defaults.sink_tokens) == (
         "selective", pytest.approx(0.3), 5, 1)
+
+
+def test_attention_without_a_4d_mask_falls_back_to_prefix_reuse(tiny_llama, monkeypatch):
+    """Repair needs attention that takes an arbitrary mask; with another implementation content hits
+    are not reused (prefix reuse only), instead of failing the request."""
+    model, _ = tiny_llama
+    assert model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(engine_module, "MASKABLE_ATTENTION", ("eager",))  # as if the model's were unsupported
+    engine = content_engine(tiny_llama)
+    assert engine.rope is None
+    outcome = run(engine, segments=SEGMENTS, mode="chunk_kv_reuse")
+    assert outcome.cached_tokens == 0
+    assert outcome.output_token_ids == reference_ids(model, prompt_ids(tiny_llama[1]))

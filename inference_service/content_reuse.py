@@ -81,11 +81,12 @@ def place_content_hits(
     seams: list[int] = []
     num_placed = num_bytes = 0
     degraded = False
+    verify = not getattr(cache, "verifies_blobs", False)  # one checksum per blob is enough
     previous: tuple[int, int] | None = None  # (chunk index, stored end position) of the last placed hit
     try:
         for (index, expected_key), (key, blob) in zip(hits, cache.fetch([key for _, key in hits])):
             chunk = prompt.chunks.chunks[index]
-            decoded = _decode_content_hit(key, expected_key, blob, chunk.start, len(chunk.token_ids), geometry)
+            decoded = _decode_content_hit(key, expected_key, blob, chunk.start, len(chunk.token_ids), geometry, verify)
             if decoded is None:
                 continue
             stored_start = decoded.header.start_position
@@ -185,13 +186,14 @@ def exact_pending_chunks(
                          prompt.content_keys[first:last], new_kv, start, request_id=request_id)
 
 
-def _decode_content_hit(key: bytes, expected_key: bytes, blob, start: int, num_tokens: int, geometry: KVGeometry):
+def _decode_content_hit(key: bytes, expected_key: bytes, blob, start: int, num_tokens: int, geometry: KVGeometry,
+                        verify: bool = True):
     """The decoded chunk, or None (logged) when the blob cannot stand for this chunk at any position."""
     if blob is None or key != expected_key:
         logger.info("content hit at position %d missing at fetch (evicted since lookup?)", start)
         return None
     try:
-        decoded = decode_chunk(blob)
+        decoded = decode_chunk(blob, verify=verify)
     except BlobError as error:
         logger.warning("content hit at position %d could not be decoded, recomputing it: %s", start, error)
         return None

@@ -5,7 +5,8 @@ Each question is asked over 4-6 documents (bench/rag_dataset.py) presented in a 
 chunks hit by content and are re-rotated and repaired. Every column has its own engine and in-process
 store, warmed the same way; columns are interleaved per question so drift hits all alike. Agreement
 and first-token KL are against full prefill of the same run. A second table reuses whole prompts by
-prefix (identity prompts) at 16, 8 and 4 bits: greedy agreement with full prefill and bytes stored.
+prefix (the identity test's prompts plus every question's prompt) at 16, 8 and 4 bits: greedy agreement
+with full prefill over the prompts with hits, and bytes stored.
 
     python bench/bench_accuracy.py            # 100 questions, all 52 identity prompts
     python bench/bench_accuracy.py --quick    # 24 questions, 12 identity prompts
@@ -108,12 +109,20 @@ def run_questions(loaded, documents, questions, chunk_size: int, max_new_tokens:
     return {"columns": cols, "rows": rows}
 
 
-def run_identity(loaded, chunk_size: int, max_new_tokens: int, limit: int | None) -> dict:
-    """The identity prompts (tests/test_identity.py) reused by exact prefix after one write-back, stored
-    at 16, 8 and 4 bits: greedy agreement with full prefill (whole outputs and tokens) and bytes stored."""
+def identity_prompts(loaded, documents, questions, limit: int | None) -> list[dict]:
+    """The identity test's prompts (tests/test_identity.py: short, chunk-aligned, one past a boundary,
+    mixed, chats) and every RAG question's whole prompt: requests for exact prefix reuse."""
     cases = identity_cases(loaded.tokenizer)
-    if limit:  # spread over the kinds (short, aligned, one past a boundary, mixed, chats)
+    if limit:  # spread over the kinds
         cases = cases[:: max(1, len(cases) // limit)][:limit]
+    rag = [{"segments": tuple(chat_segments(loaded.tokenizer, documents, question))} for question in questions]
+    return cases + rag
+
+
+def run_identity(loaded, cases: list[dict], chunk_size: int, max_new_tokens: int) -> dict:
+    """Prompts reused by exact prefix after one write-back, stored at 16, 8 and 4 bits: greedy agreement
+    with full prefill (whole outputs, and tokens before the first difference) over the prompts that had
+    prefix hits, and bytes stored."""
     full, reference_engine = Column("full prefill", "baseline"), make_engine(loaded, 16, chunk_size)
     references = [ask(reference_engine, full, max_new_tokens, **case)[0].output_token_ids for case in cases]
     reference_engine.close()
@@ -125,7 +134,9 @@ def run_identity(loaded, chunk_size: int, max_new_tokens: int, limit: int | None
         for case, reference in zip(cases, references):
             ask(engine, column, 1, **case)  # stores the prompt's full chunks
             outcome, _ = ask(engine, column, max_new_tokens, **case)
-            with_hits += outcome.cached_tokens > 0
+            if outcome.cached_tokens == 0:
+                continue  # shorter than a chunk: nothing reused, agreement would be free
+            with_hits += 1
             same_output += outcome.output_token_ids == reference
             same_tokens += matching_prefix_tokens(reference, outcome.output_token_ids)
             total_tokens += len(reference)
@@ -137,7 +148,8 @@ def run_identity(loaded, chunk_size: int, max_new_tokens: int, limit: int | None
         payload = stats["bytes_stored"] - codec.HEADER_SIZE * stats["chunks_stored"]
         fp16_bytes = payload * 2 // element_bytes + codec.HEADER_SIZE * stats["chunks_stored"]
         results[bits] = {"prompts": len(cases), "prompts_with_hits": with_hits, "fp16_equivalent_bytes": fp16_bytes,
-                         "output_agreement": same_output / len(cases), "token_agreement": same_tokens / total_tokens,
+                         "output_agreement": same_output / max(1, with_hits),
+                         "token_agreement": same_tokens / max(1, total_tokens),
                          "bytes_stored": stats["bytes_stored"], "chunks_stored": stats["chunks_stored"]}
     return results
 
@@ -166,7 +178,8 @@ def print_tables(table: list[dict], identity: dict) -> None:
     for r in table:
         print(f"{r['column']:<16} {r['accuracy']:>8.3f} {r['agreement']:>6.3f} {r['first_token_kl']:>10.4f} "
               f"{r['ttft_ms']:>8.1f} {r['ttft_ratio']:>6.2f} {r['reused']:>6.2f} {r['recomputed']:>6.2f}")
-    print(f"\n{'identity prompts':<16} {'prompts':>7} {'w/ hits':>7} {'same output':>11} {'same tokens':>11} "
+    print("\nidentity prompts: agreement over the prompts with prefix hits")
+    print(f"{'stored as':<16} {'prompts':>7} {'w/ hits':>7} {'same output':>11} {'same tokens':>11} "
           f"{'bytes stored':>12} {'x fewer':>7} {'x fewer than fp16':>17}")
     for bits, r in identity.items():
         fewer = identity[16]["bytes_stored"] / r["bytes_stored"]
@@ -204,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--questions", type=int, default=100)
     parser.add_argument("--identity-prompts", type=int, default=None,
-                        help="first N identity prompts (default: all of tests/test_identity.py's)")
+                        help="first N of tests/test_identity.py's prompts (default: all 52); the RAG "
+                             "questions' prompts are always added")
     parser.add_argument("--identity-chunk-size", type=int, default=128, help="chunk size of the identity part "
                         "(the service default, where int8's scales cost least)")
     parser.add_argument("--identity-new-tokens", type=int, default=16)
@@ -223,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     questions = build_questions(documents, num_questions)
     started = time.perf_counter()
     run = run_questions(loaded, documents, questions, args.chunk_size, args.max_new_tokens)
-    identity = run_identity(loaded, args.identity_chunk_size, args.identity_new_tokens, num_identity)
+    identity = run_identity(loaded, identity_prompts(loaded, documents, questions, num_identity),
+                            args.identity_chunk_size, args.identity_new_tokens)
     table = summarize(run)
     print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size {args.chunk_size}, "
           f"{num_questions} questions over 4-6 of {len(documents)} documents, greedy {args.max_new_tokens} tokens, "

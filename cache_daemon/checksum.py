@@ -1,4 +1,4 @@
-"""The blob checksum: CRC-32 as zlib computes it, through ISA-L's SIMD version when installed."""
+"""The blob checksum: CRC-32 as zlib computes it, through ISA-L's SIMD version when installed (daemon and service)."""
 from __future__ import annotations
 
 try:

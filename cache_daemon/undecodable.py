@@ -1,7 +1,6 @@
 """Requests whose bytes do not parse (corrupt wire format, invalid UTF-8 in a string) get INVALID_ARGUMENT.
 
-cache_daemon/undecodable.py and inference_service/undecodable.py are identical: the two packages do not import each
-other, and tests/test_undecodable.py compares the files.
+Both servers install it (the inference service imports it from here: this module needs grpc only).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from typing import Iterable, Iterator
 import grpc
 
 from inference_service.chunk_cache import CacheUnavailable, LookupResult, StoreItem
-from inference_service.checksum import crc32
+from cache_daemon.checksum import crc32
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
 logger = logging.getLogger(__name__)

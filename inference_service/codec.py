@@ -9,7 +9,7 @@ from typing import Union
 
 import torch
 
-from inference_service.checksum import crc32
+from cache_daemon.checksum import crc32
 from inference_service.quant import (
     QuantizedTensor,
     dequantize,

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_service.config import ServiceConfig
 from inference_service.servicer import InferenceServicer
-from inference_service.undecodable import UndecodableRequestInterceptor
+from cache_daemon.undecodable import UndecodableRequestInterceptor
 from inference_service.worker import ModelWorker
 from kvboost.v1 import inference_pb2, inference_pb2_grpc
 

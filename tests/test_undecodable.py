@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 import grpc
@@ -29,11 +28,6 @@ INVALID_UTF8 = [b"\xff", b"\xfe\xff", b"\xc3\x28", b"\xed\xa0\x80", b"ok\x80", b
 KEPT = [make_chunk(f"kept {index}", 3000, pinned=True) for index in range(3)]
 REFERENCE = inference_pb2.GenerateRequest(prompt="The harbour ferry leaves at six. " * 2, max_new_tokens=4,
                                           mode=inference_pb2.PREFIX_CACHE)
-
-
-def test_the_two_copies_are_identical() -> None:
-    root = Path(__file__).resolve().parents[1]
-    assert (root / "cache_daemon/undecodable.py").read_text() == (root / "inference_service/undecodable.py").read_text()
 
 
 def raw_call(channel: grpc.Channel, method_descriptor, wire: bytes | list[bytes]) -> grpc.StatusCode:

@@ -19,6 +19,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small-batch forwards gain little from a second thread and lose a lot when cores are shared.
+    Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     """(model, tokenizer) of a 2-layer random Llama with a byte-level tokenizer."""

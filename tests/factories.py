@@ -37,7 +37,7 @@ def build_byte_tokenizer():
 
 
 def tiny_config(kind: str, vocab_size: int):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -55,6 +55,8 @@ def tiny_config(kind: str, vocab_size: int):
         return LlamaConfig(**common, rope_theta=10000.0)
     if kind == "qwen2":
         return Qwen2Config(**common, rope_theta=1000000.0, use_sliding_window=False)
+    if kind == "mistral_sliding":  # every layer attends to the last 12 positions only
+        return MistralConfig(**common, sliding_window=12)
     raise ValueError(f"unknown tiny model kind {kind!r}")
 
 

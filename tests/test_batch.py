@@ -12,18 +12,14 @@ from inference_service.chunk_cache import CacheUnavailable, InProcessCache
 from inference_service.engine import Engine, EngineConfig, GenerationParams
 from inference_service.errors import InvalidRequest
 from inference_service.prompts import plan_prompt, tokenize_messages, tokenize_prompt
+from tests.factories import build_tiny_model
 
 SYSTEM = "The quick brown fox jumps over the lazy dog. " * 2  # 90 byte tokens: 11 chunks of 8 and a tail
 QUESTIONS = ["Q1?", "A much longer question here, with padding to spare?", "Mid-sized one?"]
 OTHER_SYSTEM = "Pack my box with five dozen liquor jugs, said the sphinx. "
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(params=["tiny_llama", "tiny_qwen2"])
@@ -245,15 +241,8 @@ def test_content_hits_send_a_chunk_kv_reuse_row_to_the_engine(tiny_llama):
     assert [o.request_id for o in outcomes] == ["doc", "r0", "r1"]
 
 
-def test_a_sliding_window_model_runs_every_row_alone(tiny_llama):
-    from transformers import AutoModelForCausalLM, MistralConfig
-
-    _, tokenizer = tiny_llama
-    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           sliding_window=12, eos_token_id=len(tokenizer) - 2, pad_token_id=len(tokenizer) - 1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+def test_a_sliding_window_model_runs_every_row_alone():
+    model, tokenizer = build_tiny_model("mistral_sliding")
     engine = make_engine(model, tokenizer)
     alone = []
     original = engine.generate

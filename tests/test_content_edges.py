@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from inference_service.batch import generate_batch
 from inference_service.chunk_cache import CacheUnavailable, InProcessCache
@@ -12,12 +11,7 @@ from tests.test_engine import make_engine, reference_ids, run
 from tests.test_engine_content import DOC_A, DOC_B, QUESTION, content_engine
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def ids_of_segments(tokenizer, segments) -> list[int]:

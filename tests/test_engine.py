@@ -10,6 +10,7 @@ from inference_service.chunk_cache import CacheUnavailable, InProcessCache, Look
 from inference_service.engine import Engine, EngineConfig, GenerationParams
 from inference_service.errors import InvalidRequest, PromptTooLong
 from inference_service.prompts import tokenize_messages, tokenize_prompt, tokenize_segments
+from tests.factories import build_tiny_model
 
 MAX_NEW_TOKENS = 12
 CHAT = (
@@ -115,15 +116,8 @@ def test_segments_are_chunked_from_their_own_start(tiny_llama):
     assert second.cached_tokens == 55
 
 
-def test_sliding_window_model_is_token_identical(tiny_llama):
-    from transformers import AutoModelForCausalLM, MistralConfig
-
-    _, tokenizer = tiny_llama
-    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           sliding_window=12, eos_token_id=len(tokenizer) - 2, pad_token_id=len(tokenizer) - 1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+def test_sliding_window_model_is_token_identical():
+    model, tokenizer = build_tiny_model("mistral_sliding")
     engine = make_engine((model, tokenizer))
     prompt = text_of_length(45)
     expected = reference_ids(model, tokenize_prompt(tokenizer, prompt)[0])

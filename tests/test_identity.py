@@ -9,7 +9,7 @@ from inference_service.engine import Engine, EngineConfig, GenerationParams
 from inference_service.prompts import tokenize_messages, tokenize_prompt
 from tests.e2e.daemon_process import start_daemon
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 MAX_NEW_TOKENS = 8
 PASSAGE = (
@@ -55,17 +55,6 @@ def identity_cases(tokenizer) -> list[dict]:
     cases = short + aligned + one_past + one_before + mixed + chats + [{"prompt": PASSAGE}]
     assert len(cases) >= 50
     return cases
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Small-batch forwards gain little from a second thread and lose a lot when cores are shared."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

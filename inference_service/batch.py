@@ -20,8 +20,10 @@ from inference_service.assembler import AssembledContext, assemble_context, empt
 from inference_service.chunk_cache import CacheUnavailable
 from inference_service.chunking import ChunkPlan
 from inference_service.detokenizer import IncrementalDetokenizer
+from inference_service.engine import outcome_of
 from inference_service.engine_types import GenerationOutcome, GenerationParams
 from inference_service.errors import InvalidRequest, PromptTooLong
+from inference_service.generation import DecodeResult
 from inference_service.prompts import PromptPlan
 from inference_service.runner import allocate_kv, build_cache, prefill
 from inference_service.sampling import make_generator, sample
@@ -300,29 +302,14 @@ def _pad_id(engine, pad_token_id: int | None) -> int:
 
 def _outcome(engine, row: _Row, context: AssembledContext, num_cached: int, position: int) -> GenerationOutcome:
     params, prompt = row.params, row.prompt
-    generated = len(row.token_ids)
-    ttft_ms = (row.first_token_time - params.arrival) * 1000 if generated else 0.0
-    decode_seconds = row.last_token_time - row.first_token_time
-    first = position == 0
+    decoded = DecodeResult(list(row.token_ids), row.detokenizer.text if row.detokenizer else "", row.finish_reason,
+                           row.first_token_time, row.last_token_time)
+    outcome = outcome_of(params, row.mode, prompt.num_tokens, num_cached, 0, decoded, context.degraded)
+    first = position == 0  # the shared prefix was fetched once: its chunks and bytes count once
     engine.counters.add_request(prompt.num_tokens, num_cached, 0, context.num_cached_chunks if first else 0,
-                                context.num_bytes_fetched if first else 0, ttft_ms if generated else None)
-    outcome = GenerationOutcome(
-        output_text=row.detokenizer.text if row.detokenizer else "",
-        generated_tokens=generated,
-        output_token_ids=list(row.token_ids),
-        ttft_ms=ttft_ms,
-        total_ms=(row.last_token_time - params.arrival) * 1000 if generated else 0.0,
-        tokens_per_sec=(generated - 1) / decode_seconds if generated > 1 and decode_seconds > 0 else 0.0,
-        kv_reuse_ratio=num_cached / prompt.num_tokens,
-        prompt_tokens=prompt.num_tokens,
-        cached_tokens=num_cached,
-        recomputed_tokens=0,
-        mode=row.mode,
-        finish_reason=row.finish_reason,
-        degraded=context.degraded,
-        request_id=params.request_id,
-    )
+                                context.num_bytes_fetched if first else 0,
+                                outcome.ttft_ms if outcome.generated_tokens else None)
     logger.info("[%s] %s batch row %d: %d prompt tokens, %d cached, ttft %.1f ms, %d generated (%s)%s",
                 params.request_id, row.mode, position, outcome.prompt_tokens, outcome.cached_tokens, outcome.ttft_ms,
-                generated, outcome.finish_reason, " degraded" if outcome.degraded else "")
+                outcome.generated_tokens, outcome.finish_reason, " degraded" if outcome.degraded else "")
     return outcome

@@ -206,27 +206,12 @@ class Engine:
                  decoded: DecodeResult) -> GenerationOutcome:
         context = prefilled.context if prefilled else empty_context()
         num_cached = prefilled.num_cached_tokens if prefilled else 0
-        generated = len(decoded.token_ids)
-        ttft_ms = (decoded.first_token_time - params.arrival) * 1000 if generated else 0.0
-        decode_seconds = decoded.last_token_time - decoded.first_token_time
+        outcome = outcome_of(params, mode, prompt.num_tokens, num_cached, context.num_recomputed_tokens, decoded,
+                             context.degraded)
         self.counters.add_request(prompt.num_tokens, num_cached, context.num_recomputed_tokens,
-                                  context.num_cached_chunks, context.num_bytes_fetched, ttft_ms if generated else None)
-        return GenerationOutcome(
-            output_text=decoded.text,
-            generated_tokens=generated,
-            output_token_ids=decoded.token_ids,
-            ttft_ms=ttft_ms,
-            total_ms=(decoded.last_token_time - params.arrival) * 1000 if generated else 0.0,
-            tokens_per_sec=(generated - 1) / decode_seconds if generated > 1 and decode_seconds > 0 else 0.0,
-            kv_reuse_ratio=num_cached / prompt.num_tokens,
-            prompt_tokens=prompt.num_tokens,
-            cached_tokens=num_cached,
-            recomputed_tokens=context.num_recomputed_tokens,
-            mode=mode,
-            finish_reason=decoded.finish_reason,
-            degraded=context.degraded,
-            request_id=params.request_id,
-        )
+                                  context.num_cached_chunks, context.num_bytes_fetched,
+                                  outcome.ttft_ms if outcome.generated_tokens else None)
+        return outcome
 
     # ---- warm, verify, info ---------------------------------------------------------------------
 
@@ -318,6 +303,29 @@ class Engine:
     def close(self) -> None:
         """Finishes queued write-backs and stops the write-back thread."""
         self._writeback.close()
+
+
+def outcome_of(params: GenerationParams, mode: str, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int,
+               decoded: DecodeResult, degraded: bool) -> GenerationOutcome:
+    """A finished request's result; times are measured from the request's arrival."""
+    generated = len(decoded.token_ids)
+    decode_seconds = decoded.last_token_time - decoded.first_token_time
+    return GenerationOutcome(
+        output_text=decoded.text,
+        generated_tokens=generated,
+        output_token_ids=decoded.token_ids,
+        ttft_ms=(decoded.first_token_time - params.arrival) * 1000 if generated else 0.0,
+        total_ms=(decoded.last_token_time - params.arrival) * 1000 if generated else 0.0,
+        tokens_per_sec=(generated - 1) / decode_seconds if generated > 1 and decode_seconds > 0 else 0.0,
+        kv_reuse_ratio=cached_tokens / prompt_tokens,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        recomputed_tokens=recomputed_tokens,
+        mode=mode,
+        finish_reason=decoded.finish_reason,
+        degraded=degraded,
+        request_id=params.request_id,
+    )
 
 
 def _rope_or_none(config) -> RopeParams | None:

@@ -1,4 +1,4 @@
-"""A seeded synthetic RAG set: short documents with distinct facts, questions over 4-6 of them in a random order."""
+"""A seeded synthetic RAG set: short distinct documents with distinct facts, questions over 4-6 of them in a random order."""
 from __future__ import annotations
 
 import random
@@ -36,13 +36,29 @@ ANSWERS = {
                           "thyme", "rosemary", "basil", "sage", "mint leaves", "honey", "molasses", "lemon zest",
                           "anise", "sesame", "walnut", "almond", "coconut", "lavender", "pepper", "mustard"),
 }
-FILLER = (
-    "It is well known in the region and visited by many travellers every summer.",
-    "Its history goes back more than two hundred years, to the days of the salt trade.",
-    "Local people are proud of it and like to tell old stories about it in the evenings.",
-    "It was restored carefully after a great storm damaged the roof and the windows.",
-    "Guided tours are offered on most weekends, and school classes often come to visit.",
-    "Old photographs of it hang in the town hall, next to the map of the harbour.",
+# Filler is drawn per document from templates with random slot values, so documents do not repeat
+# sentences verbatim: retrieved documents rarely do, and verbatim repeats make a prompt's later copies
+# attend to (copy from) its earlier ones, a cross-document dependence no cached-alone K/V can have.
+OPENINGS = ("stands in the old quarter of Dunmere.", "was built on the eastern cliffs above the bay.",
+            "lies at the end of a long avenue of chestnut trees.", "sits beside the river, near the stone market.",
+            "overlooks the northern moors from a low hill.", "can be found behind the railway station.")
+SLOTS = {
+    "year": tuple(str(y) for y in range(1702, 1899, 7)),
+    "people": ("fishermen", "merchants", "students", "pilgrims", "painters", "soldiers", "farmers", "sailors"),
+    "season": ("spring", "summer", "autumn", "winter"),
+    "material": ("granite", "red brick", "oak beams", "limestone", "slate", "cast iron"),
+    "event": ("a flood", "a fire", "a long drought", "a harsh winter", "an earthquake", "a war"),
+    "count": ("two", "three", "four", "five", "seven", "nine", "twelve"),
+}
+FILLER_TEMPLATES = (
+    "It was first opened in {year} and quickly became popular with {people}.",
+    "Its walls are made of {material}, which weathers slowly in the sea air.",
+    "After {event} damaged it, the townsfolk repaired it within {count} years.",
+    "Every {season} a small festival is held there for the {people} of the district.",
+    "A painting from {year} shows it surrounded by {count} tall poplars.",
+    "The {people} who work nearby say it is busiest in {season}.",
+    "A plaque by the door recalls {event} that struck the region in {year}.",
+    "Guides explain that the original {material} was brought by cart from {count} villages away.",
 )
 SYSTEM_PROMPT = "Answer the question from the documents."
 NUM_FACTS = 4
@@ -77,8 +93,8 @@ def build_documents(seed: int = 0) -> list[Document]:
     for subject in SUBJECTS:
         relations = rng.sample(sorted(ANSWERS), NUM_FACTS)
         facts = tuple((relation, pools[relation].pop()) for relation in relations)
-        fillers = rng.sample(FILLER, 3)
-        sentences = [f"{subject[0].upper()}{subject[1:]} stands in the old quarter of Dunmere.", fillers[0]]
+        fillers = [template.format(**{k: rng.choice(v) for k, v in SLOTS.items()}) for template in rng.sample(FILLER_TEMPLATES, 3)]
+        sentences = [f"{subject[0].upper()}{subject[1:]} {rng.choice(OPENINGS)}", fillers[0]]
         for index, (relation, answer) in enumerate(facts):
             sentences.append(f"The {relation} of {subject} is {answer}.")
             if index in (1, 2):

@@ -36,9 +36,8 @@ ANSWERS = {
                           "thyme", "rosemary", "basil", "sage", "mint leaves", "honey", "molasses", "lemon zest",
                           "anise", "sesame", "walnut", "almond", "coconut", "lavender", "pepper", "mustard"),
 }
-# Filler is drawn per document from templates with random slot values, so documents do not repeat
-# sentences verbatim: retrieved documents rarely do, and verbatim repeats make a prompt's later copies
-# attend to (copy from) its earlier ones, a cross-document dependence no cached-alone K/V can have.
+# Filler is drawn per document from templates with random slot values, so documents seldom repeat a
+# sentence verbatim (retrieved documents rarely do).
 OPENINGS = ("stands in the old quarter of Dunmere.", "was built on the eastern cliffs above the bay.",
             "lies at the end of a long avenue of chestnut trees.", "sits beside the river, near the stone market.",
             "overlooks the northern moors from a low hill.", "can be found behind the railway station.")

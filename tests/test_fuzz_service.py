@@ -2,9 +2,7 @@
 documented status, nothing crashes, and a plain request gives the same output after the fuzzing as before."""
 from __future__ import annotations
 
-import asyncio
 import math
-import threading
 
 import grpc
 import pytest
@@ -14,9 +12,9 @@ from hypothesis import strategies as st
 from inference_service.chunk_cache import InProcessCache
 from inference_service.config import ServiceConfig
 from inference_service.engine import Engine, EngineConfig
-from inference_service.server import build_server
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
+from tests.service_support import serving_in_thread
 
 MAX_EXAMPLES = 40  # per test; the module runs in well under 60 s on CPU
 CHUNK_SIZE = 8
@@ -42,18 +40,8 @@ def stub(tiny_llama):
                     InProcessCache(), model_id="tiny-llama")
     config = ServiceConfig(listen="127.0.0.1:0", cache_addr="in-process", chunk_size=CHUNK_SIZE, max_queue=8,
                            max_new_tokens=MAX_NEW_TOKENS, max_prompt_tokens=MAX_PROMPT_TOKENS)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start():
-        server = build_server(config, engine)
-        await server.start()
-        return server
-
-    server = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        with serving_in_thread(config, engine) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             service_stub = inference_pb2_grpc.InferenceServiceStub(channel)
             service_stub.channel = channel  # for raw, undecodable requests
             before = final_result(service_stub, pb.GenerateRequest(**REFERENCE))
@@ -65,11 +53,7 @@ def stub(tiny_llama):
             print("\nstatus codes seen per RPC:", {rpc: sorted(code.name for code in codes)
                                                   for rpc, codes in sorted(seen_codes.items())})
     finally:
-        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=30)
         engine.close()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=30)
-        loop.close()
 
 
 def final_result(stub, request: pb.GenerateRequest) -> pb.GenerationResult:

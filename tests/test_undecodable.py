@@ -4,9 +4,6 @@ library would send them. Before the UndecodableRequestInterceptor, grpc.aio answ
 UNKNOWN "Unexpected <class 'google.protobuf.message.DecodeError'>: ... String field had bad UTF-8"."""
 from __future__ import annotations
 
-import asyncio
-import threading
-from contextlib import contextmanager
 from typing import Iterator
 
 import grpc
@@ -19,9 +16,9 @@ from hypothesis import strategies as st
 from inference_service.chunk_cache import InProcessCache
 from inference_service.config import ServiceConfig
 from inference_service.engine import Engine, EngineConfig
-from inference_service.server import build_server
 from kvboost.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.daemon_support import cache_stub, fetch_chunks, make_chunk, running_daemon, store_chunks, store_frames
+from tests.service_support import serving_in_thread
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 INVALID_UTF8 = [b"\xff", b"\xfe\xff", b"\xc3\x28", b"\xed\xa0\x80", b"ok\x80", b"\xf8\x88\x80\x80\x80"]
@@ -166,7 +163,7 @@ def service(tiny_llama):
                     cache, model_id="tiny-llama")
     config = ServiceConfig(listen="127.0.0.1:0", cache_addr="in-process", chunk_size=8, max_queue=8,
                            max_new_tokens=8, max_prompt_tokens=256)
-    with _serving(config, engine) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with serving_in_thread(config, engine) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         before = list(stub.Generate(REFERENCE, timeout=60))[-1].result
         engine.flush_writes(timeout=30)
@@ -178,27 +175,6 @@ def service(tiny_llama):
         assert list(after.output_token_ids) == list(before.output_token_ids)
         assert after.cached_tokens > 0 and len(cache) == num_entries
     engine.close()
-
-
-@contextmanager
-def _serving(config: ServiceConfig, engine: Engine) -> Iterator[int]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start():
-        server = build_server(config, engine)
-        await server.start()
-        return server
-
-    server = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
-    try:
-        yield server.port
-    finally:
-        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=30)
-        loop.close()
 
 
 @pytest.mark.parametrize("method, path", STRING_FIELDS,

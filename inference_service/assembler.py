@@ -86,7 +86,7 @@ def fetch_prefix_run(
     try:
         blobs = prefetched(cache.fetch(list(prompt.prefix_keys[:run])))
         for chunk, expected_key, (key, blob) in zip(chunks, prompt.prefix_keys, blobs):
-            decoded = _decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify)
+            decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify)
             if decoded is None:
                 break
             keys[:, :, chunk.start : chunk.end].copy_(decoded.keys)
@@ -144,21 +144,26 @@ def prefetched(items: Iterator[T]) -> Iterator[T]:
         stop.set()
 
 
-def _decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: int, shape: tuple[int, ...],
-                verify: bool):
-    """The decoded chunk, or None (logged) when the blob cannot stand for this chunk."""
+def decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: int, shape: tuple[int, ...],
+               verify: bool, same_position: bool = True):
+    """The decoded chunk, or None (logged) when the blob cannot stand for this chunk.
+
+    shape: (layers, kv_heads, any, head_dim) of the model's K/V. same_position: the blob must have been
+    computed at `start` (a prefix hit); False for a content hit, whose keys are re-rotated.
+    """
+    kind = "chunk" if same_position else "content hit"
     if blob is None or key != expected_key:
-        logger.info("chunk at position %d missing at fetch (evicted since lookup?)", start)
+        logger.info("%s at position %d missing at fetch (evicted since lookup?)", kind, start)
         return None
     try:
         decoded = decode_chunk(blob, verify=verify)
     except BlobError as error:
-        logger.warning("chunk at position %d could not be decoded, recomputing from there: %s", start, error)
+        logger.warning("%s at position %d could not be decoded, recomputing it: %s", kind, start, error)
         return None
     header = decoded.header
     expected = (shape[0], shape[1], num_tokens, shape[3])
-    if header.shape != expected or header.start_position != start:
-        logger.warning("chunk at position %d has shape %s at %d, expected %s: recomputing from there",
-                       start, header.shape, header.start_position, expected)
+    if header.shape != expected or (same_position and header.start_position != start):
+        logger.warning("%s at position %d has shape %s at %d, expected %s: recomputing it",
+                       kind, start, header.shape, header.start_position, expected)
         return None
     return decoded

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.assembler import AssembledContext
+from inference_service.assembler import AssembledContext, decode_hit
 from inference_service.chunk_cache import CacheUnavailable, ChunkCache
-from inference_service.codec import BlobError, decode_chunk
 from inference_service.prompts import PromptPlan
 from inference_service.repair import APPROX, EXACT, MISSING, RepairOptions, exact_prefix_length, repair_prefill
 from inference_service.rope import RopeParams, UnsupportedRope, rerotate_keys
@@ -82,11 +81,13 @@ def place_content_hits(
     num_placed = num_bytes = 0
     degraded = False
     verify = not getattr(cache, "verifies_blobs", False)  # one checksum per blob is enough
+    shape = (geometry.num_layers, geometry.num_kv_heads, 0, geometry.head_dim)
     previous: tuple[int, int] | None = None  # (chunk index, stored end position) of the last placed hit
     try:
         for (index, expected_key), (key, blob) in zip(hits, cache.fetch([key for _, key in hits])):
             chunk = prompt.chunks.chunks[index]
-            decoded = _decode_content_hit(key, expected_key, blob, chunk.start, len(chunk.token_ids), geometry, verify)
+            decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify,
+                                 same_position=False)
             if decoded is None:
                 continue
             stored_start = decoded.header.start_position
@@ -184,22 +185,3 @@ def exact_pending_chunks(
     ]
     return PendingChunks(namespace, chunks[first:last], prompt.prefix_keys[first:last],
                          prompt.content_keys[first:last], new_kv, start, request_id=request_id)
-
-
-def _decode_content_hit(key: bytes, expected_key: bytes, blob, start: int, num_tokens: int, geometry: KVGeometry,
-                        verify: bool = True):
-    """The decoded chunk, or None (logged) when the blob cannot stand for this chunk at any position."""
-    if blob is None or key != expected_key:
-        logger.info("content hit at position %d missing at fetch (evicted since lookup?)", start)
-        return None
-    try:
-        decoded = decode_chunk(blob, verify=verify)
-    except BlobError as error:
-        logger.warning("content hit at position %d could not be decoded, recomputing it: %s", start, error)
-        return None
-    expected = (geometry.num_layers, geometry.num_kv_heads, num_tokens, geometry.head_dim)
-    if decoded.header.shape != expected:
-        logger.warning("content hit at position %d has shape %s, expected %s: recomputing it",
-                       start, decoded.header.shape, expected)
-        return None
-    return decoded

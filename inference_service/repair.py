@@ -96,6 +96,7 @@ def repair_prefill(
     status: torch.Tensor,
     options: RepairOptions,
     seams: torch.Tensor | None = None,
+    token_scores: torch.Tensor | None = None,
 ) -> RepairResult:
     """Computes the MISSING tokens and repairs APPROX ones by options.strategy; never runs all layers
     over all tokens unless every token needs it.
@@ -106,6 +107,8 @@ def repair_prefill(
             positions; MISSING rows are ignored. They are updated in place with the recomputed rows.
         status: [S] int8 EXACT/APPROX/MISSING; the last token must be MISSING.
         seams: optional extra seam positions for `selective` (see seam_positions).
+        token_scores: cacheblend only, [S]: rank APPROX tokens by these instead of the deviation measured
+            after the check layers (for diagnostics, e.g. an oracle's ranking by the true K/V error).
     Returns:
         RepairResult with the cache of all S positions and the last token's logits.
     """
@@ -113,7 +116,7 @@ def repair_prefill(
     _check_inputs(runner, input_ids, status)
     status = status.to(keys[0].device)
     if options.strategy == "cacheblend":
-        chosen, hidden = _cacheblend(runner, input_ids, status, options)
+        chosen, hidden = _cacheblend(runner, input_ids, status, options, token_scores)
     else:
         chosen = (status == MISSING).nonzero().flatten()
         if options.strategy == "selective":
@@ -128,7 +131,7 @@ def repair_prefill(
     )
 
 
-def _cacheblend(runner: _LayerRunner, input_ids, status, options: RepairOptions):
+def _cacheblend(runner: _LayerRunner, input_ids, status, options: RepairOptions, token_scores=None):
     """Layer-wise CacheBlend. The first check_layers layers run on every non-EXACT token. Their output
     feeds the K/V projection of layer c = check_layers for all those tokens: the first K/V that depend on
     the new context (layer 0's depend on the token and its position only, so they never deviate). Those
@@ -150,7 +153,8 @@ def _cacheblend(runner: _LayerRunner, input_ids, status, options: RepairOptions)
     deviation[approx] = _squared_distance(runner.keys[check][:, :, approx], cached_keys) + _squared_distance(
         runner.values[check][:, :, approx], cached_values
     )
-    chosen = select_tokens(deviation, status, options.recompute_ratio, options.sink_tokens)
+    scores = deviation if token_scores is None else token_scores.to(deviation)
+    chosen = select_tokens(scores, status, options.recompute_ratio, options.sink_tokens)
     rows = torch.searchsorted(live, chosen)  # chosen ⊆ live, both sorted
     return chosen, runner.run(hidden[:, rows], chosen, range(check, runner.num_layers))
 

@@ -231,6 +231,31 @@ def test_cacheblend_runs_later_layers_on_the_selected_tokens_only(check_layers):
     assert query_lengths == expected
 
 
+def test_cacheblend_token_scores_choose_the_recomputed_tokens():
+    model = make_model("llama", num_layers=3)
+    input_ids, keys, values, status, _ = reused_documents_prompt(model)  # 12 EXACT, 120 APPROX, 10 MISSING
+    scores = torch.zeros(status.numel())
+    picked = [20, 57, 58, 99, 131]  # 5 of 120 APPROX ~ 4%: exactly these, whatever the measured deviation
+    scores[picked] = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0])
+    queried: list[torch.Tensor] = []
+    hook = model.model.layers[2].register_forward_pre_hook(
+        lambda m, a, k: queried.append(k["position_ids"][0].clone()), with_kwargs=True)
+    try:
+        result = run_repair_with(model, input_ids, keys, values, status, scores, recompute_ratio=5 / 120)
+    finally:
+        hook.remove()
+    assert result.num_recomputed == 5
+    assert queried[0].tolist() == picked + list(range(132, 142))  # the ranked tokens, then the MISSING question
+    untouched = [p for p in range(12, 132) if p not in picked]
+    torch.testing.assert_close(result.cache.layers[2].keys[:, :, untouched], keys[2][:, :, untouched], rtol=0, atol=0)
+
+
+def run_repair_with(model, input_ids, keys, values, status, token_scores, **options):
+    keys, values = [k.clone() for k in keys], [v.clone() for v in values]
+    return repair_prefill(model, input_ids, keys, values, status, RepairOptions(strategy="cacheblend", **options),
+                          token_scores=token_scores)
+
+
 def test_selective_and_none_call_every_layer_on_their_tokens_only():
     model = make_model("llama", num_layers=3)
     input_ids, keys, values, status, seams = reused_documents_prompt(model)

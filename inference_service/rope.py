@@ -89,7 +89,7 @@ def rerotate_keys(
     assert from_positions.shape == (num_tokens,), f"from_positions must be [{num_tokens}], got {tuple(from_positions.shape)}"
     assert to_positions.shape == (num_tokens,), f"to_positions must be [{num_tokens}], got {tuple(to_positions.shape)}"
     assert params.rotary_dim <= head_dim, f"rotary dim {params.rotary_dim} exceeds head_dim {head_dim}"
-    _check_exact(params, from_positions, to_positions)
+    check_rerotation(params, from_positions, to_positions)
     # The model applies attention_scaling to cos and sin, so a stored key is scaling·R(p)·k; rotating it
     # by R(Δ) alone gives scaling·R(p+Δ)·k. Angles in float64: Δ·inv_freq loses bits in float32.
     delta = (to_positions.to(torch.float64) - from_positions.to(torch.float64)).to(keys.device)
@@ -108,7 +108,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _check_exact(params: RopeParams, *positions: torch.Tensor) -> None:
+def check_rerotation(params: RopeParams, *positions: torch.Tensor) -> None:
+    """Raises UnsupportedRope where rerotate_keys would refuse keys at or moved to these positions."""
     if params.max_exact_position is None:
         return
     highest = max((int(p.max()) for p in positions if p.numel()), default=-1)

@@ -1,4 +1,14 @@
-"""Chunk K/V <-> bytes: a fixed little-endian header, then raw or KIVI-quantized tensor sections (never pickle)."""
+"""Chunk K/V <-> bytes: a fixed little-endian header, then raw or KIVI-quantized tensor sections (never pickle).
+
+Format versions (the header's version field):
+  1: quantized blobs hold keys per channel and values per token, both asymmetric (scale and zero).
+  2: quantized blobs keep the chunk's attention-sink tokens (prompt positions below encode_chunk's
+     sink_positions, by default the first token of a prompt) as float16, and quantize values symmetrically
+     (scale only; the bytes saved pay for finer key groups at the same size). The header's 32-bit
+     group_size field of version 1 is split into a 16-bit group_size and a 16-bit sink_tokens.
+     16-bit blobs are laid out as in version 1.
+This build writes version 2 and reads both.
+"""
 from __future__ import annotations
 
 import struct
@@ -20,12 +30,21 @@ from inference_service.quant import (
     scale_shape_for,
 )
 
-BLOB_FORMAT_VERSION = 1
+BLOB_FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MAGIC = b"KVBC"
 # magic, version, dtype code, bits, layers, kv_heads, tokens, head_dim, start_position, group_size,
-# payload_bytes, checksum. 48 bytes, so the payload starts 16-byte aligned.
-_HEADER = struct.Struct("<4sHBBIIIIqIQI")
+# [version 2: sink_tokens,] payload_bytes, checksum. 48 bytes, so the payload starts 16-byte aligned.
+_HEADERS = {1: struct.Struct("<4sHBBIIIIqIQI"), 2: struct.Struct("<4sHBBIIIIqHHQI")}
+_HEADER = _HEADERS[BLOB_FORMAT_VERSION]
+_MAGIC_AND_VERSION = struct.Struct("<4sH")
 HEADER_SIZE = _HEADER.size
+assert all(header.size == HEADER_SIZE for header in _HEADERS.values())
+MAX_GROUP_SIZE = 2**16 - 1  # group_size is a 16-bit field from version 2 on
+# At 8 and 4 bits, tokens at prompt positions below this are stored as float16, not quantized: the
+# first token is the attention sink, which most heads attend to heavily, so its key error moves every
+# attention output (KVQuant, IntactKV keep it in full precision for the same reason).
+SINK_POSITIONS = 1
 _CHECKSUM_OFFSET = HEADER_SIZE - 4
 _SECTION_ALIGNMENT = 8  # every tensor section starts at a multiple of 8 bytes, so views of it are aligned
 
@@ -57,6 +76,7 @@ class BlobHeader:
     group_size: int  # quantization group size (ignored at 16 bits)
     payload_bytes: int
     checksum: int  # CRC-32 of the header (checksum field excluded) followed by the payload
+    sink_tokens: int = 0  # leading tokens stored as float16, not quantized (0 at 16 bits and in version 1)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -82,18 +102,23 @@ class _Section:
 
 
 def encode_chunk(
-    keys: torch.Tensor, values: torch.Tensor, start_position: int, bits: int = 16, group_size: int = 32
+    keys: torch.Tensor, values: torch.Tensor, start_position: int, bits: int = 16, group_size: int = 32,
+    sink_positions: int = SINK_POSITIONS,
 ) -> bytes:
-    """One chunk's K/V as a self-describing blob.
+    """One chunk's K/V as a self-describing blob (format version BLOB_FORMAT_VERSION).
 
     Args:
         keys, values: [layers, kv_heads, tokens, head_dim], same shape and dtype (float32, float16
             or bfloat16), on any device.
         start_position: position of the chunk's first token.
         bits: 16 stores the tensors unquantized in their own dtype (bit-exact); 8 or 4 quantize
-            keys per channel and values per token in groups of `group_size`.
+            keys per channel (asymmetric) in groups of `group_size` tokens and values per token
+            (symmetric) in groups of `group_size` channels.
+        sink_positions: at 8 and 4 bits, the chunk's tokens at prompt positions below this are
+            stored as float16 instead (the attention sink).
     Raises:
-        ValueError: unsupported dtype, bits, shape or start position.
+        ValueError: unsupported dtype, bits, shape, group size or start position, or (quantized)
+            values beyond the float16 range.
     """
     if keys.shape != values.shape or keys.dim() != 4:
         raise ValueError(f"keys and values must share one 4-D shape, got {tuple(keys.shape)} and {tuple(values.shape)}")
@@ -102,17 +127,27 @@ def encode_chunk(
     dtype = _dtype_name(keys.dtype)
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
-    if group_size <= 0 or start_position < 0 or min(keys.shape) <= 0:
-        raise ValueError(f"need group_size > 0, start_position >= 0 and no empty dims, got {group_size}, {start_position}, {tuple(keys.shape)}")
-    if bits == 16:
-        tensors = [keys, values]
-    else:
-        quantized_keys = quantize_keys(keys, bits, group_size)
-        quantized_values = quantize_values(values, bits, group_size)
-        tensors = [quantized_keys.data, quantized_keys.scale, quantized_keys.zero,
-                   quantized_values.data, quantized_values.scale, quantized_values.zero]
+    if not 0 < group_size <= MAX_GROUP_SIZE or start_position < 0 or min(keys.shape) <= 0 or sink_positions < 0:
+        raise ValueError(f"need 0 < group_size <= {MAX_GROUP_SIZE}, start_position >= 0, sink_positions >= 0 and no "
+                         f"empty dims, got {group_size}, {start_position}, {sink_positions}, {tuple(keys.shape)}")
     num_layers, num_kv_heads, num_tokens, head_dim = keys.shape
-    sections = _layout(dtype, bits, tuple(keys.shape), group_size)
+    sink_tokens = 0 if bits == 16 else min(num_tokens, max(0, sink_positions - start_position))
+    tensors = []
+    if bits == 16:
+        tensors += [keys, values]
+    else:
+        if sink_tokens:
+            sink_keys, sink_values = keys[:, :, :sink_tokens].half(), values[:, :, :sink_tokens].half()
+            if not (torch.isfinite(sink_keys).all() and torch.isfinite(sink_values).all()):
+                raise ValueError("values beyond the float16 range cannot be stored at 8 or 4 bits")
+            tensors += [sink_keys, sink_values]
+        if sink_tokens < num_tokens:
+            quantized_keys = quantize_keys(keys[:, :, sink_tokens:], bits, group_size)
+            quantized_values = quantize_values(values[:, :, sink_tokens:], bits, group_size, symmetric=True)
+            tensors += [quantized_keys.data, quantized_keys.scale, quantized_keys.zero,
+                        quantized_values.data, quantized_values.scale]
+    sections = _layout(BLOB_FORMAT_VERSION, dtype, bits, tuple(keys.shape), group_size, sink_tokens)
+    assert len(sections) == len(tensors), "one tensor per section"
     payload_bytes = sections[-1].offset + sections[-1].num_bytes
     blob = bytearray(HEADER_SIZE + payload_bytes)
     payload = torch.frombuffer(blob, dtype=torch.uint8, offset=HEADER_SIZE, count=payload_bytes)
@@ -121,7 +156,7 @@ def encode_chunk(
         assert raw.numel() == section.num_bytes, f"section {section.name}: {raw.numel()} bytes, layout says {section.num_bytes}"
         payload[section.offset : section.offset + section.num_bytes].copy_(raw)
     _HEADER.pack_into(blob, 0, MAGIC, BLOB_FORMAT_VERSION, _DTYPE_CODES[dtype], bits, num_layers, num_kv_heads,
-                      num_tokens, head_dim, start_position, group_size, payload_bytes, 0)
+                      num_tokens, head_dim, start_position, group_size, sink_tokens, payload_bytes, 0)
     checksum = _checksum(memoryview(blob))
     struct.pack_into("<I", blob, _CHECKSUM_OFFSET, checksum)
     return bytes(blob)
@@ -136,12 +171,18 @@ def read_header(blob: BlobBuffer) -> BlobHeader:
     view = memoryview(blob).cast("B")
     if len(view) < HEADER_SIZE:
         raise BlobError(f"truncated blob: {len(view)} bytes, shorter than the {HEADER_SIZE}-byte header")
-    (magic, version, dtype_code, bits, num_layers, num_kv_heads, num_tokens, head_dim, start_position,
-     group_size, payload_bytes, checksum) = _HEADER.unpack_from(view, 0)
+    magic, version = _MAGIC_AND_VERSION.unpack_from(view, 0)
     if magic != MAGIC:
         raise BlobError(f"bad magic {bytes(magic)!r}: not a KV chunk blob (expected {MAGIC!r})")
-    if version != BLOB_FORMAT_VERSION:
-        raise BlobError(f"unsupported blob format version {version} (this build reads version {BLOB_FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise BlobError(f"unsupported blob format version {version} (this build reads versions {READABLE_VERSIONS})")
+    if version == 1:
+        (_, _, dtype_code, bits, num_layers, num_kv_heads, num_tokens, head_dim, start_position,
+         group_size, payload_bytes, checksum) = _HEADERS[1].unpack_from(view, 0)
+        sink_tokens = 0
+    else:
+        (_, _, dtype_code, bits, num_layers, num_kv_heads, num_tokens, head_dim, start_position,
+         group_size, sink_tokens, payload_bytes, checksum) = _HEADERS[version].unpack_from(view, 0)
     if dtype_code not in _DTYPE_NAMES:
         raise BlobError(f"header/size mismatch: unknown dtype code {dtype_code}")
     if bits not in SUPPORTED_BITS:
@@ -149,8 +190,10 @@ def read_header(blob: BlobBuffer) -> BlobHeader:
     if min(num_layers, num_kv_heads, num_tokens, head_dim) <= 0 or group_size <= 0 or start_position < 0:
         raise BlobError(f"header/size mismatch: invalid dims {(num_layers, num_kv_heads, num_tokens, head_dim)}, "
                         f"group_size {group_size} or start_position {start_position}")
+    if sink_tokens > (0 if bits == 16 else num_tokens):
+        raise BlobError(f"header/size mismatch: {sink_tokens} sink tokens in a {bits}-bit chunk of {num_tokens} tokens")
     dtype = _DTYPE_NAMES[dtype_code]
-    sections = _layout(dtype, bits, (num_layers, num_kv_heads, num_tokens, head_dim), group_size)
+    sections = _layout(version, dtype, bits, (num_layers, num_kv_heads, num_tokens, head_dim), group_size, sink_tokens)
     expected_bytes = sections[-1].offset + sections[-1].num_bytes
     if payload_bytes != expected_bytes:
         raise BlobError(f"header/size mismatch: header says {payload_bytes} payload bytes, "
@@ -161,7 +204,7 @@ def read_header(blob: BlobBuffer) -> BlobHeader:
     if present > payload_bytes:
         raise BlobError(f"header/size mismatch: header says {payload_bytes} payload bytes, {present} present")
     return BlobHeader(version, dtype, bits, num_layers, num_kv_heads, num_tokens, head_dim, start_position,
-                      group_size, payload_bytes, checksum)
+                      group_size, payload_bytes, checksum, sink_tokens)
 
 
 def decode_chunk(
@@ -187,26 +230,52 @@ def decode_chunk(
     source_dtype = _TORCH_DTYPES[header.dtype]
     target_dtype = source_dtype if dtype is None else dtype
     payload = _payload_tensor(view, header.payload_bytes)
-    sections = {s.name: payload[s.offset : s.offset + s.num_bytes] for s in _layout(header.dtype, header.bits, header.shape, header.group_size)}
+    layout = _layout(header.version, header.dtype, header.bits, header.shape, header.group_size, header.sink_tokens)
+    sections = {s.name: payload[s.offset : s.offset + s.num_bytes] for s in layout}
     if header.bits == 16:
         keys = _to(sections["keys"].view(source_dtype).view(header.shape), device, target_dtype, view.readonly)
         values = _to(sections["values"].view(source_dtype).view(header.shape), device, target_dtype, view.readonly)
-    else:
-        keys = dequantize(_quantized(sections, "keys", header, "channel", device), target_dtype)
-        values = dequantize(_quantized(sections, "values", header, "token", device), target_dtype)
+        return DecodedChunk(header, keys, values)
+    sink = header.sink_tokens
+    if sink < header.num_tokens:
+        keys = dequantize(_quantized(sections, "keys", header, "channel", device, symmetric=False), target_dtype)
+        values = dequantize(_quantized(sections, "values", header, "token", device, symmetric=header.version >= 2),
+                            target_dtype)
+    if sink:  # the float16 sink tokens go in front of the dequantized ones
+        sink_shape = (header.num_layers, header.num_kv_heads, sink, header.head_dim)
+        sink_keys = sections["sink.keys"].view(torch.float16).view(sink_shape).to(device=device, dtype=target_dtype)
+        sink_values = sections["sink.values"].view(torch.float16).view(sink_shape).to(device=device, dtype=target_dtype)
+        if sink == header.num_tokens:
+            keys, values = sink_keys.clone(), sink_values.clone()  # never over the blob's memory
+        else:
+            keys, values = torch.cat([sink_keys, keys], dim=2), torch.cat([sink_values, values], dim=2)
     return DecodedChunk(header, keys, values)
 
 
-def _layout(dtype: str, bits: int, shape: tuple[int, ...], group_size: int) -> list[_Section]:
-    """The payload's sections in order; the single source of truth for encode, decode and size checks."""
-    numel = num_elements(shape)
+def _layout(version: int, dtype: str, bits: int, shape: tuple[int, int, int, int], group_size: int,
+            sink_tokens: int) -> list[_Section]:
+    """The payload's sections in order; the single source of truth for encode, decode and size checks.
+
+    16 bits: keys, values in `dtype`. Quantized: [sink.keys, sink.values: float16 [layers, kv_heads,
+    sink_tokens, head_dim] when sink_tokens > 0], then for the other tokens (when there are any) keys
+    codes, keys.scale, keys.zero, values codes, values.scale[, values.zero in version 1].
+    """
     if bits == 16:
+        numel = num_elements(shape)
         sizes = [("keys", numel * _ELEMENT_SIZES[dtype]), ("values", numel * _ELEMENT_SIZES[dtype])]
     else:
-        scale_bytes = lambda axis: num_elements(scale_shape_for(shape, group_size, axis)) * 2  # float16
-        sizes = [("keys", packed_num_bytes(numel, bits)), ("keys.scale", scale_bytes("channel")),
-                 ("keys.zero", scale_bytes("channel")), ("values", packed_num_bytes(numel, bits)),
-                 ("values.scale", scale_bytes("token")), ("values.zero", scale_bytes("token"))]
+        num_layers, num_kv_heads, num_tokens, head_dim = shape
+        sink_numel = num_elements((num_layers, num_kv_heads, sink_tokens, head_dim))
+        quantized_shape = (num_layers, num_kv_heads, num_tokens - sink_tokens, head_dim)
+        numel = num_elements(quantized_shape)
+        scale_bytes = lambda axis: num_elements(scale_shape_for(quantized_shape, group_size, axis)) * 2  # float16
+        sizes = [("sink.keys", sink_numel * 2), ("sink.values", sink_numel * 2)] if sink_tokens else []
+        if numel:
+            sizes += [("keys", packed_num_bytes(numel, bits)), ("keys.scale", scale_bytes("channel")),
+                      ("keys.zero", scale_bytes("channel")), ("values", packed_num_bytes(numel, bits)),
+                      ("values.scale", scale_bytes("token"))]
+            if version == 1:
+                sizes.append(("values.zero", scale_bytes("token")))
     sections, offset = [], 0
     for name, num_bytes in sizes:
         sections.append(_Section(name, offset, num_bytes))
@@ -234,13 +303,15 @@ def _to(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype, mu
     return moved
 
 
-def _quantized(sections: dict[str, torch.Tensor], name: str, header: BlobHeader, axis: str, device) -> QuantizedTensor:
-    scale_shape = scale_shape_for(header.shape, header.group_size, axis)
+def _quantized(sections: dict[str, torch.Tensor], name: str, header: BlobHeader, axis: str, device,
+               symmetric: bool) -> QuantizedTensor:
+    shape = (header.num_layers, header.num_kv_heads, header.num_tokens - header.sink_tokens, header.head_dim)
+    scale_shape = scale_shape_for(shape, header.group_size, axis)
     return QuantizedTensor(
         data=sections[name].to(device),
         scale=sections[f"{name}.scale"].view(torch.float16).view(scale_shape).to(device),
-        zero=sections[f"{name}.zero"].view(torch.float16).view(scale_shape).to(device),
-        bits=header.bits, group_size=header.group_size, axis=axis, shape=header.shape,
+        zero=None if symmetric else sections[f"{name}.zero"].view(torch.float16).view(scale_shape).to(device),
+        bits=header.bits, group_size=header.group_size, axis=axis, shape=shape,
     )
 
 

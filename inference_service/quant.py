@@ -1,4 +1,5 @@
-"""KIVI-style asymmetric group quantization of K/V: keys per channel, values per token (torch maths only)."""
+"""KIVI-style group quantization of K/V: keys per channel (asymmetric), values per token (asymmetric or
+symmetric); torch maths only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,12 +20,14 @@ class QuantizedTensor:
     scale, zero: float16. axis "channel" (keys): [..., num_token_groups, channels], one pair per
            channel per group of `group_size` consecutive tokens. axis "token" (values):
            [..., tokens, num_channel_groups], one pair per token per group of `group_size` channels.
-    A code c stands for c * scale + zero.
+    Asymmetric (zero is a tensor): a code c stands for c * scale + zero.
+    Symmetric (zero is None): a code c stands for (c - 2**(bits-1)) * scale; codes run from 1 to
+           2**bits - 1, so the grid is symmetric around 0 and only the scale is stored.
     """
 
     data: torch.Tensor
     scale: torch.Tensor
-    zero: torch.Tensor
+    zero: torch.Tensor | None
     bits: int
     group_size: int
     axis: str
@@ -40,7 +43,11 @@ class QuantizedTensor:
         assert self.data.numel() == expected, f"data holds {self.data.numel()} bytes, shape needs {expected}"
         scale_shape = scale_shape_for(self.shape, self.group_size, self.axis)
         assert tuple(self.scale.shape) == scale_shape, f"scale shape {tuple(self.scale.shape)} != {scale_shape}"
-        assert tuple(self.zero.shape) == scale_shape, f"zero shape {tuple(self.zero.shape)} != {scale_shape}"
+        assert self.zero is None or tuple(self.zero.shape) == scale_shape, f"zero shape {tuple(self.zero.shape)} != {scale_shape}"
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero is None
 
 
 def num_elements(shape: tuple[int, ...]) -> int:
@@ -74,20 +81,25 @@ def quantize_keys(keys: torch.Tensor, bits: int, group_size: int) -> QuantizedTe
     return QuantizedTensor(data, scale.transpose(-1, -2), zero.transpose(-1, -2), bits, group_size, "channel", tuple(keys.shape))
 
 
-def quantize_values(values: torch.Tensor, bits: int, group_size: int) -> QuantizedTensor:
+def quantize_values(values: torch.Tensor, bits: int, group_size: int, symmetric: bool = False) -> QuantizedTensor:
     """Per token: each token gets a scale/zero per group of `group_size` consecutive channels.
 
     values: [..., tokens, channels]. Attention mixes value rows token by token, so per-token
-    error stays local to that token's weight.
+    error stays local to that token's weight. symmetric: a scale only (values centre on 0), half the
+    per-token overhead of scale and zero.
     """
-    codes, scale, zero = _quantize_last_axis(values, bits, group_size)
+    codes, scale, zero = _quantize_last_axis(values, bits, group_size, symmetric)
     return QuantizedTensor(_pack(codes, bits), scale, zero, bits, group_size, "token", tuple(values.shape))
 
 
 def dequantize(quantized: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     """The tensor of `quantized.shape` in `dtype`, on the device of `quantized.data`."""
     codes = _unpack(quantized.data, quantized.bits, num_elements(quantized.shape)).view(quantized.shape)
-    scale, zero = quantized.scale.float(), quantized.zero.float()
+    scale = quantized.scale.float()
+    if quantized.symmetric:
+        zero = scale * -float(2 ** (quantized.bits - 1))  # code c stands for (c - 2**(bits-1)) * scale
+    else:
+        zero = quantized.zero.float()
     if quantized.axis == "channel":
         # codes: [..., tokens, channels]; scale: [..., token_groups, channels]
         num_tokens = quantized.shape[-2]
@@ -105,10 +117,13 @@ def _num_groups(length: int, group_size: int) -> int:
     return -(-length // group_size)
 
 
-def _quantize_last_axis(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantization in groups along the last axis.
+def _quantize_last_axis(
+    x: torch.Tensor, bits: int, group_size: int, symmetric: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Min/max (asymmetric) or abs-max (symmetric) quantization in groups along the last axis.
 
-    x: [..., n] -> codes uint8 [..., n], scale and zero float16 [..., ceil(n / group_size)].
+    x: [..., n] -> codes uint8 [..., n], scale and zero float16 [..., ceil(n / group_size)]
+    (zero None when symmetric).
     """
     assert bits in SUPPORTED_BITS, f"bits must be one of {SUPPORTED_BITS}, got {bits}"
     assert group_size > 0, f"group_size must be positive, got {group_size}"
@@ -122,6 +137,8 @@ def _quantize_last_axis(x: torch.Tensor, bits: int, group_size: int) -> tuple[to
         # Repeating the last element leaves every group's min and max unchanged.
         x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], padding)], dim=-1)
     groups = x.reshape(*x.shape[:-1], num_groups, group_size)  # [..., groups, group_size]
+    if symmetric:
+        return _quantize_symmetric(groups, bits, length)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     zero = _round_half(low, toward=float("-inf"))
     scale = _round_half(((high - zero.float()) / max_code).clamp_min(torch.finfo(SCALE_DTYPE).tiny), toward=float("inf"))
@@ -131,6 +148,19 @@ def _quantize_last_axis(x: torch.Tensor, bits: int, group_size: int) -> tuple[to
     codes = ((groups - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, max_code)
     codes = codes.to(torch.uint8).reshape(*x.shape[:-1], num_groups * group_size)[..., :length]
     return codes, scale, zero
+
+
+def _quantize_symmetric(groups: torch.Tensor, bits: int, length: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """groups: [..., num_groups, group_size] float32 -> codes uint8 [..., length], scale float16, None."""
+    half = 2 ** (bits - 1) - 1  # codes 1 .. 2*half+1 stand for -half .. half steps
+    absmax = groups.abs().amax(dim=-1)
+    scale = _round_half((absmax / half).clamp_min(torch.finfo(SCALE_DTYPE).tiny), toward=float("inf"))
+    if not torch.isfinite(scale).all():
+        raise ValueError("values beyond the float16 range cannot be quantized (scales are float16)")
+    # half * scale >= absmax in float16, so codes never clip.
+    codes = (groups / scale.float().unsqueeze(-1)).round_().clamp_(-half, half).add_(half + 1)
+    codes = codes.to(torch.uint8).reshape(*groups.shape[:-2], -1)[..., :length]
+    return codes, scale, None
 
 
 def _round_half(x: torch.Tensor, toward: float) -> torch.Tensor:

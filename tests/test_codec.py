@@ -10,16 +10,18 @@ import torch
 from inference_service.codec import (
     BLOB_FORMAT_VERSION,
     HEADER_SIZE,
+    MAGIC,
     BlobError,
     BlobHeader,
     decode_chunk,
     encode_chunk,
     read_header,
 )
+from inference_service.quant import dequantize, quantize_keys, quantize_values
 
 SHAPE = (2, 3, 5, 8)  # [layers, kv_heads, tokens, head_dim]
-# Byte offsets of header fields (layout "<4sHBBIIIIqIQI").
-VERSION_OFFSET, NUM_TOKENS_OFFSET, START_POSITION_OFFSET = 4, 16, 24
+# Byte offsets of header fields (version 2 layout "<4sHBBIIIIqHHQI").
+VERSION_OFFSET, NUM_TOKENS_OFFSET, START_POSITION_OFFSET, SINK_TOKENS_OFFSET = 4, 16, 24, 34
 INT_VIEWS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
@@ -110,6 +112,94 @@ def test_quantized_round_trip_keeps_shape_dtype_and_is_close(bits, dtype):
     assert (decoded.values.float() - values.float()).abs().max() < tolerance
 
 
+def sink_like_keys(shape=(2, 3, 128, 64), seed=0) -> torch.Tensor:
+    """Keys whose first token is 20x smaller than the others, as SmolLM2's attention sink is in most layers
+    (its key norm is 0.15-0.5x the chunk's median): quantized with its channels, it loses most of its bits."""
+    keys, _ = make_kv(shape, seed=seed)
+    keys[:, :, 0] *= 0.05
+    return keys
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_sink_token_is_stored_as_float16_at_8_and_4_bits(bits):
+    keys, values = sink_like_keys(), make_kv((2, 3, 128, 64), seed=1)[1]
+    decoded = decode_chunk(encode_chunk(keys, values, start_position=0, bits=bits, group_size=64))
+    assert decoded.header.sink_tokens == 1
+    assert torch.equal(decoded.keys[:, :, 0], keys[:, :, 0].half().float())
+    assert torch.equal(decoded.values[:, :, 0], values[:, :, 0].half().float())
+    # Quantized along with its channels (format version 1), the same token's key error would be ~11%
+    # (8 bits) or ~180% (4 bits) of its own norm, 20x the other tokens' relative error.
+    quantized = dequantize(quantize_keys(keys, bits, 64), torch.float32)
+    old_error = (quantized[:, :, 0] - keys[:, :, 0]).norm() / keys[:, :, 0].norm()
+    assert old_error > {8: 0.05, 4: 1.0}[bits]
+    assert (decoded.keys[:, :, 0] - keys[:, :, 0]).norm() / keys[:, :, 0].norm() < 1e-3
+    # The other tokens are quantized as before: within half a step of their channel group.
+    rest = quantize_keys(keys[:, :, 1:], bits, 64)
+    assert torch.equal(decoded.keys[:, :, 1:], dequantize(rest, torch.float32))
+
+
+@pytest.mark.parametrize(("start_position", "sink_positions", "expected"),
+                         [(0, 1, 1), (0, 4, 4), (2, 4, 2), (4, 4, 0), (128, 1, 0), (0, 0, 0), (0, 99, 5)])
+def test_sink_tokens_are_the_chunk_tokens_at_positions_below_sink_positions(start_position, sink_positions, expected):
+    keys, values = make_kv()  # 5 tokens
+    blob = encode_chunk(keys, values, start_position, bits=8, group_size=4, sink_positions=sink_positions)
+    decoded = decode_chunk(blob)
+    assert decoded.header.sink_tokens == expected
+    assert torch.equal(decoded.keys[:, :, :expected], keys[:, :, :expected].half().float())
+    assert (decoded.keys - keys).abs().max() < 0.03 and (decoded.values - values).abs().max() < 0.03
+    # 16 bits stores every token as is and has no sink tokens.
+    assert read_header(encode_chunk(keys, values, start_position, sink_positions=sink_positions)).sink_tokens == 0
+
+
+def test_a_chunk_of_sink_tokens_only_round_trips():
+    keys, values = make_kv(shape=(2, 3, 1, 8))
+    blob = encode_chunk(keys, values, start_position=0, bits=4, group_size=8)
+    header = read_header(blob)
+    assert header.sink_tokens == 1 and header.payload_bytes == 2 * (2 * 3 * 8) * 2  # float16 K and V only
+    decoded = decode_chunk(blob)
+    assert torch.equal(decoded.keys, keys.half().float()) and torch.equal(decoded.values, values.half().float())
+
+
+def test_values_are_quantized_symmetrically():
+    keys, values = make_kv(shape=(2, 3, 16, 8))
+    values[:, :, 3] = 0.0
+    decoded = decode_chunk(encode_chunk(keys, values, start_position=16, bits=8, group_size=8))
+    assert torch.equal(decoded.values[:, :, 3], values[:, :, 3])  # 0 is on the grid
+    expected = dequantize(quantize_values(values, 8, 8, symmetric=True), torch.float32)
+    assert torch.equal(decoded.values, expected)
+
+
+def encode_version_1(keys: torch.Tensor, values: torch.Tensor, start_position: int, bits: int, group_size: int) -> bytes:
+    """A quantized blob as format version 1 wrote it: header "<4sHBBIIIIqIQI", then keys codes, scale,
+    zero, values codes, scale, zero (values asymmetric), each section 8-byte aligned; no sink tokens."""
+    quantized_keys, quantized_values = quantize_keys(keys, bits, group_size), quantize_values(values, bits, group_size)
+    sections = [tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                for tensor in (quantized_keys.data, quantized_keys.scale, quantized_keys.zero,
+                               quantized_values.data, quantized_values.scale, quantized_values.zero)]
+    payload = b""
+    for section in sections[:-1]:
+        payload += section + b"\0" * (-len(section) % 8)  # padding between sections, none after the last
+    payload += sections[-1]
+    header = struct.Struct("<4sHBBIIIIqIQI")
+    head = bytearray(header.pack(MAGIC, 1, 1, bits, *keys.shape, start_position, group_size, len(payload), 0))
+    checksum = zlib.crc32(payload, zlib.crc32(bytes(head[: HEADER_SIZE - 4])))
+    struct.pack_into("<I", head, HEADER_SIZE - 4, checksum)
+    return bytes(head) + payload
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_version_1_blobs_still_decode(bits):
+    keys, values = make_kv(shape=(2, 3, 37, 8))
+    blob = encode_version_1(keys, values, start_position=0, bits=bits, group_size=8)
+    decoded = decode_chunk(blob)
+    assert decoded.header.version == 1 and decoded.header.sink_tokens == 0 and decoded.header.group_size == 8
+    assert torch.equal(decoded.keys, dequantize(quantize_keys(keys, bits, 8), torch.float32))
+    assert torch.equal(decoded.values, dequantize(quantize_values(values, bits, 8), torch.float32))
+    # Any change to its payload size is still caught.
+    with pytest.raises(BlobError, match="header/size mismatch"):
+        read_header(blob + b"\0")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [16, 8, 4])
 def test_decode_onto_cuda_matches_cpu(bits):
@@ -160,6 +250,10 @@ def test_encode_refuses_bad_inputs():
         encode_chunk(keys, values, start_position=0, bits=2)
     with pytest.raises(ValueError, match="start_position >= 0"):
         encode_chunk(keys, values, start_position=-1)
+    with pytest.raises(ValueError, match="0 < group_size <= 65535"):  # a 16-bit header field
+        encode_chunk(keys, values, start_position=0, bits=8, group_size=2**16)
+    with pytest.raises(ValueError, match="beyond the float16 range"):  # the sink token is stored as float16
+        encode_chunk(keys * 1e5, values, start_position=0, bits=8)
 
 
 # --- corruption --------------------------------------------------------------------------------
@@ -197,11 +291,24 @@ def test_bad_magic_is_refused():
         decode_chunk(blob)
 
 
-def test_wrong_version_is_refused():
+@pytest.mark.parametrize("version", [0, BLOB_FORMAT_VERSION + 1])
+def test_wrong_version_is_refused(version):
     blob = bytearray(make_blob())
-    struct.pack_into("<H", blob, VERSION_OFFSET, BLOB_FORMAT_VERSION + 1)
-    with pytest.raises(BlobError, match=f"unsupported blob format version {BLOB_FORMAT_VERSION + 1}"):
+    struct.pack_into("<H", blob, VERSION_OFFSET, version)
+    with pytest.raises(BlobError, match=f"unsupported blob format version {version} "):
         decode_chunk(bytes(blob))
+
+
+def test_header_with_more_sink_tokens_than_tokens_is_refused():
+    blob = bytearray(make_blob(bits=8))  # 5 tokens from position 0: 1 sink token
+    assert read_header(bytes(blob)).sink_tokens == 1
+    struct.pack_into("<H", blob, SINK_TOKENS_OFFSET, 6)
+    with pytest.raises(BlobError, match="header/size mismatch: 6 sink tokens in a 8-bit chunk of 5 tokens"):
+        read_header(bytes(blob))
+    blob16 = bytearray(make_blob(bits=16))
+    struct.pack_into("<H", blob16, SINK_TOKENS_OFFSET, 1)
+    with pytest.raises(BlobError, match="1 sink tokens in a 16-bit chunk"):
+        read_header(bytes(blob16))
 
 
 def test_header_claiming_more_bytes_than_present_is_refused():
@@ -221,21 +328,30 @@ def test_trailing_bytes_are_refused():
 
 
 def test_quantized_blobs_are_smaller_by_the_expected_ratios():
-    shape = (2, 2, 128, 64)  # one 128-token chunk, head_dim 64
+    shape = (2, 2, 128, 64)  # one 128-token chunk, head_dim 64, not at the start of the prompt
     numel = 2 * 2 * 128 * 64
-    fp32_16bit = len(make_blob(shape, torch.float32))
-    fp16_16bit = len(make_blob(shape, torch.float16))
-    fp16_8bit_g128 = len(make_blob(shape, torch.float16, bits=8, group_size=128))
-    fp16_8bit_g32 = len(make_blob(shape, torch.float16, bits=8, group_size=32))
-    fp16_4bit_g128 = len(make_blob(shape, torch.float16, bits=4, group_size=128))
+    fp32_16bit = len(make_blob(shape, torch.float32, start_position=128))
+    fp16_16bit = len(make_blob(shape, torch.float16, start_position=128))
+    fp16_8bit_g64 = len(make_blob(shape, torch.float16, start_position=128, bits=8, group_size=64))
+    fp16_8bit_g128 = len(make_blob(shape, torch.float16, start_position=128, bits=8, group_size=128))
+    fp16_8bit_g32 = len(make_blob(shape, torch.float16, start_position=128, bits=8, group_size=32))
+    fp16_4bit_g64 = len(make_blob(shape, torch.float16, start_position=128, bits=4, group_size=64))
     assert fp32_16bit == 48 + 2 * numel * 4
     assert fp16_16bit == 48 + 2 * numel * 2
-    # 8 bits: one code byte per element, plus float16 scale and zero: keys per channel per
-    # token group ([2, 2, 1, 64] at group 128), values per token per channel group ([2, 2, 128, 1]).
-    assert fp16_8bit_g128 == 48 + 2 * numel + 2 * 2 * (2 * 2 * 64) + 2 * 2 * (2 * 2 * 128)
-    assert fp16_8bit_g32 == 48 + 2 * numel + 2 * 2 * (2 * 2 * 4 * 64) + 2 * 2 * (2 * 2 * 128 * 2)
-    assert fp16_16bit / fp16_8bit_g128 >= 1.9  # 1.91
-    assert fp32_16bit / fp16_8bit_g128 >= 3.8  # 3.82: the same 8-bit blob from fp32 K/V
-    # Group 32 spends 16 + 16 bits of scale/zero per 32 codes: 16 / 9 bits = 1.78x only.
-    assert 1.77 <= fp16_16bit / fp16_8bit_g32 < 1.9
-    assert fp16_16bit / fp16_4bit_g128 >= 3.5  # 3.57
+    # 8 bits: one code byte per element, plus float16 scale and zero for keys per channel per token
+    # group ([2, 2, 2, 64] at group 64) and a float16 scale only for values per token per channel
+    # group ([2, 2, 128, 1]): values are symmetric.
+    assert fp16_8bit_g64 == 48 + 2 * numel + 2 * 2 * (2 * 2 * 2 * 64) + 2 * (2 * 2 * 128)
+    assert fp16_8bit_g128 == 48 + 2 * numel + 2 * 2 * (2 * 2 * 64) + 2 * (2 * 2 * 128)
+    assert fp16_8bit_g32 == 48 + 2 * numel + 2 * 2 * (2 * 2 * 4 * 64) + 2 * (2 * 2 * 128 * 2)
+    assert fp16_16bit / fp16_8bit_g64 >= 1.9  # 1.91
+    assert fp16_16bit / fp16_8bit_g128 >= 1.93  # 1.94
+    assert fp32_16bit / fp16_8bit_g64 >= 3.8  # 3.82: the same 8-bit blob from fp32 K/V
+    assert 1.8 <= fp16_16bit / fp16_8bit_g32 < 1.9  # 1.83
+    assert fp16_16bit / fp16_4bit_g64 >= 3.5  # 3.56
+    # The first chunk of a prompt also holds its sink token as float16 K and V (+2 * 2 * 2 * 64 * 2
+    # bytes) instead of codes and the token's value scale.
+    first = len(make_blob(shape, torch.float16, start_position=0, bits=8, group_size=64))
+    sink_bytes, sink_codes = 2 * (2 * 2 * 64) * 2, 2 * (2 * 2 * 64) + 2 * (2 * 2)
+    assert first == fp16_8bit_g64 + sink_bytes - sink_codes
+    assert fp16_16bit / first >= 1.89  # 1.896

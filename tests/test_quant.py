@@ -66,6 +66,42 @@ def test_value_error_is_at_most_half_a_step_per_token_group(bits):
         assert (error <= scale[..., None] / 2 + 1e-5).all()
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_symmetric_value_error_is_at_most_half_a_step_per_token_group(bits):
+    values = make_tensor(shape=(2, 3, 5, 20))  # 20 channels in groups of 8: the last group holds 4
+    quantized = quantize_values(values, bits, group_size=8, symmetric=True)
+    assert quantized.symmetric and quantized.zero is None
+    restored = dequantize(quantized, torch.float32)
+    half = 2 ** (bits - 1) - 1
+    codes = quantized.data if bits == 8 else torch.stack([quantized.data & 0x0F, quantized.data >> 4], -1).view(-1)
+    assert int(codes[: values.numel()].min()) >= 1 and int(codes.max()) <= 2 * half + 1  # code 0 unused
+    for group in range(3):
+        channels = slice(group * 8, (group + 1) * 8)
+        scale = quantized.scale[..., group].float()  # [2, 3, 5]
+        absmax = values[..., channels].abs().amax(dim=-1)
+        # The grid -half..half steps just covers the group's abs-max (scale float16, rounded up).
+        assert (half * scale >= absmax).all()
+        assert torch.allclose(scale, absmax / half, rtol=2e-3)
+        error = (restored[..., channels] - values[..., channels]).abs()
+        assert (error <= scale[..., None] / 2 + 1e-5).all()
+
+
+def test_symmetric_values_keep_zero_and_signs_exact():
+    values = torch.tensor([[[[0.0, 1.0, -1.0, 0.5, -0.25, 0.0, 2.0, -2.0]]]])
+    restored = dequantize(quantize_values(values, 8, group_size=8, symmetric=True), torch.float32)
+    assert restored[..., 0].item() == 0.0 and restored[..., 5].item() == 0.0
+    assert restored[..., 6].item() == -restored[..., 7].item() >= 2.0  # +-absmax land on the grid's two ends
+    assert torch.equal(restored.sign(), values.sign())
+
+
+def test_symmetric_scale_costs_half_the_asymmetric_scale_and_zero():
+    values = make_tensor(shape=(2, 3, 5, 16))
+    asymmetric = quantize_values(values, 8, group_size=8)
+    symmetric = quantize_values(values, 8, group_size=8, symmetric=True)
+    assert symmetric.scale.shape == asymmetric.scale.shape and symmetric.zero is None
+    assert symmetric.data.numel() == asymmetric.data.numel()
+
+
 def test_scale_and_zero_shapes_encode_the_axis():
     tensor = make_tensor(shape=(2, 3, 37, 16))
     keys = quantize_keys(tensor, bits=8, group_size=8)

@@ -35,7 +35,7 @@ class ServiceConfig:
     selective_tokens: int = 16
     sink_tokens: int = 0
     overlap_tokens: int = 0
-    kv_group_size: int = 128
+    kv_group_size: int = 0  # 0: the codec's default for the bits (64 at 8 bits, 128 at 4)
     max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
     max_new_tokens: int = 4096
     max_prompt_tokens: int = 0  # 0: the model's context length
@@ -63,7 +63,7 @@ class ServiceConfig:
         _require(self.selective_tokens >= 0, f"--selective-tokens must be >= 0, got {self.selective_tokens}")
         _require(self.sink_tokens >= 0, f"--sink-tokens must be >= 0, got {self.sink_tokens}")
         _require(self.overlap_tokens >= 0, f"--overlap-k must be >= 0, got {self.overlap_tokens}")
-        _require(self.kv_group_size > 0, f"--kv-group-size must be positive, got {self.kv_group_size}")
+        _require(0 <= self.kv_group_size <= 65535, f"--kv-group-size must be in 0..65535, got {self.kv_group_size}")
         _require(self.max_queue > 0, f"--max-queue must be positive, got {self.max_queue}")
         _require(self.max_new_tokens > 0, f"--max-new-tokens must be positive, got {self.max_new_tokens}")
         _require(self.max_message_bytes >= 1 << 20, f"--max-message-bytes must be at least 1048576, got {self.max_message_bytes}")
@@ -148,7 +148,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--selective-tokens", type=int, default=default("SELECTIVE_TOKENS", defaults.selective_tokens), help="selective: content-hit tokens recomputed after each seam (KVBOOST_SELECTIVE_TOKENS)")
     add("--sink-tokens", type=int, default=default("SINK_TOKENS", defaults.sink_tokens), help="selective, cacheblend: content-hit tokens among the first N of a prompt are always recomputed (KVBOOST_SINK_TOKENS)")
     add("--overlap-k", dest="overlap_tokens", type=int, default=default("OVERLAP_K", defaults.overlap_tokens), help="the first K tokens of every content-hit run are recomputed with their real left context, whatever the strategy (KVBOOST_OVERLAP_K)")
-    add("--kv-group-size", type=int, default=default("KV_GROUP_SIZE", defaults.kv_group_size), help="quantization group at 8 and 4 bits: tokens per key scale, channels per value scale (KVBOOST_KV_GROUP_SIZE)")
+    add("--kv-group-size", type=int, default=default("KV_GROUP_SIZE", defaults.kv_group_size), help="quantization group at 8 and 4 bits: tokens per key scale, channels per value scale; 0 picks 64 at 8 bits, 128 at 4 (KVBOOST_KV_GROUP_SIZE)")
     add("--max-queue", type=int, default=default("MAX_QUEUE", defaults.max_queue), help="requests waiting for the model before RESOURCE_EXHAUSTED (KVBOOST_MAX_QUEUE)")
     add("--max-new-tokens", type=int, default=default("MAX_NEW_TOKENS", defaults.max_new_tokens), help="largest max_new_tokens a request may ask for (KVBOOST_MAX_NEW_TOKENS)")
     add("--max-prompt-tokens", type=int, default=default("MAX_PROMPT_TOKENS", defaults.max_prompt_tokens), help="longest prompt accepted; 0 = the model's context (KVBOOST_MAX_PROMPT_TOKENS)")

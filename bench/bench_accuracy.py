@@ -178,6 +178,8 @@ def print_tables(table: list[dict], identity: dict) -> None:
     for r in table:
         print(f"{r['column']:<16} {r['accuracy']:>8.3f} {r['agreement']:>6.3f} {r['first_token_kl']:>10.4f} "
               f"{r['ttft_ms']:>8.1f} {r['ttft_ratio']:>6.2f} {r['reused']:>6.2f} {r['recomputed']:>6.2f}")
+    if not identity:
+        return
     print("\nidentity prompts: agreement over the prompts with prefix hits")
     print(f"{'stored as':<16} {'prompts':>7} {'w/ hits':>7} {'same output':>11} {'same tokens':>11} "
           f"{'bytes stored':>12} {'x fewer':>7} {'x fewer than fp16':>17}")
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-size", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=6)
     parser.add_argument("--quick", action="store_true", help="24 questions, 12 identity prompts")
+    parser.add_argument("--no-identity", action="store_true", help="only the questions table (skips the "
+                        "quantized-storage agreement on the identity prompts)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
@@ -237,8 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     questions = build_questions(documents, num_questions)
     started = time.perf_counter()
     run = run_questions(loaded, documents, questions, args.chunk_size, args.max_new_tokens)
-    identity = run_identity(loaded, identity_prompts(loaded, documents, questions, num_identity),
-                            args.identity_chunk_size, args.identity_new_tokens)
+    identity = {} if args.no_identity else run_identity(
+        loaded, identity_prompts(loaded, documents, questions, num_identity), args.identity_chunk_size,
+        args.identity_new_tokens)
     table = summarize(run)
     print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size {args.chunk_size}, "
           f"{num_questions} questions over 4-6 of {len(documents)} documents, greedy {args.max_new_tokens} tokens, "

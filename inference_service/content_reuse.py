@@ -10,7 +10,7 @@ from inference_service.assembler import AssembledContext, decode_hit
 from inference_service.chunk_cache import CacheUnavailable, ChunkCache
 from inference_service.prompts import PromptPlan
 from inference_service.repair import APPROX, EXACT, MISSING, RepairOptions, exact_prefix_length, repair_prefill
-from inference_service.rope import RopeParams, UnsupportedRope, check_rerotation, rerotate_keys
+from inference_service.rope import RopeParams, UnsupportedRope, rerotate_keys_
 from inference_service.runner import KVGeometry, allocate_kv, build_cache
 from inference_service.writeback import PendingChunks
 
@@ -83,8 +83,6 @@ def place_content_hits(
     verify = not getattr(cache, "verifies_blobs", False)  # one checksum per blob is enough
     shape = (geometry.num_layers, geometry.num_kv_heads, 0, geometry.head_dim)
     previous: tuple[int, int] | None = None  # (chunk index, stored end position) of the last placed hit
-    moved_from: list[torch.Tensor] = []  # stored positions of the placed tokens, per hit
-    moved_to: list[torch.Tensor] = []  # their positions in this prompt
     try:
         for (index, expected_key), (key, blob) in zip(hits, cache.fetch([key for _, key in hits])):
             chunk = prompt.chunks.chunks[index]
@@ -95,16 +93,14 @@ def place_content_hits(
             stored_start = decoded.header.start_position
             from_positions = torch.arange(stored_start, stored_start + len(chunk.token_ids), device=device)
             to_positions = torch.arange(chunk.start, chunk.end, device=device)
-            try:
-                check_rerotation(rope, from_positions, to_positions)
-            except UnsupportedRope as error:
+            placed_keys = key_buffer[:, :, chunk.start : chunk.end]
+            placed_keys.copy_(decoded.keys)
+            try:  # re-rotated where they lie: no copy beside the buffer
+                rerotate_keys_(placed_keys, from_positions, to_positions, rope)
+            except UnsupportedRope as error:  # the rows stay MISSING, so they are recomputed
                 logger.info("content hit at position %d not reused: %s", chunk.start, error)
                 continue
-            # Keys go in as stored and are re-rotated below, all hits in one call.
-            key_buffer[:, :, chunk.start : chunk.end] = decoded.keys.to(device, dtype)
-            value_buffer[:, :, chunk.start : chunk.end] = decoded.values.to(device, dtype)
-            moved_from.append(from_positions)
-            moved_to.append(to_positions)
+            value_buffer[:, :, chunk.start : chunk.end] = decoded.values
             status[chunk.start : chunk.end] = APPROX
             # A chunk continues a run when it follows the previous hit both in the prompt and in storage.
             same_segment = index > 0 and prompt.chunks.chunks[index - 1].segment == chunk.segment
@@ -118,8 +114,6 @@ def place_content_hits(
         degraded = context.degraded = True
     if num_placed == 0:
         return None
-    placed_at, stored_at = torch.cat(moved_to), torch.cat(moved_from)
-    key_buffer[:, :, placed_at] = rerotate_keys(key_buffer[:, :, placed_at], stored_at, placed_at, rope)
     if overlap_tokens:
         for seam in seams:
             window = status[seam : seam + overlap_tokens]

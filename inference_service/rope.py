@@ -85,6 +85,18 @@ def rerotate_keys(
     Raises:
         UnsupportedRope: a position reaches params.max_exact_position.
     """
+    moved = keys.clone()
+    rerotate_keys_(moved, from_positions, to_positions, params)
+    return moved
+
+
+def rerotate_keys_(
+    keys: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor, params: RopeParams
+) -> None:
+    """rerotate_keys in place: `keys` (a view into a larger buffer works) is overwritten with the moved keys.
+
+    Raises UnsupportedRope (keys untouched) where rerotate_keys would.
+    """
     num_tokens, head_dim = keys.shape[-2], keys.shape[-1]
     assert from_positions.shape == (num_tokens,), f"from_positions must be [{num_tokens}], got {tuple(from_positions.shape)}"
     assert to_positions.shape == (num_tokens,), f"to_positions must be [{num_tokens}], got {tuple(to_positions.shape)}"
@@ -93,19 +105,21 @@ def rerotate_keys(
     # The model applies attention_scaling to cos and sin, so a stored key is scaling·R(p)·k; rotating it
     # by R(Δ) alone gives scaling·R(p+Δ)·k. Angles in float64: Δ·inv_freq loses bits in float32.
     delta = (to_positions.to(torch.float64) - from_positions.to(torch.float64)).to(keys.device)
-    angles = delta[:, None] * params.inv_freq.to(device=keys.device, dtype=torch.float64)[None, :]
-    angles = torch.cat((angles, angles), dim=-1)  # [tokens, rotary_dim]
+    angles = delta[:, None] * params.inv_freq.to(device=keys.device, dtype=torch.float64)[None, :]  # [tokens, half]
     # Rotate in at least float32 (bf16/fp16 keys lose digits otherwise), then back to the keys' dtype.
     compute_dtype = torch.promote_types(keys.dtype, torch.float32)
     cos, sin = angles.cos().to(compute_dtype), angles.sin().to(compute_dtype)
-    rotary, passthrough = keys[..., : params.rotary_dim].to(compute_dtype), keys[..., params.rotary_dim :]
-    rotated = (rotary * cos + _rotate_half(rotary) * sin).to(keys.dtype)
-    return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotary = keys[..., : params.rotary_dim]
+    work = rotary if rotary.dtype == compute_dtype else rotary.to(compute_dtype)
+    # rotate_half pairs dim i with i + half: (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin), both halves
+    # sharing one angle per pair; computed in place, without rotate_half's concatenated copy.
+    half = params.rotary_dim // 2
+    first, second = work[..., :half], work[..., half:]
+    original_first = first.clone()
+    first.mul_(cos).addcmul_(second, sin, value=-1)
+    second.mul_(cos).addcmul_(original_first, sin)
+    if work is not rotary:
+        rotary.copy_(work)
 
 
 def check_rerotation(params: RopeParams, *positions: torch.Tensor) -> None:

@@ -45,6 +45,7 @@ bench: setup model
 	$(PY) bench/bench_ttft.py
 	$(PY) bench/bench_isolation.py
 	$(PY) bench/bench_accuracy.py
+	$(PY) bench/bench_deviation.py
 	$(PY) bench/load.py
 
 clean: down

@@ -34,7 +34,7 @@ from inference_service.model_loader import DEFAULT_MODEL  # noqa: E402
 from inference_service.prompts import tokenize_segments  # noqa: E402
 from inference_service.repair import APPROX, MISSING, RepairOptions, repair_prefill  # noqa: E402
 from inference_service.rope import rerotate_keys, rope_parameters  # noqa: E402
-from inference_service.runner import load_model  # noqa: E402
+from inference_service.runner import build_cache, decode_step, load_model  # noqa: E402
 from inference_service.verification import first_token_kl  # noqa: E402
 from rag_dataset import build_documents, build_questions, chat_segments  # noqa: E402
 
@@ -53,9 +53,7 @@ def prefill(model, token_ids: list[int]):
 def greedy_answer(model, cache, first_logits: torch.Tensor, num_tokens: int, max_new_tokens: int) -> list[int]:
     tokens = [int(first_logits.argmax())]
     for step in range(max_new_tokens - 1):
-        output = model(torch.tensor([[tokens[-1]]]), past_key_values=cache,
-                       position_ids=torch.tensor([[num_tokens + step]]), use_cache=True)
-        tokens.append(int(output.logits[0, -1].argmax()))
+        tokens.append(int(decode_step(model, cache, torch.tensor(tokens[-1]), num_tokens + step).argmax()))
     return tokens
 
 
@@ -149,8 +147,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _copy_cache(model, keys, values):
-    from inference_service.runner import build_cache
-
     key_buffer = torch.cat([k.clone() for k in keys])  # [layers, kv_heads, S, head_dim]
     value_buffer = torch.cat([v.clone() for v in values])
     return build_cache(model.config, key_buffer, value_buffer, key_buffer.shape[2])

@@ -5,8 +5,9 @@ Each question is asked over 4-6 documents (bench/rag_dataset.py) presented in a 
 chunks hit by content and are re-rotated and repaired. Every column has its own engine and in-process
 store, warmed the same way; columns are interleaved per question so drift hits all alike. Agreement
 and first-token KL are against full prefill of the same run. A second table reuses whole prompts by
-prefix (the identity test's prompts plus every question's prompt) at 16, 8 and 4 bits: greedy agreement
-with full prefill over the prompts with hits, and bytes stored.
+prefix (the identity test's prompts plus every question's prompt) at 16, 8 and 4 bits, quantized keys
+stored before RoPE (the default) and after it: greedy agreement with full prefill over the prompts with
+hits, and bytes stored.
 
     python bench/bench_accuracy.py            # 100 questions, all 52 identity prompts
     python bench/bench_accuracy.py --quick    # 24 questions, 12 identity prompts
@@ -61,9 +62,9 @@ def columns() -> list[Column]:
     ]
 
 
-def make_engine(loaded, bits: int, chunk_size: int) -> Engine:
+def make_engine(loaded, bits: int, chunk_size: int, keys_before_rope: bool = True) -> Engine:
     """An engine with its own in-process store (so columns never share chunks), warmed up once."""
-    config = EngineConfig(chunk_size=chunk_size, kv_cache_bits=bits)
+    config = EngineConfig(chunk_size=chunk_size, kv_cache_bits=bits, kv_keys_before_rope=keys_before_rope)
     engine = Engine(loaded.model, loaded.tokenizer, config, InProcessCache(), model_id=loaded.model_id)
     engine.generate(GenerationParams(prompt="Warm-up.", max_new_tokens=1, mode="baseline"))
     return engine
@@ -120,16 +121,16 @@ def identity_prompts(loaded, documents, questions, limit: int | None) -> list[di
 
 
 def run_identity(loaded, cases: list[dict], chunk_size: int, max_new_tokens: int) -> dict:
-    """Prompts reused by exact prefix after one write-back, stored at 16, 8 and 4 bits: greedy agreement
-    with full prefill (whole outputs, and tokens before the first difference) over the prompts that had
-    prefix hits, and bytes stored."""
+    """Prompts reused by exact prefix after one write-back, stored at 16, 8 and 4 bits (quantized keys before
+    and after RoPE): greedy agreement with full prefill (whole outputs, and tokens before the first
+    difference) over the prompts that had prefix hits, and bytes stored."""
     full, reference_engine = Column("full prefill", "baseline"), make_engine(loaded, 16, chunk_size)
     references = [ask(reference_engine, full, max_new_tokens, **case)[0].output_token_ids for case in cases]
     reference_engine.close()
     results = {}
-    for bits in (16, 8, 4):
-        engine = make_engine(loaded, bits, chunk_size)
-        column = Column(f"{bits}-bit", "prefix_cache", bits)
+    for name, bits, keys_before_rope in STORAGE:
+        engine = make_engine(loaded, bits, chunk_size, keys_before_rope)
+        column = Column(name, "prefix_cache", bits)
         same_output = same_tokens = total_tokens = with_hits = 0
         for case, reference in zip(cases, references):
             ask(engine, column, 1, **case)  # stores the prompt's full chunks
@@ -147,11 +148,16 @@ def run_identity(loaded, cases: list[dict], chunk_size: int, max_new_tokens: int
         element_bytes = loaded.model.dtype.itemsize
         payload = stats["bytes_stored"] - codec.HEADER_SIZE * stats["chunks_stored"]
         fp16_bytes = payload * 2 // element_bytes + codec.HEADER_SIZE * stats["chunks_stored"]
-        results[bits] = {"prompts": len(cases), "prompts_with_hits": with_hits, "fp16_equivalent_bytes": fp16_bytes,
+        results[name] = {"bits": bits, "keys_before_rope": keys_before_rope and bits != 16, "prompts": len(cases), "prompts_with_hits": with_hits, "fp16_equivalent_bytes": fp16_bytes,
                          "output_agreement": same_output / max(1, with_hits),
                          "token_agreement": same_tokens / max(1, total_tokens),
                          "bytes_stored": stats["bytes_stored"], "chunks_stored": stats["chunks_stored"]}
     return results
+
+
+# (row name, bits, keys before RoPE) of the identity table
+STORAGE = (("16-bit", 16, True), ("8-bit", 8, True), ("8-bit, keys after RoPE", 8, False),
+           ("4-bit", 4, True), ("4-bit, keys after RoPE", 4, False))
 
 
 def summarize(run: dict) -> list[dict]:
@@ -171,6 +177,13 @@ def summarize(run: dict) -> list[dict]:
 
 
 def print_tables(table: list[dict], identity: dict) -> None:
+    if table:
+        print_questions(table)
+    if identity:
+        print_identity(identity)
+
+
+def print_questions(table: list[dict]) -> None:
     header = (f"{'column':<16} {'accuracy':>8} {'agree':>6} {'1st-tok KL':>10} {'TTFT ms':>8} {'x full':>6} "
               f"{'reused':>6} {'recomp':>6}")
     print(header)
@@ -178,15 +191,17 @@ def print_tables(table: list[dict], identity: dict) -> None:
     for r in table:
         print(f"{r['column']:<16} {r['accuracy']:>8.3f} {r['agreement']:>6.3f} {r['first_token_kl']:>10.4f} "
               f"{r['ttft_ms']:>8.1f} {r['ttft_ratio']:>6.2f} {r['reused']:>6.2f} {r['recomputed']:>6.2f}")
-    if not identity:
-        return
+
+
+def print_identity(identity: dict) -> None:
     print("\nidentity prompts: agreement over the prompts with prefix hits")
-    print(f"{'stored as':<16} {'prompts':>7} {'w/ hits':>7} {'same output':>11} {'same tokens':>11} "
+    print(f"{'stored as':<22} {'prompts':>7} {'w/ hits':>7} {'same output':>11} {'same tokens':>11} "
           f"{'bytes stored':>12} {'x fewer':>7} {'x fewer than fp16':>17}")
-    for bits, r in identity.items():
-        fewer = identity[16]["bytes_stored"] / r["bytes_stored"]
-        fewer_fp16 = identity[16]["fp16_equivalent_bytes"] / r["bytes_stored"] if bits != 16 else 1.0
-        print(f"{f'{bits}-bit':<16} {r['prompts']:>7d} {r['prompts_with_hits']:>7d} {r['output_agreement']:>11.3f} "
+    exact = identity["16-bit"]
+    for name, r in identity.items():
+        fewer = exact["bytes_stored"] / r["bytes_stored"]
+        fewer_fp16 = exact["fp16_equivalent_bytes"] / r["bytes_stored"] if r["bits"] != 16 else 1.0
+        print(f"{name:<22} {r['prompts']:>7d} {r['prompts_with_hits']:>7d} {r['output_agreement']:>11.3f} "
               f"{r['token_agreement']:>11.3f} {r['bytes_stored']:>12d} {fewer:>7.2f} {fewer_fp16:>17.2f}")
 
 
@@ -229,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="24 questions, 12 identity prompts")
     parser.add_argument("--no-identity", action="store_true", help="only the questions table (skips the "
                         "quantized-storage agreement on the identity prompts)")
+    parser.add_argument("--no-questions", action="store_true", help="only the identity table (skips the RAG "
+                        "questions' columns)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
@@ -240,11 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     documents = build_documents()
     questions = build_questions(documents, num_questions)
     started = time.perf_counter()
-    run = run_questions(loaded, documents, questions, args.chunk_size, args.max_new_tokens)
+    run = None if args.no_questions else run_questions(loaded, documents, questions, args.chunk_size,
+                                                        args.max_new_tokens)
     identity = {} if args.no_identity else run_identity(
         loaded, identity_prompts(loaded, documents, questions, num_identity), args.identity_chunk_size,
         args.identity_new_tokens)
-    table = summarize(run)
+    table = [] if run is None else summarize(run)
     print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size {args.chunk_size}, "
           f"{num_questions} questions over 4-6 of {len(documents)} documents, greedy {args.max_new_tokens} tokens, "
           f"TTFT median, {time.perf_counter() - started:.0f} s\n")
@@ -252,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (args.out / f"accuracy-{stamp}.json").write_text(json.dumps({"table": table, "identity": identity}, indent=2))
-    write_plot(table, args.out / f"accuracy-{stamp}.png")
+    if table:
+        write_plot(table, args.out / f"accuracy-{stamp}.png")
     print(f"\nwrote {args.out}/accuracy-{stamp}.json and .png")
 
 

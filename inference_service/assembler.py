@@ -10,8 +10,9 @@ from typing import Iterator, TypeVar
 import torch
 
 from inference_service.chunk_cache import CacheUnavailable, ChunkCache
-from inference_service.codec import BlobError, decode_chunk
+from inference_service.codec import BlobError, DecodedChunk, decode_chunk
 from inference_service.prompts import PromptPlan
+from inference_service.rope import RopeParams, UnsupportedRope, rerotate_keys_
 from inference_service.runner import KVGeometry, allocate_kv
 
 logger = logging.getLogger(__name__)
@@ -47,11 +48,13 @@ def assemble_context(
     dtype: torch.dtype,
     capacity: int,
     with_content_hits: bool,
+    rope: RopeParams | None = None,
 ) -> AssembledContext:
     """Everything the cache can give for this prompt, in buffers with room for `capacity` tokens.
 
     Never raises for cache trouble: an unreachable cache gives an empty, degraded context; a bad or
-    missing blob ends the reused run there.
+    missing blob ends the reused run there. rope: rotates keys stored un-rotated into place (such blobs
+    end the run when it is None).
 
     This is the one place hits become K/V: prefix hits now; content hits plug in here (repair).
     """
@@ -63,18 +66,20 @@ def assemble_context(
         return empty_context(degraded=True)
     if lookup.prefix_run == 0:
         return AssembledContext(None, None, content_hits=lookup.content_hits)
-    context = fetch_prefix_run(cache, prompt, lookup.prefix_run, allocate_kv(geometry, capacity, device, dtype))
+    context = fetch_prefix_run(cache, prompt, lookup.prefix_run, allocate_kv(geometry, capacity, device, dtype), rope)
     context.content_hits = lookup.content_hits
     return context
 
 
 def fetch_prefix_run(
-    cache: ChunkCache, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor]
+    cache: ChunkCache, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor],
+    rope: RopeParams | None = None,
 ) -> AssembledContext:
     """Fetches the first `run` chunks and copies each decoded blob into its slice of the buffers.
 
     buffers: keys, values [layers, kv_heads, capacity, head_dim]. A missing blob, one that fails to
-    decode, or one that does not fit its chunk ends the run there.
+    decode, one that does not fit its chunk, or one whose keys cannot be rotated into place ends the
+    run there.
     """
     chunks = prompt.chunks.chunks[:run]
     keys, values = buffers
@@ -86,10 +91,9 @@ def fetch_prefix_run(
     try:
         blobs = prefetched(cache.fetch(list(prompt.prefix_keys[:run])))
         for chunk, expected_key, (key, blob) in zip(chunks, prompt.prefix_keys, blobs):
-            decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify)
-            if decoded is None:
+            decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify, rope=rope)
+            if decoded is None or not place_keys_(keys[:, :, chunk.start : chunk.end], decoded, chunk.start, rope):
                 break
-            keys[:, :, chunk.start : chunk.end].copy_(decoded.keys)
             values[:, :, chunk.start : chunk.end].copy_(decoded.values)
             num_placed += 1
             num_bytes += len(blob)
@@ -145,11 +149,12 @@ def prefetched(items: Iterator[T]) -> Iterator[T]:
 
 
 def decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: int, shape: tuple[int, ...],
-               verify: bool, same_position: bool = True):
+               verify: bool, same_position: bool = True, rope: RopeParams | None = None):
     """The decoded chunk, or None (logged) when the blob cannot stand for this chunk.
 
     shape: (layers, kv_heads, any, head_dim) of the model's K/V. same_position: the blob must have been
-    computed at `start` (a prefix hit); False for a content hit, whose keys are re-rotated.
+    computed at `start` (a prefix hit); False for a content hit, whose keys are re-rotated. rope: None
+    refuses blobs whose keys are stored un-rotated (nothing could rotate them into place).
     """
     kind = "chunk" if same_position else "content hit"
     if blob is None or key != expected_key:
@@ -166,4 +171,28 @@ def decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: in
         logger.warning("%s at position %d has shape %s at %d, expected %s: recomputing it",
                        kind, start, header.shape, header.start_position, expected)
         return None
+    if header.keys_before_rope and rope is None:
+        logger.warning("%s at position %d stores its keys un-rotated and this model's RoPE cannot rotate them: "
+                       "recomputing it", kind, start)
+        return None
     return decoded
+
+
+def place_keys_(target: torch.Tensor, decoded: DecodedChunk, start: int, rope: RopeParams | None) -> bool:
+    """Copies the decoded keys into `target` (a buffer slice) and rotates them there to positions start..,
+    from the positions they are stored for (start_position.., or 0 for every token when stored un-rotated).
+    False (logged) when the RoPE refuses the move.
+    """
+    target.copy_(decoded.keys)
+    header = decoded.header
+    if not header.keys_before_rope and header.start_position == start:
+        return True
+    assert rope is not None, "decode_hit refuses blobs that need rotation without rope parameters"
+    to_positions = torch.arange(start, start + target.shape[2], device=target.device)
+    from_positions = torch.zeros_like(to_positions) if header.keys_before_rope else to_positions - start + header.start_position
+    try:  # in place in the buffer: no copy beside it
+        rerotate_keys_(target, from_positions, to_positions, rope)
+    except UnsupportedRope as error:
+        logger.info("chunk at position %d not reused: %s", start, error)
+        return False
+    return True

@@ -228,7 +228,7 @@ def _shared_prefix(engine, prompt: PromptPlan, num_chunks: int, use_cache: bool,
     context = empty_context()
     if use_cache:
         context = assemble_context(engine.cache, engine.namespace, plan, engine.geometry, engine.device, engine.dtype,
-                                   num_tokens, with_content_hits=False)
+                                   num_tokens, with_content_hits=False, rope=engine.key_rope)
     buffers = (context.key_buffer, context.value_buffer)
     if buffers[0] is None:
         buffers = allocate_kv(engine.geometry, num_tokens, engine.device, engine.dtype)

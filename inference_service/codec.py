@@ -7,7 +7,10 @@ Format versions (the header's version field):
      (scale only; the bytes saved pay for finer key groups at the same size). The header's 32-bit
      group_size field of version 1 is split into a 16-bit group_size and a 16-bit sink_tokens.
      16-bit blobs are laid out as in version 1.
-This build writes version 2 and reads both.
+  3: the header gains a flags field (dims that never exceed 65535 shrink to 16 bits to make room);
+     flag KEYS_BEFORE_ROPE marks keys stored un-rotated (rotated back to position 0), so a reader
+     rotates them to wherever it places them. Payloads are laid out as in version 2.
+This build writes version 3 and reads all three.
 """
 from __future__ import annotations
 
@@ -30,17 +33,25 @@ from inference_service.quant import (
     scale_shape_for,
 )
 
-BLOB_FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+BLOB_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MAGIC = b"KVBC"
-# magic, version, dtype code, bits, layers, kv_heads, tokens, head_dim, start_position, group_size,
-# [version 2: sink_tokens,] payload_bytes, checksum. 48 bytes, so the payload starts 16-byte aligned.
-_HEADERS = {1: struct.Struct("<4sHBBIIIIqIQI"), 2: struct.Struct("<4sHBBIIIIqHHQI")}
+# Versions 1 and 2: magic, version, dtype code, bits, layers, kv_heads, tokens, head_dim, start_position,
+# group_size, [version 2: sink_tokens,] payload_bytes, checksum. Version 3: magic, version, dtype code,
+# bits, layers, kv_heads, head_dim, flags, start_position, tokens, group_size, sink_tokens, reserved (0),
+# payload_bytes, checksum. Always 48 bytes, so the payload starts 16-byte aligned.
+_HEADERS = {1: struct.Struct("<4sHBBIIIIqIQI"), 2: struct.Struct("<4sHBBIIIIqHHQI"),
+            3: struct.Struct("<4sHBBHHHHqIHHIQI")}
 _HEADER = _HEADERS[BLOB_FORMAT_VERSION]
 _MAGIC_AND_VERSION = struct.Struct("<4sH")
 HEADER_SIZE = _HEADER.size
 assert all(header.size == HEADER_SIZE for header in _HEADERS.values())
 MAX_GROUP_SIZE = 2**16 - 1  # group_size is a 16-bit field from version 2 on
+MAX_SMALL_DIM = 2**16 - 1  # layers, kv_heads and head_dim are 16-bit fields from version 3 on
+MAX_TOKENS = 2**32 - 1
+# Header flags (version 3).
+KEYS_BEFORE_ROPE = 0x1  # keys are stored un-rotated (as at position 0); readers rotate them into place
+_KNOWN_FLAGS = KEYS_BEFORE_ROPE
 # At 8 and 4 bits, tokens at prompt positions below this are stored as float16, not quantized: the
 # first token is the attention sink, which most heads attend to heavily, so its key error moves every
 # attention output (KVQuant, IntactKV keep it in full precision for the same reason).
@@ -77,6 +88,12 @@ class BlobHeader:
     payload_bytes: int
     checksum: int  # CRC-32 of the header (checksum field excluded) followed by the payload
     sink_tokens: int = 0  # leading tokens stored as float16, not quantized (0 at 16 bits and in version 1)
+    flags: int = 0  # KEYS_BEFORE_ROPE (version 3; 0 before)
+
+    @property
+    def keys_before_rope(self) -> bool:
+        """Keys are un-rotated: every token's key stands at position 0, not at start_position + i."""
+        return bool(self.flags & KEYS_BEFORE_ROPE)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -103,7 +120,7 @@ class _Section:
 
 def encode_chunk(
     keys: torch.Tensor, values: torch.Tensor, start_position: int, bits: int = 16, group_size: int = 32,
-    sink_positions: int = SINK_POSITIONS,
+    sink_positions: int = SINK_POSITIONS, keys_before_rope: bool = False,
 ) -> bytes:
     """One chunk's K/V as a self-describing blob (format version BLOB_FORMAT_VERSION).
 
@@ -116,6 +133,8 @@ def encode_chunk(
             (symmetric) in groups of `group_size` channels.
         sink_positions: at 8 and 4 bits, the chunk's tokens at prompt positions below this are
             stored as float16 instead (the attention sink).
+        keys_before_rope: the caller un-rotated `keys` to position 0; sets the KEYS_BEFORE_ROPE flag so
+            readers know to rotate them to the positions they place them at.
     Raises:
         ValueError: unsupported dtype, bits, shape, group size or start position, or (quantized)
             values beyond the float16 range.
@@ -131,6 +150,9 @@ def encode_chunk(
         raise ValueError(f"need 0 < group_size <= {MAX_GROUP_SIZE}, start_position >= 0, sink_positions >= 0 and no "
                          f"empty dims, got {group_size}, {start_position}, {sink_positions}, {tuple(keys.shape)}")
     num_layers, num_kv_heads, num_tokens, head_dim = keys.shape
+    if max(num_layers, num_kv_heads, head_dim) > MAX_SMALL_DIM or num_tokens > MAX_TOKENS:
+        raise ValueError(f"layers, kv_heads and head_dim must be at most {MAX_SMALL_DIM} and tokens at most "
+                         f"{MAX_TOKENS}, got shape {tuple(keys.shape)}")
     sink_tokens = 0 if bits == 16 else min(num_tokens, max(0, sink_positions - start_position))
     tensors = []
     if bits == 16:
@@ -155,8 +177,9 @@ def encode_chunk(
         raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
         assert raw.numel() == section.num_bytes, f"section {section.name}: {raw.numel()} bytes, layout says {section.num_bytes}"
         payload[section.offset : section.offset + section.num_bytes].copy_(raw)
+    flags = KEYS_BEFORE_ROPE if keys_before_rope else 0
     _HEADER.pack_into(blob, 0, MAGIC, BLOB_FORMAT_VERSION, _DTYPE_CODES[dtype], bits, num_layers, num_kv_heads,
-                      num_tokens, head_dim, start_position, group_size, sink_tokens, payload_bytes, 0)
+                      head_dim, flags, start_position, num_tokens, group_size, sink_tokens, 0, payload_bytes, 0)
     checksum = _checksum(memoryview(blob))
     struct.pack_into("<I", blob, _CHECKSUM_OFFSET, checksum)
     return bytes(blob)
@@ -176,13 +199,19 @@ def read_header(blob: BlobBuffer) -> BlobHeader:
         raise BlobError(f"bad magic {bytes(magic)!r}: not a KV chunk blob (expected {MAGIC!r})")
     if version not in READABLE_VERSIONS:
         raise BlobError(f"unsupported blob format version {version} (this build reads versions {READABLE_VERSIONS})")
+    flags = reserved = 0
     if version == 1:
         (_, _, dtype_code, bits, num_layers, num_kv_heads, num_tokens, head_dim, start_position,
          group_size, payload_bytes, checksum) = _HEADERS[1].unpack_from(view, 0)
         sink_tokens = 0
-    else:
+    elif version == 2:
         (_, _, dtype_code, bits, num_layers, num_kv_heads, num_tokens, head_dim, start_position,
-         group_size, sink_tokens, payload_bytes, checksum) = _HEADERS[version].unpack_from(view, 0)
+         group_size, sink_tokens, payload_bytes, checksum) = _HEADERS[2].unpack_from(view, 0)
+    else:
+        (_, _, dtype_code, bits, num_layers, num_kv_heads, head_dim, flags, start_position, num_tokens,
+         group_size, sink_tokens, reserved, payload_bytes, checksum) = _HEADERS[3].unpack_from(view, 0)
+    if flags & ~_KNOWN_FLAGS or reserved:
+        raise BlobError(f"header/size mismatch: unknown flags {flags:#06x} or reserved field {reserved:#x} set")
     if dtype_code not in _DTYPE_NAMES:
         raise BlobError(f"header/size mismatch: unknown dtype code {dtype_code}")
     if bits not in SUPPORTED_BITS:
@@ -204,7 +233,7 @@ def read_header(blob: BlobBuffer) -> BlobHeader:
     if present > payload_bytes:
         raise BlobError(f"header/size mismatch: header says {payload_bytes} payload bytes, {present} present")
     return BlobHeader(version, dtype, bits, num_layers, num_kv_heads, num_tokens, head_dim, start_position,
-                      group_size, payload_bytes, checksum, sink_tokens)
+                      group_size, payload_bytes, checksum, sink_tokens, flags)
 
 
 def decode_chunk(
@@ -216,7 +245,9 @@ def decode_chunk(
         device, dtype: where and in what dtype keys/values come back (default: the header's dtype).
         verify: check the CRC-32 first.
     Returns:
-        keys/values [layers, kv_heads, tokens, head_dim]. A read-only blob (bytes) is copied once;
+        keys/values [layers, kv_heads, tokens, head_dim], keys as stored: rotated for positions
+        start_position.., or all for position 0 when header.keys_before_rope, for the caller to rotate
+        into place. A read-only blob (bytes) is copied once;
         a writable one (bytearray, memoryview) may be shared by the CPU tensors, not copied.
     Raises:
         BlobError: see read_header; also a checksum mismatch when verify is set.

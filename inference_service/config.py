@@ -36,6 +36,7 @@ class ServiceConfig:
     sink_tokens: int = 0
     overlap_tokens: int = 0
     kv_group_size: int = 0  # 0: the codec's default for the bits (64 at 8 bits, 128 at 4)
+    kv_keys_before_rope: bool = True  # at 8 and 4 bits, quantize keys un-rotated (KVQuant's pre-RoPE keys)
     max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
     max_new_tokens: int = 4096
     max_prompt_tokens: int = 0  # 0: the model's context length
@@ -149,6 +150,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--sink-tokens", type=int, default=default("SINK_TOKENS", defaults.sink_tokens), help="selective, cacheblend: content-hit tokens among the first N of a prompt are always recomputed (KVBOOST_SINK_TOKENS)")
     add("--overlap-k", dest="overlap_tokens", type=int, default=default("OVERLAP_K", defaults.overlap_tokens), help="the first K tokens of every content-hit run are recomputed with their real left context, whatever the strategy (KVBOOST_OVERLAP_K)")
     add("--kv-group-size", type=int, default=default("KV_GROUP_SIZE", defaults.kv_group_size), help="quantization group at 8 and 4 bits: tokens per key scale, channels per value scale; 0 picks 64 at 8 bits, 128 at 4 (KVBOOST_KV_GROUP_SIZE)")
+    add("--kv-keys-before-rope", action=argparse.BooleanOptionalAction,
+        default=default("KV_KEYS_BEFORE_ROPE", defaults.kv_keys_before_rope),
+        help="at 8 and 4 bits, store keys un-rotated (RoPE undone, redone on every hit): their channels then keep one "
+             "range across positions, so quantization loses less; models whose RoPE cannot be re-rotated store "
+             "keys as computed (KVBOOST_KV_KEYS_BEFORE_ROPE)")
     add("--max-queue", type=int, default=default("MAX_QUEUE", defaults.max_queue), help="requests waiting for the model before RESOURCE_EXHAUSTED (KVBOOST_MAX_QUEUE)")
     add("--max-new-tokens", type=int, default=default("MAX_NEW_TOKENS", defaults.max_new_tokens), help="largest max_new_tokens a request may ask for (KVBOOST_MAX_NEW_TOKENS)")
     add("--max-prompt-tokens", type=int, default=default("MAX_PROMPT_TOKENS", defaults.max_prompt_tokens), help="longest prompt accepted; 0 = the model's context (KVBOOST_MAX_PROMPT_TOKENS)")

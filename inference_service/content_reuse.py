@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.assembler import AssembledContext, decode_hit
+from inference_service.assembler import AssembledContext, decode_hit, place_keys_
 from inference_service.chunk_cache import CacheUnavailable, ChunkCache
 from inference_service.prompts import PromptPlan
 from inference_service.repair import APPROX, EXACT, MISSING, RepairOptions, exact_prefix_length, repair_prefill
-from inference_service.rope import RopeParams, UnsupportedRope, rerotate_keys_
+from inference_service.rope import RopeParams
 from inference_service.runner import KVGeometry, allocate_kv, build_cache
 from inference_service.writeback import PendingChunks
 
@@ -87,19 +87,11 @@ def place_content_hits(
         for (index, expected_key), (key, blob) in zip(hits, cache.fetch([key for _, key in hits])):
             chunk = prompt.chunks.chunks[index]
             decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify,
-                                 same_position=False)
-            if decoded is None:
+                                 same_position=False, rope=rope)
+            # Re-rotated where they lie; rows that cannot be stay MISSING, so they are recomputed.
+            if decoded is None or not place_keys_(key_buffer[:, :, chunk.start : chunk.end], decoded, chunk.start, rope):
                 continue
             stored_start = decoded.header.start_position
-            from_positions = torch.arange(stored_start, stored_start + len(chunk.token_ids), device=device)
-            to_positions = torch.arange(chunk.start, chunk.end, device=device)
-            placed_keys = key_buffer[:, :, chunk.start : chunk.end]
-            placed_keys.copy_(decoded.keys)
-            try:  # re-rotated where they lie: no copy beside the buffer
-                rerotate_keys_(placed_keys, from_positions, to_positions, rope)
-            except UnsupportedRope as error:  # the rows stay MISSING, so they are recomputed
-                logger.info("content hit at position %d not reused: %s", chunk.start, error)
-                continue
             value_buffer[:, :, chunk.start : chunk.end] = decoded.values
             status[chunk.start : chunk.end] = APPROX
             # A chunk continues a run when it follows the previous hit both in the prompt and in storage.

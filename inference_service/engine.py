@@ -73,8 +73,12 @@ class Engine:
         ))
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.counters = EngineStats()
-        self._writeback = WriteBack(cache, config.kv_cache_bits, self.counters.add_stored, config.kv_group_size)
-        self.rope = _rope_or_none(model.config)
+        # Rotary parameters for moving stored keys: re-rotating content hits, un-rotating keys before they
+        # are quantized and rotating such keys back into place on every hit. None: RoPE that cannot be moved.
+        self.key_rope = _rope_or_none(model.config)
+        self._writeback = WriteBack(cache, config.kv_cache_bits, self.counters.add_stored, config.kv_group_size,
+                                    self.key_rope if config.kv_keys_before_rope else None)
+        self.rope = self.key_rope  # content hits; None: they fall back to prefix reuse
         attention = getattr(model.config, "_attn_implementation", None)
         if self.rope is not None and attention not in MASKABLE_ATTENTION:
             logger.info("content hits will not be reused: repair needs %s attention, the model uses %r",
@@ -169,7 +173,7 @@ class Engine:
             context = empty_context()
         else:
             context = assemble_context(self.cache, self.namespace, prompt, self.geometry, self.device, self.dtype,
-                                       capacity, with_content_hits=mode == "chunk_kv_reuse")
+                                       capacity, with_content_hits=mode == "chunk_kv_reuse", rope=self.key_rope)
         if mode == "chunk_kv_reuse" and context.content_hits and not context.degraded:
             reused = prefill_with_content_hits(self.model, self.cache, prompt, context, self.geometry, self.rope,
                                                repair or self.repair_options(),

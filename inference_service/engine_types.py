@@ -33,6 +33,7 @@ class EngineConfig:
     overlap_tokens: int = 0  # the first N tokens of every content-hit run are recomputed with their real left context
     check_layers: int = 1  # cacheblend: leading layers run on every non-exact token to measure deviation
     kv_group_size: int = 0  # quantization group (tokens for keys, channels for values) at 8 and 4 bits; 0: 64 at 8, 128 at 4
+    kv_keys_before_rope: bool = True  # at 8 and 4 bits, keys are quantized un-rotated (where the RoPE allows it)
 
     def __post_init__(self) -> None:
         assert self.chunk_size > 0, f"chunk_size must be positive, got {self.chunk_size}"

@@ -12,6 +12,7 @@ import torch
 from inference_service.chunk_cache import CacheUnavailable, ChunkCache, StoreItem
 from inference_service.chunking import Chunk
 from inference_service.codec import encode_chunk
+from inference_service.rope import RopeParams, UnsupportedRope, rerotate_keys_
 from inference_service.runner import LayerKV, stack_layers
 
 logger = logging.getLogger(__name__)
@@ -47,23 +48,44 @@ def group_size_for(bits: int, group_size: int) -> int:
     return group_size or DEFAULT_GROUP_SIZES.get(bits, 128)
 
 
-def encode_pending(pending: PendingChunks, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> list[StoreItem]:
+def encode_pending(pending: PendingChunks, bits: int, group_size: int = DEFAULT_GROUP_SIZE,
+                   rope: RopeParams | None = None) -> list[StoreItem]:
+    """Blobs for the pending chunks. rope: at 8 and 4 bits, keys are un-rotated to position 0 with it before
+    they are quantized (flag KEYS_BEFORE_ROPE); None stores keys as the model computed them."""
     items = []
     for chunk, key, content in zip(pending.chunks, pending.prefix_keys, pending.content_keys):
         keys, values = stack_layers(pending.new_kv, chunk.start - pending.kv_start, chunk.end - pending.kv_start)
-        blob = encode_chunk(keys, values, chunk.start, bits=bits, group_size=group_size_for(bits, group_size))
+        before_rope = bits != 16 and rope is not None and _unrotate_(keys, chunk.start, rope)
+        blob = encode_chunk(keys, values, chunk.start, bits=bits, group_size=group_size_for(bits, group_size),
+                            keys_before_rope=before_rope)
         items.append(StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin))
     return items
+
+
+def _unrotate_(keys: torch.Tensor, start: int, rope: RopeParams) -> bool:
+    """Rotates keys [layers, kv_heads, n, head_dim] computed at positions start.. back to position 0, in place.
+
+    Pre-RoPE keys keep each channel near one range whatever the position (RoPE spins channel pairs at
+    position-dependent angles, spreading every channel over +-its pair's norm), so per-channel groups
+    quantize them with less error (KVQuant). False (keys untouched) where the RoPE cannot be undone exactly.
+    """
+    positions = torch.arange(start, start + keys.shape[2], device=keys.device)
+    try:
+        rerotate_keys_(keys, positions, torch.zeros_like(positions), rope)
+    except UnsupportedRope:
+        return False
+    return True
 
 
 class WriteBack:
     """One worker thread, so stores happen in submission order and never compete with each other."""
 
     def __init__(self, cache: ChunkCache, bits: int, on_stored: Callable[[int, int], None],
-                 group_size: int = DEFAULT_GROUP_SIZE) -> None:
+                 group_size: int = DEFAULT_GROUP_SIZE, rope: RopeParams | None = None) -> None:
         self._cache = cache
         self._bits = bits
         self._group_size = group_size
+        self._rope = rope  # un-rotates keys before quantizing (see encode_pending); None: keys as computed
         self._on_stored = on_stored  # (chunks stored, bytes stored)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-writeback")
         self._pending: set[Future] = set()
@@ -85,7 +107,7 @@ class WriteBack:
             CacheUnavailable: the cache cannot be reached.
         """
         with torch.inference_mode():
-            items = encode_pending(pending, self._bits, self._group_size)
+            items = encode_pending(pending, self._bits, self._group_size, self._rope)
         stored = self._cache.store(items)
         self._on_stored(stored, sum(len(item.blob) for item in items))
         return stored

@@ -10,6 +10,7 @@ import torch
 from inference_service.codec import (
     BLOB_FORMAT_VERSION,
     HEADER_SIZE,
+    KEYS_BEFORE_ROPE,
     MAGIC,
     BlobError,
     BlobHeader,
@@ -20,8 +21,9 @@ from inference_service.codec import (
 from inference_service.quant import dequantize, quantize_keys, quantize_values
 
 SHAPE = (2, 3, 5, 8)  # [layers, kv_heads, tokens, head_dim]
-# Byte offsets of header fields (version 2 layout "<4sHBBIIIIqHHQI").
-VERSION_OFFSET, NUM_TOKENS_OFFSET, START_POSITION_OFFSET, SINK_TOKENS_OFFSET = 4, 16, 24, 34
+# Byte offsets of header fields (version 3 layout "<4sHBBHHHHqIHHIQI").
+VERSION_OFFSET, FLAGS_OFFSET, START_POSITION_OFFSET, NUM_TOKENS_OFFSET, SINK_TOKENS_OFFSET, RESERVED_OFFSET = (
+    4, 14, 16, 24, 30, 32)
 INT_VIEWS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
@@ -198,6 +200,59 @@ def test_version_1_blobs_still_decode(bits):
     # Any change to its payload size is still caught.
     with pytest.raises(BlobError, match="header/size mismatch"):
         read_header(blob + b"\0")
+
+
+def as_version_2(blob: bytes) -> bytes:
+    """A version 3 blob without flags, rewritten with the version 2 header "<4sHBBIIIIqHHQI" (the
+    payload layout is the same), as version 2 wrote it."""
+    header = read_header(blob)
+    assert header.flags == 0
+    head = bytearray(struct.Struct("<4sHBBIIIIqHHQI").pack(
+        MAGIC, 2, {"float32": 1, "float16": 2, "bfloat16": 3}[header.dtype], header.bits, *header.shape,
+        header.start_position, header.group_size, header.sink_tokens, header.payload_bytes, 0))
+    payload = blob[HEADER_SIZE:]
+    struct.pack_into("<I", head, HEADER_SIZE - 4, zlib.crc32(payload, zlib.crc32(bytes(head[: HEADER_SIZE - 4]))))
+    return bytes(head) + payload
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_version_2_blobs_still_decode(bits):
+    keys, values = make_kv(shape=(2, 3, 37, 8))
+    current = encode_chunk(keys, values, start_position=0, bits=bits, group_size=8)
+    decoded, expected = decode_chunk(as_version_2(current)), decode_chunk(current)
+    assert decoded.header.version == 2 and decoded.header.flags == 0
+    assert (decoded.header.sink_tokens, decoded.header.group_size) == (expected.header.sink_tokens, 8)
+    assert torch.equal(decoded.keys, expected.keys) and torch.equal(decoded.values, expected.values)
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_keys_before_rope_flag_round_trips(bits):
+    keys, values = make_kv()
+    plain = read_header(encode_chunk(keys, values, start_position=640, bits=bits))
+    flagged = decode_chunk(encode_chunk(keys, values, start_position=640, bits=bits, keys_before_rope=True))
+    assert (plain.flags, plain.keys_before_rope) == (0, False)
+    header = flagged.header
+    assert (header.flags, header.keys_before_rope, header.start_position) == (KEYS_BEFORE_ROPE, True, 640)
+    # The flag changes nothing in the payload: the keys come back as given, for the reader to rotate.
+    expected = decode_chunk(encode_chunk(keys, values, start_position=640, bits=bits))
+    assert torch.equal(flagged.keys, expected.keys) and torch.equal(flagged.values, expected.values)
+
+
+@pytest.mark.parametrize("offset, value, message", [
+    (FLAGS_OFFSET, 0x2, "unknown flags 0x0002"),
+    (RESERVED_OFFSET, 1, "reserved field 0x1"),
+])
+def test_unknown_flags_and_reserved_bits_are_refused(offset, value, message):
+    blob = bytearray(make_blob())
+    struct.pack_into("<H", blob, offset, value)
+    with pytest.raises(BlobError, match=message):
+        read_header(bytes(blob))
+
+
+def test_dims_beyond_the_header_fields_are_refused():
+    keys = torch.zeros(1, 1, 1, 2**16)
+    with pytest.raises(ValueError, match="at most 65535"):
+        encode_chunk(keys, keys, start_position=0)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,145 @@
+"""Quantized keys stored before RoPE: un-rotated at write-back, rotated back into place on every hit."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from inference_service.assembler import assemble_context
+from inference_service.chunk_cache import InProcessCache
+from inference_service.codec import decode_chunk
+from inference_service.engine import Engine, EngineConfig
+from inference_service.prompts import plan_prompt
+from inference_service.rope import rope_parameters
+from inference_service.runner import allocate_kv, build_cache, kv_geometry, prefill
+from inference_service.writeback import PendingChunks, encode_pending
+
+NAMESPACE = b"r" * 32
+CHUNK_SIZE = 16
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx - exact).norm() / exact.norm())
+
+
+def model_kv(model, token_ids: list[int]):
+    """Per-layer (keys, values) [1, kv_heads, n, head_dim] of a plain prefill at positions 0.."""
+    buffers = allocate_kv(kv_geometry(model.config), len(token_ids), model.device, model.dtype)
+    return prefill(model, build_cache(model.config, *buffers, 0), torch.tensor(token_ids), 0)[1]
+
+
+def pre_rope_keys(model, token_ids: list[int]) -> torch.Tensor:
+    """[layers, kv_heads, n, head_dim]: each layer's k_proj output, read by hooks on plain transformers."""
+    captured = []
+    hooks = [layer.self_attn.k_proj.register_forward_hook(lambda _m, _i, out: captured.append(out))
+             for layer in model.model.layers]
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([token_ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    head_dim = model.config.head_dim
+    return torch.stack([out[0].view(len(token_ids), -1, head_dim).transpose(0, 1) for out in captured])
+
+
+def store(cache, plan, new_kv, bits, rope) -> None:
+    pending = PendingChunks(NAMESPACE, plan.chunks.chunks, plan.prefix_keys, plan.content_keys, new_kv, 0)
+    cache.store(encode_pending(pending, bits, rope=rope))
+
+
+def tokens(length: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stored_keys_are_the_models_keys_before_rope(tiny_llama, bits):
+    model = tiny_llama[0]
+    token_ids = tokens(64)
+    plan = plan_prompt(NAMESPACE, [token_ids], CHUNK_SIZE)
+    cache = InProcessCache()
+    store(cache, plan, model_kv(model, token_ids), bits, rope_parameters(model.config))
+    unrotated = pre_rope_keys(model, token_ids)
+    tolerance = 0.02 if bits == 8 else 0.2
+    for chunk, key in zip(plan.chunks.chunks, plan.prefix_keys):
+        decoded = decode_chunk(dict(cache.fetch([key]))[key])
+        assert decoded.header.keys_before_rope
+        assert decoded.header.start_position == chunk.start
+        assert relative_error(decoded.keys, unrotated[:, :, chunk.start : chunk.end]) < tolerance
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_prefix_hits_rotate_unrotated_keys_back_into_place(tiny_llama, bits):
+    model = tiny_llama[0]
+    token_ids = tokens(80, seed=1)
+    plan = plan_prompt(NAMESPACE, [token_ids], CHUNK_SIZE)
+    new_kv = model_kv(model, token_ids)
+    rope = rope_parameters(model.config)
+    cache = InProcessCache()
+    store(cache, plan, new_kv, bits, rope)
+    context = assemble_context(cache, NAMESPACE, plan, kv_geometry(model.config), model.device, model.dtype,
+                               len(token_ids), with_content_hits=False, rope=rope)
+    assert context.num_cached_tokens == 80
+    tolerance = 0.02 if bits == 8 else 0.2
+    for layer, (keys, values) in enumerate(new_kv):
+        assert relative_error(context.key_buffer[layer, :, :80], keys[0]) < tolerance
+        assert relative_error(context.value_buffer[layer, :, :80], values[0]) < tolerance
+
+
+def test_unrotated_keys_cannot_be_placed_without_rope(tiny_llama):
+    model = tiny_llama[0]
+    token_ids = tokens(48, seed=2)
+    plan = plan_prompt(NAMESPACE, [token_ids], CHUNK_SIZE)
+    cache = InProcessCache()
+    store(cache, plan, model_kv(model, token_ids), 8, rope_parameters(model.config))
+    context = assemble_context(cache, NAMESPACE, plan, kv_geometry(model.config), model.device, model.dtype,
+                               len(token_ids), with_content_hits=False, rope=None)
+    assert context.num_cached_tokens == 0 and not context.degraded  # recomputed, not misplaced
+
+
+def test_quantizing_keys_before_rope_loses_less():
+    """Keys whose channels sit near fixed values before RoPE (as real keys do: outlier channels) spread over
+    +-their pair's norm once rotated at far positions; per-channel groups then need a far wider range."""
+    head_dim, num_layers, num_kv_heads, num_tokens, start = 64, 2, 2, 64, 3000
+    generator = torch.Generator().manual_seed(0)
+    centres = torch.randn(num_layers, num_kv_heads, 1, head_dim, generator=generator) * 4
+    unrotated = centres + 0.3 * torch.randn(num_layers, num_kv_heads, num_tokens, head_dim, generator=generator)
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+                         num_hidden_layers=num_layers, max_position_embeddings=8192)
+    positions = torch.arange(start, start + num_tokens)[None]
+    cos, sin = LlamaRotaryEmbedding(config)(unrotated, positions)  # transformers' own RoPE
+    rotated, _ = apply_rotary_pos_emb(unrotated, unrotated, cos, sin)
+    new_kv = [(rotated[layer][None], torch.zeros_like(rotated[layer][None])) for layer in range(num_layers)]
+    chunk_tokens = tokens(num_tokens, seed=3)
+    plan = plan_prompt(NAMESPACE, [tokens(start, seed=4), chunk_tokens], num_tokens)
+    chunk_index = len(plan.chunks.chunks) - 1
+    assert plan.chunks.chunks[chunk_index].start == start
+    pending = PendingChunks(NAMESPACE, plan.chunks.chunks[chunk_index:], plan.prefix_keys[chunk_index:],
+                            plan.content_keys[chunk_index:], new_kv, kv_start=start)
+    rope = rope_parameters(config)
+    errors = {}
+    for name, stored_with in (("before", rope), ("after", None)):
+        decoded = decode_chunk(encode_pending(pending, 8, rope=stored_with)[0].blob)
+        keys = decoded.keys
+        if decoded.header.keys_before_rope:
+            keys, _ = apply_rotary_pos_emb(keys, keys, cos, sin)
+        errors[name] = relative_error(keys, rotated)
+    assert errors["before"] < 0.5 * errors["after"], errors
+
+
+def test_engine_stores_keys_before_rope_at_8_and_4_bits_only_when_enabled(tiny_llama):
+    model, tokenizer = tiny_llama
+    flags = {}
+    for bits, before in ((8, True), (4, True), (8, False), (16, True)):
+        cache = InProcessCache()
+        engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, kv_cache_bits=bits, kv_keys_before_rope=before),
+                        cache, model_id="tiny")
+        try:
+            engine.warm("The quick brown fox jumps over the lazy dog.")
+        finally:
+            engine.close()
+        blobs = [blob for _, blob in cache.fetch(list(cache._entries))]
+        flags[bits, before] = {decode_chunk(blob).header.keys_before_rope for blob in blobs}
+    assert flags == {(8, True): {True}, (4, True): {True}, (8, False): {False}, (16, True): {False}}

@@ -38,10 +38,15 @@ def rope_parameters(config) -> RopeParams:
     """The rotary parameters a model built from `config` uses, computed by transformers' own functions.
 
     Raises:
-        UnsupportedRope: for per-layer-type RoPE (e.g. Gemma 3) and rope types transformers does not know.
+        UnsupportedRope: for per-layer-type RoPE (e.g. Gemma 3), models with layers that skip RoPE (SmolLM3's
+            NoPE layers) and rope types transformers does not know.
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    no_rope_layers = getattr(config, "no_rope_layers", None)  # SmolLM3: 0 marks a layer without RoPE (NoPE)
+    if no_rope_layers is not None and not all(no_rope_layers):
+        raise UnsupportedRope(f"layers {[i for i, r in enumerate(no_rope_layers) if not r]} use no RoPE; keys are "
+                              "moved with one rotation for every layer")
     config.standardize_rope_params()
     rope = config.rope_parameters
     if rope is None or "rope_type" not in rope:

@@ -94,6 +94,15 @@ def test_unknown_rope_type_is_refused():
         rope_parameters(config)
 
 
+def test_models_with_layers_that_skip_rope_are_refused():
+    """SmolLM3 leaves every 4th layer without RoPE (NoPE): one rotation for all layers would corrupt those keys."""
+    from transformers import SmolLM3Config
+
+    with pytest.raises(UnsupportedRope, match=r"layers \[3, 7\] use no RoPE"):
+        rope_parameters(SmolLM3Config(num_hidden_layers=8))
+    assert rope_parameters(SmolLM3Config(num_hidden_layers=8, no_rope_layers=[1] * 8)).rope_type == "default"
+
+
 def test_rotations_compose_and_invert():
     params = RopeParams(inv_freq=1.0 / (10000 ** (torch.arange(0, 16, 2) / 16)), attention_scaling=1.0,
                         rope_type="default")

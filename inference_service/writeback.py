@@ -55,7 +55,13 @@ def encode_pending(pending: PendingChunks, bits: int, group_size: int = DEFAULT_
     items = []
     for chunk, key, content in zip(pending.chunks, pending.prefix_keys, pending.content_keys):
         keys, values = stack_layers(pending.new_kv, chunk.start - pending.kv_start, chunk.end - pending.kv_start)
-        before_rope = bits != 16 and rope is not None and _unrotate_(keys, chunk.start, rope)
+        before_rope = False
+        if bits != 16 and rope is not None:
+            # Un-rotated and quantized in float32: rounding the moved keys back to bf16/fp16 first would add
+            # an error as large as part of what 8 bits gain. The blob then says float32 (quantized bytes are
+            # the same size), so readers also rotate before rounding into their buffers.
+            keys, values = keys.float(), values.float()
+            before_rope = _unrotate_(keys, chunk.start, rope)
         blob = encode_chunk(keys, values, chunk.start, bits=bits, group_size=group_size_for(bits, group_size),
                             keys_before_rope=before_rope)
         items.append(StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin))

@@ -143,3 +143,35 @@ def test_engine_stores_keys_before_rope_at_8_and_4_bits_only_when_enabled(tiny_l
         blobs = [blob for _, blob in cache.fetch(list(cache._entries))]
         flags[bits, before] = {decode_chunk(blob).header.keys_before_rope for blob in blobs}
     assert flags == {(8, True): {True}, (4, True): {True}, (8, False): {False}, (16, True): {False}}
+
+
+def test_bfloat16_keys_are_moved_in_float32_and_rounded_once():
+    """A bf16 model's keys are un-rotated and quantized in float32 (the blob says float32) and rotated back in
+    float32 before they are rounded into the bf16 buffer: less error than storing them after RoPE."""
+    from transformers import LlamaConfig
+
+    head_dim, num_layers, num_kv_heads, num_tokens = 64, 2, 2, 256
+    config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+                         num_hidden_layers=num_layers, max_position_embeddings=4096)
+    generator = torch.Generator().manual_seed(5)
+    centres = torch.randn(num_layers, num_kv_heads, 1, head_dim, generator=generator) * 4
+    unrotated = centres + 0.3 * torch.randn(num_layers, num_kv_heads, num_tokens, head_dim, generator=generator)
+    cos, sin = LlamaRotaryEmbedding(config)(unrotated, torch.arange(num_tokens)[None])
+    rotated = apply_rotary_pos_emb(unrotated, unrotated, cos, sin)[0].bfloat16()  # what a bf16 model holds
+    new_kv = [(rotated[layer][None], torch.ones_like(rotated[layer][None])) for layer in range(num_layers)]
+    plan = plan_prompt(NAMESPACE, [tokens(num_tokens, seed=6)], 64)
+    rope = rope_parameters(config)
+    errors = {}
+    for name, stored_with in (("before", rope), ("after", None)):
+        items = encode_pending(PendingChunks(NAMESPACE, plan.chunks.chunks, plan.prefix_keys, plan.content_keys,
+                                             new_kv, 0), 8, rope=stored_with)
+        dtypes = {decode_chunk(item.blob).header.dtype for item in items}
+        assert dtypes == ({"float32"} if stored_with else {"bfloat16"})
+        cache = InProcessCache()
+        cache.store(items)
+        geometry = kv_geometry(config)
+        context = assemble_context(cache, NAMESPACE, plan, geometry, torch.device("cpu"), torch.bfloat16, num_tokens,
+                                   with_content_hits=False, rope=rope)
+        assert context.num_cached_tokens == num_tokens and context.key_buffer.dtype == torch.bfloat16
+        errors[name] = relative_error(context.key_buffer[:, :, :num_tokens].float(), rotated.float())
+    assert errors["before"] < 0.6 * errors["after"], errors

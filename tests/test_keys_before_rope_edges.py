@@ -1,4 +1,4 @@
-"""Review of keys stored before RoPE: content hits of flagged blobs, and the dynamic-RoPE position limit.
+"""Keys stored before RoPE, edge cases: content hits of flagged blobs, and the dynamic-RoPE position limit.
 
 References are transformers' own RoPE (LlamaRotaryEmbedding, apply_rotary_pos_emb) applied to pre-RoPE keys
 read from plain transformers (k_proj hooks) or to synthetic keys; never our own rotation code.
@@ -20,6 +20,7 @@ from inference_service.repair import APPROX, EXACT, MISSING
 from inference_service.rope import rope_parameters
 from inference_service.runner import KVGeometry, allocate_kv, build_cache, kv_geometry, prefill
 from inference_service.writeback import PendingChunks, encode_pending
+from tests.test_keys_before_rope import pre_rope_keys, relative_error
 
 NAMESPACE = b"v" * 32
 
@@ -28,30 +29,11 @@ def token_run(seed: int, length: int) -> list[int]:
     return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    return float((approx - exact).norm() / exact.norm())
-
-
 def rotate_with_transformers(config, unrotated: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """unrotated [..., tokens, head_dim] rotated to `positions` by transformers' Llama RoPE."""
     cos, sin = LlamaRotaryEmbedding(config)(unrotated, positions[None])
     rotated, _ = apply_rotary_pos_emb(unrotated, unrotated, cos, sin)
     return rotated
-
-
-def pre_rope_keys(model, token_ids: list[int]) -> torch.Tensor:
-    """[layers, kv_heads, n, head_dim]: each layer's k_proj output of a plain forward at positions 0.."""
-    captured = []
-    hooks = [layer.self_attn.k_proj.register_forward_hook(lambda _m, _i, out: captured.append(out))
-             for layer in model.model.layers]
-    try:
-        with torch.inference_mode():
-            model(torch.tensor([token_ids]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    head_dim = kv_geometry(model.config).head_dim
-    return torch.stack([out[0].view(len(token_ids), -1, head_dim).transpose(0, 1) for out in captured])
 
 
 def warm_alone(model, cache, segment: list[int], chunk_size: int, bits: int, rope) -> None:

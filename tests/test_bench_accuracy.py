@@ -1,0 +1,30 @@
+"""bench/bench_accuracy.py runs end to end on SmolLM2: the identity table's storage rows, and the JSON it writes."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+
+def test_identity_table_has_every_storage_row(capsys, smollm2, tmp_path):
+    import bench_accuracy
+
+    bench_accuracy.main(["--no-questions", "--questions", "1", "--identity-prompts", "1", "--threads", "1",
+                         "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    rows = {name: line[len(name):].split() for line in out.splitlines()
+            for name, _, _ in bench_accuracy.STORAGE if line.startswith(name + " ")}
+    assert set(rows) == {name for name, _, _ in bench_accuracy.STORAGE}
+    # columns: prompts, with hits, same output, same tokens, bytes stored, x fewer, x fewer than fp16
+    assert rows["16-bit"][1] == "2" and rows["16-bit"][2:4] == ["1.000", "1.000"]  # exact reuse is exact
+    assert 1.85 < float(rows["8-bit"][6]) < 1.95 and 3.5 < float(rows["4-bit"][6]) < 3.9
+    assert rows["8-bit"][4] == rows["8-bit, keys after RoPE"][4], "where keys are rotated costs no bytes"
+    written = json.loads(next(tmp_path.glob("accuracy-*.json")).read_text())
+    assert written["table"] == [] and written["identity"]["8-bit"]["keys_before_rope"] is True
+    assert written["identity"]["8-bit, keys after RoPE"]["keys_before_rope"] is False

@@ -7,7 +7,7 @@ store, warmed the same way; columns are interleaved per question so drift hits a
 and first-token KL are against full prefill of the same run. A second table reuses whole prompts by
 prefix (the identity test's prompts plus every question's prompt) at 16, 8 and 4 bits, quantized keys
 stored before RoPE (the default) and after it: greedy agreement with full prefill over the prompts with
-hits, and bytes stored.
+hits, mean first-token KL, and bytes stored.
 
     python bench/bench_accuracy.py            # 100 questions, all 52 identity prompts
     python bench/bench_accuracy.py --quick    # 24 questions, 12 identity prompts
@@ -125,22 +125,30 @@ def run_identity(loaded, cases: list[dict], chunk_size: int, max_new_tokens: int
     and after RoPE): greedy agreement with full prefill (whole outputs, and tokens before the first
     difference) over the prompts that had prefix hits, and bytes stored."""
     full, reference_engine = Column("full prefill", "baseline"), make_engine(loaded, 16, chunk_size)
-    references = [ask(reference_engine, full, max_new_tokens, **case)[0].output_token_ids for case in cases]
+    references, reference_logits = [], []
+    for case in cases:
+        outcome, logits = ask(reference_engine, full, max_new_tokens, **case)
+        references.append(outcome.output_token_ids)
+        reference_logits.append(logits)
     reference_engine.close()
     results = {}
     for name, bits, keys_before_rope in STORAGE:
         engine = make_engine(loaded, bits, chunk_size, keys_before_rope)
         column = Column(name, "prefix_cache", bits)
         same_output = same_tokens = total_tokens = with_hits = 0
-        for case, reference in zip(cases, references):
+        kls, differing = [], []
+        for number, (case, reference, logits) in enumerate(zip(cases, references, reference_logits)):
             ask(engine, column, 1, **case)  # stores the prompt's full chunks
-            outcome, _ = ask(engine, column, max_new_tokens, **case)
+            outcome, first_logits = ask(engine, column, max_new_tokens, **case)
             if outcome.cached_tokens == 0:
                 continue  # shorter than a chunk: nothing reused, agreement would be free
             with_hits += 1
             same_output += outcome.output_token_ids == reference
+            if outcome.output_token_ids != reference:
+                differing.append(number)
             same_tokens += matching_prefix_tokens(reference, outcome.output_token_ids)
             total_tokens += len(reference)
+            kls.append(first_token_kl(logits, first_logits))
         stats = engine.stats()
         engine.close()
         # 16-bit storage keeps the model's dtype (4 bytes an element on CPU fp32); the fp16 size is what
@@ -151,6 +159,7 @@ def run_identity(loaded, cases: list[dict], chunk_size: int, max_new_tokens: int
         results[name] = {"bits": bits, "keys_before_rope": keys_before_rope and bits != 16, "prompts": len(cases), "prompts_with_hits": with_hits, "fp16_equivalent_bytes": fp16_bytes,
                          "output_agreement": same_output / max(1, with_hits),
                          "token_agreement": same_tokens / max(1, total_tokens),
+                         "first_token_kl": statistics.mean(kls) if kls else 0.0, "differing_prompts": differing,
                          "bytes_stored": stats["bytes_stored"], "chunks_stored": stats["chunks_stored"]}
     return results
 
@@ -196,13 +205,13 @@ def print_questions(table: list[dict]) -> None:
 def print_identity(identity: dict) -> None:
     print("\nidentity prompts: agreement over the prompts with prefix hits")
     print(f"{'stored as':<22} {'prompts':>7} {'w/ hits':>7} {'same output':>11} {'same tokens':>11} "
-          f"{'bytes stored':>12} {'x fewer':>7} {'x fewer than fp16':>17}")
+          f"{'1st-tok KL':>10} {'bytes stored':>12} {'x fewer':>7} {'x fewer than fp16':>17}")
     exact = identity["16-bit"]
     for name, r in identity.items():
         fewer = exact["bytes_stored"] / r["bytes_stored"]
         fewer_fp16 = exact["fp16_equivalent_bytes"] / r["bytes_stored"] if r["bits"] != 16 else 1.0
         print(f"{name:<22} {r['prompts']:>7d} {r['prompts_with_hits']:>7d} {r['output_agreement']:>11.3f} "
-              f"{r['token_agreement']:>11.3f} {r['bytes_stored']:>12d} {fewer:>7.2f} {fewer_fp16:>17.2f}")
+              f"{r['token_agreement']:>11.3f} {r['first_token_kl']:>10.2e} {r['bytes_stored']:>12d} {fewer:>7.2f} {fewer_fp16:>17.2f}")
 
 
 def write_plot(table: list[dict], path: Path) -> None:

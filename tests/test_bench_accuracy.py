@@ -21,10 +21,11 @@ def test_identity_table_has_every_storage_row(capsys, smollm2, tmp_path):
     rows = {name: line[len(name):].split() for line in out.splitlines()
             for name, _, _ in bench_accuracy.STORAGE if line.startswith(name + " ")}
     assert set(rows) == {name for name, _, _ in bench_accuracy.STORAGE}
-    # columns: prompts, with hits, same output, same tokens, bytes stored, x fewer, x fewer than fp16
-    assert rows["16-bit"][1] == "2" and rows["16-bit"][2:4] == ["1.000", "1.000"]  # exact reuse is exact
-    assert 1.85 < float(rows["8-bit"][6]) < 1.95 and 3.5 < float(rows["4-bit"][6]) < 3.9
-    assert rows["8-bit"][4] == rows["8-bit, keys after RoPE"][4], "where keys are rotated costs no bytes"
+    # columns: prompts, with hits, same output, same tokens, first-token KL, bytes stored, x fewer, x fewer than fp16
+    assert int(rows["16-bit"][1]) >= 1 and rows["16-bit"][2:5] == ["1.000", "1.000", "0.00e+00"]  # exact is exact
+    assert float(rows["8-bit"][4]) > 0 and float(rows["4-bit"][4]) > float(rows["8-bit"][4])
+    assert 1.85 < float(rows["8-bit"][7]) < 1.95 and 3.5 < float(rows["4-bit"][7]) < 3.9
+    assert rows["8-bit"][5] == rows["8-bit, keys after RoPE"][5], "where keys are rotated costs no bytes"
     written = json.loads(next(tmp_path.glob("accuracy-*.json")).read_text())
     assert written["table"] == [] and written["identity"]["8-bit"]["keys_before_rope"] is True
     assert written["identity"]["8-bit, keys after RoPE"]["keys_before_rope"] is False

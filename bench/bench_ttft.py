@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--unaligned", action="store_true",
                         help="context of prompt length minus the question, not a whole number of chunks")
     parser.add_argument("--kv-cache-bits", type=int, choices=(16, 8, 4), default=16, help="storage width")
-    parser.add_argument("--no-kv-keys-before-rope", action="store_true",
-                        help="at 8 and 4 bits, store keys as computed (no RoPE undo at write, no redo on hits)")
+    parser.add_argument("--kv-keys-before-rope", choices=("auto", "on", "off"), default="auto",
+                        help="at 8 and 4 bits, store keys un-rotated (RoPE redone on every hit); auto: at 8 bits only")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = load_model(args.model, device="cpu", dtype="float32")
     config = EngineConfig(chunk_size=args.chunk_size, kv_cache_bits=args.kv_cache_bits,
-                          kv_keys_before_rope=not args.no_kv_keys_before_rope)
+                          kv_keys_before_rope={"auto": None, "on": True, "off": False}[args.kv_keys_before_rope])
     results = []
     with ExitStack() as stack:
         stores = {"in-process": InProcessCache()}
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
                 })
                 print(f"  {store} {length}: " + ", ".join(
                     f"{mode} {statistics.median(v):.1f} ms" for mode, v in measured["ttft_ms"].items()), flush=True)
-    keys = "" if args.kv_cache_bits == 16 else (", keys after RoPE" if args.no_kv_keys_before_rope else ", keys before RoPE")
+    keys = "" if args.kv_cache_bits == 16 else (", keys before RoPE" if config.keys_before_rope else ", keys after RoPE")
     print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size {args.chunk_size}, "
           f"{args.kv_cache_bits}-bit storage{keys}, "
           f"median of {args.runs} runs, new ~{QUESTION_TOKENS}-token question per run\n")

@@ -77,7 +77,7 @@ class Engine:
         # are quantized and rotating such keys back into place on every hit. None: RoPE that cannot be moved.
         self.key_rope = _rope_or_none(model.config)
         self._writeback = WriteBack(cache, config.kv_cache_bits, self.counters.add_stored, config.kv_group_size,
-                                    self.key_rope if config.kv_keys_before_rope else None)
+                                    self.key_rope if config.keys_before_rope else None)
         self.rope = self.key_rope  # content hits; None: they fall back to prefix reuse
         attention = getattr(model.config, "_attn_implementation", None)
         if self.rope is not None and attention not in MASKABLE_ATTENTION:

@@ -27,5 +27,6 @@ def test_identity_table_has_every_storage_row(capsys, smollm2, tmp_path):
     assert 1.85 < float(rows["8-bit"][7]) < 1.95 and 3.5 < float(rows["4-bit"][7]) < 3.9
     assert rows["8-bit"][5] == rows["8-bit, keys after RoPE"][5], "where keys are rotated costs no bytes"
     written = json.loads(next(tmp_path.glob("accuracy-*.json")).read_text())
-    assert written["table"] == [] and written["identity"]["8-bit"]["keys_before_rope"] is True
-    assert written["identity"]["8-bit, keys after RoPE"]["keys_before_rope"] is False
+    before = {name: row["keys_before_rope"] for name, row in written["identity"].items()}
+    assert written["table"] == [] and before == {"16-bit": False, "8-bit": True, "8-bit, keys after RoPE": False,
+                                                 "4-bit": False, "4-bit, keys before RoPE": True}

@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--unaligned", action="store_true",
                         help="context of prompt length minus the question, not a whole number of chunks")
     parser.add_argument("--kv-cache-bits", type=int, choices=(16, 8, 4), default=16, help="storage width")
-    parser.add_argument("--kv-keys-before-rope", choices=("auto", "on", "off"), default="auto",
-                        help="at 8 and 4 bits, store keys un-rotated (RoPE redone on every hit); auto: at 8 bits only")
+    parser.add_argument("--kv-keys-before-rope", action="store_true",
+                        help="at 8 and 4 bits, store keys un-rotated (RoPE redone on every hit)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = load_model(args.model, device="cpu", dtype="float32")
     config = EngineConfig(chunk_size=args.chunk_size, kv_cache_bits=args.kv_cache_bits,
-                          kv_keys_before_rope={"auto": None, "on": True, "off": False}[args.kv_keys_before_rope])
+                          kv_keys_before_rope=args.kv_keys_before_rope)
     results = []
     with ExitStack() as stack:
         stores = {"in-process": InProcessCache()}

@@ -56,7 +56,7 @@ def load_engine(config: ServiceConfig, cache: ChunkCache) -> Any:
         sink_tokens=config.sink_tokens,
         overlap_tokens=config.overlap_tokens,
         kv_group_size=config.kv_group_size,
-        kv_keys_before_rope={"auto": None, "on": True, "off": False}[config.kv_keys_before_rope],
+        kv_keys_before_rope=config.kv_keys_before_rope,
     )
     if isinstance(cache, GrpcChunkCache) and cache.check():
         logger.info("cache daemon at %s answers", cache.address)

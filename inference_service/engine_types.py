@@ -18,11 +18,6 @@ def _require(condition: bool, message: str) -> None:
         raise InvalidRequest(message)
 
 
-# Keys quantized before RoPE by default at 8 bits only: on SmolLM2's identity prompts (bench_accuracy) it
-# lowered mean first-token KL at 8 bits (1.47e-4 vs 1.59e-4) and raised it at 4 (6.4e-2 vs 5.1e-2).
-KEYS_BEFORE_ROPE_BY_BITS = {8: True, 4: False}
-
-
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     chunk_size: int = 128
@@ -38,14 +33,10 @@ class EngineConfig:
     overlap_tokens: int = 0  # the first N tokens of every content-hit run are recomputed with their real left context
     check_layers: int = 1  # cacheblend: leading layers run on every non-exact token to measure deviation
     kv_group_size: int = 0  # quantization group (tokens for keys, channels for values) at 8 and 4 bits; 0: 64 at 8, 128 at 4
-    # Quantize keys un-rotated (where the RoPE allows it): True, False, or None for the default by width
-    # (KEYS_BEFORE_ROPE_BY_BITS).
-    kv_keys_before_rope: bool | None = None
+    kv_keys_before_rope: bool = False  # at 8 and 4 bits, keys are quantized un-rotated (where the RoPE allows it)
 
     @property
     def keys_before_rope(self) -> bool:
-        if self.kv_keys_before_rope is None:
-            return KEYS_BEFORE_ROPE_BY_BITS.get(self.kv_cache_bits, False)
         return self.kv_keys_before_rope and self.kv_cache_bits != 16
 
     def __post_init__(self) -> None:

@@ -25,8 +25,8 @@ def test_identity_table_has_every_storage_row(capsys, smollm2, tmp_path):
     assert int(rows["16-bit"][1]) >= 1 and rows["16-bit"][2:5] == ["1.000", "1.000", "0.00e+00"]  # exact is exact
     assert float(rows["8-bit"][4]) > 0 and float(rows["4-bit"][4]) > float(rows["8-bit"][4])
     assert 1.85 < float(rows["8-bit"][7]) < 1.95 and 3.5 < float(rows["4-bit"][7]) < 3.9
-    assert rows["8-bit"][5] == rows["8-bit, keys after RoPE"][5], "where keys are rotated costs no bytes"
+    assert rows["8-bit"][5] == rows["8-bit, keys before RoPE"][5], "where keys are rotated costs no bytes"
     written = json.loads(next(tmp_path.glob("accuracy-*.json")).read_text())
     before = {name: row["keys_before_rope"] for name, row in written["identity"].items()}
-    assert written["table"] == [] and before == {"16-bit": False, "8-bit": True, "8-bit, keys after RoPE": False,
+    assert written["table"] == [] and before == {"16-bit": False, "8-bit": False, "8-bit, keys before RoPE": True,
                                                  "4-bit": False, "4-bit, keys before RoPE": True}

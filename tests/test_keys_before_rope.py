@@ -129,10 +129,10 @@ def test_quantizing_keys_before_rope_loses_less():
     assert errors["before"] < 0.5 * errors["after"], errors
 
 
-def test_engine_stores_keys_before_rope_by_default_at_8_bits_and_where_asked(tiny_llama):
+def test_engine_stores_keys_before_rope_at_8_and_4_bits_only_when_asked(tiny_llama):
     model, tokenizer = tiny_llama
     flags = {}
-    for bits, before in ((8, None), (4, None), (8, True), (4, True), (8, False), (16, True)):
+    for bits, before in ((8, True), (4, True), (8, False), (4, False), (16, True)):
         cache = InProcessCache()
         engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, kv_cache_bits=bits, kv_keys_before_rope=before),
                         cache, model_id="tiny")
@@ -142,8 +142,10 @@ def test_engine_stores_keys_before_rope_by_default_at_8_bits_and_where_asked(tin
             engine.close()
         blobs = [blob for _, blob in cache.fetch(list(cache._entries))]
         flags[bits, before] = {decode_chunk(blob).header.keys_before_rope for blob in blobs}
-    assert flags == {(8, None): {True}, (4, None): {False}, (8, True): {True}, (4, True): {True}, (8, False): {False},
+    assert flags == {(8, True): {True}, (4, True): {True}, (8, False): {False}, (4, False): {False},
                      (16, True): {False}}
+    default = EngineConfig(kv_cache_bits=8)
+    assert not default.kv_keys_before_rope and not default.keys_before_rope  # opt-in
 
 
 def test_bfloat16_keys_are_moved_in_float32_and_rounded_once():

@@ -29,7 +29,6 @@ def test_environment_sets_defaults_and_flags_win() -> None:
     (["--listen", "nohost"], "--listen must be HOST:PORT"),
     (["--max-queue", "0"], "--max-queue must be positive"),
     (["--device", "tpu"], "--device must be one of"),
-    (["--kv-keys-before-rope", "yes"], "invalid choice"),
 ])
 def test_bad_flags_exit_with_a_usage_message(argv, message, capsys) -> None:
     with pytest.raises(SystemExit):
@@ -37,14 +36,12 @@ def test_bad_flags_exit_with_a_usage_message(argv, message, capsys) -> None:
     assert message in capsys.readouterr().err
 
 
-def test_keys_before_rope_is_auto_unless_a_flag_or_the_environment_says_on_or_off(capsys) -> None:
-    assert parse_config([], environ={}).kv_keys_before_rope == "auto"
-    assert parse_config([], environ={"KVBOOST_KV_KEYS_BEFORE_ROPE": "on"}).kv_keys_before_rope == "on"
-    flagged = parse_config(["--kv-keys-before-rope", "off"], environ={"KVBOOST_KV_KEYS_BEFORE_ROPE": "on"})
-    assert flagged.kv_keys_before_rope == "off"
-    with pytest.raises(SystemExit):
-        parse_config([], environ={"KVBOOST_KV_KEYS_BEFORE_ROPE": "maybe"})
-    assert "--kv-keys-before-rope must be one of ('auto', 'on', 'off'), got 'maybe'" in capsys.readouterr().err
+def test_keys_before_rope_is_off_unless_a_flag_or_the_environment_turns_it_on() -> None:
+    assert parse_config([], environ={}).kv_keys_before_rope is False
+    assert parse_config([], environ={"KVBOOST_KV_KEYS_BEFORE_ROPE": "1"}).kv_keys_before_rope is True
+    assert parse_config(["--kv-keys-before-rope"], environ={}).kv_keys_before_rope is True
+    flagged = parse_config(["--no-kv-keys-before-rope"], environ={"KVBOOST_KV_KEYS_BEFORE_ROPE": "1"})
+    assert flagged.kv_keys_before_rope is False
 
 
 def test_a_bad_environment_value_names_the_variable() -> None:

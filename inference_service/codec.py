@@ -211,7 +211,7 @@ def read_header(blob: BlobBuffer) -> BlobHeader:
         (_, _, dtype_code, bits, num_layers, num_kv_heads, head_dim, flags, start_position, num_tokens,
          group_size, sink_tokens, reserved, payload_bytes, checksum) = _HEADERS[3].unpack_from(view, 0)
     if flags & ~_KNOWN_FLAGS or reserved:
-        raise BlobError(f"header/size mismatch: unknown flags {flags:#06x} or reserved field {reserved:#x} set")
+        raise BlobError(f"unsupported blob header: unknown flags {flags:#06x} or reserved field {reserved:#x} set")
     if dtype_code not in _DTYPE_NAMES:
         raise BlobError(f"header/size mismatch: unknown dtype code {dtype_code}")
     if bits not in SUPPORTED_BITS:

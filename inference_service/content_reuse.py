@@ -88,7 +88,7 @@ def place_content_hits(
             chunk = prompt.chunks.chunks[index]
             decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify,
                                  same_position=False, rope=rope, device=key_buffer.device)
-            # Re-rotated where they lie; rows that cannot be stay MISSING, so they are recomputed.
+            # Keys rotated to their new positions; rows whose keys cannot be stay MISSING, so they are recomputed.
             if decoded is None or not place_keys_(key_buffer[:, :, chunk.start : chunk.end], decoded, chunk.start, rope):
                 continue
             stored_start = decoded.header.start_position

@@ -12,7 +12,7 @@ import torch
 from inference_service.chunk_cache import CacheUnavailable, ChunkCache, StoreItem
 from inference_service.chunking import Chunk
 from inference_service.codec import encode_chunk
-from inference_service.rope import RopeParams, UnsupportedRope, rerotate_keys_
+from inference_service.rope import RopeParams, UnsupportedRope, check_rerotation, rerotate_keys_
 from inference_service.runner import LayerKV, stack_layers
 
 logger = logging.getLogger(__name__)
@@ -55,32 +55,35 @@ def encode_pending(pending: PendingChunks, bits: int, group_size: int = DEFAULT_
     items = []
     for chunk, key, content in zip(pending.chunks, pending.prefix_keys, pending.content_keys):
         keys, values = stack_layers(pending.new_kv, chunk.start - pending.kv_start, chunk.end - pending.kv_start)
-        before_rope = False
-        if bits != 16 and rope is not None:
+        unrotated = _unrotated(keys, chunk.start, rope) if bits != 16 and rope is not None else None
+        if unrotated is not None:
             # Un-rotated and quantized in float32: rounding the moved keys back to bf16/fp16 first would add
             # an error as large as part of what 8 bits gain. The blob then says float32 (quantized bytes are
             # the same size), so readers also rotate before rounding into their buffers.
-            keys, values = keys.float(), values.float()
-            before_rope = _unrotate_(keys, chunk.start, rope)
+            keys, values = unrotated, values.float()
         blob = encode_chunk(keys, values, chunk.start, bits=bits, group_size=group_size_for(bits, group_size),
-                            keys_before_rope=before_rope)
+                            keys_before_rope=unrotated is not None)
         items.append(StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin))
     return items
 
 
-def _unrotate_(keys: torch.Tensor, start: int, rope: RopeParams) -> bool:
-    """Rotates keys [layers, kv_heads, n, head_dim] computed at positions start.. back to position 0, in place.
+def _unrotated(keys: torch.Tensor, start: int, rope: RopeParams) -> torch.Tensor | None:
+    """Keys [layers, kv_heads, n, head_dim] computed at positions start.., rotated back to position 0, in
+    float32 (in place when they already are: stack_layers' own tensor). None where the RoPE cannot be
+    undone exactly (the keys are then stored as computed).
 
     Pre-RoPE keys keep each channel near one range whatever the position (RoPE spins channel pairs at
     position-dependent angles, spreading every channel over +-its pair's norm), so per-channel groups
-    quantize them with less error (KVQuant). False (keys untouched) where the RoPE cannot be undone exactly.
+    quantize them with less error (KVQuant).
     """
     positions = torch.arange(start, start + keys.shape[2], device=keys.device)
     try:
-        rerotate_keys_(keys, positions, torch.zeros_like(positions), rope)
+        check_rerotation(rope, positions)
     except UnsupportedRope:
-        return False
-    return True
+        return None
+    moved = keys.float()
+    rerotate_keys_(moved, positions, torch.zeros_like(positions), rope)
+    return moved
 
 
 class WriteBack:

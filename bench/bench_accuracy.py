@@ -28,13 +28,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from inference_service import codec  # noqa: E402
-from inference_service.chunk_cache import InProcessCache  # noqa: E402
-from inference_service.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
-from inference_service.model_loader import DEFAULT_MODEL  # noqa: E402
-from inference_service.runner import load_model  # noqa: E402
-from inference_service.verification import first_token_kl  # noqa: E402
-from inference_service.verification import matching_prefix_tokens  # noqa: E402
+from inference_service.kv import codec  # noqa: E402
+from inference_service.store.memory import InMemoryStore# noqa: E402
+from inference_service.engine.engine import Engine, EngineConfig, GenerationParams# noqa: E402
+from inference_service.model.weights import DEFAULT_MODEL# noqa: E402
+from inference_service.model.loading import load_model# noqa: E402
+from inference_service.engine.verification import first_token_kl# noqa: E402
+from inference_service.engine.verification import matching_prefix_tokens# noqa: E402
 from tests.test_identity import identity_cases  # noqa: E402
 from rag_dataset import build_documents, build_questions, chat_segments, document_segment  # noqa: E402
 
@@ -65,7 +65,7 @@ def columns() -> list[Column]:
 def make_engine(loaded, bits: int, chunk_size: int, keys_before_rope: bool = False) -> Engine:
     """An engine with its own in-process store (so columns never share chunks), warmed up once."""
     config = EngineConfig(chunk_size=chunk_size, kv_cache_bits=bits, kv_keys_before_rope=keys_before_rope)
-    engine = Engine(loaded.model, loaded.tokenizer, config, InProcessCache(), model_id=loaded.model_id)
+    engine = Engine(loaded.model, loaded.tokenizer, config, InMemoryStore(), model_id=loaded.model_id)
     engine.generate(GenerationParams(prompt="Warm-up.", max_new_tokens=1, mode="baseline"))
     return engine
 

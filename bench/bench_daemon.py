@@ -189,7 +189,7 @@ def run(total_bytes: int, repeats: int, seed: int) -> None:
 
 
 def print_table(total: int, num_chunks: int, repeats: int, store_s: float, series: list[Series]) -> None:
-    from cache_daemon.checksum import crc32
+    from kvboost_common.checksum import crc32
 
     print(f"\n{total / 1e6:.1f} MB in {num_chunks} chunks of 1-5 MB, median of {repeats} interleaved repeats, "
           f"loopback, {os.cpu_count()} CPUs, daemon CRC-32 from {crc32.__module__}")

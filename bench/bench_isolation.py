@@ -78,7 +78,7 @@ def build_prompts(model: str, context_tokens: int, chunk_size: int, runs: int) -
     from transformers import AutoTokenizer
 
     from bench.bench_ttft import build_context, context_length, question
-    from inference_service.model_loader import resolve_model_path
+    from inference_service.model.weights import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
     context = build_context(tokenizer, context_length(context_tokens, chunk_size, aligned=True))

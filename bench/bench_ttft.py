@@ -26,11 +26,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from inference_service.cache_client import CacheClientOptions, GrpcChunkCache  # noqa: E402
-from inference_service.chunk_cache import InProcessCache  # noqa: E402
-from inference_service.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
-from inference_service.model_loader import DEFAULT_MODEL  # noqa: E402
-from inference_service.runner import load_model  # noqa: E402
+from inference_service.store.grpc_store import GrpcStoreOptions, GrpcChunkStore# noqa: E402
+from inference_service.store.memory import InMemoryStore# noqa: E402
+from inference_service.engine.engine import Engine, EngineConfig, GenerationParams# noqa: E402
+from inference_service.model.weights import DEFAULT_MODEL# noqa: E402
+from inference_service.model.loading import load_model# noqa: E402
 
 MODES = ("baseline", "prefix_cache", "chunk_kv_reuse")
 QUESTION_TOKENS = 30
@@ -89,7 +89,7 @@ def measure(engine: Engine, context: str, runs: int, modes: tuple[str, ...]) -> 
     return {"ttft_ms": ttft, "cached_tokens": cached}
 
 
-def start_daemon_cache(stack: ExitStack, address: str | None) -> GrpcChunkCache | None:
+def start_daemon_cache(stack: ExitStack, address: str | None) -> GrpcChunkStore | None:
     """A client for the given daemon, or for one started here; None when no daemon can run."""
     if address is None:
         try:
@@ -103,7 +103,7 @@ def start_daemon_cache(stack: ExitStack, address: str | None) -> GrpcChunkCache 
             return None
         stack.callback(daemon.terminate)
         address = daemon.address
-    cache = GrpcChunkCache(CacheClientOptions(address=address, fetch_timeout_s=60.0, store_timeout_s=60.0))
+    cache = GrpcChunkStore(GrpcStoreOptions(address=address, fetch_timeout_s=60.0, store_timeout_s=60.0))
     stack.callback(cache.close)
     if not cache.check():
         print(f"cache daemon at {address} does not answer; benchmarking the in-process store only")
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                           kv_keys_before_rope=args.kv_keys_before_rope)
     results = []
     with ExitStack() as stack:
-        stores = {"in-process": InProcessCache()}
+        stores = {"in-process": InMemoryStore()}
         daemon = None if args.no_daemon else start_daemon_cache(stack, args.daemon_addr)
         if daemon is not None:
             stores["daemon"] = daemon

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 from cache_daemon import eviction
-from cache_daemon.checksum import crc32
+from kvboost_common.checksum import crc32
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
 from cache_daemon.errors import BudgetExceeded, NotFound, check_blob_fits
 from cache_daemon.index import EntryIndex, NamespaceUsage

@@ -8,7 +8,7 @@ class CacheError(Exception):
     """A request the cache cannot serve; the message is sent to the client as the status detail."""
 
 
-class InvalidRequest(CacheError):
+class InvalidCacheRequest(CacheError):
     """Malformed input: bad key length, frames out of order, oversized frame, checksum mismatch."""
 
 
@@ -25,7 +25,7 @@ class StartupError(Exception):
 
 
 _STATUS_BY_ERROR: dict[type[CacheError], grpc.StatusCode] = {
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidCacheRequest: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     BudgetExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from kvboost.v1 import cache_pb2
 
-from cache_daemon.checksum import crc32
+from kvboost_common.checksum import crc32
+from kvboost_common.frames import MAX_FRAME_BYTES
 from cache_daemon.entry import DIGEST_SIZE, ChunkKey, Entry, IncomingChunk
-from cache_daemon.errors import InvalidRequest, check_blob_fits
+from cache_daemon.errors import InvalidCacheRequest, check_blob_fits
 
-MAX_FRAME_BYTES = 1 << 20  # the contract's limit on one data frame
 # ChunkFrame.data is field 2, length-delimited: tag = (2 << 3) | 2.
 _DATA_FIELD_TAG = b"\x12"
 
 
 def check_digest(value: bytes, what: str) -> None:
     if len(value) != DIGEST_SIZE:
-        raise InvalidRequest(f"{what} must be {DIGEST_SIZE} bytes, got {len(value)}")
+        raise InvalidCacheRequest(f"{what} must be {DIGEST_SIZE} bytes, got {len(value)}")
 
 
 def chunk_meta(key: ChunkKey, entry: Entry) -> cache_pb2.ChunkMeta:
@@ -69,7 +69,7 @@ class StoreStreamAssembler:
         elif kind == "data":
             self._append(frame.data)
         else:
-            raise InvalidRequest("a ChunkFrame must carry a header or data")
+            raise InvalidCacheRequest("a ChunkFrame must carry a header or data")
 
     def finish(self) -> list[IncomingChunk]:
         self._require_complete()
@@ -87,12 +87,12 @@ class StoreStreamAssembler:
 
     def _append(self, data: bytes) -> None:
         if self._meta is None:
-            raise InvalidRequest("a data frame came before any header frame")
+            raise InvalidCacheRequest("a data frame came before any header frame")
         if len(data) > MAX_FRAME_BYTES:
-            raise InvalidRequest(f"a data frame holds {len(data)} bytes, more than {MAX_FRAME_BYTES}")
+            raise InvalidCacheRequest(f"a data frame holds {len(data)} bytes, more than {MAX_FRAME_BYTES}")
         self._num_received += len(data)
         if self._num_received > self._meta.size_bytes:
-            raise InvalidRequest(f"chunk {self._meta.key.hex()[:16]}: data frames carry more than its "
+            raise InvalidCacheRequest(f"chunk {self._meta.key.hex()[:16]}: data frames carry more than its "
                                  f"size_bytes={self._meta.size_bytes}")
         self._pieces.append(data)
         self._crc = crc32(data, self._crc)
@@ -103,7 +103,7 @@ class StoreStreamAssembler:
         if meta is None or self._num_received < meta.size_bytes:
             return
         if self._crc != meta.checksum:
-            raise InvalidRequest(f"chunk {meta.key.hex()[:16]}: CRC-32 of the data is {self._crc:#010x}, "
+            raise InvalidCacheRequest(f"chunk {meta.key.hex()[:16]}: CRC-32 of the data is {self._crc:#010x}, "
                                  f"the header says {meta.checksum:#010x}")
         self.chunks.append(IncomingChunk(
             key=ChunkKey(meta.key), namespace=meta.namespace, content_key=meta.content_key,
@@ -113,5 +113,5 @@ class StoreStreamAssembler:
 
     def _require_complete(self) -> None:
         if self._meta is not None:
-            raise InvalidRequest(f"chunk {self._meta.key.hex()[:16]} ended after {self._num_received} of "
+            raise InvalidCacheRequest(f"chunk {self._meta.key.hex()[:16]} ended after {self._num_received} of "
                                  f"its {self._meta.size_bytes} bytes")

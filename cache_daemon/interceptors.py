@@ -3,34 +3,15 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Callable
 
 import grpc
 
 from cache_daemon.errors import CacheError, status_code_for
-from cache_daemon.logs import new_request_id, request_id
+from cache_daemon.logs import request_id
+from kvboost_common.handlers import Behavior, metadata_value, replace_behavior
+from kvboost_common.request_ids import new_request_id
 
 logger = logging.getLogger(__name__)
-
-Behavior = Callable[..., Any]
-_BEHAVIOR_FIELDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-
-
-def replace_behavior(handler: grpc.RpcMethodHandler, make: Callable[[Behavior], Behavior]) -> grpc.RpcMethodHandler:
-    """The handler with its one behavior function replaced by make(behavior)."""
-    for field in _BEHAVIOR_FIELDS:
-        behavior = getattr(handler, field)
-        if behavior is not None:
-            return handler._replace(**{field: make(behavior)})
-    raise ValueError(f"handler {handler!r} has no behavior")
-
-
-def metadata_value(details: grpc.HandlerCallDetails, name: str) -> str | None:
-    for key, value in details.invocation_metadata or ():
-        if key == name:
-            return value
-    return None
-
 
 class RequestContextInterceptor(grpc.aio.ServerInterceptor):
     """Sets the request id (the caller's x-request-id, else a fresh one) and maps CacheError."""

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import secrets
 
 # "-" outside any RPC (start-up, shutdown, background flushes).
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -15,10 +14,6 @@ class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id.get()
         return True
-
-
-def new_request_id() -> str:
-    return secrets.token_hex(4)
 
 
 def configure_logging(level: str) -> None:

@@ -12,14 +12,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvboost.v1 import cache_pb2
 
-from cache_daemon.auth import BearerTokenInterceptor, load_token
 from cache_daemon.cache import ChunkCache
 from cache_daemon.config import DaemonConfig
 from cache_daemon.errors import StartupError
 from cache_daemon.interceptors import RequestContextInterceptor
 from cache_daemon.metrics import start_metrics_server
 from cache_daemon.servicer import CacheServicer, add_cache_servicer
-from cache_daemon.undecodable import UndecodableRequestInterceptor
+from kvboost_common.auth import BearerTokenInterceptor, load_token
+from kvboost_common.binding import bind
+from kvboost_common.undecodable import UndecodableRequestInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +51,7 @@ def build_server(config: DaemonConfig, cache: ChunkCache,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-    return server, _bind(server, config)
-
-
-def _bind(server: grpc.aio.Server, config: DaemonConfig) -> int:
-    if config.tls_cert is None:
-        return server.add_insecure_port(config.listen)
-    credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
-    return server.add_secure_port(config.listen, credentials)
+    return server, bind(server, config.listen, config.tls_cert, config.tls_key)
 
 
 class CacheDaemon:

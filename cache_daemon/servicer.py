@@ -9,7 +9,7 @@ from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
 from cache_daemon.cache import ChunkCache, DeleteResult, PinResult
 from cache_daemon.entry import ChunkKey
-from cache_daemon.errors import InvalidRequest
+from cache_daemon.errors import InvalidCacheRequest
 from cache_daemon.framing import (StoreStreamAssembler, check_digest, chunk_meta, encode_data_frames,
                                   encode_header_frame)
 
@@ -82,7 +82,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     async def Delete(self, request: cache_pb2.DeleteRequest, context) -> cache_pb2.DeleteReply:
         if request.keys and request.namespace:
-            raise InvalidRequest("DeleteRequest takes keys or a namespace, not both")
+            raise InvalidCacheRequest("DeleteRequest takes keys or a namespace, not both")
         if request.namespace:
             check_digest(request.namespace, "DeleteRequest.namespace")
             result: DeleteResult = await asyncio.to_thread(self._cache.delete_namespace, request.namespace)
@@ -90,7 +90,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             keys = checked_keys(request.keys, "DeleteRequest.keys")
             result = await asyncio.to_thread(self._cache.delete_keys, keys)
         else:
-            raise InvalidRequest("DeleteRequest needs keys or a namespace")
+            raise InvalidCacheRequest("DeleteRequest needs keys or a namespace")
         return cache_pb2.DeleteReply(deleted=result.deleted, bytes_freed=result.bytes_freed)
 
     async def Pin(self, request: cache_pb2.PinRequest, context) -> cache_pb2.PinReply:
@@ -102,14 +102,14 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     async def _set_pinned(self, request: cache_pb2.PinRequest, pinned: bool) -> cache_pb2.PinReply:
         keys = checked_keys(request.keys, "PinRequest.keys")
         if not keys:
-            raise InvalidRequest("PinRequest needs at least one key")
+            raise InvalidCacheRequest("PinRequest needs at least one key")
         result: PinResult = await asyncio.to_thread(self._cache.set_pinned, keys, pinned)
         return cache_pb2.PinReply(updated=result.updated, missing=result.missing)
 
 
 def checked_keys(keys: Sequence[bytes], what: str) -> list[ChunkKey]:
     if len(keys) > MAX_KEYS_PER_REQUEST:
-        raise InvalidRequest(f"{what} holds {len(keys)} keys, more than {MAX_KEYS_PER_REQUEST}")
+        raise InvalidCacheRequest(f"{what} holds {len(keys)} keys, more than {MAX_KEYS_PER_REQUEST}")
     for key in keys:
         check_digest(key, f"each of {what}")
     return [ChunkKey(key) for key in keys]
@@ -118,7 +118,7 @@ def checked_keys(keys: Sequence[bytes], what: str) -> list[ChunkKey]:
 def checked_content_keys(content_keys: Sequence[bytes], num_prefix_keys: int) -> list[bytes]:
     """Empty, or one entry per prefix key, each empty (not content-addressed) or a digest."""
     if content_keys and len(content_keys) != num_prefix_keys:
-        raise InvalidRequest(f"content_keys must be empty or parallel to prefix_keys: got "
+        raise InvalidCacheRequest(f"content_keys must be empty or parallel to prefix_keys: got "
                              f"{len(content_keys)} for {num_prefix_keys}")
     for content_key in content_keys:
         if content_key:

@@ -9,11 +9,11 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from inference_service.cache_client import CacheClientOptions, GrpcChunkCache
-from inference_service.chunk_cache import ChunkCache, NullCache
-from inference_service.config import ServiceConfig, parse_config
+from inference_service.store.grpc_store import GrpcStoreOptions, GrpcChunkStore
+from inference_service.store.protocol import ChunkStore, NullStore
+from inference_service.serving.config import ServiceConfig, parse_config
 from inference_service.errors import UnsupportedArchitecture
-from inference_service.server import build_server
+from inference_service.serving.server import build_server
 
 logger = logging.getLogger("inference_service")
 
@@ -21,13 +21,13 @@ SHUTDOWN_GRACE_S = 5.0
 WRITE_BACK_FLUSH_S = 10.0
 
 
-def make_cache(config: ServiceConfig) -> ChunkCache:
+def make_cache(config: ServiceConfig) -> ChunkStore:
     """The daemon client, or a store that holds nothing when no daemon address is configured."""
     if not config.cache_addr:
         logger.warning("no --cache-addr: every request runs without the cache")
-        return NullCache()
+        return NullStore()
     roots = Path(config.cache_tls_ca).read_bytes() if config.cache_tls_ca else None
-    return GrpcChunkCache(CacheClientOptions(
+    return GrpcChunkStore(GrpcStoreOptions(
         address=config.cache_addr,
         auth_token=config.cache_auth_token(),
         tls=config.cache_tls or roots is not None,
@@ -37,10 +37,10 @@ def make_cache(config: ServiceConfig) -> ChunkCache:
     ))
 
 
-def load_engine(config: ServiceConfig, cache: ChunkCache) -> Any:
+def load_engine(config: ServiceConfig, cache: ChunkStore) -> Any:
     """Checks the architecture from the config, then loads the weights (slow: runs off the event loop)."""
-    from inference_service.engine import Engine, EngineConfig  # torch and transformers load here
-    from inference_service.runner import load_model
+    from inference_service.engine.engine import Engine, EngineConfig# torch and transformers load here
+    from inference_service.model.loading import load_model
 
     loaded = load_model(config.model, device=_auto(config.device), dtype=_auto(config.dtype), strict=config.strict)
     engine_config = EngineConfig(
@@ -58,7 +58,7 @@ def load_engine(config: ServiceConfig, cache: ChunkCache) -> Any:
         kv_group_size=config.kv_group_size,
         kv_keys_before_rope=config.kv_keys_before_rope,
     )
-    if isinstance(cache, GrpcChunkCache) and cache.check():
+    if isinstance(cache, GrpcChunkStore) and cache.check():
         logger.info("cache daemon at %s answers", cache.address)
     return Engine(loaded.model, loaded.tokenizer, engine_config, cache, model_id=loaded.model_id)
 

@@ -79,7 +79,7 @@ def load_smollm2():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from inference_service.model_loader import prepare_default_model
+    from inference_service.model.weights import prepare_default_model
 
     path = prepare_default_model()
     tokenizer = AutoTokenizer.from_pretrained(path)

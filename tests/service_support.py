@@ -6,8 +6,8 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from inference_service.config import ServiceConfig
-from inference_service.server import build_server
+from inference_service.serving.config import ServiceConfig
+from inference_service.serving.server import build_server
 
 
 @contextmanager

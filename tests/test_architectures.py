@@ -7,7 +7,7 @@ from transformers import (
     Phi3Config, Qwen2Config, Qwen3Config, T5Config,
 )
 
-from inference_service.architectures import check_architecture, inspect_architecture
+from inference_service.model.architectures import check_architecture, inspect_architecture
 from inference_service.errors import UnsupportedArchitecture
 
 
@@ -58,7 +58,7 @@ def test_architecture_name_comes_from_the_config():
 
 
 def test_load_model_refuses_before_reading_weights(tmp_path):
-    from inference_service.runner import load_model
+    from inference_service.model.loading import load_model
 
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)  # a config, no weights at all
     with pytest.raises(UnsupportedArchitecture, match="GPT2|gpt2"):

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from inference_service.assembler import prefetched
-from inference_service.chunk_cache import CacheUnavailable
+from inference_service.engine.assembler import prefetched
+from inference_service.store.protocol import StoreUnavailable
 
 
 def test_prefetched_keeps_the_order():
@@ -17,10 +17,10 @@ def test_prefetched_raises_the_sources_error_in_order():
     def source():
         yield 1
         yield 2
-        raise CacheUnavailable("stream broke")
+        raise StoreUnavailable("stream broke")
 
     received = []
-    with pytest.raises(CacheUnavailable, match="stream broke"):
+    with pytest.raises(StoreUnavailable, match="stream broke"):
         for item in prefetched(source()):
             received.append(item)
     assert received == [1, 2]

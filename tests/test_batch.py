@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.batch import generate_batch, generate_many, shared_chunk_count
-from inference_service.chunk_cache import CacheUnavailable, InProcessCache
-from inference_service.engine import Engine, EngineConfig, GenerationParams
+from inference_service.engine.batch import generate_batch, generate_many, shared_chunk_count
+from inference_service.store.protocol import StoreUnavailable
+from inference_service.store.memory import InMemoryStore
+from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
 from inference_service.errors import InvalidRequest
-from inference_service.prompts import plan_prompt, tokenize_messages, tokenize_prompt
+from inference_service.engine.prompts import plan_prompt, tokenize_messages, tokenize_prompt
 from tests.factories import build_tiny_model
 
 SYSTEM = "The quick brown fox jumps over the lazy dog. " * 2  # 90 byte tokens: 11 chunks of 8 and a tail
@@ -27,8 +28,8 @@ def tiny_model(request):
     return request.getfixturevalue(request.param)
 
 
-class CountingCache(InProcessCache):
-    """An InProcessCache that records every fetch call's keys."""
+class CountingCache(InMemoryStore):
+    """An InMemoryStore that records every fetch call's keys."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,7 +41,7 @@ class CountingCache(InProcessCache):
 
 
 def make_engine(model, tokenizer, chunk_size=8, cache=None) -> Engine:
-    cache = InProcessCache() if cache is None else cache
+    cache = InMemoryStore() if cache is None else cache
     return Engine(model, tokenizer, EngineConfig(chunk_size=chunk_size), cache, model_id="batch-test")
 
 
@@ -150,9 +151,9 @@ def test_cancellation_stops_every_row(tiny_llama):
 def test_an_unreachable_cache_serves_the_batch_degraded(tiny_llama):
     model, tokenizer = tiny_llama
 
-    class UnreachableCache(InProcessCache):
+    class UnreachableCache(InMemoryStore):
         def lookup(self, *args, **kwargs):
-            raise CacheUnavailable("down")
+            raise StoreUnavailable("down")
 
     engine = make_engine(model, tokenizer, cache=UnreachableCache())
     prompts = [SYSTEM + q for q in QUESTIONS]

@@ -1,4 +1,4 @@
-"""GrpcChunkCache against an in-process CacheService: framing, checksums, auth, deadlines, degrade and reconnect."""
+"""GrpcChunkStore against an in-process CacheService: framing, checksums, auth, deadlines, degrade and reconnect."""
 from __future__ import annotations
 
 import threading
@@ -10,14 +10,11 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from inference_service.cache_client import (
-    DATA_FRAME_BYTES,
-    CacheClientOptions,
-    GrpcChunkCache,
-    iter_store_frames,
-    reassemble_chunks,
+from kvboost_common.frames import MAX_FRAME_BYTES
+from inference_service.store.grpc_store import (
+    GrpcStoreOptions, GrpcChunkStore, iter_store_frames, reassemble_chunks,
 )
-from inference_service.chunk_cache import CacheUnavailable, StoreItem
+from inference_service.store.protocol import StoreUnavailable, StoreItem
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 from tests.conftest import pick_free_port
 
@@ -80,8 +77,8 @@ class FakeCacheService(cache_pb2_grpc.CacheServiceServicer):
             checksum = zlib.crc32(blob) ^ (1 if key in self.corrupt_keys else 0)
             meta = cache_pb2.ChunkMeta(key=key, namespace=NAMESPACE, size_bytes=len(blob), checksum=checksum)
             yield cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=meta, found=True))
-            for start in range(0, len(blob), DATA_FRAME_BYTES):
-                yield cache_pb2.ChunkFrame(data=blob[start:start + DATA_FRAME_BYTES])
+            for start in range(0, len(blob), MAX_FRAME_BYTES):
+                yield cache_pb2.ChunkFrame(data=blob[start:start + MAX_FRAME_BYTES])
 
     def Store(self, request_iterator, context):
         self._check_token(context)
@@ -119,7 +116,7 @@ def running_daemon(service: FakeCacheService, port: int = 0):
 
 @contextmanager
 def connected_cache(address: str, **options):
-    cache = GrpcChunkCache(CacheClientOptions(address=address, **options))
+    cache = GrpcChunkStore(GrpcStoreOptions(address=address, **options))
     try:
         yield cache
     finally:
@@ -140,17 +137,17 @@ def cache(service):
 # --- framing (pure) ---------------------------------------------------------------------------------
 
 def test_store_frames_split_blobs_at_one_mebibyte() -> None:
-    blob = bytes(range(256)) * (DATA_FRAME_BYTES * 5 // 2 // 256)  # 2.5 MiB
+    blob = bytes(range(256)) * (MAX_FRAME_BYTES * 5 // 2 // 256)  # 2.5 MiB
     frames = list(iter_store_frames([make_item(1, blob)]))
     # One header, then 1 MiB + 1 MiB + 0.5 MiB of data.
     assert [f.WhichOneof("frame") for f in frames] == ["header", "data", "data", "data"]
-    assert [len(f.data) for f in frames[1:]] == [DATA_FRAME_BYTES, DATA_FRAME_BYTES, DATA_FRAME_BYTES // 2]
+    assert [len(f.data) for f in frames[1:]] == [MAX_FRAME_BYTES, MAX_FRAME_BYTES, MAX_FRAME_BYTES // 2]
     meta = frames[0].header.meta
     assert (meta.key, meta.size_bytes, meta.checksum) == (make_key(1), len(blob), zlib.crc32(blob))
 
 
 def test_reassemble_round_trips_store_frames_in_order() -> None:
-    items = [make_item(1, b"a" * 10), make_item(2, b""), make_item(3, b"c" * (DATA_FRAME_BYTES + 7))]
+    items = [make_item(1, b"a" * 10), make_item(2, b""), make_item(3, b"c" * (MAX_FRAME_BYTES + 7))]
     frames = [
         cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=frame.header.meta, found=True))
         if frame.WhichOneof("frame") == "header" else frame
@@ -162,11 +159,11 @@ def test_reassemble_round_trips_store_frames_in_order() -> None:
 def test_reassemble_rejects_a_stream_that_breaks_the_contract() -> None:
     header = cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(
         meta=cache_pb2.ChunkMeta(key=make_key(1), size_bytes=10, checksum=zlib.crc32(b"x" * 10)), found=True))
-    with pytest.raises(CacheUnavailable, match="stopped after 4 of 10 bytes"):
+    with pytest.raises(StoreUnavailable, match="stopped after 4 of 10 bytes"):
         list(reassemble_chunks([header, cache_pb2.ChunkFrame(data=b"xxxx")], [make_key(1)]))
-    with pytest.raises(CacheUnavailable, match="belongs"):
+    with pytest.raises(StoreUnavailable, match="belongs"):
         list(reassemble_chunks([header], [make_key(2)]))
-    with pytest.raises(CacheUnavailable, match="ended"):
+    with pytest.raises(StoreUnavailable, match="ended"):
         list(reassemble_chunks([], [make_key(1)]))
 
 
@@ -184,9 +181,9 @@ def test_store_then_lookup_reports_the_prefix_run_and_content_hits(cache, servic
 
 
 def test_fetch_returns_blobs_in_request_order_and_none_for_misses(cache, service) -> None:
-    big = bytes(range(256)) * (3 * DATA_FRAME_BYTES // 256 + 1)
+    big = bytes(range(256)) * (3 * MAX_FRAME_BYTES // 256 + 1)
     cache.store([make_item(1, big), make_item(2)])
-    assert service.largest_stored_frame == DATA_FRAME_BYTES
+    assert service.largest_stored_frame == MAX_FRAME_BYTES
     fetched = list(cache.fetch([make_key(2), make_key(7), make_key(1)]))
     assert fetched == [(make_key(2), make_item(2).blob), (make_key(7), None), (make_key(1), big)]
     assert list(cache.fetch([])) == []
@@ -206,7 +203,7 @@ def test_bearer_token_is_sent_and_a_wrong_one_degrades() -> None:
             assert cache.store([make_item(1)]) == 1
             assert cache.lookup(NAMESPACE, [make_key(1)]).prefix_run == 1
         with connected_cache(address, auth_token="wrong", reconnect_interval_s=0.05) as cache:
-            with pytest.raises(CacheUnavailable, match="UNAUTHENTICATED"):
+            with pytest.raises(StoreUnavailable, match="UNAUTHENTICATED"):
                 cache.lookup(NAMESPACE, [make_key(1)])
             assert cache.degraded
             # Reconnect probes go through auth too: they keep failing, so the flag does not flap.
@@ -219,7 +216,7 @@ def test_a_stalled_daemon_costs_one_short_deadline(service) -> None:
     with running_daemon(service) as address, connected_cache(address, rpc_timeout_s=0.2) as cache:
         service.stall.set()
         started = time.monotonic()
-        with pytest.raises(CacheUnavailable, match="DEADLINE_EXCEEDED"):
+        with pytest.raises(StoreUnavailable, match="DEADLINE_EXCEEDED"):
             cache.lookup(NAMESPACE, [make_key(1)])
         assert time.monotonic() - started < 2.0
         assert cache.degraded
@@ -233,11 +230,11 @@ def test_a_dead_daemon_degrades_fast_and_reconnect_restores_the_cache(service) -
         # While degraded every call fails at once, without a network round trip.
         started = time.monotonic()
         for _ in range(20):
-            with pytest.raises(CacheUnavailable, match="unreachable"):
+            with pytest.raises(StoreUnavailable, match="unreachable"):
                 cache.lookup(NAMESPACE, [make_key(1)])
-            with pytest.raises(CacheUnavailable):
+            with pytest.raises(StoreUnavailable):
                 list(cache.fetch([make_key(1)]))
-            with pytest.raises(CacheUnavailable):
+            with pytest.raises(StoreUnavailable):
                 cache.store([make_item(1)])
         assert time.monotonic() - started < 0.5
         # The daemon comes up on that port: the background probe clears the flag by itself.
@@ -246,20 +243,20 @@ def test_a_dead_daemon_degrades_fast_and_reconnect_restores_the_cache(service) -
             assert cache.store([make_item(1)]) == 1
             assert cache.lookup(NAMESPACE, [make_key(1)]).prefix_run == 1
         # It goes away again: the next call degrades, and the one after fails fast.
-        with pytest.raises(CacheUnavailable):
+        with pytest.raises(StoreUnavailable):
             cache.lookup(NAMESPACE, [make_key(1)])
         assert cache.degraded
 
 
 def test_a_daemon_dying_mid_fetch_raises_cache_unavailable(service) -> None:
-    service.blobs = {make_key(i): bytes([i]) * DATA_FRAME_BYTES for i in range(1, 65)}  # 64 MiB: more than flow control buffers
+    service.blobs = {make_key(i): bytes([i]) * MAX_FRAME_BYTES for i in range(1, 65)}  # 64 MiB: more than flow control buffers
     port = pick_free_port()
     with connected_cache(f"127.0.0.1:{port}") as cache:
         with running_daemon(service, port):
             chunks = cache.fetch(list(service.blobs))
             assert next(chunks) == (make_key(1), service.blobs[make_key(1)])
         # Leaving the block stopped the daemon while the stream was half read.
-        with pytest.raises(CacheUnavailable):
+        with pytest.raises(StoreUnavailable):
             list(chunks)
         assert cache.degraded
 
@@ -269,7 +266,7 @@ def test_a_daemon_dying_mid_fetch_raises_cache_unavailable(service) -> None:
 def test_round_trip_through_the_real_daemon(tmp_path) -> None:
     from tests.daemon_support import running_daemon as running_real_daemon
 
-    big = bytes(range(256)) * (5 * DATA_FRAME_BYTES // 2 // 256)  # 2.5 MiB: three data frames each way
+    big = bytes(range(256)) * (5 * MAX_FRAME_BYTES // 2 // 256)  # 2.5 MiB: three data frames each way
     content = b"\xcc" * 32
     with running_real_daemon(tmp_path / "lmdb") as daemon, connected_cache(daemon.address) as cache:
         assert cache.check()
@@ -292,6 +289,6 @@ def test_bearer_token_through_the_real_daemon(tmp_path) -> None:
             assert cache.check()
             assert cache.store([make_item(1)]) == 1
         with connected_cache(daemon.address) as cache:
-            with pytest.raises(CacheUnavailable, match="UNAUTHENTICATED"):
+            with pytest.raises(StoreUnavailable, match="UNAUTHENTICATED"):
                 cache.lookup(NAMESPACE, [make_key(1)])
             assert cache.degraded

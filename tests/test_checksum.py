@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 import zlib
 
-from cache_daemon.checksum import crc32
+from kvboost_common.checksum import crc32
 
 
 def test_crc32_matches_zlib_whole_and_incremental() -> None:

@@ -1,9 +1,10 @@
-"""InProcessCache and NullCache against the ChunkCache contract."""
+"""InMemoryStore and NullStore against the ChunkStore contract."""
 from __future__ import annotations
 
 import threading
 
-from inference_service.chunk_cache import InProcessCache, LookupResult, NullCache, StoreItem
+from inference_service.store.memory import InMemoryStore
+from inference_service.store.protocol import StoreLookup, NullStore, StoreItem
 
 NAMESPACE = b"n" * 32
 
@@ -19,45 +20,45 @@ def keys(*indices: int) -> list[bytes]:
 
 
 def test_lookup_counts_the_leading_run_only():
-    cache = InProcessCache()
+    cache = InMemoryStore()
     cache.store([make_item(0), make_item(1), make_item(3)])
     # 0 and 1 hit, 2 misses: the run stops there even though 3 is stored.
-    assert cache.lookup(NAMESPACE, keys(0, 1, 2, 3)) == LookupResult(2, {})
+    assert cache.lookup(NAMESPACE, keys(0, 1, 2, 3)) == StoreLookup(2, {})
     assert cache.lookup(NAMESPACE, keys(2, 0)).prefix_run == 0
     assert cache.lookup(NAMESPACE, []).prefix_run == 0
 
 
 def test_lookup_ignores_entries_of_another_namespace():
-    cache = InProcessCache()
+    cache = InMemoryStore()
     cache.store([make_item(0, namespace=b"m" * 32)])
     assert cache.lookup(NAMESPACE, keys(0)).prefix_run == 0
 
 
 def test_content_hits_after_the_prefix_run_name_the_stored_prefix_key():
-    cache = InProcessCache()
+    cache = InMemoryStore()
     cache.store([make_item(0, content=True), make_item(5, content=True)])
     content_keys = [bytes([100]) * 32, bytes([105]) * 32, bytes([106]) * 32]
     # Chunk 0 is a prefix hit (not reported again), chunk 1's content matches item 5, chunk 2 nothing.
     result = cache.lookup(NAMESPACE, keys(0, 9, 10), content_keys)
-    assert result == LookupResult(1, {1: keys(5)[0]})
+    assert result == StoreLookup(1, {1: keys(5)[0]})
 
 
 def test_fetch_keeps_the_order_and_reports_misses():
-    cache = InProcessCache()
+    cache = InMemoryStore()
     cache.store([make_item(0), make_item(1)])
     assert [(k, None if b is None else bytes(b)) for k, b in cache.fetch(keys(1, 7, 0))] == [
         (keys(1)[0], b"blob1"), (keys(7)[0], None), (keys(0)[0], b"blob0")]
 
 
 def test_fetched_blobs_are_writable_so_decoding_can_share_them():
-    cache = InProcessCache()
+    cache = InMemoryStore()
     cache.store([make_item(0)])
     [(_, blob)] = list(cache.fetch(keys(0)))
     assert isinstance(blob, bytearray)
 
 
 def test_store_counts_and_overwrites():
-    cache = InProcessCache()
+    cache = InMemoryStore()
     assert cache.store([make_item(0), make_item(1)]) == 2
     assert cache.store([make_item(0, pin=True)]) == 1
     assert len(cache) == 2 and cache._entries[keys(0)[0]].pin
@@ -66,7 +67,7 @@ def test_store_counts_and_overwrites():
 
 
 def test_concurrent_stores_and_lookups():
-    cache = InProcessCache()
+    cache = InMemoryStore()
 
     def writer(offset: int) -> None:
         for i in range(offset, offset + 50):
@@ -82,8 +83,8 @@ def test_concurrent_stores_and_lookups():
 
 
 def test_null_cache_never_hits():
-    cache = NullCache()
+    cache = NullStore()
     assert cache.store([make_item(0)]) == 0
-    assert cache.lookup(NAMESPACE, keys(0)) == LookupResult(0, {})
+    assert cache.lookup(NAMESPACE, keys(0)) == StoreLookup(0, {})
     assert list(cache.fetch(keys(0))) == [(keys(0)[0], None)]
     assert cache.degraded is False

@@ -7,18 +7,10 @@ import zlib
 import pytest
 import torch
 
-from inference_service.codec import (
-    BLOB_FORMAT_VERSION,
-    HEADER_SIZE,
-    KEYS_BEFORE_ROPE,
-    MAGIC,
-    BlobError,
-    BlobHeader,
-    decode_chunk,
-    encode_chunk,
-    read_header,
+from inference_service.kv.codec import (
+    BLOB_FORMAT_VERSION, HEADER_SIZE, KEYS_BEFORE_ROPE, MAGIC, BlobError, BlobHeader, decode_chunk, encode_chunk, read_header,
 )
-from inference_service.quant import dequantize, quantize_keys, quantize_values
+from inference_service.kv.quant import dequantize, quantize_keys, quantize_values
 
 SHAPE = (2, 3, 5, 8)  # [layers, kv_heads, tokens, head_dim]
 # Byte offsets of header fields (version 3 layout "<4sHBBHHHHqIHHIQI").

@@ -20,7 +20,7 @@ import yaml
 
 from cache_daemon import config as daemon_config
 from client import healthcheck
-from inference_service import config as service_config
+from inference_service.serving import config as service_config
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -201,7 +201,7 @@ def test_daemon_image_installs_every_package_the_daemon_and_health_check_import(
              "for info in pkgutil.iter_modules(cache_daemon.__path__):\n"
              "    importlib.import_module('cache_daemon.' + info.name)\n"
              "for name, module in list(sys.modules.items()):\n"
-             "    if name.split('.')[0] in ('cache_daemon', 'client', 'kvboost') and getattr(module, '__file__', None):\n"
+             "    if name.split('.')[0] in ('cache_daemon', 'client', 'kvboost', 'kvboost_common') and getattr(module, '__file__', None):\n"
              "        print(module.__file__)\n")
     files = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     imported = set()
@@ -211,7 +211,7 @@ def test_daemon_image_installs_every_package_the_daemon_and_health_check_import(
                 imported |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 imported.add(node.module.split(".")[0])
-    third_party = imported - set(sys.stdlib_module_names) - {"cache_daemon", "client", "kvboost"}
+    third_party = imported - set(sys.stdlib_module_names) - {"cache_daemon", "client", "kvboost", "kvboost_common"}
     distributions = importlib.metadata.packages_distributions()
     installed = {name.lower() for name, _ in re.findall(r"([A-Za-z][A-Za-z0-9_.-]*)==(\S+)", _stage("daemon"))}
     for module in sorted(third_party):

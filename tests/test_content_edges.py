@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.batch import generate_batch
-from inference_service.chunk_cache import CacheUnavailable, InProcessCache
-from inference_service.chunking import plan_segments
-from inference_service.prompts import tokenize_prompt, tokenize_segments
+from inference_service.engine.batch import generate_batch
+from inference_service.store.protocol import StoreUnavailable
+from inference_service.store.memory import InMemoryStore
+from inference_service.kv.chunking import plan_segments
+from inference_service.engine.prompts import tokenize_prompt, tokenize_segments
 from tests.test_engine import make_engine, reference_ids, run
 from tests.test_engine_content import DOC_A, DOC_B, QUESTION, content_engine
 
@@ -18,8 +19,8 @@ def ids_of_segments(tokenizer, segments) -> list[int]:
     return [token for segment in tokenize_segments(tokenizer, segments) for token in segment]
 
 
-class FetchFailsFromItem(InProcessCache):
-    """Fetch streams raise CacheUnavailable at item `fail_at` once armed (lookups and stores still work)."""
+class FetchFailsFromItem(InMemoryStore):
+    """Fetch streams raise StoreUnavailable at item `fail_at` once armed (lookups and stores still work)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,7 +34,7 @@ class FetchFailsFromItem(InProcessCache):
         def failing():
             for index, item in enumerate(items):
                 if index >= self.fail_at:
-                    raise CacheUnavailable("daemon went away")
+                    raise StoreUnavailable("daemon went away")
                 yield item
         return failing()
 
@@ -105,12 +106,12 @@ def test_batch_rows_write_back_their_own_chunks_exactly(fixture, request):
 
 
 def engine_params(prompt: str):
-    from inference_service.engine import GenerationParams
+    from inference_service.engine.engine import GenerationParams
     return GenerationParams(prompt=prompt, mode="prefix_cache", max_new_tokens=10)
 
 
 def test_a_batch_row_over_max_prompt_tokens_is_named_by_its_index(tiny_llama):
-    from inference_service.engine import GenerationParams
+    from inference_service.engine.engine import GenerationParams
     from inference_service.errors import PromptTooLong
 
     engine = make_engine(tiny_llama, max_prompt_tokens=32)
@@ -121,7 +122,7 @@ def test_a_batch_row_over_max_prompt_tokens_is_named_by_its_index(tiny_llama):
 def test_a_short_prompt_with_many_new_tokens_beside_a_long_one(tiny_llama):
     """Left padding puts the short prompt's new tokens after the long prompt: the buffers must hold them,
     also once other rows have finished and left the batch."""
-    from inference_service.engine import GenerationParams
+    from inference_service.engine.engine import GenerationParams
 
     model, tokenizer = tiny_llama
     engine = make_engine(tiny_llama)

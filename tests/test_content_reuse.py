@@ -4,14 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.assembler import assemble_context
-from inference_service.chunk_cache import InProcessCache
-from inference_service.content_reuse import exact_pending_chunks, place_content_hits, prefill_with_content_hits
-from inference_service.prompts import plan_prompt
-from inference_service.repair import APPROX, EXACT, MISSING, RepairOptions
-from inference_service.rope import rerotate_keys, rope_parameters
-from inference_service.runner import allocate_kv, build_cache, kv_geometry, prefill
-from inference_service.writeback import PendingChunks, encode_pending
+from inference_service.engine.assembler import assemble_context
+from inference_service.store.memory import InMemoryStore
+from inference_service.engine.content_reuse import exact_pending_chunks, place_content_hits, prefill_with_content_hits
+from inference_service.engine.prompts import plan_prompt
+from inference_service.kv.repair import APPROX, EXACT, MISSING, RepairOptions
+from inference_service.kv.rope import rerotate_keys, rope_parameters
+from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+from inference_service.model.forward import prefill
+from inference_service.engine.writeback import PendingChunks, encode_pending
 
 NAMESPACE = b"n" * 32
 CHUNK_SIZE = 8
@@ -25,7 +26,7 @@ def token_run(seed: int, length: int) -> list[int]:
 HEADER, DOC_A, DOC_B, DOC_C, QUESTION = token_run(1, 10), token_run(2, 20), token_run(3, 12), token_run(4, 16), token_run(5, 5)
 
 
-def warm_segment(model, cache: InProcessCache, segment: list[int], bits: int = 16) -> None:
+def warm_segment(model, cache: InMemoryStore, segment: list[int], bits: int = 16) -> None:
     """Stores a segment's chunks as they appear inside a prompt: keyed from its start, partial last chunk included."""
     plan = plan_prompt(NAMESPACE, [segment, []], CHUNK_SIZE)
     _, new_kv = prefill_alone(model, segment)
@@ -58,7 +59,7 @@ def reuse(model, cache, segments, options=RepairOptions(strategy="cacheblend", r
 def warmed(tiny_llama):
     """The header warmed as a prefix, documents A and B warmed alone."""
     model = tiny_llama[0]
-    cache = InProcessCache()
+    cache = InMemoryStore()
     for segment in (HEADER, DOC_A, DOC_B):
         warm_segment(model, cache, segment)
     return model, cache
@@ -141,7 +142,7 @@ def test_quantized_content_hits_are_placed(tiny_llama):
     model = tiny_llama[0]
     logits = {}
     for bits in (16, 8):
-        cache = InProcessCache()
+        cache = InMemoryStore()
         for segment in (HEADER, DOC_A):
             warm_segment(model, cache, segment, bits=bits)
         _, _, prefilled = reuse(model, cache, [HEADER, DOC_A, QUESTION], RepairOptions(strategy="none"))

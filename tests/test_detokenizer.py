@@ -1,7 +1,7 @@
 """Incremental detokenizing: whole characters only, stop strings cut, streamed pieces add up."""
 from __future__ import annotations
 
-from inference_service.detokenizer import IncrementalDetokenizer
+from inference_service.model.detokenizer import IncrementalDetokenizer
 from tests.factories import build_byte_tokenizer
 
 

@@ -6,10 +6,11 @@ import threading
 import pytest
 import torch
 
-from inference_service.chunk_cache import CacheUnavailable, InProcessCache, LookupResult, NullCache
-from inference_service.engine import Engine, EngineConfig, GenerationParams
+from inference_service.store.protocol import StoreUnavailable, StoreLookup, NullStore
+from inference_service.store.memory import InMemoryStore
+from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
 from inference_service.errors import InvalidRequest, PromptTooLong
-from inference_service.prompts import tokenize_messages, tokenize_prompt, tokenize_segments
+from inference_service.engine.prompts import tokenize_messages, tokenize_prompt, tokenize_segments
 from tests.factories import build_tiny_model
 
 MAX_NEW_TOKENS = 12
@@ -23,7 +24,7 @@ CHAT = (
 
 def make_engine(model_and_tokenizer, chunk_size=8, cache=None, **config) -> Engine:
     model, tokenizer = model_and_tokenizer
-    cache = InProcessCache() if cache is None else cache
+    cache = InMemoryStore() if cache is None else cache
     return Engine(model, tokenizer, EngineConfig(chunk_size=chunk_size, **config), cache, model_id="tiny")
 
 
@@ -130,7 +131,8 @@ def test_sliding_window_model_is_token_identical():
 
 def test_grouped_query_sdpa_on_cpu_is_bit_identical(tiny_llama, monkeypatch):
     """prefer_gqa_attention changes how SDPA is called after a cache hit, never a single bit of the result."""
-    from inference_service.runner import allocate_kv, build_cache, decode_step, kv_geometry, prefill
+    from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+    from inference_service.model.forward import decode_step, prefill
 
     model, _ = tiny_llama
     token_ids = torch.tensor(tokenize_prompt(tiny_llama[1], text_of_length(40))[0])
@@ -184,7 +186,7 @@ def test_unreachable_cache_serves_degraded_with_the_same_output(tiny_llama):
 
 def test_corrupted_blob_is_a_miss_from_there_and_is_stored_again(tiny_llama):
     model, tokenizer = tiny_llama
-    cache = InProcessCache()
+    cache = InMemoryStore()
     engine = make_engine(tiny_llama, cache=cache)
     prompt = text_of_length(40)
     run(engine, prompt=prompt)
@@ -200,7 +202,7 @@ def test_corrupted_blob_is_a_miss_from_there_and_is_stored_again(tiny_llama):
 
 
 def test_chunk_evicted_between_lookup_and_fetch_ends_the_run(tiny_llama):
-    cache = InProcessCache()
+    cache = InMemoryStore()
     engine = make_engine(tiny_llama, cache=cache)
     prompt = text_of_length(40)
     run(engine, prompt=prompt)
@@ -221,7 +223,7 @@ def test_quantized_storage_hits_with_fewer_bytes(tiny_llama, bits):
 
 
 def test_other_namespace_does_not_hit(tiny_llama):
-    cache = InProcessCache()
+    cache = InMemoryStore()
     prompt = text_of_length(40)
     run(make_engine(tiny_llama, cache=cache, tenant_salt="a"), prompt=prompt)
     assert run(make_engine(tiny_llama, cache=cache, tenant_salt="b"), prompt=prompt).cached_tokens == 0
@@ -229,7 +231,7 @@ def test_other_namespace_does_not_hit(tiny_llama):
 
 
 def test_warm_stores_every_full_chunk(tiny_llama):
-    cache = InProcessCache()
+    cache = InMemoryStore()
     engine = make_engine(tiny_llama, cache=cache)
     system = text_of_length(30)
 
@@ -244,7 +246,7 @@ def test_warm_stores_every_full_chunk(tiny_llama):
 
 
 def test_warm_content_addressed_stores_content_keys(tiny_llama):
-    cache = InProcessCache()
+    cache = InMemoryStore()
     engine = make_engine(tiny_llama, cache=cache)
     warmed = engine.warm(text_of_length(16), content_addressed=True, pin=True)
     assert warmed.chunks_stored == 2
@@ -390,7 +392,7 @@ def test_verify_reports_identity(tiny_llama):
 
 
 def test_null_cache_always_misses(tiny_llama):
-    engine = make_engine(tiny_llama, cache=NullCache())
+    engine = make_engine(tiny_llama, cache=NullStore())
     outcomes = [run(engine, prompt=text_of_length(40)) for _ in range(2)]
     assert [o.cached_tokens for o in outcomes] == [0, 0]
 
@@ -398,7 +400,7 @@ def test_null_cache_always_misses(tiny_llama):
 # -- test doubles --------------------------------------------------------------------------------------
 
 
-class RecordingCache(InProcessCache):
+class RecordingCache(InMemoryStore):
     """Records the order of calls."""
 
     def __init__(self) -> None:
@@ -406,7 +408,7 @@ class RecordingCache(InProcessCache):
         self.calls: list[str] = []
         self.on_store = lambda: self.calls.append("store")
 
-    def lookup(self, namespace, prefix_keys, content_keys=None) -> LookupResult:
+    def lookup(self, namespace, prefix_keys, content_keys=None) -> StoreLookup:
         self.calls.append("lookup")
         return super().lookup(namespace, prefix_keys, content_keys)
 
@@ -425,10 +427,10 @@ class UnreachableCache:
         self.calls = threading.local()
 
     def lookup(self, namespace, prefix_keys, content_keys=None):
-        raise CacheUnavailable("daemon down")
+        raise StoreUnavailable("daemon down")
 
     def fetch(self, keys):
-        raise CacheUnavailable("daemon down")
+        raise StoreUnavailable("daemon down")
 
     def store(self, items):
-        raise CacheUnavailable("daemon down")
+        raise StoreUnavailable("daemon down")

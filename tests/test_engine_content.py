@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service import convert
-from inference_service import engine as engine_module
-from inference_service.engine import GenerationParams
-from inference_service.prompts import tokenize_segments
+from inference_service.serving import proto_convert as convert
+from inference_service.engine import engine as engine_module
+from inference_service.engine.engine import GenerationParams
+from inference_service.engine.prompts import tokenize_segments
 from kvboost.v1 import inference_pb2 as pb
 from tests.test_engine import make_engine, reference_ids, run
 

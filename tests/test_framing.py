@@ -6,7 +6,7 @@ import zlib
 import pytest
 from kvboost.v1 import cache_pb2
 
-from cache_daemon.errors import BudgetExceeded, InvalidRequest
+from cache_daemon.errors import BudgetExceeded, InvalidCacheRequest
 from cache_daemon.framing import MAX_FRAME_BYTES, StoreStreamAssembler, encode_data_frames, encode_header_frame
 from tests.daemon_support import header_frame, make_chunk, store_frames
 
@@ -39,13 +39,13 @@ def test_chunks_are_reassembled_from_frames_of_any_size() -> None:
     ([header_frame(make_chunk("a"), content_key=b"x")], "ChunkMeta.content_key must be 32 bytes"),
 ])
 def test_malformed_streams_are_invalid_requests(frames, message: str) -> None:
-    with pytest.raises(InvalidRequest, match=message):
+    with pytest.raises(InvalidCacheRequest, match=message):
         assemble(frames)
 
 
 def test_a_data_frame_over_1_mib_is_refused() -> None:
     chunk = make_chunk("big", MAX_FRAME_BYTES + 1)
-    with pytest.raises(InvalidRequest, match="more than 1048576"):
+    with pytest.raises(InvalidCacheRequest, match="more than 1048576"):
         assemble(store_frames([chunk], frame_bytes=MAX_FRAME_BYTES + 1))
 
 

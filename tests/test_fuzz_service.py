@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference_service.chunk_cache import InProcessCache
-from inference_service.config import ServiceConfig
-from inference_service.engine import Engine, EngineConfig
+from inference_service.store.memory import InMemoryStore
+from inference_service.serving.config import ServiceConfig
+from inference_service.engine.engine import Engine, EngineConfig
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
 from tests.service_support import serving_in_thread
@@ -37,7 +37,7 @@ def stub(tiny_llama):
     model, tokenizer = tiny_llama
     engine = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK_SIZE, max_new_tokens_limit=MAX_NEW_TOKENS,
                                                    max_prompt_tokens=MAX_PROMPT_TOKENS),
-                    InProcessCache(), model_id="tiny-llama")
+                    InMemoryStore(), model_id="tiny-llama")
     config = ServiceConfig(listen="127.0.0.1:0", cache_addr="in-process", chunk_size=CHUNK_SIZE, max_queue=8,
                            max_new_tokens=MAX_NEW_TOKENS, max_prompt_tokens=MAX_PROMPT_TOKENS)
     try:

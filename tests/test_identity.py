@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.cache_client import CacheClientOptions, GrpcChunkCache
-from inference_service.engine import Engine, EngineConfig, GenerationParams
-from inference_service.prompts import tokenize_messages, tokenize_prompt
+from inference_service.store.grpc_store import GrpcStoreOptions, GrpcChunkStore
+from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
+from inference_service.engine.prompts import tokenize_messages, tokenize_prompt
 from tests.e2e.daemon_process import start_daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -62,7 +62,7 @@ def daemon_cache(tmp_path_factory):
     from tests.conftest import pick_free_port
 
     daemon = start_daemon(tmp_path_factory.mktemp("identity") / "lmdb", pick_free_port(), "--max-bytes", "2GB")
-    cache = GrpcChunkCache(CacheClientOptions(address=daemon.address))
+    cache = GrpcChunkStore(GrpcStoreOptions(address=daemon.address))
     try:
         yield cache
     finally:

@@ -11,10 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference_service.chunk_cache import InProcessCache
-from inference_service.config import ServiceConfig
-from inference_service.engine import Engine, EngineConfig
-from inference_service.server import CACHE_HEALTH_NAME, SERVICE_NAME, build_server
+from inference_service.store.memory import InMemoryStore
+from inference_service.serving.config import ServiceConfig
+from inference_service.engine.engine import Engine, EngineConfig
+from inference_service.serving.server import CACHE_HEALTH_NAME, SERVICE_NAME, build_server
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
 
@@ -33,7 +33,7 @@ def run(coroutine):
 def engine(tiny_llama):
     model, tokenizer = tiny_llama
     config = EngineConfig(chunk_size=CHUNK_SIZE, max_new_tokens_limit=MAX_NEW_TOKENS_LIMIT)
-    engine = Engine(model, tokenizer, config, InProcessCache(), model_id="tiny-llama")
+    engine = Engine(model, tokenizer, config, InMemoryStore(), model_id="tiny-llama")
     yield engine
     engine.close()
 

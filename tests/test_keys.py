@@ -8,18 +8,11 @@ import typing
 
 import pytest
 
-from inference_service import keys
-from inference_service.keys import (
-    ContentKey,
-    Namespace,
-    NamespaceSpec,
-    PrefixKey,
-    content_key,
-    encode_token_ids,
-    hash_prefix_chunk,
-    namespace_digest,
-    prefix_keys,
+from inference_service.kv import chunk_keys as keys
+from inference_service.kv.chunk_keys import (
+    ContentKey, PrefixKey, content_key, encode_token_ids, hash_prefix_chunk, prefix_keys,
 )
+from inference_service.kv.namespace import Namespace, NamespaceSpec, namespace_digest
 
 # The namespace of make_spec(), pinned so any change to the canonical JSON or hashing shows up here.
 PINNED_NAMESPACE_HEX = "342857f0f03976f021d0952dd199cb5964699007fb724622376e1e28896b9178"
@@ -146,7 +139,7 @@ def test_different_namespaces_give_different_keys_for_the_same_tokens():
 def test_key_kinds_are_distinct_newtypes_over_bytes():
     for key_type in (PrefixKey, ContentKey, Namespace):
         assert isinstance(key_type, typing.NewType) and key_type.__supertype__ is bytes
-    assert typing.get_type_hints(keys.namespace_digest)["return"] is Namespace
+    assert typing.get_type_hints(namespace_digest)["return"] is Namespace
     assert typing.get_type_hints(keys.hash_prefix_chunk)["return"] is PrefixKey
     assert typing.get_type_hints(keys.prefix_keys)["return"] == list[PrefixKey]
     assert typing.get_type_hints(keys.content_key)["return"] is ContentKey

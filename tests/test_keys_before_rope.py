@@ -5,14 +5,15 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from inference_service.assembler import assemble_context
-from inference_service.chunk_cache import InProcessCache
-from inference_service.codec import decode_chunk
-from inference_service.engine import Engine, EngineConfig
-from inference_service.prompts import plan_prompt
-from inference_service.rope import rope_parameters
-from inference_service.runner import allocate_kv, build_cache, kv_geometry, prefill
-from inference_service.writeback import PendingChunks, encode_pending
+from inference_service.engine.assembler import assemble_context
+from inference_service.store.memory import InMemoryStore
+from inference_service.kv.codec import decode_chunk
+from inference_service.engine.engine import Engine, EngineConfig
+from inference_service.engine.prompts import plan_prompt
+from inference_service.kv.rope import rope_parameters
+from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+from inference_service.model.forward import prefill
+from inference_service.engine.writeback import PendingChunks, encode_pending
 
 NAMESPACE = b"r" * 32
 CHUNK_SIZE = 16
@@ -57,7 +58,7 @@ def test_stored_keys_are_the_models_keys_before_rope(tiny_llama, bits):
     model = tiny_llama[0]
     token_ids = tokens(64)
     plan = plan_prompt(NAMESPACE, [token_ids], CHUNK_SIZE)
-    cache = InProcessCache()
+    cache = InMemoryStore()
     store(cache, plan, model_kv(model, token_ids), bits, rope_parameters(model.config))
     unrotated = pre_rope_keys(model, token_ids)
     tolerance = 0.02 if bits == 8 else 0.2
@@ -75,7 +76,7 @@ def test_prefix_hits_rotate_unrotated_keys_back_into_place(tiny_llama, bits):
     plan = plan_prompt(NAMESPACE, [token_ids], CHUNK_SIZE)
     new_kv = model_kv(model, token_ids)
     rope = rope_parameters(model.config)
-    cache = InProcessCache()
+    cache = InMemoryStore()
     store(cache, plan, new_kv, bits, rope)
     context = assemble_context(cache, NAMESPACE, plan, kv_geometry(model.config), model.device, model.dtype,
                                len(token_ids), with_content_hits=False, rope=rope)
@@ -90,7 +91,7 @@ def test_unrotated_keys_cannot_be_placed_without_rope(tiny_llama):
     model = tiny_llama[0]
     token_ids = tokens(48, seed=2)
     plan = plan_prompt(NAMESPACE, [token_ids], CHUNK_SIZE)
-    cache = InProcessCache()
+    cache = InMemoryStore()
     store(cache, plan, model_kv(model, token_ids), 8, rope_parameters(model.config))
     context = assemble_context(cache, NAMESPACE, plan, kv_geometry(model.config), model.device, model.dtype,
                                len(token_ids), with_content_hits=False, rope=None)
@@ -133,7 +134,7 @@ def test_engine_stores_keys_before_rope_at_8_and_4_bits_only_when_asked(tiny_lla
     model, tokenizer = tiny_llama
     flags = {}
     for bits, before in ((8, True), (4, True), (8, False), (4, False), (16, True)):
-        cache = InProcessCache()
+        cache = InMemoryStore()
         engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, kv_cache_bits=bits, kv_keys_before_rope=before),
                         cache, model_id="tiny")
         try:
@@ -170,7 +171,7 @@ def test_bfloat16_keys_are_moved_in_float32_and_rounded_once():
                                              new_kv, 0), 8, rope=stored_with)
         dtypes = {decode_chunk(item.blob).header.dtype for item in items}
         assert dtypes == ({"float32"} if stored_with else {"bfloat16"})
-        cache = InProcessCache()
+        cache = InMemoryStore()
         cache.store(items)
         geometry = kv_geometry(config)
         context = assemble_context(cache, NAMESPACE, plan, geometry, torch.device("cpu"), torch.bfloat16, num_tokens,

@@ -11,15 +11,16 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from inference_service.assembler import assemble_context
-from inference_service.chunk_cache import InProcessCache
-from inference_service.codec import decode_chunk
-from inference_service.content_reuse import place_content_hits
-from inference_service.prompts import plan_prompt
-from inference_service.repair import APPROX, EXACT, MISSING
-from inference_service.rope import rope_parameters
-from inference_service.runner import KVGeometry, allocate_kv, build_cache, kv_geometry, prefill
-from inference_service.writeback import PendingChunks, encode_pending
+from inference_service.engine.assembler import assemble_context
+from inference_service.store.memory import InMemoryStore
+from inference_service.kv.codec import decode_chunk
+from inference_service.engine.content_reuse import place_content_hits
+from inference_service.engine.prompts import plan_prompt
+from inference_service.kv.repair import APPROX, EXACT, MISSING
+from inference_service.kv.rope import rope_parameters
+from inference_service.model.kv_buffers import KVGeometry, allocate_kv, build_cache, kv_geometry
+from inference_service.model.forward import prefill
+from inference_service.engine.writeback import PendingChunks, encode_pending
 from tests.test_keys_before_rope import pre_rope_keys, relative_error
 
 NAMESPACE = b"v" * 32
@@ -51,7 +52,7 @@ def test_content_hits_of_unrotated_blobs_land_at_their_new_positions(tiny_llama)
     model = tiny_llama[0]
     rope = rope_parameters(model.config)
     header, doc_a, doc_b, question = token_run(1, 10), token_run(2, 20), token_run(3, 12), token_run(5, 5)
-    cache = InProcessCache()
+    cache = InMemoryStore()
     for segment in (header, doc_a, doc_b):
         warm_alone(model, cache, segment, 8, 8, rope)
     assert all(decode_chunk(blob).header.keys_before_rope for _, blob in cache.fetch(list(cache._entries)))
@@ -97,7 +98,7 @@ def test_chunks_beyond_the_rope_limit_are_stored_rotated_and_all_prefix_hits_com
     token_ids = token_run(11, 48)
     plan = plan_prompt(NAMESPACE, [token_ids], 16)
     new_kv = [(rotated[layer][None], values[layer][None]) for layer in range(geometry.num_layers)]
-    cache = InProcessCache()
+    cache = InMemoryStore()
     cache.store(encode_pending(PendingChunks(NAMESPACE, plan.chunks.chunks, plan.prefix_keys, plan.content_keys,
                                              new_kv, 0), 8, rope=rope))
     decoded = [decode_chunk(dict(cache.fetch([key]))[key]) for key in plan.prefix_keys]
@@ -115,7 +116,7 @@ def test_chunks_beyond_the_rope_limit_are_stored_rotated_and_all_prefix_hits_com
 def test_an_unrotated_content_hit_beyond_the_rope_limit_stays_missing_and_others_still_land():
     config, rope, geometry, unrotated, rotated, values = synthetic_setup(limit=32)
     doc_a, doc_b = token_run(21, 8), token_run(22, 8)
-    cache = InProcessCache()
+    cache = InMemoryStore()
     for segment in (doc_a, doc_b):  # each warmed alone at 0..8 (same synthetic K/V: only positions matter)
         plan = plan_prompt(NAMESPACE, [segment, []], 8)
         new_kv = [(rotated[layer, :, :8][None], values[layer, :, :8][None]) for layer in range(geometry.num_layers)]
@@ -142,7 +143,7 @@ def test_a_prefix_run_ends_where_unrotated_keys_cannot_be_rotated_into_place():
     unlimited = dataclasses.replace(limited, max_exact_position=None)
     plan = plan_prompt(NAMESPACE, [token_run(31, 48)], 16)
     new_kv = [(rotated[layer][None], values[layer][None]) for layer in range(geometry.num_layers)]
-    cache = InProcessCache()
+    cache = InMemoryStore()
     cache.store(encode_pending(PendingChunks(NAMESPACE, plan.chunks.chunks, plan.prefix_keys, plan.content_keys,
                                              new_kv, 0), 4, rope=unlimited))
     assert all(decode_chunk(blob).header.keys_before_rope for _, blob in cache.fetch(list(plan.prefix_keys)))

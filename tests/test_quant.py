@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.quant import QuantizedTensor, dequantize, quantize_keys, quantize_values
+from inference_service.kv.quant import QuantizedTensor, dequantize, quantize_keys, quantize_values
 
 
 def make_tensor(shape=(2, 3, 37, 16), seed=0, dtype=torch.float32) -> torch.Tensor:

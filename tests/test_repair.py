@@ -4,19 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.repair import (
-    APPROX,
-    EXACT,
-    MISSING,
-    STRATEGIES,
-    RepairOptions,
-    exact_prefix_length,
-    repair_prefill,
-    seam_positions,
-    select_tokens,
-    selective_positions,
+from inference_service.kv.repair import (
+    APPROX, EXACT, MISSING, STRATEGIES, RepairOptions, exact_prefix_length, repair_prefill, seam_positions, select_tokens, selective_positions,
 )
-from inference_service.rope import rerotate_keys, rope_parameters
+from inference_service.kv.rope import rerotate_keys, rope_parameters
 from tests.factories import build_byte_tokenizer, tiny_config
 
 E, A, M = EXACT, APPROX, MISSING

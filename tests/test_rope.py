@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.rope import RopeParams, UnsupportedRope, rerotate_keys, rope_parameters
+from inference_service.kv.rope import RopeParams, UnsupportedRope, rerotate_keys, rope_parameters
 from tests.factories import build_byte_tokenizer, tiny_config
 
 # Scaled variants as model configs declare them; each is checked against the model built from it.

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from inference_service.sampling import greedy, make_generator, sample, top_k_filter, top_p_filter
+from inference_service.model.sampling import greedy, make_generator, sample, top_k_filter, top_p_filter
 
 INF = float("-inf")
 

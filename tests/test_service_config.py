@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.config import ServiceConfig, parse_config
+from inference_service.serving.config import ServiceConfig, parse_config
 
 
 def test_defaults_are_the_documented_loopback_addresses_and_the_embedded_model() -> None:

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-import inference_service.server as server_module
-from inference_service.config import ServiceConfig
+import inference_service.serving.server as server_module
+from inference_service.serving.config import ServiceConfig
 
 
 @pytest.mark.parametrize("listen, with_token, warned", [
@@ -21,7 +21,7 @@ from inference_service.config import ServiceConfig
 def test_listening_beyond_loopback_without_a_token_warns(listen, with_token, warned, tmp_path, monkeypatch,
                                                          caplog) -> None:
     # The check runs on the configured address; the port itself is never opened.
-    monkeypatch.setattr(server_module, "_bind", lambda server, config: 50051)
+    monkeypatch.setattr(server_module, "bind", lambda server, listen, tls_cert, tls_key: 50051)
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
     config = ServiceConfig(listen=listen, auth_token_file=str(token_file) if with_token else "")
@@ -30,7 +30,7 @@ def test_listening_beyond_loopback_without_a_token_warns(listen, with_token, war
         built = server_module.build_server(config)
         built.servicer.worker.stop(timeout_s=5)
 
-    with caplog.at_level(logging.WARNING, logger="inference_service.server"):
+    with caplog.at_level(logging.WARNING, logger="inference_service.serving.server"):
         asyncio.run(build())
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert bool(warnings) is warned, warnings

@@ -5,7 +5,7 @@ import asyncio
 import logging
 
 from inference_service.__main__ import serve
-from inference_service.config import ServiceConfig
+from inference_service.serving.config import ServiceConfig
 
 
 def test_an_unsupported_architecture_is_refused_with_its_reason(tmp_path, caplog) -> None:

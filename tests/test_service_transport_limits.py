@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from inference_service.config import parse_config
+from inference_service.serving.config import parse_config
 from kvboost.v1 import inference_pb2 as pb
 from tests.test_inference_servicer import engine, generate, run, serving  # noqa: F401  (engine is a fixture)
 

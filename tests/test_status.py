@@ -5,9 +5,9 @@ import grpc
 import pytest
 
 from inference_service import errors
-from inference_service.chunk_cache import CacheUnavailable
-from inference_service.status import status_of
-from inference_service.worker import DeadlineExceeded, JobCancelled, ModelNotLoaded, QueueFull, WorkerStopped
+from inference_service.store.protocol import StoreUnavailable
+from inference_service.serving.error_status import status_of
+from inference_service.serving.worker import DeadlineExceeded, JobCancelled, ModelNotLoaded, QueueFull, WorkerStopped
 
 
 @pytest.mark.parametrize("error, code, hint", [
@@ -19,7 +19,7 @@ from inference_service.worker import DeadlineExceeded, JobCancelled, ModelNotLoa
     (DeadlineExceeded("allow it more time"), grpc.StatusCode.DEADLINE_EXCEEDED, "more time"),
     (WorkerStopped("shutting down"), grpc.StatusCode.UNAVAILABLE, "running service"),
     (ModelNotLoaded("still loading"), grpc.StatusCode.UNAVAILABLE, "SERVING"),
-    (CacheUnavailable("Lookup failed"), grpc.StatusCode.UNAVAILABLE, "--cache-addr"),
+    (StoreUnavailable("Lookup failed"), grpc.StatusCode.UNAVAILABLE, "--cache-addr"),
     (RuntimeError("boom"), grpc.StatusCode.INTERNAL, "RuntimeError: boom"),
 ])
 def test_each_error_has_one_code_and_a_hint(error, code, hint) -> None:

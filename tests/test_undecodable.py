@@ -13,9 +13,9 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from inference_service.chunk_cache import InProcessCache
-from inference_service.config import ServiceConfig
-from inference_service.engine import Engine, EngineConfig
+from inference_service.store.memory import InMemoryStore
+from inference_service.serving.config import ServiceConfig
+from inference_service.engine.engine import Engine, EngineConfig
 from kvboost.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.daemon_support import cache_stub, fetch_chunks, make_chunk, running_daemon, store_chunks, store_frames
 from tests.service_support import serving_in_thread
@@ -158,7 +158,7 @@ def test_every_request_string_field_is_covered() -> None:
 @pytest.fixture(scope="module")
 def service(tiny_llama):
     model, tokenizer = tiny_llama
-    cache = InProcessCache()
+    cache = InMemoryStore()
     engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, max_new_tokens_limit=8, max_prompt_tokens=256),
                     cache, model_id="tiny-llama")
     config = ServiceConfig(listen="127.0.0.1:0", cache_addr="in-process", chunk_size=8, max_queue=8,

@@ -7,8 +7,8 @@ import asyncio
 import grpc
 import pytest
 
-from inference_service.config import ServiceConfig
-from inference_service.server import build_server
+from inference_service.serving.config import ServiceConfig
+from inference_service.serving.server import build_server
 
 BAD_UTF8_PROMPT = b"\x0a\x02\xff\xfe"  # GenerateRequest.prompt (field 1) holding invalid UTF-8
 GENERATE = "/kvboost.v1.InferenceService/Generate"

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from inference_service.worker import DeadlineExceeded, JobCancelled, ModelWorker, QueueFull, WorkerStopped
+from inference_service.serving.worker import DeadlineExceeded, JobCancelled, ModelWorker, QueueFull, WorkerStopped
 
 
 def run(coroutine):

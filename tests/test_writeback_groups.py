@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from inference_service.chunking import Chunk
-from inference_service.codec import read_header
-from inference_service.writeback import PendingChunks, encode_pending, group_size_for
+from inference_service.kv.chunking import Chunk
+from inference_service.kv.codec import read_header
+from inference_service.engine.writeback import PendingChunks, encode_pending, group_size_for
 
 
 def test_group_size_defaults_by_bits_and_an_explicit_one_wins():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.model_loader import DEFAULT_MODEL
+from inference_service.model.weights import DEFAULT_MODEL
 from kvboost.v1 import inference_pb2 as pb
 from tests.conftest import pick_free_port
 from tests.e2e.daemon_process import start_daemon

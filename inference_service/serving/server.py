@@ -2,27 +2,26 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_service.config import ServiceConfig
-from inference_service.servicer import InferenceServicer
-from cache_daemon.undecodable import UndecodableRequestInterceptor
-from inference_service.worker import ModelWorker
+from inference_service.serving.config import ServiceConfig
+from inference_service.serving.servicer import InferenceServicer
+from inference_service.serving.worker import ModelWorker
 from kvboost.v1 import inference_pb2, inference_pb2_grpc
+from kvboost_common.auth import BearerTokenInterceptor
+from kvboost_common.binding import bind
+from kvboost_common.undecodable import UndecodableRequestInterceptor
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 # Health entry that mirrors the cache daemon as this service sees it: NOT_SERVING while degraded.
 CACHE_HEALTH_NAME = "kvboost.v1.CacheService"
-_HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -74,7 +73,7 @@ def build_server(config: ServiceConfig, engine: Any = None, cache: Any = None) -
     """Binds config.listen (port 0 picks a free port, see `.port`); serves once started.
 
     engine may be None while the model loads (health NOT_SERVING, calls UNAVAILABLE); `cache` is the
-    engine's ChunkCache (default: engine.cache), whose degraded flag health mirrors.
+    engine's ChunkStore (default: engine.cache), whose degraded flag health mirrors.
     """
     cache = cache if cache is not None else getattr(engine, "cache", None)
     token = config.auth_token()
@@ -91,55 +90,7 @@ def build_server(config: ServiceConfig, engine: Any = None, cache: Any = None) -
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = _bind(server, config)
+    port = bind(server, config.listen, config.tls_cert if config.tls else None, config.tls_key)
     if not config.listens_on_loopback and token is None:
         logger.warning("listening on %s without --auth-token-file: anyone who can reach it can use the model", config.listen)
     return InferenceServer(server, port, servicer, health_servicer, cache)
-
-
-def _bind(server: grpc.aio.Server, config: ServiceConfig) -> int:
-    if not config.tls:
-        port = server.add_insecure_port(config.listen)
-    else:
-        key, chain = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
-        port = server.add_secure_port(config.listen, grpc.ssl_server_credentials([(key, chain)]))
-    if port == 0:
-        raise OSError(f"cannot listen on {config.listen}: the address is taken or not local")
-    return port
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without `authorization: Bearer <token>` (UNAUTHENTICATED); health stays open for probes."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(_HEALTH_PREFIX):
-            return handler
-        if self._authorized(handler_call_details.invocation_metadata or ()):
-            return handler
-        return _refusing_handler(handler)
-
-    def _authorized(self, metadata) -> bool:
-        sent = next((value for key, value in metadata if key == "authorization"), "")
-        return hmac.compare_digest(str(sent).encode(), self._expected.encode())
-
-
-async def _refuse(request_or_iterator, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(
-        grpc.StatusCode.UNAUTHENTICATED,
-        "missing or wrong bearer token: send metadata `authorization: Bearer <token>` with the service's token",
-    )
-
-
-def _refusing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(_refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)

@@ -15,19 +15,20 @@ from typing import Callable, Sequence
 
 import torch
 
-from inference_service import batch_runner
-from inference_service.assembler import AssembledContext, assemble_context, empty_context
-from inference_service.chunk_cache import CacheUnavailable
-from inference_service.chunking import ChunkPlan
-from inference_service.detokenizer import IncrementalDetokenizer
-from inference_service.engine import outcome_of
-from inference_service.engine_types import GenerationOutcome, GenerationParams
+from inference_service.model import batch_forward as batch_runner
+from inference_service.engine.assembler import AssembledContext, assemble_context, empty_context
+from inference_service.store.protocol import StoreUnavailable
+from inference_service.kv.chunking import ChunkPlan
+from inference_service.model.detokenizer import IncrementalDetokenizer
+from inference_service.engine.engine import outcome_of
+from inference_service.engine.types import GenerationOutcome, GenerationParams
 from inference_service.errors import InvalidRequest, PromptTooLong
-from inference_service.generation import DecodeResult
-from inference_service.prompts import PromptPlan
-from inference_service.runner import allocate_kv, build_cache, prefill
-from inference_service.sampling import make_generator, sample
-from inference_service.writeback import PendingChunks
+from inference_service.engine.generation import DecodeResult
+from inference_service.engine.prompts import PromptPlan
+from inference_service.model.kv_buffers import allocate_kv, build_cache
+from inference_service.model.forward import prefill
+from inference_service.model.sampling import make_generator, sample
+from inference_service.engine.writeback import PendingChunks
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def _has_content_hits(engine, row: _Row) -> bool:
         return False
     try:
         lookup = engine.cache.lookup(engine.namespace, list(row.prompt.prefix_keys), list(row.prompt.content_keys))
-    except CacheUnavailable:
+    except StoreUnavailable:
         return False  # served without the cache in the batch, as a single request would be
     return bool(lookup.content_hits)
 

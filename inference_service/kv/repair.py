@@ -112,7 +112,7 @@ def repair_prefill(
     Returns:
         RepairResult with the cache of all S positions and the last token's logits.
     """
-    runner = _LayerRunner(model, keys, values)
+    runner = _LayerwiseForward(model, keys, values)
     _check_inputs(runner, input_ids, status)
     status = status.to(keys[0].device)
     if options.strategy == "cacheblend":
@@ -131,7 +131,7 @@ def repair_prefill(
     )
 
 
-def _cacheblend(runner: _LayerRunner, input_ids, status, options: RepairOptions, token_scores=None):
+def _cacheblend(runner: _LayerwiseForward, input_ids, status, options: RepairOptions, token_scores=None):
     """Layer-wise CacheBlend. The first check_layers layers run on every non-EXACT token. Their output
     feeds the K/V projection of layer c = check_layers for all those tokens: the first K/V that depend on
     the new context (layer 0's depend on the token and its position only, so they never deviate). Those
@@ -180,7 +180,7 @@ def _squared_distance(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor
     return (fresh.float() - cached.float()).pow(2).sum(dim=(0, 1, 3))
 
 
-def _check_inputs(runner: _LayerRunner, input_ids: torch.Tensor, status: torch.Tensor) -> None:
+def _check_inputs(runner: _LayerwiseForward, input_ids: torch.Tensor, status: torch.Tensor) -> None:
     num_tokens = input_ids.shape[-1]
     assert input_ids.shape == (1, num_tokens), f"input_ids must be [1, S], got {tuple(input_ids.shape)}"
     assert status.shape == (num_tokens,), f"status must be [{num_tokens}], got {tuple(status.shape)}"
@@ -223,7 +223,7 @@ class _ProjectionOnlyCache(_SpliceCache):
         raise _ProjectionsSpliced
 
 
-class _LayerRunner:
+class _LayerwiseForward:
     """Runs the model's own decoder layers for a subset of query positions over S-long per-layer K/V."""
 
     def __init__(self, model, keys: list[torch.Tensor], values: list[torch.Tensor]):

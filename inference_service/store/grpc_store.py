@@ -1,4 +1,4 @@
-"""GrpcChunkCache: the engine's ChunkCache over the cache daemon's CacheService, degrading when it is down."""
+"""GrpcChunkStore: the engine's ChunkStore over the cache daemon's CacheService, degrading when it is down."""
 from __future__ import annotations
 
 import logging
@@ -8,13 +8,13 @@ from typing import Iterable, Iterator
 
 import grpc
 
-from inference_service.chunk_cache import CacheUnavailable, LookupResult, StoreItem
-from cache_daemon.checksum import crc32
+from inference_service.store.protocol import StoreUnavailable, StoreLookup, StoreItem
+from kvboost_common.checksum import crc32
+from kvboost_common.frames import MAX_FRAME_BYTES
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-DATA_FRAME_BYTES = 1 << 20  # the contract's largest data frame (cache.proto)
 _PROBE = cache_pb2.LookupRequest(namespace=bytes(32))
 # Codes that say the daemon cannot serve us at all: stop asking until a probe answers.
 _UNREACHABLE_CODES = frozenset({
@@ -26,7 +26,7 @@ _UNREACHABLE_CODES = frozenset({
 
 
 @dataclass(slots=True, frozen=True)
-class CacheClientOptions:
+class GrpcStoreOptions:
     address: str = "127.0.0.1:50052"
     auth_token: str | None = None  # sent as `authorization: Bearer <token>`
     tls: bool = False
@@ -42,10 +42,10 @@ class CacheClientOptions:
             assert getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}"
 
 
-class GrpcChunkCache:
-    """A ChunkCache backed by the daemon.
+class GrpcChunkStore:
+    """A ChunkStore backed by the daemon.
 
-    While the daemon is unreachable `degraded` is True and every call raises CacheUnavailable at
+    While the daemon is unreachable `degraded` is True and every call raises StoreUnavailable at
     once, without touching the network; a background thread probes a fresh channel at most once
     per `reconnect_interval_s` and clears `degraded` when the daemon answers.
     """
@@ -53,7 +53,7 @@ class GrpcChunkCache:
     # fetch() checks every blob against the CRC-32 the daemon stored with it, so the engine skips its own.
     verifies_blobs = True
 
-    def __init__(self, options: CacheClientOptions) -> None:
+    def __init__(self, options: GrpcStoreOptions) -> None:
         self.options = options
         self.degraded = False
         self._lock = threading.Lock()
@@ -67,14 +67,14 @@ class GrpcChunkCache:
     def address(self) -> str:
         return self.options.address
 
-    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None) -> LookupResult:
+    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None) -> StoreLookup:
         request = cache_pb2.LookupRequest(namespace=namespace, prefix_keys=prefix_keys, content_keys=content_keys or [])
         stub = self._available_stub()
         try:
             reply = stub.Lookup(request, timeout=self.options.rpc_timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
             raise self._failure("Lookup", error) from error
-        return LookupResult(reply.prefix_run, {hit.index: hit.stored_key for hit in reply.content_hits})
+        return StoreLookup(reply.prefix_run, {hit.index: hit.stored_key for hit in reply.content_hits})
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
         keys = list(keys)
@@ -119,16 +119,16 @@ class GrpcChunkCache:
     def _available_stub(self) -> cache_pb2_grpc.CacheServiceStub:
         with self._lock:
             if self.degraded:
-                raise CacheUnavailable(f"cache daemon at {self.address} is unreachable; reconnecting in the background")
+                raise StoreUnavailable(f"cache daemon at {self.address} is unreachable; reconnecting in the background")
             return self._stub
 
-    def _failure(self, method: str, error: grpc.RpcError) -> CacheUnavailable:
+    def _failure(self, method: str, error: grpc.RpcError) -> StoreUnavailable:
         code, details = error.code(), error.details()
         if code in _UNREACHABLE_CODES:
             self._mark_degraded(f"{method}: {code.name} {details}")
         else:
             logger.error("cache daemon %s refused %s: %s %s", self.address, method, code.name, details)
-        return CacheUnavailable(f"cache daemon {method} failed: {code.name}: {details}")
+        return StoreUnavailable(f"cache daemon {method} failed: {code.name}: {details}")
 
     def _mark_degraded(self, reason: str) -> None:
         with self._lock:
@@ -165,8 +165,8 @@ class GrpcChunkCache:
 
     def _open_channel(self) -> grpc.Channel:
         options = [
-            ("grpc.max_receive_message_length", 4 * DATA_FRAME_BYTES),
-            ("grpc.max_send_message_length", 4 * DATA_FRAME_BYTES),
+            ("grpc.max_receive_message_length", 4 * MAX_FRAME_BYTES),
+            ("grpc.max_send_message_length", 4 * MAX_FRAME_BYTES),
         ]
         if not self.options.tls:
             return grpc.insecure_channel(self.address, options=options)
@@ -183,24 +183,24 @@ def iter_store_frames(items: Iterable[StoreItem]) -> Iterator[cache_pb2.ChunkFra
         )
         yield cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=meta))
         view = memoryview(item.blob)
-        for start in range(0, len(view), DATA_FRAME_BYTES):
-            yield cache_pb2.ChunkFrame(data=bytes(view[start:start + DATA_FRAME_BYTES]))
+        for start in range(0, len(view), MAX_FRAME_BYTES):
+            yield cache_pb2.ChunkFrame(data=bytes(view[start:start + MAX_FRAME_BYTES]))
 
 
 def reassemble_chunks(frames: Iterable[cache_pb2.ChunkFrame], keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
     """Turns a Fetch stream back into (key, blob) pairs in request order.
 
     A key that is absent, or whose bytes fail the CRC-32 in its header, comes back as None (a miss).
-    Raises CacheUnavailable when the stream breaks the contract (wrong order, short data, missing keys).
+    Raises StoreUnavailable when the stream breaks the contract (wrong order, short data, missing keys).
     """
     frames = iter(frames)
     for expected_key in keys:
         header = next(frames, None)
         if header is None or header.WhichOneof("frame") != "header":
-            raise CacheUnavailable(f"Fetch stream ended or sent data where the header of {expected_key.hex()[:16]} belongs")
+            raise StoreUnavailable(f"Fetch stream ended or sent data where the header of {expected_key.hex()[:16]} belongs")
         meta = header.header.meta
         if meta.key != expected_key:
-            raise CacheUnavailable(f"Fetch stream sent {meta.key.hex()[:16]} where {expected_key.hex()[:16]} belongs")
+            raise StoreUnavailable(f"Fetch stream sent {meta.key.hex()[:16]} where {expected_key.hex()[:16]} belongs")
         if not header.header.found:
             yield expected_key, None
             continue
@@ -218,9 +218,9 @@ def _read_blob(frames: Iterator[cache_pb2.ChunkFrame], size_bytes: int, key: byt
     while received < size_bytes:
         frame = next(frames, None)
         if frame is None or frame.WhichOneof("frame") != "data":
-            raise CacheUnavailable(f"chunk {key.hex()[:16]} stopped after {received} of {size_bytes} bytes")
+            raise StoreUnavailable(f"chunk {key.hex()[:16]} stopped after {received} of {size_bytes} bytes")
         parts.append(frame.data)
         received += len(frame.data)
     if received != size_bytes:
-        raise CacheUnavailable(f"chunk {key.hex()[:16]} sent {received} bytes, its header said {size_bytes}")
+        raise StoreUnavailable(f"chunk {key.hex()[:16]} sent {received} bytes, its header said {size_bytes}")
     return b"".join(parts)

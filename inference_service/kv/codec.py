@@ -22,15 +22,9 @@ from typing import Union
 
 import torch
 
-from cache_daemon.checksum import crc32
-from inference_service.quant import (
-    QuantizedTensor,
-    dequantize,
-    num_elements,
-    packed_num_bytes,
-    quantize_keys,
-    quantize_values,
-    scale_shape_for,
+from kvboost_common.checksum import crc32
+from inference_service.kv.quant import (
+    QuantizedTensor, dequantize, num_elements, packed_num_bytes, quantize_keys, quantize_values, scale_shape_for,
 )
 
 BLOB_FORMAT_VERSION = 3

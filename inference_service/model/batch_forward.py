@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from inference_service.runner import KVGeometry, LayerKV, PreallocatedLayer
+from inference_service.model.kv_buffers import KVGeometry, LayerKV, PreallocatedLayer
 
 
 def has_sliding_layers(config) -> bool:

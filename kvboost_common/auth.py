@@ -1,4 +1,4 @@
-"""Optional bearer-token authentication of every RPC except health checks."""
+"""Optional bearer-token authentication of every RPC except health checks (both servers)."""
 from __future__ import annotations
 
 import hmac
@@ -7,16 +7,18 @@ from pathlib import Path
 
 import grpc
 
-from cache_daemon.interceptors import metadata_value, replace_behavior
+from kvboost_common.handlers import metadata_value, replace_behavior
 
 logger = logging.getLogger(__name__)
 
-# Orchestrators probe health without credentials; it reveals nothing about the cache.
+# Orchestrators probe health without credentials; it reveals nothing about the cache or the model.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+DENIAL = "missing or wrong bearer token: send metadata `authorization: Bearer <token>` with the server's token"
 
 
-def load_token(path: Path) -> str:
-    token = path.read_text().strip()
+def load_token(path: Path | str) -> str:
+    """The token in a file, whitespace stripped. Raises ValueError when the file is empty."""
+    token = Path(path).read_text().strip()
     if not token:
         raise ValueError(f"auth token file {path} is empty")
     return token
@@ -25,7 +27,7 @@ def load_token(path: Path) -> str:
 def is_authorized(authorization: str | None, token: str) -> bool:
     """True when the metadata value is exactly 'Bearer <token>' (compared in constant time)."""
     expected = f"Bearer {token}".encode()
-    return authorization is not None and hmac.compare_digest(authorization.encode(), expected)
+    return authorization is not None and hmac.compare_digest(str(authorization).encode(), expected)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -46,5 +48,5 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 def _denial(method: str):
     async def deny(request, context: grpc.aio.ServicerContext) -> None:
         logger.warning("rejected a call to %s without a valid bearer token", method)
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid 'authorization: Bearer <token>'")
-    return deny
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIAL)
+    return deny  # a coroutine serves streaming methods too: grpc.aio ends the call at the abort

@@ -9,11 +9,11 @@ from typing import Callable
 
 import torch
 
-from inference_service.chunk_cache import CacheUnavailable, ChunkCache, StoreItem
-from inference_service.chunking import Chunk
-from inference_service.codec import encode_chunk
-from inference_service.rope import RopeParams, UnsupportedRope, check_rerotation, rerotate_keys_
-from inference_service.runner import LayerKV, stack_layers
+from inference_service.store.protocol import StoreUnavailable, ChunkStore, StoreItem
+from inference_service.kv.chunking import Chunk
+from inference_service.kv.codec import encode_chunk
+from inference_service.kv.rope import RopeParams, UnsupportedRope, check_rerotation, rerotate_keys_
+from inference_service.model.kv_buffers import LayerKV, stack_layers
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _unrotated(keys: torch.Tensor, start: int, rope: RopeParams) -> torch.Tensor
 class WriteBack:
     """One worker thread, so stores happen in submission order and never compete with each other."""
 
-    def __init__(self, cache: ChunkCache, bits: int, on_stored: Callable[[int, int], None],
+    def __init__(self, cache: ChunkStore, bits: int, on_stored: Callable[[int, int], None],
                  group_size: int = DEFAULT_GROUP_SIZE, rope: RopeParams | None = None) -> None:
         self._cache = cache
         self._bits = bits
@@ -113,7 +113,7 @@ class WriteBack:
         """Encodes and stores on the calling thread; returns the stored count.
 
         Raises:
-            CacheUnavailable: the cache cannot be reached.
+            StoreUnavailable: the cache cannot be reached.
         """
         with torch.inference_mode():
             items = encode_pending(pending, self._bits, self._group_size, self._rope)
@@ -124,7 +124,7 @@ class WriteBack:
     def _store_in_background(self, pending: PendingChunks) -> None:
         try:
             self.store_now(pending)
-        except CacheUnavailable as error:
+        except StoreUnavailable as error:
             logger.warning("[%s] write-back of %d chunks skipped: %s", pending.request_id, len(pending.chunks), error)
         except Exception:  # a background thread has no caller to raise to
             logger.exception("[%s] write-back of %d chunks failed", pending.request_id, len(pending.chunks))

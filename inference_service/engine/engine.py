@@ -8,29 +8,29 @@ from typing import Callable
 
 import torch
 
-from inference_service import codec
-from inference_service.assembler import AssembledContext, assemble_context, empty_context
-from inference_service.chunk_cache import ChunkCache
-from inference_service.content_reuse import exact_pending_chunks, prefill_with_content_hits
-from inference_service.detokenizer import IncrementalDetokenizer
-from inference_service.engine_types import (
-    EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome,
-)
+from inference_service.kv import codec
+from inference_service.engine.assembler import AssembledContext, assemble_context, empty_context
+from inference_service.store.protocol import ChunkStore
+from inference_service.engine.content_reuse import exact_pending_chunks, prefill_with_content_hits
+from inference_service.model.detokenizer import IncrementalDetokenizer
+from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.errors import InvalidRequest, PromptTooLong
-from inference_service.generation import DecodeResult, OnToken, SamplingSettings, decode_loop, eos_token_ids
-from inference_service.keys import NamespaceSpec, namespace_digest
-from inference_service.repair import MASKABLE_ATTENTION, RepairOptions
-from inference_service.rope import RopeParams, UnsupportedRope, rope_parameters
-from inference_service.prompts import (
+from inference_service.engine.generation import DecodeResult, OnToken, SamplingSettings, decode_loop, eos_token_ids
+from inference_service.kv.namespace import NamespaceSpec, namespace_digest
+from inference_service.kv.repair import MASKABLE_ATTENTION, RepairOptions
+from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_parameters
+from inference_service.engine.prompts import (
     PromptPlan, plan_prompt, tokenize_document, tokenize_messages, tokenize_prompt, tokenize_segments,
 )
-from inference_service.runner import (
-    allocate_kv, build_cache, canonical_config_json, dtype_name, kv_geometry, prefer_gqa_attention, prefill,
-    tokenizer_identity,
+from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+from inference_service.kv.namespace import canonical_config_json, dtype_name, tokenizer_identity
+from inference_service.model.loading import prefer_gqa_attention
+from inference_service.model.forward import prefill
+from inference_service.engine.counters import EngineStats
+from inference_service.engine.verification import (
+    BUILTIN_PROMPTS, first_token_cosine, first_token_kl, matching_prefix_tokens,
 )
-from inference_service.stats import EngineStats
-from inference_service.verification import BUILTIN_PROMPTS, first_token_cosine, first_token_kl, matching_prefix_tokens
-from inference_service.writeback import PendingChunks, WriteBack
+from inference_service.engine.writeback import PendingChunks, WriteBack
 
 __all__ = ["Engine", "EngineConfig", "GenerationOutcome", "GenerationParams", "WarmOutcome"]
 
@@ -50,7 +50,7 @@ class _Prefilled:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig, cache: ChunkCache, model_id: str = "") -> None:
+    def __init__(self, model, tokenizer, config: EngineConfig, cache: ChunkStore, model_id: str = "") -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -228,7 +228,7 @@ class Engine:
         Raises:
             InvalidRequest: neither text nor messages.
             PromptTooLong: more tokens than max_prompt_tokens.
-            CacheUnavailable: the cache cannot be reached.
+            StoreUnavailable: the cache cannot be reached.
         """
         if messages:
             segments = tokenize_messages(self.tokenizer, messages, add_generation_prompt=False)

@@ -6,11 +6,11 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
-from inference_service import convert
-from inference_service.batch import generate_batch, generate_many
+from inference_service.serving import proto_convert as convert
+from inference_service.engine.batch import generate_batch, generate_many
 from inference_service.errors import InvalidRequest
-from inference_service.status import abort_with
-from inference_service.worker import Job, ModelNotLoaded, ModelWorker
+from inference_service.serving.error_status import abort_with
+from inference_service.serving.worker import Job, ModelNotLoaded, ModelWorker
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
 

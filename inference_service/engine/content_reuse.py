@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.assembler import AssembledContext, decode_hit, place_keys_
-from inference_service.chunk_cache import CacheUnavailable, ChunkCache
-from inference_service.prompts import PromptPlan
-from inference_service.repair import APPROX, EXACT, MISSING, RepairOptions, exact_prefix_length, repair_prefill
-from inference_service.rope import RopeParams
-from inference_service.runner import KVGeometry, allocate_kv, build_cache
-from inference_service.writeback import PendingChunks
+from inference_service.engine.assembler import AssembledContext, decode_hit, place_rotated_keys_
+from inference_service.store.protocol import StoreUnavailable, ChunkStore
+from inference_service.engine.prompts import PromptPlan
+from inference_service.kv.repair import APPROX, EXACT, MISSING, RepairOptions, exact_prefix_length, repair_prefill
+from inference_service.kv.rope import RopeParams
+from inference_service.model.kv_buffers import KVGeometry, allocate_kv, build_cache
+from inference_service.engine.writeback import PendingChunks
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class ContentPrefill:
 
 
 def place_content_hits(
-    cache: ChunkCache,
+    cache: ChunkStore,
     prompt: PromptPlan,
     context: AssembledContext,
     geometry: KVGeometry,
@@ -89,7 +89,7 @@ def place_content_hits(
             decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify,
                                  same_position=False, rope=rope, device=key_buffer.device)
             # Keys rotated to their new positions; rows whose keys cannot be stay MISSING, so they are recomputed.
-            if decoded is None or not place_keys_(key_buffer[:, :, chunk.start : chunk.end], decoded, chunk.start, rope):
+            if decoded is None or not place_rotated_keys_(key_buffer[:, :, chunk.start : chunk.end], decoded, chunk.start, rope):
                 continue
             stored_start = decoded.header.start_position
             value_buffer[:, :, chunk.start : chunk.end] = decoded.values
@@ -101,7 +101,7 @@ def place_content_hits(
             previous = (index, stored_start + len(chunk.token_ids))
             num_placed += 1
             num_bytes += len(blob)
-    except CacheUnavailable as error:
+    except StoreUnavailable as error:
         logger.warning("cache unavailable during content fetch, %d of %d hits placed: %s", num_placed, len(hits), error)
         degraded = context.degraded = True
     if num_placed == 0:
@@ -118,7 +118,7 @@ def place_content_hits(
 
 def prefill_with_content_hits(
     model,
-    cache: ChunkCache,
+    cache: ChunkStore,
     prompt: PromptPlan,
     context: AssembledContext,
     geometry: KVGeometry,

@@ -1,7 +1,4 @@
-"""Requests whose bytes do not parse (corrupt wire format, invalid UTF-8 in a string) get INVALID_ARGUMENT.
-
-Both servers install it (the inference service imports it from here: this module needs grpc only).
-"""
+"""Requests whose bytes do not parse (corrupt wire format, invalid UTF-8 in a string) get INVALID_ARGUMENT."""
 from __future__ import annotations
 
 import inspect
@@ -12,10 +9,9 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvboost_common.handlers import behavior_of
+
 logger = logging.getLogger(__name__)
-
-_BEHAVIOR_FIELDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-
 
 @dataclass(slots=True, frozen=True)
 class Undecodable:
@@ -29,7 +25,7 @@ class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None or not _is_async(_behavior(handler)[1]):
+        if handler is None or handler.request_deserializer is None or not _is_async(behavior_of(handler)[1]):
             return handler
         return guard_handler(handler, details.method)
 
@@ -37,14 +33,9 @@ class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
 def guard_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     """The handler with a deserializer that returns Undecodable instead of raising, and a behavior that
     aborts with INVALID_ARGUMENT on it (for streamed requests: at the first undecodable message)."""
-    field, behavior = _behavior(handler)
+    field, behavior = behavior_of(handler)
     return handler._replace(request_deserializer=_lenient(handler.request_deserializer),
                             **{field: _guarded(behavior, handler.request_streaming, method)})
-
-
-def _behavior(handler: grpc.RpcMethodHandler) -> tuple[str, Callable[..., Any]]:
-    """The one behavior a handler has, with the name of its field."""
-    return next((field, getattr(handler, field)) for field in _BEHAVIOR_FIELDS if getattr(handler, field) is not None)
 
 
 def _is_async(behavior: Callable[..., Any]) -> bool:

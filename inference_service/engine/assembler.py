@@ -9,11 +9,11 @@ from typing import Iterator, TypeVar
 
 import torch
 
-from inference_service.chunk_cache import CacheUnavailable, ChunkCache
-from inference_service.codec import BlobError, DecodedChunk, decode_chunk
-from inference_service.prompts import PromptPlan
-from inference_service.rope import RopeParams, UnsupportedRope, rerotate_keys_
-from inference_service.runner import KVGeometry, allocate_kv
+from inference_service.store.protocol import StoreUnavailable, ChunkStore
+from inference_service.kv.codec import BlobError, DecodedChunk, decode_chunk
+from inference_service.engine.prompts import PromptPlan
+from inference_service.kv.rope import RopeParams, UnsupportedRope, rerotate_keys_
+from inference_service.model.kv_buffers import KVGeometry, allocate_kv
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def empty_context(degraded: bool = False) -> AssembledContext:
 
 
 def assemble_context(
-    cache: ChunkCache,
+    cache: ChunkStore,
     namespace: bytes,
     prompt: PromptPlan,
     geometry: KVGeometry,
@@ -61,7 +61,7 @@ def assemble_context(
     content_keys = list(prompt.content_keys) if with_content_hits else None
     try:
         lookup = cache.lookup(namespace, list(prompt.prefix_keys), content_keys)
-    except CacheUnavailable as error:
+    except StoreUnavailable as error:
         logger.warning("cache unavailable, serving without it: %s", error)
         return empty_context(degraded=True)
     if lookup.prefix_run == 0:
@@ -72,7 +72,7 @@ def assemble_context(
 
 
 def fetch_prefix_run(
-    cache: ChunkCache, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor],
+    cache: ChunkStore, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor],
     rope: RopeParams | None = None,
 ) -> AssembledContext:
     """Fetches the first `run` chunks and copies each decoded blob into its slice of the buffers.
@@ -93,12 +93,12 @@ def fetch_prefix_run(
         for chunk, expected_key, (key, blob) in zip(chunks, prompt.prefix_keys, blobs):
             decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify, rope=rope,
                                  device=keys.device)
-            if decoded is None or not place_keys_(keys[:, :, chunk.start : chunk.end], decoded, chunk.start, rope):
+            if decoded is None or not place_rotated_keys_(keys[:, :, chunk.start : chunk.end], decoded, chunk.start, rope):
                 break
             values[:, :, chunk.start : chunk.end].copy_(decoded.values)
             num_placed += 1
             num_bytes += len(blob)
-    except CacheUnavailable as error:  # the chunks placed so far are still good
+    except StoreUnavailable as error:  # the chunks placed so far are still good
         logger.warning("cache unavailable during fetch, %d of %d chunks placed: %s", num_placed, run, error)
         degraded = True
     finally:
@@ -181,7 +181,7 @@ def decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: in
     return decoded
 
 
-def place_keys_(target: torch.Tensor, decoded: DecodedChunk, start: int, rope: RopeParams | None) -> bool:
+def place_rotated_keys_(target: torch.Tensor, decoded: DecodedChunk, start: int, rope: RopeParams | None) -> bool:
     """Puts the decoded keys into `target` (a buffer slice) rotated to positions start.., from the positions
     they are stored for (start_position.., or 0 for every token when stored un-rotated). False (logged)
     when the RoPE refuses the move; target's rows are then not to be used.

@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from inference_service.chunking import ChunkPlan, plan_segments
-from inference_service.keys import ContentKey, Namespace, PrefixKey, content_key, prefix_keys
+from inference_service.kv.chunking import ChunkPlan, plan_segments
+from inference_service.kv.chunk_keys import ContentKey, PrefixKey, content_key, prefix_keys
+from inference_service.kv.namespace import Namespace
 
 
 @dataclass(slots=True, frozen=True)

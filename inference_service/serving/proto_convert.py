@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Mapping
 
-from inference_service.engine_types import GenerationOutcome, GenerationParams, WarmOutcome
+from inference_service.engine.types import GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.errors import InvalidRequest
 from kvboost.v1 import inference_pb2 as pb
+from kvboost_common.request_ids import new_request_id
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_VERIFY_TOKENS = 32
@@ -36,10 +36,6 @@ def _enum_name(enum: Any, field: str, value: int) -> str:
         known = ", ".join(f"{name}={number}" for name, number in enum.items() if number)
         raise InvalidRequest(f"{field} {value} is not one of {known}")
     return enum.Name(value).lower()
-
-
-def new_request_id(given: str = "") -> str:
-    return given or uuid.uuid4().hex[:12]
 
 
 def generation_params(request: pb.GenerateRequest, arrival: float | None = None) -> GenerationParams:

@@ -6,8 +6,8 @@ import logging
 import grpc
 
 from inference_service import errors
-from inference_service.chunk_cache import CacheUnavailable
-from inference_service.worker import DeadlineExceeded, JobCancelled, ModelNotLoaded, QueueFull, WorkerStopped
+from inference_service.store.protocol import StoreUnavailable
+from inference_service.serving.worker import DeadlineExceeded, JobCancelled, ModelNotLoaded, QueueFull, WorkerStopped
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, ""),
     (WorkerStopped, grpc.StatusCode.UNAVAILABLE, "retry against a running service"),
     (ModelNotLoaded, grpc.StatusCode.UNAVAILABLE, "retry once the health service reports SERVING"),
-    (CacheUnavailable, grpc.StatusCode.UNAVAILABLE, "check that the cache daemon is running at --cache-addr"),
+    (StoreUnavailable, grpc.StatusCode.UNAVAILABLE, "check that the cache daemon is running at --cache-addr"),
 )
 
 

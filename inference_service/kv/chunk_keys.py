@@ -1,11 +1,11 @@
-"""Chunk keys: namespace digest, prefix-chained and content hashes over explicit token bytes."""
+"""Chunk keys: prefix-chained and content hashes over explicit token bytes, seeded by the namespace."""
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
-from dataclasses import asdict, dataclass
 from typing import Iterable, NewType, Sequence
+
+from inference_service.kv.namespace import Namespace
 
 # Commits to a chunk's tokens and to every token before it (at the same positions): equal
 # prefix keys mean the K/V are interchangeable as they are, with no repair.
@@ -13,38 +13,8 @@ PrefixKey = NewType("PrefixKey", bytes)
 # Commits to one chunk's tokens alone: equal content keys mean the same tokens, computed in
 # some context, so a hit is approximate and must be repaired.
 ContentKey = NewType("ContentKey", bytes)
-# Seeds both chains; different models, precisions or tenants never share a key.
-Namespace = NewType("Namespace", bytes)
-
 DIGEST_SIZE = 32
 _MAX_TOKEN_ID = 2**32 - 1
-
-
-@dataclass(slots=True, frozen=True)
-class NamespaceSpec:
-    """Everything that makes two chunks' K/V bytes incompatible."""
-
-    model_id: str
-    config_json: str  # canonical JSON of the model config (see canonical_json)
-    dtype: str
-    tokenizer_id: str
-    chunk_size: int
-    kv_cache_bits: int
-    format_version: int
-    tenant_salt: str = ""
-
-    def __post_init__(self) -> None:
-        assert self.chunk_size > 0, f"chunk_size must be positive, got {self.chunk_size}"
-        assert self.kv_cache_bits in (4, 8, 16), f"kv_cache_bits must be 4, 8 or 16, got {self.kv_cache_bits}"
-
-
-def canonical_json(value: object) -> str:
-    """JSON with sorted keys and no whitespace, so equal configs give equal text."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def namespace_digest(spec: NamespaceSpec) -> Namespace:
-    return Namespace(hashlib.sha256(canonical_json(asdict(spec)).encode()).digest())
 
 
 def encode_token_ids(token_ids: Sequence[int]) -> bytes:

@@ -8,9 +8,9 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from inference_service.detokenizer import IncrementalDetokenizer
-from inference_service.runner import decode_step
-from inference_service.sampling import make_generator, sample
+from inference_service.model.detokenizer import IncrementalDetokenizer
+from inference_service.model.forward import decode_step
+from inference_service.model.sampling import make_generator, sample
 
 OnToken = Callable[[str, list[int]], None]
 

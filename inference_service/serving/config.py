@@ -5,11 +5,11 @@ import argparse
 import ipaddress
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Mapping, Sequence
 
-from inference_service.engine_types import MODES, RECOMPUTE_STRATEGIES
-from inference_service.model_loader import DEFAULT_MODEL
+from inference_service.engine.types import MODES, RECOMPUTE_STRATEGIES
+from inference_service.model.weights import DEFAULT_MODEL
+from kvboost_common.auth import load_token
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_CACHE_ADDR = "127.0.0.1:50052"
@@ -100,12 +100,7 @@ class ServiceConfig:
 
 def read_secret(path: str) -> str | None:
     """The stripped contents of a token file; None when no file is configured."""
-    if not path:
-        return None
-    token = Path(path).read_text().strip()
-    if not token:
-        raise ValueError(f"token file {path} is empty")
-    return token
+    return load_token(path) if path else None
 
 
 def _require(condition: bool, message: str) -> None:

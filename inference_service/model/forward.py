@@ -1,0 +1,38 @@
+"""The model's forward passes over a request's cache: one prefill, one decode step."""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from inference_service.model.kv_buffers import LayerKV
+
+@torch.inference_mode()
+def prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, LayerKV]:
+    """Runs the live tokens after `start` cached ones; returns the last token's logits and their K/V.
+
+    token_ids: [n] at positions start .. start+n-1. Returns logits [vocab] (float32) and, per layer,
+    the K/V of these n tokens (views; nothing later writes into them).
+    """
+    num_tokens = token_ids.shape[0]
+    sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
+    for layer in sliding:  # keep every new token's K/V until they are read below
+        layer.activate_past_recording()
+    position_ids = torch.arange(start, start + num_tokens, device=token_ids.device).unsqueeze(0)
+    output = model(
+        input_ids=token_ids.unsqueeze(0), position_ids=position_ids, past_key_values=cache,
+        use_cache=True, logits_to_keep=1,
+    )
+    new_kv = [(layer.keys[:, :, -num_tokens:], layer.values[:, :, -num_tokens:]) for layer in cache.layers]
+    for layer in sliding:
+        layer.record_past = False
+        layer.keys = layer.keys[:, :, -layer.sliding_window + 1 :]
+        layer.values = layer.values[:, :, -layer.sliding_window + 1 :]
+    return output.logits[0, -1].float(), new_kv
+
+
+@torch.inference_mode()
+def decode_step(model, cache: DynamicCache, token_id: torch.Tensor, position: int) -> torch.Tensor:
+    """One generated token through the model; token_id: [] at `position`. Returns logits [vocab] (float32)."""
+    position_ids = torch.tensor([[position]], device=token_id.device)
+    output = model(input_ids=token_id.view(1, 1), position_ids=position_ids, past_key_values=cache, use_cache=True)
+    return output.logits[0, -1].float()

@@ -1,0 +1,71 @@
+"""InMemoryStore: a dict-backed chunk store inside the service's own process.
+
+Supported for single-process use (a notebook, a script that embeds the Engine) and as the in-process
+row of the TTFT benchmark; the served product uses the daemon (store/grpc_store.py).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+from inference_service.store.protocol import StoreLookup, StoreItem
+
+
+@dataclass(slots=True)
+class _Entry:
+    namespace: bytes
+    content_key: bytes | None
+    num_tokens: int
+    blob: bytearray  # writable, so decoding shares it instead of copying; never written after store
+    pin: bool
+
+
+class InMemoryStore:
+    """A dict-backed ChunkStore for tests and the in-process benchmark; thread-safe, unbounded."""
+
+    def __init__(self) -> None:
+        self.degraded = False
+        self._entries: dict[bytes, _Entry] = {}
+        self._content_index: dict[bytes, bytes] = {}  # content key -> newest prefix key stored with it
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None) -> StoreLookup:
+        with self._lock:
+            run = 0
+            while run < len(prefix_keys) and self._holds(namespace, prefix_keys[run]):
+                run += 1
+            content_hits: dict[int, bytes] = {}
+            for index, content_key in enumerate(content_keys or ()):
+                stored = self._content_index.get(content_key)
+                if index >= run and stored is not None and self._holds(namespace, stored):
+                    content_hits[index] = stored
+        return StoreLookup(run, content_hits)
+
+    def _holds(self, namespace: bytes, key: bytes) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.namespace == namespace
+
+    def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytearray | None]]:
+        with self._lock:
+            blobs = [(key, entry.blob if (entry := self._entries.get(key)) else None) for key in keys]
+        yield from blobs
+
+    def store(self, items: list[StoreItem]) -> int:
+        with self._lock:
+            for item in items:
+                self._entries[item.key] = _Entry(
+                    item.namespace, item.content_key, item.num_tokens, bytearray(item.blob), item.pin)
+                if item.content_key is not None:
+                    self._content_index[item.content_key] = item.key
+        return len(items)
+
+    def delete(self, keys: list[bytes]) -> None:
+        """Drops entries (tests use it to simulate eviction)."""
+        with self._lock:
+            for key in keys:
+                self._entries.pop(key, None)

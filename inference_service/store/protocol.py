@@ -1,0 +1,68 @@
+"""The engine's view of a chunk store (lookup, fetch, store) and the always-miss store."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be reached; the engine serves the request without it (degraded)."""
+
+
+@dataclass(slots=True, frozen=True)
+class StoreLookup:
+    prefix_run: int  # how many leading prefix keys hit, in order
+    content_hits: dict[int, bytes] = field(default_factory=dict)  # chunk index -> stored prefix key
+
+    def __post_init__(self) -> None:
+        assert self.prefix_run >= 0, f"prefix_run must be >= 0, got {self.prefix_run}"
+
+
+@dataclass(slots=True, frozen=True)
+class StoreItem:
+    key: bytes  # the chunk's prefix key
+    namespace: bytes
+    content_key: bytes | None
+    num_tokens: int
+    blob: bytes
+    pin: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.num_tokens > 0, f"a stored chunk holds tokens, got {self.num_tokens}"
+
+
+class ChunkStore(Protocol):
+    degraded: bool  # True while the backend is unreachable
+    # Optional, read with getattr(cache, "verifies_blobs", False): True when fetch already checked every
+    # blob it returns against a checksum taken over the same bytes when they were stored, so the engine
+    # need not run the blob's own CRC-32 a second time.
+
+    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None) -> StoreLookup:
+        """Which chunks are stored; moves no blob bytes. Raises StoreUnavailable."""
+        ...
+
+    def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
+        """(key, blob) in the order asked; None for a key that is not stored. Raises StoreUnavailable.
+
+        A blob may be any bytes-like object; a writable one (bytearray) lets decoding skip a copy.
+        """
+        ...
+
+    def store(self, items: list[StoreItem]) -> int:
+        """Stores the items; returns how many are stored (already present ones included). Raises StoreUnavailable."""
+        ...
+
+
+class NullStore:
+    """Stores nothing, finds nothing: BASELINE, and the stand-in while no store is configured."""
+
+    degraded = False
+
+    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None) -> StoreLookup:
+        return StoreLookup(0, {})
+
+    def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
+        return iter([(key, None) for key in keys])
+
+    def store(self, items: list[StoreItem]) -> int:
+        return 0

@@ -35,7 +35,7 @@ from inference_service.model.weights import DEFAULT_MODEL# noqa: E402
 from inference_service.model.loading import load_model# noqa: E402
 from inference_service.engine.verification import first_token_kl# noqa: E402
 from inference_service.engine.verification import matching_prefix_tokens# noqa: E402
-from tests.test_identity import identity_cases  # noqa: E402
+from tests.inference_service.test_identity import identity_cases  # noqa: E402
 from rag_dataset import build_documents, build_questions, chat_segments, document_segment  # noqa: E402
 
 
@@ -111,7 +111,7 @@ def run_questions(loaded, documents, questions, chunk_size: int, max_new_tokens:
 
 
 def identity_prompts(loaded, documents, questions, limit: int | None) -> list[dict]:
-    """The identity test's prompts (tests/test_identity.py: short, chunk-aligned, one past a boundary,
+    """The identity test's prompts (tests/inference_service/test_identity.py: short, chunk-aligned, one past a boundary,
     mixed, chats) and every RAG question's whole prompt: requests for exact prefix reuse."""
     cases = identity_cases(loaded.tokenizer)
     if limit:  # spread over the kinds
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--questions", type=int, default=100)
     parser.add_argument("--identity-prompts", type=int, default=None,
-                        help="first N of tests/test_identity.py's prompts (default: all 52); the RAG "
+                        help="first N of tests/inference_service/test_identity.py's prompts (default: all 52); the RAG "
                              "questions' prompts are always added")
     parser.add_argument("--identity-chunk-size", type=int, default=128, help="chunk size of the identity part "
                         "(the service default, where int8's scales cost least)")

@@ -65,7 +65,7 @@ def prefer_gqa_attention(device: torch.device) -> None:
 
     Without it transformers copies every cached K/V head per query group first (repeat_kv), which is
     most of the attention cost of a short suffix over a long cached prefix. The result is bit-identical
-    on CPU (tests/test_engine.py checks it); CUDA keeps the default, where masked GQA can be slower.
+    on CPU (tests/inference_service/engine/test_engine.py checks it); CUDA keeps the default, where masked GQA can be slower.
     An explicit TRANSFORMERS_SDPA_FORCE_GQA in the environment wins.
     """
     if device.type == "cpu":

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto"
 PROTOS = ["kvboost/v1/cache.proto", "kvboost/v1/inference.proto"]
 GENERATED = [f"kvboost/v1/{name}{suffix}" for name in ("cache", "inference") for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]

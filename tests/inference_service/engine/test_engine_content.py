@@ -8,7 +8,7 @@ from inference_service.engine import engine as engine_module
 from inference_service.engine.engine import GenerationParams
 from inference_service.engine.prompts import tokenize_segments
 from kvboost.v1 import inference_pb2 as pb
-from tests.test_engine import make_engine, reference_ids, run
+from tests.inference_service.engine.test_engine import make_engine, reference_ids, run
 
 HEADER = "<|im_start|>system\nAnswer from the notes.<|im_end|>\n<|im_start|>user\n"
 DOC_A = "Note one: the lighthouse keeper is Ada Finch and the door is blue. "  # 67 bytes: 8 chunks + 3

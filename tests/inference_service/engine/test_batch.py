@@ -331,7 +331,7 @@ def test_smollm2_chat_batch_is_token_identical_uncached_cached_and_baseline(smol
 
 def test_generate_batch_and_many_over_grpc_run_as_one_job(tiny_llama):
     from kvboost.v1 import inference_pb2 as pb
-    from tests.test_inference_servicer import run, serving
+    from tests.inference_service.serving.test_servicer import run, serving
 
     model, tokenizer = tiny_llama
     engine = make_engine(model, tokenizer)  # chunk 8, as the servicer tests' server config
@@ -370,7 +370,7 @@ def test_an_empty_batch_over_grpc_is_invalid_argument(tiny_llama):
     import grpc
 
     from kvboost.v1 import inference_pb2 as pb
-    from tests.test_inference_servicer import run, serving
+    from tests.inference_service.serving.test_servicer import run, serving
 
     engine = make_engine(*tiny_llama)
 

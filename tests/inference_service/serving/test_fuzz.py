@@ -173,7 +173,7 @@ def test_known_bad_requests_are_invalid_argument(stub, fields) -> None:
 ])
 def test_undecodable_requests_get_a_status_and_the_server_keeps_serving(stub, wire) -> None:
     """Bytes no client library would send: they do not parse, and the UndecodableRequestInterceptor answers
-    INVALID_ARGUMENT before the servicer runs (tests/test_undecodable.py covers every RPC and string field);
+    INVALID_ARGUMENT before the servicer runs (tests/kvboost_common/test_undecodable.py covers every RPC and string field);
     the process and later requests are unaffected."""
     raw = stub.channel.unary_stream("/kvboost.v1.InferenceService/Generate")
     with pytest.raises(grpc.RpcError) as raised:

@@ -8,7 +8,7 @@ import pytest
 from client import stack
 from tests.conftest import pick_free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAKE_MODULE = "tests.stack_fake_server"
 
 

@@ -8,8 +8,8 @@ from inference_service.store.protocol import StoreUnavailable
 from inference_service.store.memory import InMemoryStore
 from inference_service.kv.chunking import plan_segments
 from inference_service.engine.prompts import tokenize_prompt, tokenize_segments
-from tests.test_engine import make_engine, reference_ids, run
-from tests.test_engine_content import DOC_A, DOC_B, QUESTION, content_engine
+from tests.inference_service.engine.test_engine import make_engine, reference_ids, run
+from tests.inference_service.engine.test_engine_content import DOC_A, DOC_B, QUESTION, content_engine
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

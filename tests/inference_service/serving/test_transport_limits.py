@@ -6,7 +6,7 @@ import pytest
 
 from inference_service.serving.config import parse_config
 from kvboost.v1 import inference_pb2 as pb
-from tests.test_inference_servicer import engine, generate, run, serving  # noqa: F401  (engine is a fixture)
+from tests.inference_service.serving.test_servicer import engine, generate, run, serving  # noqa: F401  (engine is a fixture)
 
 
 def test_flags_and_environment_set_the_limits() -> None:

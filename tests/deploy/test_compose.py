@@ -22,7 +22,7 @@ from cache_daemon import config as daemon_config
 from client import healthcheck
 from inference_service.serving import config as service_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 GPU_OVERRIDE = yaml.safe_load((ROOT / "compose.gpu.yaml").read_text())
 DOCKERFILE = (ROOT / "Dockerfile").read_text()

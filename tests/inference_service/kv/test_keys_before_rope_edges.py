@@ -21,7 +21,7 @@ from inference_service.kv.rope import rope_parameters
 from inference_service.model.kv_buffers import KVGeometry, allocate_kv, build_cache, kv_geometry
 from inference_service.model.forward import prefill
 from inference_service.engine.writeback import PendingChunks, encode_pending
-from tests.test_keys_before_rope import pre_rope_keys, relative_error
+from tests.inference_service.kv.test_keys_before_rope import pre_rope_keys, relative_error
 
 NAMESPACE = b"v" * 32
 

@@ -9,7 +9,7 @@ import pytest
 from kvboost.v1 import inference_pb2
 from tests.client_fakes import FakeInference, make_result, running_server
 
-DEMO_PATH = Path(__file__).resolve().parents[1] / "client" / "examples" / "demo.py"
+DEMO_PATH = Path(__file__).resolve().parents[2] / "client" / "examples" / "demo.py"
 
 
 def load_demo():

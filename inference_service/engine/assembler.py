@@ -10,9 +10,9 @@ from typing import Iterator, TypeVar
 import torch
 
 from inference_service.store.protocol import StoreUnavailable, ChunkStore
-from inference_service.kv.codec import BlobError, DecodedChunk, decode_chunk
+from inference_service.kv.blobs import decode_hit, place_hit_
 from inference_service.engine.prompts import PromptPlan
-from inference_service.kv.rope import RopeParams, UnsupportedRope, rerotate_keys_
+from inference_service.kv.rope import RopeParams
 from inference_service.model.kv_buffers import KVGeometry, allocate_kv
 
 logger = logging.getLogger(__name__)
@@ -93,9 +93,9 @@ def fetch_prefix_run(
         for chunk, expected_key, (key, blob) in zip(chunks, prompt.prefix_keys, blobs):
             decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify, rope=rope,
                                  device=keys.device)
-            if decoded is None or not place_rotated_keys_(keys[:, :, chunk.start : chunk.end], decoded, chunk.start, rope):
+            span = slice(chunk.start, chunk.end)
+            if decoded is None or not place_hit_(keys[:, :, span], values[:, :, span], decoded, chunk.start, rope):
                 break
-            values[:, :, chunk.start : chunk.end].copy_(decoded.values)
             num_placed += 1
             num_bytes += len(blob)
     except StoreUnavailable as error:  # the chunks placed so far are still good
@@ -147,62 +147,3 @@ def prefetched(items: Iterator[T]) -> Iterator[T]:
             yield item
     finally:
         stop.set()
-
-
-def decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: int, shape: tuple[int, ...],
-               verify: bool, same_position: bool = True, rope: RopeParams | None = None,
-               device: torch.device | str = "cpu"):
-    """The decoded chunk, or None (logged) when the blob cannot stand for this chunk.
-
-    shape: (layers, kv_heads, any, head_dim) of the model's K/V. same_position: the blob must have been
-    computed at `start` (a prefix hit); False for a content hit, whose keys are re-rotated. rope: None
-    refuses blobs whose keys are stored un-rotated (nothing could rotate them into place). device: where
-    the tensors are decoded (dequantized): the buffers' device.
-    """
-    kind = "chunk" if same_position else "content hit"
-    if blob is None or key != expected_key:
-        logger.info("%s at position %d missing at fetch (evicted since lookup?)", kind, start)
-        return None
-    try:
-        decoded = decode_chunk(blob, device=device, verify=verify)
-    except BlobError as error:
-        logger.warning("%s at position %d could not be decoded, recomputing it: %s", kind, start, error)
-        return None
-    header = decoded.header
-    expected = (shape[0], shape[1], num_tokens, shape[3])
-    if header.shape != expected or (same_position and header.start_position != start):
-        logger.warning("%s at position %d has shape %s at %d, expected %s: recomputing it",
-                       kind, start, header.shape, header.start_position, expected)
-        return None
-    if header.keys_before_rope and rope is None:
-        logger.warning("%s at position %d stores its keys un-rotated and this model's RoPE cannot rotate them: "
-                       "recomputing it", kind, start)
-        return None
-    return decoded
-
-
-def place_rotated_keys_(target: torch.Tensor, decoded: DecodedChunk, start: int, rope: RopeParams | None) -> bool:
-    """Puts the decoded keys into `target` (a buffer slice) rotated to positions start.., from the positions
-    they are stored for (start_position.., or 0 for every token when stored un-rotated). False (logged)
-    when the RoPE refuses the move; target's rows are then not to be used.
-    """
-    header, keys = decoded.header, decoded.keys
-    if not header.keys_before_rope and header.start_position == start:
-        target.copy_(keys)
-        return True
-    assert rope is not None, "decode_hit refuses blobs that need rotation without rope parameters"
-    to_positions = torch.arange(start, start + target.shape[2], device=target.device)
-    from_positions = torch.zeros_like(to_positions) if header.keys_before_rope else to_positions - start + header.start_position
-    try:
-        if header.bits != 16 and keys.dtype != target.dtype:
-            # Dequantized in float32 (see writeback): rotated there, then rounded into the buffer once. The
-            # tensor is dequantize's own, never the blob's memory.
-            rerotate_keys_(keys, from_positions, to_positions, rope)
-            target.copy_(keys)
-        else:  # in place in the buffer: no copy beside it
-            target.copy_(keys)
-            rerotate_keys_(target, from_positions, to_positions, rope)
-    except UnsupportedRope as error:
-        logger.info("chunk at position %d not reused: %s", start, error)
-        return False
-    return True

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.engine.assembler import AssembledContext, decode_hit, place_rotated_keys_
+from inference_service.engine.assembler import AssembledContext
+from inference_service.kv.blobs import decode_hit, place_hit_
 from inference_service.store.protocol import StoreUnavailable, ChunkStore
 from inference_service.engine.prompts import PromptPlan
 from inference_service.kv.repair import APPROX, EXACT, MISSING, RepairOptions, exact_prefix_length, repair_prefill
@@ -89,10 +90,11 @@ def place_content_hits(
             decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify,
                                  same_position=False, rope=rope, device=key_buffer.device)
             # Keys rotated to their new positions; rows whose keys cannot be stay MISSING, so they are recomputed.
-            if decoded is None or not place_rotated_keys_(key_buffer[:, :, chunk.start : chunk.end], decoded, chunk.start, rope):
+            span = slice(chunk.start, chunk.end)
+            if decoded is None or not place_hit_(key_buffer[:, :, span], value_buffer[:, :, span], decoded, chunk.start,
+                                                 rope):
                 continue
             stored_start = decoded.header.start_position
-            value_buffer[:, :, chunk.start : chunk.end] = decoded.values
             status[chunk.start : chunk.end] = APPROX
             # A chunk continues a run when it follows the previous hit both in the prompt and in storage.
             same_segment = index > 0 and prompt.chunks.chunks[index - 1].segment == chunk.segment

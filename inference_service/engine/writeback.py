@@ -11,8 +11,8 @@ import torch
 
 from inference_service.store.protocol import StoreUnavailable, ChunkStore, StoreItem
 from inference_service.kv.chunking import Chunk
-from inference_service.kv.codec import encode_chunk
-from inference_service.kv.rope import RopeParams, UnsupportedRope, check_rerotation, rerotate_keys_
+from inference_service.kv.blobs import DEFAULT_GROUP_SIZE, encode_chunk_kv
+from inference_service.kv.rope import RopeParams
 from inference_service.model.kv_buffers import LayerKV, stack_layers
 
 logger = logging.getLogger(__name__)
@@ -36,54 +36,15 @@ class PendingChunks:
         assert all(chunk.start >= self.kv_start for chunk in self.chunks), "every chunk lies in the prefill's tokens"
 
 
-# Quantization group by bits, when none is configured (0). At 8 bits, 64-token key groups (values
-# symmetric per token, the sink token float16) store 128-token chunks of head_dim 64 in 1.90x fewer
-# bytes than fp16, with 16% less mean first-token KL than group 128 (bench_accuracy's identity prompts
-# on SmolLM2). At 4 bits, group 128 (3.7x fewer) agreed more often in greedy outputs there.
-DEFAULT_GROUP_SIZES = {8: 64, 4: 128}
-DEFAULT_GROUP_SIZE = 0  # 0: DEFAULT_GROUP_SIZES[bits]
-
-
-def group_size_for(bits: int, group_size: int) -> int:
-    return group_size or DEFAULT_GROUP_SIZES.get(bits, 128)
-
-
 def encode_pending(pending: PendingChunks, bits: int, group_size: int = DEFAULT_GROUP_SIZE,
                    rope: RopeParams | None = None) -> list[StoreItem]:
-    """Blobs for the pending chunks. rope: at 8 and 4 bits, keys are un-rotated to position 0 with it before
-    they are quantized (flag KEYS_BEFORE_ROPE); None stores keys as the model computed them."""
+    """Store items for the pending chunks, encoded by kv.blobs.encode_chunk_kv (rope: see there)."""
     items = []
     for chunk, key, content in zip(pending.chunks, pending.prefix_keys, pending.content_keys):
         keys, values = stack_layers(pending.new_kv, chunk.start - pending.kv_start, chunk.end - pending.kv_start)
-        unrotated = _unrotated(keys, chunk.start, rope) if bits != 16 and rope is not None else None
-        if unrotated is not None:
-            # Un-rotated and quantized in float32: rounding the moved keys back to bf16/fp16 first would add
-            # an error as large as part of what 8 bits gain. The blob then says float32 (quantized bytes are
-            # the same size), so readers also rotate before rounding into their buffers.
-            keys, values = unrotated, values.float()
-        blob = encode_chunk(keys, values, chunk.start, bits=bits, group_size=group_size_for(bits, group_size),
-                            keys_before_rope=unrotated is not None)
+        blob = encode_chunk_kv(keys, values, chunk.start, bits, group_size, rope)
         items.append(StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin))
     return items
-
-
-def _unrotated(keys: torch.Tensor, start: int, rope: RopeParams) -> torch.Tensor | None:
-    """Keys [layers, kv_heads, n, head_dim] computed at positions start.., rotated back to position 0, in
-    float32 (in place when they already are: stack_layers' own tensor). None where the RoPE cannot be
-    undone exactly (the keys are then stored as computed).
-
-    Pre-RoPE keys keep each channel near one range whatever the position (RoPE spins channel pairs at
-    position-dependent angles, spreading every channel over +-its pair's norm), so per-channel groups
-    quantize them with less error (KVQuant).
-    """
-    positions = torch.arange(start, start + keys.shape[2], device=keys.device)
-    try:
-        check_rerotation(rope, positions)
-    except UnsupportedRope:
-        return None
-    moved = keys.float()
-    rerotate_keys_(moved, positions, torch.zeros_like(positions), rope)
-    return moved
 
 
 class WriteBack:

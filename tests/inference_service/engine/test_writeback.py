@@ -5,7 +5,8 @@ import torch
 
 from inference_service.kv.chunking import Chunk
 from inference_service.kv.codec import read_header
-from inference_service.engine.writeback import PendingChunks, encode_pending, group_size_for
+from inference_service.engine.writeback import PendingChunks, encode_pending
+from inference_service.kv.blobs import group_size_for
 
 
 def test_group_size_defaults_by_bits_and_an_explicit_one_wins():

@@ -75,7 +75,7 @@ def ask(engine: Engine, column: Column, max_new_tokens: int, **prompt):
     params = GenerationParams(**prompt, max_new_tokens=max_new_tokens, mode=column.mode,
                               recompute_strategy=column.strategy,
                               recompute_ratio=column.ratio if column.strategy == "cacheblend" else None)
-    outcome, first_logits = engine._generate(params, None, lambda: False)
+    outcome, first_logits = engine.generate_with_first_logits(params)
     engine.flush_writes()
     assert not outcome.degraded, "the store was unreachable"
     return outcome, first_logits

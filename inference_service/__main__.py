@@ -21,7 +21,7 @@ SHUTDOWN_GRACE_S = 5.0
 WRITE_BACK_FLUSH_S = 10.0
 
 
-def make_cache(config: ServiceConfig) -> ChunkStore:
+def make_store(config: ServiceConfig) -> ChunkStore:
     """The daemon client, or a store that holds nothing when no daemon address is configured."""
     if not config.cache_addr:
         logger.warning("no --cache-addr: every request runs without the cache")
@@ -37,7 +37,7 @@ def make_cache(config: ServiceConfig) -> ChunkStore:
     ))
 
 
-def load_engine(config: ServiceConfig, cache: ChunkStore) -> Any:
+def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
     """Checks the architecture from the config, then loads the weights (slow: runs off the event loop)."""
     from inference_service.engine.engine import Engine, EngineConfig# torch and transformers load here
     from inference_service.model.loading import load_model
@@ -58,9 +58,9 @@ def load_engine(config: ServiceConfig, cache: ChunkStore) -> Any:
         kv_group_size=config.kv_group_size,
         kv_keys_before_rope=config.kv_keys_before_rope,
     )
-    if isinstance(cache, GrpcChunkStore) and cache.check():
-        logger.info("cache daemon at %s answers", cache.address)
-    return Engine(loaded.model, loaded.tokenizer, engine_config, cache, model_id=loaded.model_id)
+    if isinstance(store, GrpcChunkStore) and store.check():
+        logger.info("cache daemon at %s answers", store.address)
+    return Engine(loaded.model, loaded.tokenizer, engine_config, store, model_id=loaded.model_id)
 
 
 def _auto(value: str) -> str | None:
@@ -69,15 +69,15 @@ def _auto(value: str) -> str | None:
 
 async def serve(config: ServiceConfig) -> int:
     """Serves until SIGTERM or SIGINT; returns the exit status."""
-    cache = make_cache(config)
-    server = build_server(config, engine=None, cache=cache)
+    store = make_store(config)
+    server = build_server(config, engine=None, store=store)
     await server.start()
     logger.info("listening on %s (port %d); health NOT_SERVING until the model is loaded", config.listen, server.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    loading = _in_daemon_thread(lambda: load_engine(config, cache))
+    loading = _in_daemon_thread(lambda: load_engine(config, store))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     engine, status = None, 0
@@ -100,7 +100,7 @@ async def serve(config: ServiceConfig) -> int:
     if engine is not None:
         engine.flush_writes(timeout=WRITE_BACK_FLUSH_S)  # chunks computed so far still reach the daemon
         engine.close()
-    getattr(cache, "close", lambda: None)()
+    getattr(store, "close", lambda: None)()
     return status
 
 

@@ -1,89 +1,88 @@
-"""The engine: prompt -> cached chunks -> one prefill of the live suffix -> streamed decode -> write-back."""
+"""The Engine: builds the parts every request needs, and fronts requests, batches, warm-up and verification."""
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from inference_service.kv import codec
-from inference_service.engine.assembler import AssembledContext, assemble_context, empty_context
-from inference_service.store.protocol import ChunkStore
-from inference_service.engine.content_reuse import exact_pending_chunks, prefill_with_content_hits
-from inference_service.model.detokenizer import IncrementalDetokenizer
-from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
-from inference_service.errors import InvalidRequest, PromptTooLong
-from inference_service.engine.generation import DecodeResult, OnToken, SamplingSettings, decode_loop, eos_token_ids
-from inference_service.kv.namespace import NamespaceSpec, namespace_digest
-from inference_service.kv.repair import MASKABLE_ATTENTION, RepairOptions
-from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_parameters
-from inference_service.engine.prompts import (
-    PromptPlan, plan_prompt, tokenize_document, tokenize_messages, tokenize_prompt, tokenize_segments,
-)
-from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
-from inference_service.kv.namespace import canonical_config_json, dtype_name, tokenizer_identity
-from inference_service.model.loading import prefer_gqa_attention
-from inference_service.model.forward import prefill
+from inference_service.engine import batch
 from inference_service.engine.counters import EngineStats
+from inference_service.engine.generation import OnToken, eos_token_ids
+from inference_service.engine.pipeline import (
+    EngineParts, generate_one, plan_request, plan_segments, repair_options,
+)
+from inference_service.engine.prompts import PromptPlan, tokenize_document, tokenize_messages, tokenize_prompt
+from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.engine.verification import (
     BUILTIN_PROMPTS, first_token_cosine, first_token_kl, matching_prefix_tokens,
 )
 from inference_service.engine.writeback import PendingChunks, WriteBack
+from inference_service.errors import InvalidRequest
+from inference_service.kv import codec
+from inference_service.kv.namespace import (
+    NamespaceSpec, canonical_config_json, dtype_name, namespace_digest, tokenizer_identity,
+)
+from inference_service.kv.repair import MASKABLE_ATTENTION, RepairOptions
+from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_parameters
+from inference_service.model.forward import prefill
+from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+from inference_service.model.loading import prefer_gqa_attention
+from inference_service.store.protocol import ChunkStore
 
 __all__ = ["Engine", "EngineConfig", "GenerationOutcome", "GenerationParams", "WarmOutcome"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Prefilled:
-    """A prompt after its one prefill: what decoding and write-back need."""
-
-    prompt: PromptPlan
-    context: AssembledContext
-    num_cached_tokens: int  # leading tokens whose K/V came from the cache (< prompt length)
-    cache: object  # the DynamicCache, ready for decoding
-    first_logits: torch.Tensor  # [vocab]
-    pending: PendingChunks | None  # new full chunks to store after the first token
-
-
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig, cache: ChunkStore, model_id: str = "") -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.config = config
-        self.cache = cache
+    """The product's front to the model: requests, batches, warm-up, verification, info and stats."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig, store: ChunkStore, model_id: str = "") -> None:
         self.model_id = model_id or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
-        self.device = model.device
-        self.dtype = model.dtype
-        prefer_gqa_attention(self.device)
-        self.geometry = kv_geometry(model.config)
-        self.max_prompt_tokens = config.max_prompt_tokens or self.geometry.max_context
-        self.namespace = namespace_digest(NamespaceSpec(
-            model_id=self.model_id,
-            config_json=canonical_config_json(model.config),
-            dtype=dtype_name(self.dtype),
-            tokenizer_id=tokenizer_identity(tokenizer),
-            chunk_size=config.chunk_size,
-            kv_cache_bits=config.kv_cache_bits,
-            format_version=codec.BLOB_FORMAT_VERSION,
-            tenant_salt=config.tenant_salt,
-        ))
-        self.eos_ids = eos_token_ids(model, tokenizer)
-        self.counters = EngineStats()
+        prefer_gqa_attention(model.device)
+        geometry = kv_geometry(model.config)
+        counters = EngineStats()
         # Rotary parameters for moving stored keys: re-rotating content hits, un-rotating keys before they
         # are quantized and rotating such keys back into place on every hit. None: RoPE that cannot be moved.
-        self.key_rope = _rope_or_none(model.config)
-        self._writeback = WriteBack(cache, config.kv_cache_bits, self.counters.add_stored, config.kv_group_size,
-                                    self.key_rope if config.keys_before_rope else None)
-        self.rope = self.key_rope  # content hits; None: they fall back to prefix reuse
+        key_rope = _rope_or_none(model.config)
+        content_rope = key_rope
         attention = getattr(model.config, "_attn_implementation", None)
-        if self.rope is not None and attention not in MASKABLE_ATTENTION:
+        if content_rope is not None and attention not in MASKABLE_ATTENTION:
             logger.info("content hits will not be reused: repair needs %s attention, the model uses %r",
                         " or ".join(MASKABLE_ATTENTION), attention)
-            self.rope = None  # content hits then fall back to prefix reuse instead of failing requests
+            content_rope = None  # content hits then fall back to prefix reuse instead of failing requests
+        self.parts = EngineParts(
+            model=model, tokenizer=tokenizer, config=config, store=store,
+            namespace=namespace_digest(NamespaceSpec(
+                model_id=self.model_id,
+                config_json=canonical_config_json(model.config),
+                dtype=dtype_name(model.dtype),
+                tokenizer_id=tokenizer_identity(tokenizer),
+                chunk_size=config.chunk_size,
+                kv_cache_bits=config.kv_cache_bits,
+                format_version=codec.BLOB_FORMAT_VERSION,
+                tenant_salt=config.tenant_salt,
+            )),
+            geometry=geometry,
+            max_prompt_tokens=config.max_prompt_tokens or geometry.max_context,
+            eos_ids=eos_token_ids(model, tokenizer),
+            counters=counters,
+            writeback=WriteBack(store, config.kv_cache_bits, counters.add_stored, config.kv_group_size,
+                                key_rope if config.keys_before_rope else None),
+            key_rope=key_rope,
+            content_rope=content_rope,
+        )
+
+    # What callers read most; everything else is on self.parts.
+    model = property(lambda self: self.parts.model)
+    tokenizer = property(lambda self: self.parts.tokenizer)
+    config = property(lambda self: self.parts.config)
+    store = property(lambda self: self.parts.store)
+    namespace = property(lambda self: self.parts.namespace)
+    geometry = property(lambda self: self.parts.geometry)
+    device = property(lambda self: self.parts.device)
+    dtype = property(lambda self: self.parts.dtype)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -95,127 +94,29 @@ class Engine:
             InvalidRequest: parameters the server does not accept.
             PromptTooLong: more prompt tokens than max_prompt_tokens.
         """
-        return self._generate(params, on_token, should_stop)[0]
+        return generate_one(self.parts, params, on_token, should_stop)[0]
 
-    def _generate(self, params: GenerationParams, on_token: OnToken | None,
-                  should_stop: Callable[[], bool]) -> tuple[GenerationOutcome, torch.Tensor | None]:
-        mode, prompt, max_new_tokens = self.plan_request(params)
-        if should_stop():  # cancelled or past its deadline while queued
-            return self._outcome(params, mode, prompt, None, _cancelled_before_start()), None
-        prefilled = self._prefill(prompt, mode, prompt.num_tokens + max_new_tokens, params.request_id,
-                                  self.repair_options(params))
-        decoded = decode_loop(
-            self.model, prefilled.cache, prefilled.first_logits, prompt.num_tokens,
-            IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params.stop),
-            SamplingSettings(params.temperature, params.top_k, params.top_p, params.seed),
-            self.eos_ids, max_new_tokens, on_token, should_stop,
-            after_first_token=lambda: self.submit_write_back(prefilled.pending),
-        )
-        outcome = self._outcome(params, mode, prompt, prefilled, decoded)
-        logger.info("[%s] %s: %d prompt tokens, %d cached, ttft %.1f ms, %d generated (%s)%s",
-                    params.request_id, mode, outcome.prompt_tokens, outcome.cached_tokens, outcome.ttft_ms,
-                    outcome.generated_tokens, outcome.finish_reason, " degraded" if outcome.degraded else "")
-        return outcome, prefilled.first_logits
+    def generate_with_first_logits(self, params: GenerationParams) -> tuple[GenerationOutcome, torch.Tensor | None]:
+        """generate() without streaming, plus the logits the first token was chosen from ([vocab] float32)."""
+        return generate_one(self.parts, params)
+
+    def generate_batch(self, params_list: Sequence[GenerationParams], should_stop: Callable[[], bool] = lambda: False,
+                       pad_token_id: int | None = None) -> list[GenerationOutcome]:
+        """Prompts that share a prefix, run as padded batches (see batch.generate_batch); input order kept."""
+        return batch.generate_batch(self.parts, params_list, should_stop, pad_token_id)
+
+    def generate_many(self, params_list: Sequence[GenerationParams], should_stop: Callable[[], bool] = lambda: False,
+                      pad_token_id: int | None = None) -> list[GenerationOutcome]:
+        """Prompts grouped by shared prefix, each group run as generate_batch does; input order kept."""
+        return batch.generate_many(self.parts, params_list, should_stop, pad_token_id)
 
     def plan_request(self, params: GenerationParams) -> tuple[str, PromptPlan, int]:
-        """(mode, tokenized and keyed prompt, max_new_tokens capped by the context room) of a request.
-
-        Raises:
-            InvalidRequest: max_new_tokens over the server's limit, or an empty prompt.
-            PromptTooLong: more prompt tokens than max_prompt_tokens.
-        """
-        if params.max_new_tokens > self.config.max_new_tokens_limit:
-            raise InvalidRequest(f"max_new_tokens {params.max_new_tokens} is over the server's limit "
-                                 f"{self.config.max_new_tokens_limit}")
-        prompt = self._plan(self._tokenize(params))
-        room = max(1, self.geometry.max_context - prompt.num_tokens)
-        return params.mode or self.config.default_mode, prompt, min(params.max_new_tokens, room)
-
-    def _tokenize(self, params: GenerationParams) -> list[list[int]]:
-        if params.prompt:
-            return tokenize_prompt(self.tokenizer, params.prompt)
-        if params.messages:
-            return tokenize_messages(self.tokenizer, params.messages)
-        return tokenize_segments(self.tokenizer, params.segments or ())
-
-    def _plan(self, segments: list[list[int]]) -> PromptPlan:
-        num_tokens = sum(len(segment) for segment in segments)
-        if num_tokens == 0:
-            raise InvalidRequest("the prompt has no tokens")
-        if num_tokens > self.max_prompt_tokens:
-            raise PromptTooLong(num_tokens, self.max_prompt_tokens)
-        return plan_prompt(self.namespace, segments, self.config.chunk_size)
+        """(mode, planned prompt, capped max_new_tokens); see pipeline.plan_request."""
+        return plan_request(self.parts, params)
 
     def repair_options(self, params: GenerationParams | None = None) -> RepairOptions:
         """The request's repair of content hits, the server's defaults where it names none."""
-        config = self.config
-
-        def pick(name: str, default):
-            given = getattr(params, name, None)
-            return default if given is None else given
-
-        return RepairOptions(
-            strategy=pick("recompute_strategy", config.default_recompute_strategy),
-            recompute_ratio=pick("recompute_ratio", config.recompute_ratio),
-            selective_tokens=pick("selective_tokens", config.selective_tokens),
-            sink_tokens=pick("sink_tokens", config.sink_tokens),
-            check_layers=min(config.check_layers, max(1, self.geometry.num_layers - 1)),
-        )
-
-    def _prefill(self, prompt: PromptPlan, mode: str, capacity: int, request_id: str,
-                 repair: RepairOptions | None = None) -> _Prefilled:
-        """Reuses what the cache has, then runs the rest of the prompt; capacity: prompt plus new tokens.
-
-        In chunk_kv_reuse mode, content hits after the prefix run are re-rotated, placed and repaired
-        by `repair` (the server's defaults when None) in the same pass that computes the missing tokens.
-        """
-        if mode == "baseline":
-            context = empty_context()
-        else:
-            context = assemble_context(self.cache, self.namespace, prompt, self.geometry, self.device, self.dtype,
-                                       capacity, with_content_hits=mode == "chunk_kv_reuse", rope=self.key_rope)
-        if mode == "chunk_kv_reuse" and context.content_hits and not context.degraded:
-            reused = prefill_with_content_hits(self.model, self.cache, prompt, context, self.geometry, self.rope,
-                                               repair or self.repair_options(),
-                                               capacity, overlap_tokens=self.config.overlap_tokens)
-            if reused is not None:
-                pending = exact_pending_chunks(self.namespace, prompt, context, reused, request_id)
-                context.num_recomputed_tokens = reused.num_recomputed_tokens
-                context.num_bytes_fetched += reused.num_bytes_fetched
-                context.num_cached_chunks += reused.num_content_chunks
-                context.degraded = reused.degraded
-                return _Prefilled(prompt, context, reused.num_cached_tokens, reused.cache, reused.first_logits,
-                                  None if reused.degraded else pending)
-        # At least the last prompt token is always run, so there are logits to start from.
-        num_cached = min(context.num_cached_tokens, prompt.num_tokens - 1)
-        buffers = (context.key_buffer, context.value_buffer)
-        if buffers[0] is None:
-            buffers = allocate_kv(self.geometry, capacity, self.device, self.dtype)
-        cache = build_cache(self.model.config, *buffers, num_cached)
-        live = torch.tensor(prompt.token_ids[num_cached:], device=self.device)
-        first_logits, new_kv = prefill(self.model, cache, live, num_cached)
-        pending = None
-        if mode != "baseline" and not context.degraded:
-            index = context.num_cached_chunks
-            pending = PendingChunks(self.namespace, prompt.chunks.chunks[index:], prompt.prefix_keys[index:],
-                                    prompt.content_keys[index:], new_kv, num_cached, request_id=request_id)
-        return _Prefilled(prompt, context, num_cached, cache, first_logits, pending)
-
-    def submit_write_back(self, pending: PendingChunks | None) -> None:
-        """Queues new chunks for the background write-back; returns at once."""
-        if pending is not None:
-            self._writeback.submit(pending)
-
-    def _outcome(self, params: GenerationParams, mode: str, prompt: PromptPlan, prefilled: _Prefilled | None,
-                 decoded: DecodeResult) -> GenerationOutcome:
-        context = prefilled.context if prefilled else empty_context()
-        num_cached = prefilled.num_cached_tokens if prefilled else 0
-        outcome = outcome_of(params, mode, prompt.num_tokens, num_cached, context.num_recomputed_tokens, decoded,
-                             context.degraded)
-        self.counters.add_request(prompt.num_tokens, num_cached, context.num_recomputed_tokens,
-                                  context.num_cached_chunks, context.num_bytes_fetched,
-                                  outcome.ttft_ms if outcome.generated_tokens else None)
-        return outcome
+        return repair_options(self.parts, params)
 
     # ---- warm, verify, info ---------------------------------------------------------------------
 
@@ -238,7 +139,7 @@ class Engine:
             segments = tokenize_prompt(self.tokenizer, text)
         else:
             raise InvalidRequest("Warm needs text or messages")
-        prompt = self._plan(segments)
+        prompt = plan_segments(self.parts, segments)
         chunks = prompt.chunks.chunks
         stored = 0
         if chunks:
@@ -247,7 +148,7 @@ class Engine:
             token_ids = torch.tensor(prompt.token_ids[:num_chunk_tokens], device=self.device)
             _, new_kv = prefill(self.model, build_cache(self.model.config, *buffers, 0), token_ids, 0)
             content_keys = prompt.content_keys if content_addressed else (None,) * len(chunks)
-            stored = self._writeback.store_now(PendingChunks(
+            stored = self.parts.writeback.store_now(PendingChunks(
                 self.namespace, chunks, prompt.prefix_keys, content_keys, new_kv, 0, pin=pin))
         tail = len(prompt.chunks.tail)
         warning = "" if tail == 0 else (
@@ -260,8 +161,8 @@ class Engine:
         reports = []
         for prompt in prompts or BUILTIN_PROMPTS:
             def run(run_mode: str):
-                return self._generate(GenerationParams(prompt=prompt, max_new_tokens=max_new_tokens, mode=run_mode),
-                                      None, lambda: False)
+                return self.generate_with_first_logits(
+                    GenerationParams(prompt=prompt, max_new_tokens=max_new_tokens, mode=run_mode))
             baseline, baseline_logits = run("baseline")
             run(mode)
             self.flush_writes()
@@ -298,38 +199,15 @@ class Engine:
 
     def stats(self) -> dict:
         """Fields of ServiceStatsReply the engine knows."""
-        return {**self.counters.snapshot(), "degraded": bool(getattr(self.cache, "degraded", False))}
+        return {**self.parts.counters.snapshot(), "degraded": bool(getattr(self.store, "degraded", False))}
 
     def flush_writes(self, timeout: float | None = None) -> None:
         """Waits for queued write-backs (tests, shutdown)."""
-        self._writeback.flush(timeout)
+        self.parts.writeback.flush(timeout)
 
     def close(self) -> None:
         """Finishes queued write-backs and stops the write-back thread."""
-        self._writeback.close()
-
-
-def outcome_of(params: GenerationParams, mode: str, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int,
-               decoded: DecodeResult, degraded: bool) -> GenerationOutcome:
-    """A finished request's result; times are measured from the request's arrival."""
-    generated = len(decoded.token_ids)
-    decode_seconds = decoded.last_token_time - decoded.first_token_time
-    return GenerationOutcome(
-        output_text=decoded.text,
-        generated_tokens=generated,
-        output_token_ids=decoded.token_ids,
-        ttft_ms=(decoded.first_token_time - params.arrival) * 1000 if generated else 0.0,
-        total_ms=(decoded.last_token_time - params.arrival) * 1000 if generated else 0.0,
-        tokens_per_sec=(generated - 1) / decode_seconds if generated > 1 and decode_seconds > 0 else 0.0,
-        kv_reuse_ratio=cached_tokens / prompt_tokens,
-        prompt_tokens=prompt_tokens,
-        cached_tokens=cached_tokens,
-        recomputed_tokens=recomputed_tokens,
-        mode=mode,
-        finish_reason=decoded.finish_reason,
-        degraded=degraded,
-        request_id=params.request_id,
-    )
+        self.parts.writeback.close()
 
 
 def _rope_or_none(config) -> RopeParams | None:
@@ -339,7 +217,3 @@ def _rope_or_none(config) -> RopeParams | None:
     except (UnsupportedRope, AttributeError, KeyError) as error:
         logger.info("content hits will not be reused by this model: %s", error)
         return None
-
-
-def _cancelled_before_start() -> DecodeResult:
-    return DecodeResult([], "", "cancelled", 0.0, 0.0)

@@ -65,7 +65,7 @@ def decode_loop(
             on_token(piece, [token_id])
         if len(token_ids) == 1:
             after_first_token()
-        reason = _finish_reason(token_id, detokenizer, eos_ids, len(token_ids), max_new_tokens, should_stop)
+        reason = finish_reason(token_id, detokenizer, eos_ids, len(token_ids), max_new_tokens, should_stop)
         if reason:
             break
         logits = decode_step(model, cache, token, position + len(token_ids) - 1)
@@ -75,7 +75,7 @@ def decode_loop(
     return DecodeResult(token_ids, detokenizer.text, reason, first_time, now)
 
 
-def _finish_reason(token_id: int, detokenizer: IncrementalDetokenizer, eos_ids: frozenset[int],
+def finish_reason(token_id: int, detokenizer: IncrementalDetokenizer, eos_ids: frozenset[int],
                    num_generated: int, max_new_tokens: int, should_stop: Callable[[], bool]) -> str:
     if token_id in eos_ids:
         return "eos"

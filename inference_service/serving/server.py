@@ -29,19 +29,19 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class InferenceServer:
     """A grpc.aio.Server with the parts the process drives: the bound port, the engine slot, health."""
 
-    def __init__(self, server: grpc.aio.Server, port: int, servicer: InferenceServicer, health_servicer: Any, cache: Any) -> None:
+    def __init__(self, server: grpc.aio.Server, port: int, servicer: InferenceServicer, health_servicer: Any, store: Any) -> None:
         self.server = server
         self.port = port
         self.servicer = servicer
         self.health = health_servicer
-        self.cache = cache
+        self.store = store
         self._watch_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING if self.servicer.engine is not None else _NOT_SERVING)
-        self._watch_task = asyncio.create_task(self._watch_cache())
+        self._watch_task = asyncio.create_task(self._watch_store())
 
     async def set_engine(self, engine: Any) -> None:
         """The model is loaded: requests are served and health turns SERVING."""
@@ -59,23 +59,23 @@ class InferenceServer:
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
 
-    async def _watch_cache(self, interval_s: float = 0.5) -> None:
+    async def _watch_store(self, interval_s: float = 0.5) -> None:
         reported = None
         while True:
-            degraded = bool(getattr(self.cache, "degraded", False))
+            degraded = bool(getattr(self.store, "degraded", False))
             if degraded != reported:
                 await self.health.set(CACHE_HEALTH_NAME, _NOT_SERVING if degraded else _SERVING)
                 reported = degraded
             await asyncio.sleep(interval_s)
 
 
-def build_server(config: ServiceConfig, engine: Any = None, cache: Any = None) -> InferenceServer:
+def build_server(config: ServiceConfig, engine: Any = None, store: Any = None) -> InferenceServer:
     """Binds config.listen (port 0 picks a free port, see `.port`); serves once started.
 
-    engine may be None while the model loads (health NOT_SERVING, calls UNAVAILABLE); `cache` is the
-    engine's ChunkStore (default: engine.cache), whose degraded flag health mirrors.
+    engine may be None while the model loads (health NOT_SERVING, calls UNAVAILABLE); `store` is the
+    engine's ChunkStore (default: engine.store), whose degraded flag health mirrors.
     """
-    cache = cache if cache is not None else getattr(engine, "cache", None)
+    store = store if store is not None else getattr(engine, "store", None)
     token = config.auth_token()
     # The undecodable-request check is innermost: unauthenticated calls are refused first.
     interceptors = [BearerTokenInterceptor(token)] if token else []
@@ -93,4 +93,4 @@ def build_server(config: ServiceConfig, engine: Any = None, cache: Any = None) -
     port = bind(server, config.listen, config.tls_cert if config.tls else None, config.tls_key)
     if not config.listens_on_loopback and token is None:
         logger.warning("listening on %s without --auth-token-file: anyone who can reach it can use the model", config.listen)
-    return InferenceServer(server, port, servicer, health_servicer, cache)
+    return InferenceServer(server, port, servicer, health_servicer, store)

@@ -7,7 +7,6 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 
 from inference_service.serving import proto_convert as convert
-from inference_service.engine.batch import generate_batch, generate_many
 from inference_service.errors import InvalidRequest
 from inference_service.serving.error_status import abort_with
 from inference_service.serving.worker import Job, ModelNotLoaded, ModelWorker
@@ -42,10 +41,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         yield convert.final_event(outcome)
 
     async def GenerateBatch(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext) -> pb.GenerateBatchReply:
-        return await self._batch(request, context, "GenerateBatch", generate_batch)
+        return await self._batch(request, context, "GenerateBatch", lambda engine: engine.generate_batch)
 
     async def GenerateMany(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext) -> pb.GenerateBatchReply:
-        return await self._batch(request, context, "GenerateMany", generate_many)
+        return await self._batch(request, context, "GenerateMany", lambda engine: engine.generate_many)
 
     async def _batch(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext, name: str,
                      run: Callable[..., list[Any]]) -> pb.GenerateBatchReply:
@@ -55,7 +54,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             batch = convert.batch_params(request, arrival)
             if not batch:
                 raise InvalidRequest(f"{name} needs at least one request in `requests`")
-            outcomes = await self._run(context, name, lambda job: run(self._engine(), batch, should_stop=job.should_stop))
+            outcomes = await self._run(context, name, lambda job: run(self._engine())(batch, should_stop=job.should_stop))
         except Exception as error:
             await abort_with(context, error, name)
         return pb.GenerateBatchReply(results=[convert.generation_result(outcome) for outcome in outcomes])

@@ -4,10 +4,13 @@ Every greedy row is checked against plain transformers `model.generate` on that 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from inference_service.engine.batch import generate_batch, generate_many, shared_chunk_count
+from inference_service.engine import batch as batch_module
+from inference_service.engine.batch import shared_chunk_count
 from inference_service.store.protocol import StoreUnavailable
 from inference_service.store.memory import InMemoryStore
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
@@ -91,9 +94,9 @@ def test_batch_is_token_identical_to_generate_uncached_then_cached(tiny_model, m
     prompts = [SYSTEM + q for q in QUESTIONS]  # suffixes of 5, 52 and 16 tokens: real left padding
     expected = prompt_references(model, tokenizer, prompts, 10)
 
-    first = generate_batch(engine, params(prompts, mode))
+    first = engine.generate_batch(params(prompts, mode))
     engine.flush_writes()
-    second = generate_batch(engine, params(prompts, mode))
+    second = engine.generate_batch(params(prompts, mode))
 
     assert ids_of(first) == ids_of(second) == expected
     assert [o.cached_tokens for o in first] == [0, 0, 0]
@@ -112,10 +115,10 @@ def test_rows_finish_on_their_own_at_eos_or_length(tiny_llama):
     greedy = prompt_references(model, tokenizer, prompts, 16)
     # An "EOS" that row 0 emits after a few tokens and row 1 never does within 16.
     eos = next(t for i, t in enumerate(greedy[0]) if i >= 3 and t not in greedy[0][:i] and t not in greedy[1])
-    engine.eos_ids = frozenset({eos})
+    engine.parts = dataclasses.replace(engine.parts, eos_ids=frozenset({eos}))
     limits = [16, 16, 5]
 
-    outcomes = generate_batch(engine, [GenerationParams(prompt=p, max_new_tokens=n, mode="prefix_cache")
+    outcomes = engine.generate_batch([GenerationParams(prompt=p, max_new_tokens=n, mode="prefix_cache")
                                        for p, n in zip(prompts, limits)])
 
     expected = []
@@ -140,8 +143,8 @@ def test_cancellation_stops_every_row(tiny_llama):
         calls.append(1)
         return len(calls) > 1 + 3 * len(prompts)
 
-    before_start = generate_batch(engine, params(prompts), should_stop=lambda: True)
-    midway = generate_batch(engine, params(prompts, max_new_tokens=50), should_stop=stop_after_three_tokens)
+    before_start = engine.generate_batch(params(prompts), should_stop=lambda: True)
+    midway = engine.generate_batch(params(prompts, max_new_tokens=50), should_stop=stop_after_three_tokens)
 
     assert [(o.finish_reason, o.generated_tokens) for o in before_start] == [("cancelled", 0)] * 3
     assert [o.finish_reason for o in midway] == ["cancelled"] * 3
@@ -158,7 +161,7 @@ def test_an_unreachable_cache_serves_the_batch_degraded(tiny_llama):
     engine = make_engine(model, tokenizer, cache=UnreachableCache())
     prompts = [SYSTEM + q for q in QUESTIONS]
 
-    outcomes = generate_batch(engine, params(prompts))
+    outcomes = engine.generate_batch(params(prompts))
     engine.flush_writes()
 
     assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 10)
@@ -171,7 +174,7 @@ def test_pads_are_masked_out(tiny_qwen2):
     engine = make_engine(model, tokenizer)
     prompts = [SYSTEM + q for q in QUESTIONS]
 
-    runs = [ids_of(generate_batch(engine, params(prompts, "baseline"), pad_token_id=pad)) for pad in (0, 65, 258)]
+    runs = [ids_of(engine.generate_batch(params(prompts, "baseline"), pad_token_id=pad)) for pad in (0, 65, 258)]
 
     assert runs[0] == runs[1] == runs[2] == prompt_references(model, tokenizer, prompts, 10)
 
@@ -183,7 +186,7 @@ def test_the_shared_prefix_is_fetched_once_for_the_batch(tiny_llama):
     warmed = engine.warm(SYSTEM)
     prompts = [SYSTEM + q for q in QUESTIONS]
 
-    outcomes = generate_batch(engine, params(prompts))
+    outcomes = engine.generate_batch(params(prompts))
 
     assert warmed.chunks_stored == 11
     assert len(cache.fetches) == 1  # one Fetch for three rows
@@ -200,57 +203,57 @@ def test_sampling_rows_keep_their_own_seeded_stream(tiny_llama):
     prompts = [SYSTEM + q for q in QUESTIONS]
     sampled = GenerationParams(prompt=prompts[0], max_new_tokens=8, temperature=0.9, top_k=20, top_p=0.9, seed=7)
 
-    alongside_two = generate_batch(engine, [sampled] + params(prompts[1:], "chunk_kv_reuse"))
-    alongside_one = generate_batch(engine, [sampled, params(prompts[2:], "chunk_kv_reuse")[0]])
+    alongside_two = engine.generate_batch([sampled] + params(prompts[1:], "chunk_kv_reuse"))
+    alongside_one = engine.generate_batch([sampled, params(prompts[2:], "chunk_kv_reuse")[0]])
 
     # The seeded row draws the same tokens whatever its companions; greedy rows still match generate.
     assert alongside_two[0].output_token_ids == alongside_one[0].output_token_ids
     assert ids_of(alongside_two[1:]) == prompt_references(model, tokenizer, prompts[1:], 10)
 
 
-def test_incompatible_rows_run_alone_through_the_engine(tiny_llama):
+def test_incompatible_rows_run_alone_through_the_engine(tiny_llama, monkeypatch):
     model, tokenizer = tiny_llama
     engine = make_engine(model, tokenizer)
     alone = []
-    original = engine.generate
-    engine.generate = lambda p, **kwargs: alone.append(p.request_id) or original(p, **kwargs)
+    original = batch_module.generate_one
+    monkeypatch.setattr(batch_module, "generate_one", lambda parts, p, **kwargs: alone.append(p.request_id) or original(parts, p, **kwargs))
     prompts = [SYSTEM + q for q in QUESTIONS]
     requests = params(prompts[:2]) + [GenerationParams(prompt=prompts[2], mode="baseline", max_new_tokens=10,
                                                        request_id="r2")]
 
-    outcomes = generate_batch(engine, requests)
+    outcomes = engine.generate_batch(requests)
 
     assert alone == ["r2"]  # the odd mode out; the two prefix_cache rows ran as one batch
     assert [o.mode for o in outcomes] == ["prefix_cache", "prefix_cache", "baseline"]
     assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 10)
 
 
-def test_content_hits_send_a_chunk_kv_reuse_row_to_the_engine(tiny_llama):
+def test_content_hits_send_a_chunk_kv_reuse_row_to_the_engine(tiny_llama, monkeypatch):
     model, tokenizer = tiny_llama
     engine = make_engine(model, tokenizer)
     document = "Pack my box with five dozen liquor jugs!!"  # 41 bytes: 5 chunks of 8
     engine.warm(document, content_addressed=True)
     alone = []
-    original = engine.generate
-    engine.generate = lambda p, **kwargs: alone.append(p.request_id) or original(p, **kwargs)
+    original = batch_module.generate_one
+    monkeypatch.setattr(batch_module, "generate_one", lambda parts, p, **kwargs: alone.append(p.request_id) or original(parts, p, **kwargs))
     requests = [GenerationParams(segments=(SYSTEM[:16], document, "Why?"), mode="chunk_kv_reuse", request_id="doc")]
     requests += params([SYSTEM + q for q in QUESTIONS[:2]], "chunk_kv_reuse")
 
-    outcomes = generate_batch(engine, requests)
+    outcomes = engine.generate_batch(requests)
 
     assert alone == ["doc"]  # the two rows without content hits ran as one batch
     assert [o.request_id for o in outcomes] == ["doc", "r0", "r1"]
 
 
-def test_a_sliding_window_model_runs_every_row_alone():
+def test_a_sliding_window_model_runs_every_row_alone(monkeypatch):
     model, tokenizer = build_tiny_model("mistral_sliding")
     engine = make_engine(model, tokenizer)
     alone = []
-    original = engine.generate
-    engine.generate = lambda p, **kwargs: alone.append(p.request_id) or original(p, **kwargs)
+    original = batch_module.generate_one
+    monkeypatch.setattr(batch_module, "generate_one", lambda parts, p, **kwargs: alone.append(p.request_id) or original(parts, p, **kwargs))
     prompts = [SYSTEM + q for q in QUESTIONS]
 
-    outcomes = generate_batch(engine, params(prompts))
+    outcomes = engine.generate_batch(params(prompts))
 
     assert alone == ["r0", "r1", "r2"]  # pads would shift the window, so no padded batch
     assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 10)
@@ -265,7 +268,7 @@ def test_generate_many_keeps_the_input_order_over_mixed_groups(tiny_qwen2):
     prompts = [SYSTEM + QUESTIONS[0], OTHER_SYSTEM + "Why?", "short", SYSTEM + QUESTIONS[1],
                OTHER_SYSTEM + "And how, exactly?", "tiny", SYSTEM + QUESTIONS[2]]
 
-    outcomes = generate_many(engine, params(prompts, max_new_tokens=6))
+    outcomes = engine.generate_many(params(prompts, max_new_tokens=6))
 
     assert [o.request_id for o in outcomes] == [f"r{i}" for i in range(7)]
     assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 6)
@@ -276,11 +279,11 @@ def test_generate_many_keeps_the_input_order_over_mixed_groups(tiny_qwen2):
 def test_an_empty_or_malformed_batch_is_invalid(tiny_llama):
     engine = make_engine(*tiny_llama)
     with pytest.raises(InvalidRequest, match="at least one request"):
-        generate_batch(engine, [])
+        engine.generate_batch([])
     with pytest.raises(InvalidRequest, match="at least one request"):
-        generate_many(engine, [])
+        engine.generate_many([])
     with pytest.raises(InvalidRequest, match=r"^requests\[1\]: max_new_tokens 5000 is over the server's limit"):
-        generate_batch(engine, [GenerationParams(prompt="fine"), GenerationParams(prompt="long", max_new_tokens=5000)])
+        engine.generate_batch([GenerationParams(prompt="fine"), GenerationParams(prompt="long", max_new_tokens=5000)])
 
 
 # -- the real SmolLM2 ---------------------------------------------------------------------------------
@@ -309,10 +312,10 @@ def test_smollm2_chat_batch_is_token_identical_uncached_cached_and_baseline(smol
         return [GenerationParams(messages=chat, max_new_tokens=limit, mode=mode, stop=stop_row_2 if i == 2 else ())
                 for i, (chat, limit) in enumerate(zip(chats, limits))]
 
-    uncached = generate_batch(engine, requests("prefix_cache"))
+    uncached = engine.generate_batch(requests("prefix_cache"))
     engine.flush_writes()
-    cached = generate_batch(engine, requests("prefix_cache", limits=(4, 12, 12), stop_row_2=(stop,)))
-    baseline = generate_batch(engine, requests("baseline"))
+    cached = engine.generate_batch(requests("prefix_cache", limits=(4, 12, 12), stop_row_2=(stop,)))
+    baseline = engine.generate_batch(requests("baseline"))
 
     common = next(i for i, column in enumerate(zip(*token_ids)) if len(set(column)) > 1)
     assert len({len(ids) for ids in token_ids}) == 3  # three suffix lengths: rows are padded
@@ -329,15 +332,15 @@ def test_smollm2_chat_batch_is_token_identical_uncached_cached_and_baseline(smol
 
 # -- through the gRPC servicer ------------------------------------------------------------------------
 
-def test_generate_batch_and_many_over_grpc_run_as_one_job(tiny_llama):
+def test_generate_batch_and_many_over_grpc_run_as_one_job(tiny_llama, monkeypatch):
     from kvboost.v1 import inference_pb2 as pb
     from tests.inference_service.serving.test_servicer import run, serving
 
     model, tokenizer = tiny_llama
     engine = make_engine(model, tokenizer)  # chunk 8, as the servicer tests' server config
     alone = []
-    original = engine.generate
-    engine.generate = lambda p, **kwargs: alone.append(p.request_id) or original(p, **kwargs)
+    original = batch_module.generate_one
+    monkeypatch.setattr(batch_module, "generate_one", lambda parts, p, **kwargs: alone.append(p.request_id) or original(parts, p, **kwargs))
     prompts = [SYSTEM + q for q in QUESTIONS] + ["short one"]
     request = pb.GenerateBatchRequest(requests=[
         pb.GenerateRequest(prompt=p, max_new_tokens=10, mode=pb.PREFIX_CACHE, request_id=f"r{i}")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.engine.batch import generate_batch
 from inference_service.store.protocol import StoreUnavailable
 from inference_service.store.memory import InMemoryStore
 from inference_service.kv.chunking import plan_segments
@@ -96,7 +95,7 @@ def test_batch_rows_write_back_their_own_chunks_exactly(fixture, request):
     engine = make_engine((model, tokenizer))
     system = "The quick brown fox jumps over the lazy dog. " * 2  # 90 tokens
     prompts = [system + q for q in ("Q1?", "A much longer question here, with padding to spare?", "Mid-sized one?")]
-    generate_batch(engine, [engine_params(p) for p in prompts])
+    engine.generate_batch([engine_params(p) for p in prompts])
     engine.flush_writes()
     alone = [run(engine, prompt=p, mode="prefix_cache", max_new_tokens=10) for p in prompts]
     lengths = [len(tokenize_prompt(tokenizer, p)[0]) for p in prompts]
@@ -116,7 +115,7 @@ def test_a_batch_row_over_max_prompt_tokens_is_named_by_its_index(tiny_llama):
 
     engine = make_engine(tiny_llama, max_prompt_tokens=32)
     with pytest.raises(PromptTooLong, match=r"^requests\[1\]: prompt has 40 tokens; at most 32 are accepted$"):
-        generate_batch(engine, [GenerationParams(prompt="fine"), GenerationParams(prompt="x" * 40)])
+        engine.generate_batch([GenerationParams(prompt="fine"), GenerationParams(prompt="x" * 40)])
 
 
 def test_a_short_prompt_with_many_new_tokens_beside_a_long_one(tiny_llama):
@@ -128,7 +127,7 @@ def test_a_short_prompt_with_many_new_tokens_beside_a_long_one(tiny_llama):
     engine = make_engine(tiny_llama)
     prompts = ["The quick brown fox jumps over the lazy dog. " * 2, "Short one", "Short two"]
     limits = [1, 20, 30]
-    outcomes = generate_batch(engine, [GenerationParams(prompt=p, max_new_tokens=n, mode="baseline")
+    outcomes = engine.generate_batch([GenerationParams(prompt=p, max_new_tokens=n, mode="baseline")
                                        for p, n in zip(prompts, limits)])
     assert [o.output_token_ids for o in outcomes] == [
         reference_ids(model, tokenize_prompt(tokenizer, p)[0], n) for p, n in zip(prompts, limits)]

@@ -1,6 +1,8 @@
 """Engine on the tiny seeded models: greedy output identical to model.generate, cache hits, streaming, errors."""
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 
 import pytest
@@ -301,7 +303,7 @@ def test_eos_ends_generation_like_generate(tiny_llama):
     engine = make_engine(tiny_llama)
     free = run(engine, prompt="Hello", mode="baseline").output_token_ids
     eos = free[5]
-    engine.eos_ids = frozenset({eos})
+    engine.parts = dataclasses.replace(engine.parts, eos_ids=frozenset({eos}))
 
     outcome = run(engine, prompt="Hello")
 

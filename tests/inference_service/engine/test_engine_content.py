@@ -1,6 +1,8 @@
 """Engine in CHUNK_KV_REUSE mode: documents warmed alone hit by content inside new prompts, repaired per request."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from inference_service.serving import proto_convert as convert
@@ -130,7 +132,7 @@ def test_approximate_kv_is_never_stored_under_prefix_keys(tiny_llama):
 
 def test_model_without_usable_rope_falls_back_to_prefix_reuse(tiny_llama):
     engine = content_engine(tiny_llama)
-    engine.rope = None  # as for a model whose RoPE variant cannot be re-rotated
+    engine.parts = dataclasses.replace(engine.parts, content_rope=None)  # as for a model whose RoPE variant cannot be re-rotated
     outcome = run(engine, segments=SEGMENTS, mode="chunk_kv_reuse")
     assert outcome.cached_tokens == 0
     assert outcome.output_token_ids == reference_ids(tiny_llama[0], prompt_ids(tiny_llama[1]))
@@ -155,7 +157,7 @@ def test_attention_without_a_4d_mask_falls_back_to_prefix_reuse(tiny_llama, monk
     assert model.config._attn_implementation == "sdpa"
     monkeypatch.setattr(engine_module, "MASKABLE_ATTENTION", ("eager",))  # as if the model's were unsupported
     engine = content_engine(tiny_llama)
-    assert engine.rope is None
+    assert engine.parts.content_rope is None
     outcome = run(engine, segments=SEGMENTS, mode="chunk_kv_reuse")
     assert outcome.cached_tokens == 0
     assert outcome.output_token_ids == reference_ids(model, prompt_ids(tiny_llama[1]))

@@ -312,10 +312,10 @@ def test_health_mirrors_the_cache_degraded_flag(engine) -> None:
     async def scenario():
         async with serving(engine) as (_, stub, health):
             await wait_until_status(health, SERVING)
-            engine.cache.degraded = True
+            engine.store.degraded = True
             await wait_until_status(health, NOT_SERVING)
             stats = await stub.Stats(pb.ServiceStatsRequest(), timeout=5)
-            engine.cache.degraded = False
+            engine.store.degraded = False
             await wait_until_status(health, SERVING)
             return stats, await health_status(health)
 

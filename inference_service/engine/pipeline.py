@@ -1,0 +1,259 @@
+"""One request through the model: plan, reuse what the store holds, prefill the rest, decode, account.
+
+Single requests (Engine.generate) and padded batches (batch.py) share these steps through EngineParts,
+the typed bundle of what every request needs, so neither reaches into the other's internals.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from inference_service.engine.assembler import AssembledContext, assemble_context, empty_context
+from inference_service.engine.content_reuse import exact_pending_chunks, prefill_with_content_hits
+from inference_service.engine.counters import EngineStats
+from inference_service.engine.generation import DecodeResult, OnToken, SamplingSettings, decode_loop
+from inference_service.engine.prompts import (
+    PromptPlan, plan_prompt, tokenize_messages, tokenize_prompt, tokenize_segments,
+)
+from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams
+from inference_service.engine.writeback import PendingChunks, WriteBack
+from inference_service.errors import InvalidRequest, PromptTooLong
+from inference_service.kv.namespace import Namespace
+from inference_service.kv.repair import RepairOptions
+from inference_service.kv.rope import RopeParams
+from inference_service.model.detokenizer import IncrementalDetokenizer
+from inference_service.model.forward import prefill
+from inference_service.model.kv_buffers import KVGeometry, allocate_kv, build_cache
+from inference_service.store.protocol import ChunkStore
+
+logger = logging.getLogger(__name__)
+
+ShouldStop = Callable[[], bool]
+
+
+@dataclass(slots=True, frozen=True)
+class EngineParts:
+    """What every request needs from the engine; built once by Engine."""
+
+    model: object  # a transformers causal LM in eval mode
+    tokenizer: object
+    config: EngineConfig
+    store: ChunkStore
+    namespace: Namespace
+    geometry: KVGeometry
+    max_prompt_tokens: int
+    eos_ids: frozenset[int]
+    counters: EngineStats
+    writeback: WriteBack
+    # Moves stored keys: rotates un-rotated or content-hit keys into place. None: RoPE that cannot be moved.
+    key_rope: RopeParams | None
+    # Content hits are reused (re-rotated and repaired) only with this; None: they fall back to prefix reuse.
+    content_rope: RopeParams | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A prompt after its one prefill: what decoding and write-back need."""
+
+    prompt: PromptPlan
+    context: AssembledContext
+    num_cached_tokens: int  # leading tokens whose K/V came from the store
+    key_buffer: torch.Tensor  # [layers, kv_heads, capacity, head_dim]; rows [0, prompt length) are set
+    value_buffer: torch.Tensor
+    cache: object  # the DynamicCache over the buffers, ready for decoding
+    first_logits: torch.Tensor | None  # [vocab]; None when no token had to run (need_logits=False)
+    pending: PendingChunks | None  # new full chunks to store after the first token
+
+
+# ---- planning -------------------------------------------------------------------------------------
+
+def plan_request(parts: EngineParts, params: GenerationParams) -> tuple[str, PromptPlan, int]:
+    """(mode, tokenized and keyed prompt, max_new_tokens capped by the context room) of a request.
+
+    Raises:
+        InvalidRequest: max_new_tokens over the server's limit, or an empty prompt.
+        PromptTooLong: more prompt tokens than max_prompt_tokens.
+    """
+    if params.max_new_tokens > parts.config.max_new_tokens_limit:
+        raise InvalidRequest(f"max_new_tokens {params.max_new_tokens} is over the server's limit "
+                             f"{parts.config.max_new_tokens_limit}")
+    prompt = plan_segments(parts, _tokenize(parts, params))
+    room = max(1, parts.geometry.max_context - prompt.num_tokens)
+    return params.mode or parts.config.default_mode, prompt, min(params.max_new_tokens, room)
+
+
+def plan_segments(parts: EngineParts, segments: list[list[int]]) -> PromptPlan:
+    """Chunks and keys of tokenized segments. Raises InvalidRequest (no tokens) or PromptTooLong."""
+    num_tokens = sum(len(segment) for segment in segments)
+    if num_tokens == 0:
+        raise InvalidRequest("the prompt has no tokens")
+    if num_tokens > parts.max_prompt_tokens:
+        raise PromptTooLong(num_tokens, parts.max_prompt_tokens)
+    return plan_prompt(parts.namespace, segments, parts.config.chunk_size)
+
+
+def _tokenize(parts: EngineParts, params: GenerationParams) -> list[list[int]]:
+    if params.prompt:
+        return tokenize_prompt(parts.tokenizer, params.prompt)
+    if params.messages:
+        return tokenize_messages(parts.tokenizer, params.messages)
+    return tokenize_segments(parts.tokenizer, params.segments or ())
+
+
+def repair_options(parts: EngineParts, params: GenerationParams | None = None) -> RepairOptions:
+    """The request's repair of content hits, the server's defaults where it names none."""
+    config = parts.config
+
+    def pick(name: str, default):
+        given = getattr(params, name, None)
+        return default if given is None else given
+
+    return RepairOptions(
+        strategy=pick("recompute_strategy", config.default_recompute_strategy),
+        recompute_ratio=pick("recompute_ratio", config.recompute_ratio),
+        selective_tokens=pick("selective_tokens", config.selective_tokens),
+        sink_tokens=pick("sink_tokens", config.sink_tokens),
+        check_layers=min(config.check_layers, max(1, parts.geometry.num_layers - 1)),
+    )
+
+
+# ---- prefill --------------------------------------------------------------------------------------
+
+def prefill_prompt(parts: EngineParts, prompt: PromptPlan, mode: str, capacity: int, request_id: str,
+                   repair: RepairOptions | None = None, need_logits: bool = True) -> Prefilled:
+    """Reuses what the store holds, then runs the rest of the prompt; capacity: prompt plus new tokens.
+
+    In chunk_kv_reuse mode, content hits after the prefix run are re-rotated, placed and repaired by
+    `repair` (the server's defaults when None) in the same pass that computes the missing tokens.
+    need_logits: at least the last prompt token runs, so there are logits to start decoding from;
+    False (a batch's shared prefix) runs nothing when every token is cached.
+    """
+    if mode == "baseline":
+        context = empty_context()
+    else:
+        context = assemble_context(parts.store, parts.namespace, prompt, parts.geometry, parts.device, parts.dtype,
+                                   capacity, with_content_hits=mode == "chunk_kv_reuse", rope=parts.key_rope)
+    if mode == "chunk_kv_reuse" and context.content_hits and not context.degraded:
+        prefilled = _prefill_with_content_hits(parts, prompt, context, capacity, request_id, repair)
+        if prefilled is not None:
+            return prefilled
+    num_cached = min(context.num_cached_tokens, prompt.num_tokens - int(need_logits))
+    buffers = (context.key_buffer, context.value_buffer)
+    if buffers[0] is None:
+        buffers = allocate_kv(parts.geometry, capacity, parts.device, parts.dtype)
+    cache = build_cache(parts.model.config, *buffers, num_cached)
+    first_logits = pending = None
+    if num_cached < prompt.num_tokens:
+        live = torch.tensor(prompt.token_ids[num_cached:], device=parts.device)
+        first_logits, new_kv = prefill(parts.model, cache, live, num_cached)
+        if mode != "baseline" and not context.degraded:
+            index = context.num_cached_chunks
+            pending = PendingChunks(parts.namespace, prompt.chunks.chunks[index:], prompt.prefix_keys[index:],
+                                    prompt.content_keys[index:], new_kv, num_cached, request_id=request_id)
+    return Prefilled(prompt, context, num_cached, *buffers, cache, first_logits, pending)
+
+
+def _prefill_with_content_hits(parts: EngineParts, prompt: PromptPlan, context: AssembledContext, capacity: int,
+                               request_id: str, repair: RepairOptions | None) -> Prefilled | None:
+    reused = prefill_with_content_hits(parts.model, parts.store, prompt, context, parts.geometry, parts.content_rope,
+                                       repair or repair_options(parts), capacity,
+                                       overlap_tokens=parts.config.overlap_tokens)
+    if reused is None:
+        return None
+    pending = exact_pending_chunks(parts.namespace, prompt, context, reused, request_id)
+    context.num_recomputed_tokens = reused.num_recomputed_tokens
+    context.num_bytes_fetched += reused.num_bytes_fetched
+    context.num_cached_chunks += reused.num_content_chunks
+    context.degraded = reused.degraded
+    return Prefilled(prompt, context, reused.num_cached_tokens, reused.key_buffer, reused.value_buffer, reused.cache,
+                     reused.first_logits, None if reused.degraded else pending)
+
+
+def submit_write_back(parts: EngineParts, pending: PendingChunks | None) -> None:
+    """Queues new chunks for the background write-back; returns at once."""
+    if pending is not None:
+        parts.writeback.submit(pending)
+
+
+# ---- one request ----------------------------------------------------------------------------------
+
+def generate_one(parts: EngineParts, params: GenerationParams, on_token: OnToken | None = None,
+                 should_stop: ShouldStop = lambda: False) -> tuple[GenerationOutcome, torch.Tensor | None]:
+    """Runs one request to the end, streaming through on_token(text, token_ids); returns the outcome and
+    the logits the first token was chosen from ([vocab] float32; None when cancelled before the start).
+
+    Raises:
+        InvalidRequest: parameters the server does not accept.
+        PromptTooLong: more prompt tokens than max_prompt_tokens.
+    """
+    mode, prompt, max_new_tokens = plan_request(parts, params)
+    if should_stop():  # cancelled or past its deadline while queued
+        return record_outcome(parts, params, mode, prompt, empty_context(), 0, cancelled_before_start()), None
+    prefilled = prefill_prompt(parts, prompt, mode, prompt.num_tokens + max_new_tokens, params.request_id,
+                               repair_options(parts, params))
+    decoded = decode_loop(
+        parts.model, prefilled.cache, prefilled.first_logits, prompt.num_tokens,
+        IncrementalDetokenizer(parts.tokenizer, prompt.token_ids, params.stop),
+        SamplingSettings(params.temperature, params.top_k, params.top_p, params.seed),
+        parts.eos_ids, max_new_tokens, on_token, should_stop,
+        after_first_token=lambda: submit_write_back(parts, prefilled.pending),
+    )
+    outcome = record_outcome(parts, params, mode, prompt, prefilled.context, prefilled.num_cached_tokens, decoded)
+    return outcome, prefilled.first_logits
+
+
+def record_outcome(parts: EngineParts, params: GenerationParams, mode: str, prompt: PromptPlan,
+                   context: AssembledContext, num_cached: int, decoded: DecodeResult, count_fetched: bool = True,
+                   label: str = "") -> GenerationOutcome:
+    """The finished request's result, added to the counters and logged.
+
+    count_fetched: False for batch rows after the first, whose shared chunks were fetched once.
+    """
+    outcome = outcome_of(params, mode, prompt.num_tokens, num_cached, context.num_recomputed_tokens, decoded,
+                         context.degraded)
+    parts.counters.add_request(prompt.num_tokens, num_cached, context.num_recomputed_tokens,
+                               context.num_cached_chunks if count_fetched else 0,
+                               context.num_bytes_fetched if count_fetched else 0,
+                               outcome.ttft_ms if outcome.generated_tokens else None)
+    logger.info("[%s] %s%s: %d prompt tokens, %d cached, ttft %.1f ms, %d generated (%s)%s",
+                params.request_id, mode, label, outcome.prompt_tokens, outcome.cached_tokens, outcome.ttft_ms,
+                outcome.generated_tokens, outcome.finish_reason, " degraded" if outcome.degraded else "")
+    return outcome
+
+
+def outcome_of(params: GenerationParams, mode: str, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int,
+               decoded: DecodeResult, degraded: bool) -> GenerationOutcome:
+    """A finished request's result; times are measured from the request's arrival."""
+    generated = len(decoded.token_ids)
+    decode_seconds = decoded.last_token_time - decoded.first_token_time
+    return GenerationOutcome(
+        output_text=decoded.text,
+        generated_tokens=generated,
+        output_token_ids=decoded.token_ids,
+        ttft_ms=(decoded.first_token_time - params.arrival) * 1000 if generated else 0.0,
+        total_ms=(decoded.last_token_time - params.arrival) * 1000 if generated else 0.0,
+        tokens_per_sec=(generated - 1) / decode_seconds if generated > 1 and decode_seconds > 0 else 0.0,
+        kv_reuse_ratio=cached_tokens / prompt_tokens,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        recomputed_tokens=recomputed_tokens,
+        mode=mode,
+        finish_reason=decoded.finish_reason,
+        degraded=degraded,
+        request_id=params.request_id,
+    )
+
+
+def cancelled_before_start() -> DecodeResult:
+    return DecodeResult([], "", "cancelled", 0.0, 0.0)

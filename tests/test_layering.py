@@ -1,0 +1,121 @@
+"""The house's rules, read from the code's own imports: no torch below the inference service, no arrow up a floor."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_FREE_PACKAGES = ("cache_daemon", "kvboost_common")
+# Rooms of inference_service, by floor: a module imports from its own room or from a lower floor only.
+# serving (gRPC) -> engine (orchestration) -> kv (K/V maths, blobs, repair) -> model | store -> errors.
+ROOM_FLOORS = {"__main__": 5, "serving": 4, "engine": 3, "kv": 2, "model": 1, "store": 1, "errors": 0}
+# Which top-level packages each product package may import (besides the stdlib and third parties).
+ALLOWED_PACKAGES = {
+    "kvboost_common": {"kvboost_common"},
+    "cache_daemon": {"cache_daemon", "kvboost_common", "kvboost"},
+    "inference_service": {"inference_service", "kvboost_common", "kvboost"},
+    "client": {"client", "kvboost_common", "kvboost"},
+}
+FIRST_PARTY = {"cache_daemon", "inference_service", "client", "kvboost_common", "kvboost", "http_gateway", "bench",
+               "tests"}
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> list[str]:
+    """Absolute module names a file imports (relative imports resolved against its package under root)."""
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names += [base] + [f"{base}.{alias.name}" for alias in node.names]
+    return names
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def room_of(module: str) -> str:
+    """'engine' for inference_service.engine.batch; 'errors' for inference_service.errors."""
+    return module.split(".")[1]
+
+
+@pytest.mark.parametrize("package", TORCH_FREE_PACKAGES)
+def test_torch_free_packages_never_name_torch(package):
+    for path in sources(package):
+        heavy = [name for name in imported_modules(path) if name.split(".")[0] in ("torch", "transformers")]
+        assert not heavy, f"{path.relative_to(ROOT)} imports {heavy}; {package} must stay torch-free"
+
+
+def test_torch_free_packages_load_no_torch_when_imported():
+    # What really loads, through every transitive import, in a clean interpreter.
+    probe = ("import importlib, pkgutil, sys\n"
+             f"for top in {TORCH_FREE_PACKAGES!r}:\n"
+             "    package = importlib.import_module(top)\n"
+             "    for info in pkgutil.walk_packages(package.__path__, top + '.'):\n"
+             "        importlib.import_module(info.name)\n"
+             "print(sorted(name for name in sys.modules if name.split('.')[0] in ('torch', 'transformers')))\n")
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"
+
+
+def test_every_inference_service_module_sits_in_a_known_room():
+    for path in sources("inference_service"):
+        parts = path.relative_to(ROOT / "inference_service").with_suffix("").parts
+        assert parts[0] in ROOM_FLOORS or parts == ("__init__",), f"{path.relative_to(ROOT)} is in no room of {sorted(ROOM_FLOORS)}"
+
+
+def upward_imports(package_dir: Path) -> list[str]:
+    """'file (room) -> module' for every import of a room above or beside the file's own."""
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = path.relative_to(package_dir).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        own = parts[0]
+        for name in imported_modules(path, package_dir.parent):
+            if name.startswith("inference_service.") and room_of(name) != own \
+                    and ROOM_FLOORS[room_of(name)] >= ROOM_FLOORS[own]:
+                found.append(f"{path.relative_to(package_dir.parent)} ({own}) -> {name}")
+    return sorted(set(found))
+
+
+def test_no_inference_service_module_imports_a_room_above_or_beside_its_own():
+    upward = upward_imports(ROOT / "inference_service")
+    assert not upward, "imports that run up or across a floor:\n" + "\n".join(upward)
+
+
+def test_the_rule_catches_upward_and_sideways_imports(tmp_path):
+    # The walker itself, on a small tree: kv importing the engine and model importing the store are reported.
+    package = tmp_path / "inference_service"
+    for room in ("kv", "model", "engine"):
+        (package / room).mkdir(parents=True)
+    (package / "kv" / "probe.py").write_text("from inference_service.engine.pipeline import generate_one\n")
+    (package / "model" / "probe.py").write_text("from ..store import protocol\n")
+    (package / "engine" / "fine.py").write_text("from inference_service.kv import blobs\nimport torch\n")
+    assert upward_imports(package) == [
+        "inference_service/kv/probe.py (kv) -> inference_service.engine.pipeline",
+        "inference_service/kv/probe.py (kv) -> inference_service.engine.pipeline.generate_one",
+        "inference_service/model/probe.py (model) -> inference_service.store",
+        "inference_service/model/probe.py (model) -> inference_service.store.protocol",
+    ]
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED_PACKAGES))
+def test_packages_import_only_what_they_may(package):
+    wrong = []
+    for path in sources(package):
+        for name in imported_modules(path):
+            top = name.split(".")[0]
+            if top in FIRST_PARTY and top not in ALLOWED_PACKAGES[package]:
+                wrong.append(f"{path.relative_to(ROOT)} -> {name}")
+    assert not wrong, f"{package} may import {sorted(ALLOWED_PACKAGES[package])} only:\n" + "\n".join(wrong)

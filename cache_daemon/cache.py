@@ -27,6 +27,7 @@ class LookupResult:
     prefix_hit: list[bool]
     prefix_run: int
     content_hits: list[tuple[int, ChunkKey]]  # (index into the prefix keys, stored key)
+    partial_index: int | None = None  # index of the first stored partial key; None: none is stored
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,19 +102,25 @@ class ChunkCache:
         with self._lock:
             return self._index.get(key)
 
-    def lookup(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes]) -> LookupResult:
-        """Which keys hit; the leading prefix run and the content hits count toward frequencies."""
+    def lookup(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
+               partial_keys: Sequence[bytes] = ()) -> LookupResult:
+        """Which keys hit; the leading prefix run, the content hits and the first stored partial key
+        (partial_keys are tried in order) count toward frequencies."""
         with self._lock:
             prefix_hit = [self._holds(key, namespace) for key in prefix_keys]
+            partial_index = next((i for i, key in enumerate(partial_keys) if self._holds(key, namespace)), None)
         prefix_run = prefix_hit.index(False) if False in prefix_hit else len(prefix_hit)
         content_hits = self._content_hits(namespace, prefix_hit, content_keys)
+        partial_hits = [] if partial_index is None else [partial_keys[partial_index]]
         with self._lock:
             self._pending_hits.update(prefix_keys[:prefix_run])
             self._pending_hits.update(key for _, key in content_hits)
-            num_hits = sum(prefix_hit) + len(content_hits)
+            self._pending_hits.update(partial_hits)
+            num_hits = sum(prefix_hit) + len(content_hits) + len(partial_hits)
             self._counters.hits += num_hits
-            self._counters.misses += len(prefix_keys) - num_hits
-        return LookupResult(prefix_hit=prefix_hit, prefix_run=prefix_run, content_hits=content_hits)
+            self._counters.misses += len(prefix_keys) + (1 if partial_keys else 0) - num_hits
+        return LookupResult(prefix_hit=prefix_hit, prefix_run=prefix_run, content_hits=content_hits,
+                            partial_index=partial_index)
 
     def _holds(self, key: bytes, namespace: bytes) -> bool:
         entry = self._index.get(ChunkKey(key))
@@ -192,9 +199,17 @@ class ChunkCache:
         return PutResult(stored=len(puts), already_present=len(chunks) - len(new_chunks), evicted=num_evicted,
                          bytes_stored=bytes_stored)
 
-    def delete_keys(self, keys: Sequence[ChunkKey]) -> DeleteResult:
+    def delete_keys(self, keys: Sequence[ChunkKey], corrupted: bool = False) -> DeleteResult:
+        """corrupted: a reader found these blobs failing their checksum; they count in Stats.corrupted."""
         with self._write_lock:
-            return self._delete_locked(keys)
+            result = self._delete_locked(keys)
+            if corrupted and result.deleted:
+                with self._lock:
+                    self._counters.corrupted += result.deleted
+        if corrupted and result.deleted:
+            logger.error("%d chunks reported corrupt by a reader (%s): deleted", result.deleted,
+                         ", ".join(key.hex()[:16] for key in keys))
+        return result
 
     def delete_namespace(self, namespace: bytes) -> DeleteResult:
         with self._write_lock:

@@ -10,6 +10,7 @@ from kvboost.v1 import cache_pb2, cache_pb2_grpc
 from cache_daemon.cache import ChunkCache, DeleteResult, PinResult
 from cache_daemon.entry import ChunkKey
 from cache_daemon.errors import InvalidCacheRequest
+from cache_daemon.store import BLOB_DB_VERSION
 from cache_daemon.framing import (StoreStreamAssembler, check_digest, chunk_meta, encode_data_frames,
                                   encode_header_frame)
 
@@ -27,10 +28,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         check_digest(request.namespace, "LookupRequest.namespace")
         prefix_keys = checked_keys(request.prefix_keys, "LookupRequest.prefix_keys")
         content_keys = checked_content_keys(request.content_keys, len(prefix_keys))
-        result = self._cache.lookup(request.namespace, prefix_keys, content_keys)
+        partial_keys = checked_keys(request.partial_keys, "LookupRequest.partial_keys")
+        result = self._cache.lookup(request.namespace, prefix_keys, content_keys, partial_keys)
         return cache_pb2.LookupReply(
             prefix_run=result.prefix_run, prefix_hit=result.prefix_hit,
             content_hits=[cache_pb2.ContentHit(index=index, stored_key=key) for index, key in result.content_hits],
+            partial_index=result.partial_index,
         )
 
     async def Fetch(self, request: cache_pb2.FetchRequest, context) -> AsyncIterator[bytes]:
@@ -83,15 +86,23 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     async def Delete(self, request: cache_pb2.DeleteRequest, context) -> cache_pb2.DeleteReply:
         if request.keys and request.namespace:
             raise InvalidCacheRequest("DeleteRequest takes keys or a namespace, not both")
+        if request.corrupted and request.namespace:
+            raise InvalidCacheRequest("DeleteRequest.corrupted names keys, not a namespace")
         if request.namespace:
             check_digest(request.namespace, "DeleteRequest.namespace")
             result: DeleteResult = await asyncio.to_thread(self._cache.delete_namespace, request.namespace)
         elif request.keys:
             keys = checked_keys(request.keys, "DeleteRequest.keys")
-            result = await asyncio.to_thread(self._cache.delete_keys, keys)
+            result = await asyncio.to_thread(self._cache.delete_keys, keys, request.corrupted)
         else:
             raise InvalidCacheRequest("DeleteRequest needs keys or a namespace")
         return cache_pb2.DeleteReply(deleted=result.deleted, bytes_freed=result.bytes_freed)
+
+    async def Describe(self, request: cache_pb2.DescribeRequest, context) -> cache_pb2.DescribeReply:
+        store = self._cache.store
+        return cache_pb2.DescribeReply(data_dir=str(store.path.resolve()), environment_id=store.environment_id,
+                                       map_size=store.map_size, max_bytes=self._cache.max_bytes,
+                                       blob_db_version=BLOB_DB_VERSION)
 
     async def Pin(self, request: cache_pb2.PinRequest, context) -> cache_pb2.PinReply:
         return await self._set_pinned(request, pinned=True)
@@ -144,6 +155,8 @@ def add_cache_servicer(servicer: CacheServicer, server: grpc.aio.Server) -> None
             servicer.Pin, messages.PinRequest.FromString, messages.PinReply.SerializeToString),
         "Unpin": grpc.unary_unary_rpc_method_handler(
             servicer.Unpin, messages.PinRequest.FromString, messages.PinReply.SerializeToString),
+        "Describe": grpc.unary_unary_rpc_method_handler(
+            servicer.Describe, messages.DescribeRequest.FromString, messages.DescribeReply.SerializeToString),
     }
     service_name = messages.DESCRIPTOR.services_by_name["CacheService"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))

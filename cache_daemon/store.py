@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
 import struct
 import threading
 from contextlib import contextmanager
@@ -18,6 +19,11 @@ logger = logging.getLogger(__name__)
 BLOBS_DB = b"blobs"  # key -> blob bytes
 META_DB = b"meta"  # key -> encoded Entry
 CONTENT_DB = b"content"  # content key -> prefix keys (sorted duplicates)
+INFO_DB = b"info"  # facts about the environment itself, such as its identity
+ENVIRONMENT_ID_KEY = b"environment_id"  # 16 random bytes, written once when the environment is created
+# The layout co-located readers rely on (see DescribeReply.blob_db_version): BLOBS_DB maps a prefix key
+# to the blob bytes exactly as stored, nothing before or after them.
+BLOB_DB_VERSION = 1
 
 _META_VERSION = 1
 # version, size_bytes, checksum, frequency, last_access, pinned, num_tokens, namespace; then the
@@ -84,15 +90,25 @@ class LmdbStore:
         self.path = path
         self._lock_file = _lock_exclusively(path / "owner.lock")
         # meminit=False: blob pages are overwritten whole, zeroing them first is wasted work.
-        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=3, subdir=True, meminit=False)
+        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True, meminit=False)
         stale_readers = self._env.reader_check()
         if stale_readers:
             logger.info("cleared %d stale LMDB readers left by a dead process", stale_readers)
         self._blobs = self._env.open_db(BLOBS_DB)
         self._meta = self._env.open_db(META_DB)
         self._content = self._env.open_db(CONTENT_DB, dupsort=True)
+        self.environment_id = self._ensure_environment_id(self._env.open_db(INFO_DB))
         self._gate = _TxnGate()
         self._write_lock = threading.Lock()
+
+    def _ensure_environment_id(self, info_db) -> bytes:
+        with self._env.begin(write=True, db=info_db) as txn:
+            existing = txn.get(ENVIRONMENT_ID_KEY)
+            if existing is not None:
+                return bytes(existing)
+            environment_id = os.urandom(16)
+            txn.put(ENVIRONMENT_ID_KEY, environment_id)
+            return environment_id
 
     @property
     def map_size(self) -> int:

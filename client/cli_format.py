@@ -18,7 +18,7 @@ def generation_summary(result: GenerationResult) -> str:
 def warm_line(name: str, result: WarmResult) -> str:
     line = f"{name}: {result.chunks_stored} chunks stored, {result.token_count} tokens (chunk size {result.chunk_size}"
     if result.partial_tail_tokens:
-        line += f", last {result.partial_tail_tokens} tokens not stored"
+        line += f", last {result.partial_tail_tokens} tokens as a partial chunk"
     return line + ")"
 
 

@@ -12,6 +12,7 @@ import torch
 from inference_service.store.protocol import StoreUnavailable, ChunkStore
 from inference_service.kv.blobs import decode_hit, place_hit_
 from inference_service.engine.prompts import PromptPlan
+from inference_service.kv.chunking import Chunk
 from inference_service.kv.rope import RopeParams
 from inference_service.model.kv_buffers import KVGeometry, allocate_kv
 
@@ -33,6 +34,20 @@ class AssembledContext:
     num_bytes_fetched: int = 0
     degraded: bool = False  # the cache became unreachable; chunks placed before that are still used
     content_hits: dict[int, bytes] = field(default_factory=dict)  # looked up, not reused yet
+    # The stored partial chunk placed after the leading chunks (its tokens are in num_cached_tokens); None: none.
+    partial_key: bytes | None = None
+
+    @property
+    def num_fetched_blobs(self) -> int:
+        return self.num_cached_chunks + (self.partial_key is not None)
+
+
+@dataclass(slots=True, frozen=True)
+class PartialHit:
+    """A stored partial chunk that continues the prefix run: its key and the tokens it holds."""
+
+    key: bytes
+    chunk: Chunk
 
 
 def empty_context(degraded: bool = False) -> AssembledContext:
@@ -40,7 +55,7 @@ def empty_context(degraded: bool = False) -> AssembledContext:
 
 
 def assemble_context(
-    cache: ChunkStore,
+    store: ChunkStore,
     namespace: bytes,
     prompt: PromptPlan,
     geometry: KVGeometry,
@@ -50,47 +65,64 @@ def assemble_context(
     with_content_hits: bool,
     rope: RopeParams | None = None,
 ) -> AssembledContext:
-    """Everything the cache can give for this prompt, in buffers with room for `capacity` tokens.
+    """Everything the store can give for this prompt, in buffers with room for `capacity` tokens.
 
-    Never raises for cache trouble: an unreachable cache gives an empty, degraded context; a bad or
+    Never raises for store trouble: an unreachable store gives an empty, degraded context; a bad or
     missing blob ends the reused run there. rope: rotates keys stored un-rotated into place (such blobs
-    end the run when it is None).
-
-    This is the one place hits become K/V: prefix hits now; content hits plug in here (repair).
+    end the run when it is None). After the run of whole chunks, the longest stored partial chunk that
+    the prompt continues (a warmed text's tail) is placed too, found by a second Lookup.
     """
     content_keys = list(prompt.content_keys) if with_content_hits else None
     try:
-        lookup = cache.lookup(namespace, list(prompt.prefix_keys), content_keys)
+        lookup = store.lookup(namespace, list(prompt.prefix_keys), content_keys)
+        partial = _find_partial(store, namespace, prompt, lookup.prefix_run)
     except StoreUnavailable as error:
         logger.warning("cache unavailable, serving without it: %s", error)
         return empty_context(degraded=True)
-    if lookup.prefix_run == 0:
+    if lookup.prefix_run == 0 and partial is None:
         return AssembledContext(None, None, content_hits=lookup.content_hits)
-    context = fetch_prefix_run(cache, prompt, lookup.prefix_run, allocate_kv(geometry, capacity, device, dtype), rope)
+    context = fetch_prefix_run(store, prompt, lookup.prefix_run, allocate_kv(geometry, capacity, device, dtype), rope,
+                               partial)
     context.content_hits = lookup.content_hits
     return context
 
 
+def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: int) -> PartialHit | None:
+    start, candidates = prompt.partial_candidates(run)
+    if not candidates:
+        return None
+    found = store.lookup(namespace, [], None, candidates).partial_index
+    if found is None:
+        return None
+    length = len(candidates) - found  # candidates run longest first
+    return PartialHit(candidates[found], Chunk(prompt.token_ids[start : start + length], start, 0))
+
+
 def fetch_prefix_run(
-    cache: ChunkStore, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor],
-    rope: RopeParams | None = None,
+    store: ChunkStore, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor],
+    rope: RopeParams | None = None, partial: PartialHit | None = None,
 ) -> AssembledContext:
-    """Fetches the first `run` chunks and copies each decoded blob into its slice of the buffers.
+    """Fetches the first `run` chunks (then the partial chunk, if any) and copies each decoded blob into its
+    slice of the buffers.
 
     buffers: keys, values [layers, kv_heads, capacity, head_dim]. A missing blob, one that fails to
     decode, one that does not fit its chunk, or one whose keys cannot be rotated into place ends the
     run there.
     """
-    chunks = prompt.chunks.chunks[:run]
+    chunks = list(prompt.chunks.chunks[:run])
+    keys_to_fetch = list(prompt.prefix_keys[:run])
+    if partial is not None:
+        chunks.append(partial.chunk)
+        keys_to_fetch.append(partial.key)
     keys, values = buffers
     shape = (keys.shape[0], keys.shape[1], chunks[-1].end, keys.shape[3])
-    verify = not getattr(cache, "verifies_blobs", False)  # one checksum per blob is enough
+    verify = not getattr(store, "verifies_blobs", False)  # one checksum per blob is enough
     num_placed = num_bytes = 0
     degraded = False
     blobs = None
     try:
-        blobs = prefetched(cache.fetch(list(prompt.prefix_keys[:run])))
-        for chunk, expected_key, (key, blob) in zip(chunks, prompt.prefix_keys, blobs):
+        blobs = prefetched(store.fetch(keys_to_fetch))
+        for chunk, expected_key, (key, blob) in zip(chunks, keys_to_fetch, blobs):
             decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify, rope=rope,
                                  device=keys.device)
             span = slice(chunk.start, chunk.end)
@@ -99,7 +131,7 @@ def fetch_prefix_run(
             num_placed += 1
             num_bytes += len(blob)
     except StoreUnavailable as error:  # the chunks placed so far are still good
-        logger.warning("cache unavailable during fetch, %d of %d chunks placed: %s", num_placed, run, error)
+        logger.warning("cache unavailable during fetch, %d of %d chunks placed: %s", num_placed, len(chunks), error)
         degraded = True
     finally:
         close = getattr(blobs, "close", None)
@@ -107,8 +139,9 @@ def fetch_prefix_run(
             close()  # stops a stream we no longer read
     if num_placed == 0:
         return AssembledContext(None, None, num_bytes_fetched=num_bytes, degraded=degraded)
-    return AssembledContext(keys, values, chunks[num_placed - 1].end, num_placed, num_bytes_fetched=num_bytes,
-                            degraded=degraded)
+    placed_partial = partial is not None and num_placed == len(chunks)
+    return AssembledContext(keys, values, chunks[num_placed - 1].end, min(num_placed, run), num_bytes_fetched=num_bytes,
+                            degraded=degraded, partial_key=partial.key if placed_partial else None)
 
 
 def prefetched(items: Iterator[T]) -> Iterator[T]:

@@ -217,7 +217,7 @@ def _shared_prefix(parts: EngineParts, prompt: PromptPlan, num_chunks: int, use_
     chunks = prompt.chunks.chunks[:num_chunks]
     num_tokens = chunks[-1].end
     plan = PromptPlan(prompt.token_ids[:num_tokens], ChunkPlan(chunks, (), num_tokens),
-                      prompt.prefix_keys[:num_chunks], prompt.content_keys[:num_chunks])
+                      prompt.prefix_keys[:num_chunks], prompt.content_keys[:num_chunks], namespace=prompt.namespace)
     prefilled = prefill_prompt(parts, plan, "prefix_cache" if use_store else "baseline", num_tokens, request_id,
                                need_logits=False)
     keys, values = prefilled.key_buffer, prefilled.value_buffer  # [layers, kv_heads, num_tokens, head_dim]

@@ -77,7 +77,9 @@ def place_content_hits(
         key_buffer, value_buffer = context.key_buffer, context.value_buffer
     status = torch.full((prompt.num_tokens,), MISSING, dtype=torch.int8, device=device)
     status[: context.num_cached_tokens] = EXACT
-    hits = sorted((i, key) for i, key in context.content_hits.items() if i >= context.num_cached_chunks)
+    chunks = prompt.chunks.chunks
+    # Content hits after the exact part (whole chunks and a partial chunk) only.
+    hits = sorted((i, key) for i, key in context.content_hits.items() if chunks[i].start >= context.num_cached_tokens)
     seams: list[int] = []
     num_placed = num_bytes = 0
     degraded = False

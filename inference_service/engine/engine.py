@@ -121,10 +121,10 @@ class Engine:
     # ---- warm, verify, info ---------------------------------------------------------------------
 
     def warm(self, text: str | None, messages=None, content_addressed: bool = False, pin: bool = False) -> WarmOutcome:
-        """Computes and stores every full chunk of the text (or chat prefix, no generation prompt).
+        """Computes and stores every chunk of the text (or chat prefix, no generation prompt), the tokens
+        after the last full chunk as a partial chunk, so a prompt that continues the text reuses all of it.
 
-        content_addressed: the text is chunked as a segment (its partial last chunk stored too) and
-        every chunk is also keyed by content.
+        content_addressed: the text is chunked as a segment and every chunk is also keyed by content.
 
         Raises:
             InvalidRequest: neither text nor messages.
@@ -140,21 +140,25 @@ class Engine:
         else:
             raise InvalidRequest("Warm needs text or messages")
         prompt = plan_segments(self.parts, segments)
-        chunks = prompt.chunks.chunks
-        stored = 0
-        if chunks:
-            num_chunk_tokens = chunks[-1].end
-            buffers = allocate_kv(self.geometry, num_chunk_tokens, self.device, self.dtype)
-            token_ids = torch.tensor(prompt.token_ids[:num_chunk_tokens], device=self.device)
-            _, new_kv = prefill(self.model, build_cache(self.model.config, *buffers, 0), token_ids, 0)
-            content_keys = prompt.content_keys if content_addressed else (None,) * len(chunks)
-            stored = self.parts.writeback.store_now(PendingChunks(
-                self.namespace, chunks, prompt.prefix_keys, content_keys, new_kv, 0, pin=pin))
-        tail = len(prompt.chunks.tail)
-        warning = "" if tail == 0 else (
-            f"{tail} tokens after the last full chunk are not stored; a prompt that starts with this text "
-            f"reuses at most {prompt.num_tokens - tail} of its tokens")
-        return WarmOutcome(stored, prompt.num_tokens, self.config.chunk_size, tail == 0, tail, warning)
+        chunks = list(prompt.chunks.chunks)
+        prefix_keys = list(prompt.prefix_keys)
+        content_keys: list[bytes | None] = list(prompt.content_keys) if content_addressed else [None] * len(chunks)
+        tail = prompt.tail_chunk()
+        if tail is not None:
+            chunks.append(tail)
+            prefix_keys.append(prompt.tail_key)
+            content_keys.append(None)
+        buffers = allocate_kv(self.geometry, prompt.num_tokens, self.device, self.dtype)
+        token_ids = torch.tensor(prompt.token_ids, device=self.device)
+        _, new_kv = prefill(self.model, build_cache(self.model.config, *buffers, 0), token_ids, 0)
+        stored = self.parts.writeback.store_now(PendingChunks(
+            self.namespace, tuple(chunks), tuple(prefix_keys), tuple(content_keys), new_kv, 0, pin=pin))
+        num_tail = len(prompt.chunks.tail)
+        note = "" if num_tail == 0 else (
+            f"the last {num_tail} tokens are stored as a partial chunk: a prompt reuses them when it continues "
+            f"this text token for token (where its tokenization differs at the join, only the "
+            f"{prompt.num_tokens - num_tail} tokens of whole chunks are reused)")
+        return WarmOutcome(stored, prompt.num_tokens, self.config.chunk_size, num_tail == 0, num_tail, note)
 
     def verify(self, prompts: list[str], max_new_tokens: int = 32, mode: str = "prefix_cache") -> list[dict]:
         """BASELINE against `mode` per prompt (the cached mode runs twice, so the second run has hits)."""

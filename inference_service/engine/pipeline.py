@@ -158,10 +158,24 @@ def prefill_prompt(parts: EngineParts, prompt: PromptPlan, mode: str, capacity: 
         live = torch.tensor(prompt.token_ids[num_cached:], device=parts.device)
         first_logits, new_kv = prefill(parts.model, cache, live, num_cached)
         if mode != "baseline" and not context.degraded:
-            index = context.num_cached_chunks
-            pending = PendingChunks(parts.namespace, prompt.chunks.chunks[index:], prompt.prefix_keys[index:],
-                                    prompt.content_keys[index:], new_kv, num_cached, request_id=request_id)
+            pending = _new_chunks(parts, prompt, context, new_kv, num_cached, buffers, request_id)
     return Prefilled(prompt, context, num_cached, *buffers, cache, first_logits, pending)
+
+
+def _new_chunks(parts: EngineParts, prompt: PromptPlan, context: AssembledContext, new_kv, num_cached: int,
+                buffers: tuple[torch.Tensor, torch.Tensor], request_id: str) -> PendingChunks:
+    """Every chunk the store did not give, and the tail as a partial chunk (unless it came from the store):
+    a later prompt that continues this one reuses it to its last token."""
+    index = context.num_cached_chunks
+    chunks, prefix_keys = list(prompt.chunks.chunks[index:]), list(prompt.prefix_keys[index:])
+    content_keys: list[bytes | None] = list(prompt.content_keys[index:])
+    tail = prompt.tail_chunk()
+    if tail is not None and context.partial_key != prompt.tail_key:
+        chunks.append(tail)
+        prefix_keys.append(prompt.tail_key)
+        content_keys.append(None)
+    return PendingChunks(parts.namespace, tuple(chunks), tuple(prefix_keys), tuple(content_keys), new_kv, num_cached,
+                         request_id=request_id, head_kv=buffers)
 
 
 def _prefill_with_content_hits(parts: EngineParts, prompt: PromptPlan, context: AssembledContext, capacity: int,
@@ -223,7 +237,7 @@ def record_outcome(parts: EngineParts, params: GenerationParams, mode: str, prom
     outcome = outcome_of(params, mode, prompt.num_tokens, num_cached, context.num_recomputed_tokens, decoded,
                          context.degraded)
     parts.counters.add_request(prompt.num_tokens, num_cached, context.num_recomputed_tokens,
-                               context.num_cached_chunks if count_fetched else 0,
+                               context.num_fetched_blobs if count_fetched else 0,
                                context.num_bytes_fetched if count_fetched else 0,
                                outcome.ttft_ms if outcome.generated_tokens else None)
     logger.info("[%s] %s%s: %d prompt tokens, %d cached, ttft %.1f ms, %d generated (%s)%s",

@@ -4,8 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from inference_service.kv.chunking import ChunkPlan, plan_segments
-from inference_service.kv.chunk_keys import ContentKey, PrefixKey, content_key, prefix_keys
+from inference_service.kv.chunking import Chunk, ChunkPlan, plan_segments
+from inference_service.kv.chunk_keys import (
+    ContentKey, PrefixKey, content_key, hash_prefix_chunk, partial_prefix_keys, prefix_keys,
+)
 from inference_service.kv.namespace import Namespace
 
 
@@ -15,13 +17,46 @@ class PromptPlan:
     chunks: ChunkPlan
     prefix_keys: tuple[PrefixKey, ...]  # one per chunk
     content_keys: tuple[ContentKey, ...]  # one per chunk
+    # Prefix key of the tail stored as a partial chunk (hash_prefix_chunk(last prefix key, tail)); None
+    # when the prompt ends on a chunk boundary.
+    tail_key: PrefixKey | None = None
+    namespace: bytes = b""  # seeds the chain: the parent of the first chunk
 
     def __post_init__(self) -> None:
         assert len(self.prefix_keys) == len(self.content_keys) == len(self.chunks.chunks), "one key of each kind per chunk"
+        assert self.tail_key is None or self.chunks.tail, "a tail key needs a tail"
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def parent_key(self, chunk_index: int) -> bytes:
+        """The prefix key a chunk at chunk_index chains from: the previous chunk's, or the namespace."""
+        return self.prefix_keys[chunk_index - 1] if chunk_index else self.namespace
+
+    def partial_candidates(self, run: int) -> tuple[int, list[PrefixKey]]:
+        """(start, keys) of the partial chunks that could extend a prefix run of `run` chunks: the keys of
+        the first n tokens after the run, longest first, for every n shorter than the next chunk (or up to
+        the whole tail when the run covers every chunk).
+
+        A partial chunk is stored for the tail of a warmed text or of a written-back prompt; a prompt that
+        continues that text reuses it to its last token. Exact: the key chains over every token before.
+        """
+        chunks = self.chunks.chunks
+        if run < len(chunks):
+            start, length = chunks[run].start, len(chunks[run].token_ids) - 1
+        else:
+            start, length = self.chunks.tail_start, len(self.chunks.tail)
+        if length <= 0:
+            return start, []
+        return start, partial_prefix_keys(self.parent_key(run), self.token_ids[start : start + length])
+
+    def tail_chunk(self) -> Chunk | None:
+        """The tail as a (partial) chunk to store under tail_key; None when the prompt has no tail."""
+        if not self.chunks.tail:
+            return None
+        segment = self.chunks.chunks[-1].segment if self.chunks.chunks else 0
+        return Chunk(self.chunks.tail, self.chunks.tail_start, segment)
 
 
 def tokenize_prompt(tokenizer, prompt: str) -> list[list[int]]:
@@ -50,12 +85,15 @@ def tokenize_document(tokenizer, text: str) -> list[list[int]]:
 
 
 def plan_prompt(namespace: Namespace, segments: Sequence[Sequence[int]], chunk_size: int) -> PromptPlan:
-    """Chunks every segment from its own start and keys every chunk (prefix chain and content)."""
+    """Chunks every segment from its own start and keys every chunk (prefix chain and content) and the tail."""
     chunks = plan_segments(segments, chunk_size)
     chunk_ids = [chunk.token_ids for chunk in chunks.chunks]
+    keys = tuple(prefix_keys(namespace, chunk_ids))
     return PromptPlan(
         token_ids=tuple(token for segment in segments for token in segment),
         chunks=chunks,
-        prefix_keys=tuple(prefix_keys(namespace, chunk_ids)),
+        prefix_keys=keys,
         content_keys=tuple(content_key(namespace, ids) for ids in chunk_ids),
+        tail_key=hash_prefix_chunk(keys[-1] if keys else namespace, chunks.tail) if chunks.tail else None,
+        namespace=namespace,
     )

@@ -30,10 +30,23 @@ class PendingChunks:
     kv_start: int  # prompt position of new_kv's first token
     pin: bool = False
     request_id: str = ""
+    # K/V buffers [layers, kv_heads, capacity, head_dim] whose positions [0, kv_start) hold the tokens before
+    # the prefill (fetched): a chunk that starts before kv_start (after a partial hit) takes them from here.
+    head_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.chunks) == len(self.prefix_keys) == len(self.content_keys), "one key of each kind per chunk"
-        assert all(chunk.start >= self.kv_start for chunk in self.chunks), "every chunk lies in the prefill's tokens"
+        assert self.head_kv is not None or all(chunk.start >= self.kv_start for chunk in self.chunks), (
+            "every chunk lies in the prefill's tokens, or the head K/V holds its start")
+
+    def chunk_kv(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [layers, kv_heads, chunk length, head_dim] of one of the chunks."""
+        if chunk.start >= self.kv_start:
+            return stack_layers(self.new_kv, chunk.start - self.kv_start, chunk.end - self.kv_start)
+        keys, values = stack_layers(self.new_kv, 0, chunk.end - self.kv_start)
+        head_keys, head_values = self.head_kv
+        return (torch.cat([head_keys[:, :, chunk.start : self.kv_start], keys], dim=2),
+                torch.cat([head_values[:, :, chunk.start : self.kv_start], values], dim=2))
 
 
 def encode_pending(pending: PendingChunks, bits: int, group_size: int = DEFAULT_GROUP_SIZE,
@@ -41,7 +54,7 @@ def encode_pending(pending: PendingChunks, bits: int, group_size: int = DEFAULT_
     """Store items for the pending chunks, encoded by kv.blobs.encode_chunk_kv (rope: see there)."""
     items = []
     for chunk, key, content in zip(pending.chunks, pending.prefix_keys, pending.content_keys):
-        keys, values = stack_layers(pending.new_kv, chunk.start - pending.kv_start, chunk.end - pending.kv_start)
+        keys, values = pending.chunk_kv(chunk)
         blob = encode_chunk_kv(keys, values, chunk.start, bits, group_size, rope)
         items.append(StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin))
     return items

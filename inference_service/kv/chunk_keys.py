@@ -44,3 +44,19 @@ def content_key(namespace: Namespace, token_ids: Sequence[int]) -> ContentKey:
     """content_hash = SHA256(namespace || tokens). Equals the prefix key of a chunk at the very start."""
     assert len(namespace) == DIGEST_SIZE, f"namespace must be {DIGEST_SIZE} bytes, got {len(namespace)}"
     return ContentKey(hashlib.sha256(namespace + encode_token_ids(token_ids)).digest())
+
+
+def partial_prefix_keys(parent: bytes, token_ids: Sequence[int]) -> list[PrefixKey]:
+    """hash_prefix_chunk(parent, token_ids[:n]) for n = len(token_ids) down to 1: the keys a partial chunk
+    stored after `parent` would have if it held the first n of these tokens, longest first.
+
+    One running SHA-256 serves every length (each key costs one 4-byte update and a copy).
+    """
+    assert len(parent) == DIGEST_SIZE, f"parent digest must be {DIGEST_SIZE} bytes, got {len(parent)}"
+    running = hashlib.sha256(parent)
+    keys: list[PrefixKey] = []
+    for token_bytes in struct.iter_unpack("4s", encode_token_ids(token_ids)):
+        running.update(token_bytes[0])
+        keys.append(PrefixKey(running.copy().digest()))
+    keys.reverse()
+    return keys

@@ -67,14 +67,17 @@ class GrpcChunkStore:
     def address(self) -> str:
         return self.options.address
 
-    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None) -> StoreLookup:
-        request = cache_pb2.LookupRequest(namespace=namespace, prefix_keys=prefix_keys, content_keys=content_keys or [])
+    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
+               partial_keys: list[bytes] | None = None) -> StoreLookup:
+        request = cache_pb2.LookupRequest(namespace=namespace, prefix_keys=prefix_keys, content_keys=content_keys or [],
+                                          partial_keys=partial_keys or [])
         stub = self._available_stub()
         try:
             reply = stub.Lookup(request, timeout=self.options.rpc_timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
             raise self._failure("Lookup", error) from error
-        return StoreLookup(reply.prefix_run, {hit.index: hit.stored_key for hit in reply.content_hits})
+        partial = reply.partial_index if reply.HasField("partial_index") else None
+        return StoreLookup(reply.prefix_run, {hit.index: hit.stored_key for hit in reply.content_hits}, partial)
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
         keys = list(keys)

@@ -34,7 +34,8 @@ class InMemoryStore:
         with self._lock:
             return len(self._entries)
 
-    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None) -> StoreLookup:
+    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
+               partial_keys: list[bytes] | None = None) -> StoreLookup:
         with self._lock:
             run = 0
             while run < len(prefix_keys) and self._holds(namespace, prefix_keys[run]):
@@ -44,7 +45,8 @@ class InMemoryStore:
                 stored = self._content_index.get(content_key)
                 if index >= run and stored is not None and self._holds(namespace, stored):
                     content_hits[index] = stored
-        return StoreLookup(run, content_hits)
+            partial = next((i for i, key in enumerate(partial_keys or ()) if self._holds(namespace, key)), None)
+        return StoreLookup(run, content_hits, partial)
 
     def _holds(self, namespace: bytes, key: bytes) -> bool:
         entry = self._entries.get(key)

@@ -13,6 +13,7 @@ class StoreUnavailable(Exception):
 class StoreLookup:
     prefix_run: int  # how many leading prefix keys hit, in order
     content_hits: dict[int, bytes] = field(default_factory=dict)  # chunk index -> stored prefix key
+    partial_index: int | None = None  # index of the first stored partial key asked for; None: none
 
     def __post_init__(self) -> None:
         assert self.prefix_run >= 0, f"prefix_run must be >= 0, got {self.prefix_run}"
@@ -37,8 +38,10 @@ class ChunkStore(Protocol):
     # blob it returns against a checksum taken over the same bytes when they were stored, so the engine
     # need not run the blob's own CRC-32 a second time.
 
-    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None) -> StoreLookup:
-        """Which chunks are stored; moves no blob bytes. Raises StoreUnavailable."""
+    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
+               partial_keys: list[bytes] | None = None) -> StoreLookup:
+        """Which chunks are stored; moves no blob bytes. partial_keys are tried in order, the first stored
+        one is reported. Raises StoreUnavailable."""
         ...
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
@@ -58,7 +61,8 @@ class NullStore:
 
     degraded = False
 
-    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None) -> StoreLookup:
+    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
+               partial_keys: list[bytes] | None = None) -> StoreLookup:
         return StoreLookup(0, {})
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:

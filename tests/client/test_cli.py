@@ -139,7 +139,7 @@ def test_warm_reports_each_file_and_the_totals(capsys, tmp_path, address, infere
     code, out, _ = run(capsys, "--address", address, "warm", str(first), str(second), "--content-addressed")
     assert code == 0
     assert out.splitlines() == [
-        f"{first}: 1 chunks stored, 6 tokens (chunk size 4, last 2 tokens not stored)",
+        f"{first}: 1 chunks stored, 6 tokens (chunk size 4, last 2 tokens as a partial chunk)",
         f"{second}: 1 chunks stored, 4 tokens (chunk size 4)",
         "warmed 2 file(s): 2 chunks, 10 tokens",
     ]

@@ -45,14 +45,16 @@ class ChunkFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "prefix_keys", "content_keys")
+    __slots__ = ("namespace", "prefix_keys", "content_keys", "partial_keys")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_KEYS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     prefix_keys: _containers.RepeatedScalarFieldContainer[bytes]
     content_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., content_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    partial_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., content_keys: _Optional[_Iterable[bytes]] = ..., partial_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ContentHit(_message.Message):
     __slots__ = ("index", "stored_key")
@@ -63,14 +65,16 @@ class ContentHit(_message.Message):
     def __init__(self, index: _Optional[int] = ..., stored_key: _Optional[bytes] = ...) -> None: ...
 
 class LookupReply(_message.Message):
-    __slots__ = ("prefix_run", "prefix_hit", "content_hits")
+    __slots__ = ("prefix_run", "prefix_hit", "content_hits", "partial_index")
     PREFIX_RUN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HITS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_INDEX_FIELD_NUMBER: _ClassVar[int]
     prefix_run: int
     prefix_hit: _containers.RepeatedScalarFieldContainer[bool]
     content_hits: _containers.RepeatedCompositeFieldContainer[ContentHit]
-    def __init__(self, prefix_run: _Optional[int] = ..., prefix_hit: _Optional[_Iterable[bool]] = ..., content_hits: _Optional[_Iterable[_Union[ContentHit, _Mapping]]] = ...) -> None: ...
+    partial_index: int
+    def __init__(self, prefix_run: _Optional[int] = ..., prefix_hit: _Optional[_Iterable[bool]] = ..., content_hits: _Optional[_Iterable[_Union[ContentHit, _Mapping]]] = ..., partial_index: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("keys",)
@@ -135,12 +139,14 @@ class CacheStatsReply(_message.Message):
     def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupted: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., map_size: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("keys", "namespace")
+    __slots__ = ("keys", "namespace", "corrupted")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     namespace: bytes
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., namespace: _Optional[bytes] = ...) -> None: ...
+    corrupted: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., namespace: _Optional[bytes] = ..., corrupted: _Optional[bool] = ...) -> None: ...
 
 class DeleteReply(_message.Message):
     __slots__ = ("deleted", "bytes_freed")
@@ -163,3 +169,21 @@ class PinReply(_message.Message):
     updated: int
     missing: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, updated: _Optional[int] = ..., missing: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeReply(_message.Message):
+    __slots__ = ("data_dir", "environment_id", "map_size", "max_bytes", "blob_db_version")
+    DATA_DIR_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MAP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOB_DB_VERSION_FIELD_NUMBER: _ClassVar[int]
+    data_dir: str
+    environment_id: bytes
+    map_size: int
+    max_bytes: int
+    blob_db_version: int
+    def __init__(self, data_dir: _Optional[str] = ..., environment_id: _Optional[bytes] = ..., map_size: _Optional[int] = ..., max_bytes: _Optional[int] = ..., blob_db_version: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,11 @@ class CacheServiceStub:
                 request_serializer=kvboost_dot_v1_dot_cache__pb2.PinRequest.SerializeToString,
                 response_deserializer=kvboost_dot_v1_dot_cache__pb2.PinReply.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/kvboost.v1.CacheService/Describe',
+                request_serializer=kvboost_dot_v1_dot_cache__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=kvboost_dot_v1_dot_cache__pb2.DescribeReply.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -125,6 +130,15 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """Where this daemon keeps its LMDB environment and an identity for it, so a
+        service on the same host can read blobs from the memory map directly
+        (Lookup and Store still come here: the daemon stays the only writer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +176,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Unpin,
                     request_deserializer=kvboost_dot_v1_dot_cache__pb2.PinRequest.FromString,
                     response_serializer=kvboost_dot_v1_dot_cache__pb2.PinReply.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=kvboost_dot_v1_dot_cache__pb2.DescribeRequest.FromString,
+                    response_serializer=kvboost_dot_v1_dot_cache__pb2.DescribeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +372,33 @@ class CacheService:
             '/kvboost.v1.CacheService/Unpin',
             kvboost_dot_v1_dot_cache__pb2.PinRequest.SerializeToString,
             kvboost_dot_v1_dot_cache__pb2.PinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvboost.v1.CacheService/Describe',
+            kvboost_dot_v1_dot_cache__pb2.DescribeRequest.SerializeToString,
+            kvboost_dot_v1_dot_cache__pb2.DescribeReply.FromString,
             options,
             channel_credentials,
             insecure,

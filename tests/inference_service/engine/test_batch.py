@@ -188,8 +188,8 @@ def test_the_shared_prefix_is_fetched_once_for_the_batch(tiny_llama):
 
     outcomes = engine.generate_batch(params(prompts))
 
-    assert warmed.chunks_stored == 11
-    assert len(cache.fetches) == 1  # one Fetch for three rows
+    assert warmed.chunks_stored == 11 + 1  # 11 whole chunks, then the 2 tail tokens as a partial chunk
+    assert len(cache.fetches) == 1  # one Fetch for three rows: the batch shares whole chunks only
     assert cache.fetches[0] == list(plan_prompt(engine.namespace, tokenize_prompt(tokenizer, SYSTEM), 8).prefix_keys)
     assert [o.cached_tokens for o in outcomes] == [88] * 3
     stats = engine.stats()

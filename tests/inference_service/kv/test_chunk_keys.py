@@ -10,7 +10,7 @@ import pytest
 
 from inference_service.kv import chunk_keys as keys
 from inference_service.kv.chunk_keys import (
-    ContentKey, PrefixKey, content_key, encode_token_ids, hash_prefix_chunk, prefix_keys,
+    ContentKey, PrefixKey, content_key, encode_token_ids, hash_prefix_chunk, partial_prefix_keys, prefix_keys,
 )
 from inference_service.kv.namespace import Namespace, NamespaceSpec, namespace_digest
 
@@ -153,3 +153,16 @@ def test_namespace_spec_validates_its_fields():
         make_spec(kv_cache_bits=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         make_spec().chunk_size = 8
+
+
+def test_partial_prefix_keys_are_the_prefix_keys_of_every_shorter_chunk_longest_first():
+    parent = hashlib.sha256(b"parent").digest()
+    tokens = [7, 300, 2**32 - 1, 0]
+
+    keys = partial_prefix_keys(parent, tokens)
+
+    # Recomputed from §3 with hashlib and struct: SHA256(parent || first n tokens as 4-byte LE), n = 4..1.
+    expected = [hashlib.sha256(parent + struct.pack(f"<{n}I", *tokens[:n])).digest() for n in (4, 3, 2, 1)]
+    assert keys == expected
+    assert keys[0] == hash_prefix_chunk(parent, tokens)
+    assert partial_prefix_keys(parent, []) == []

@@ -118,7 +118,7 @@ def test_second_call_reuses_the_prefix_and_matches_baseline(engine) -> None:
 
     baseline, first, second = run(scenario())
     assert (baseline.cached_tokens, first.cached_tokens) == (0, 0)
-    assert second.cached_tokens == len(PROMPT) // CHUNK_SIZE * CHUNK_SIZE
+    assert second.cached_tokens == len(PROMPT) - 1  # whole chunks and the partial tail: all but the last token
     assert second.kv_reuse_ratio == pytest.approx(second.cached_tokens / len(PROMPT))
     assert second.mode == pb.PREFIX_CACHE
     assert second.output_token_ids == first.output_token_ids == baseline.output_token_ids
@@ -249,10 +249,10 @@ def test_warm_then_generate_hits_the_warmed_chunks(engine) -> None:
             return warmed, result
 
     warmed, result = run(scenario())
-    assert (warmed.chunks_stored, warmed.token_count, warmed.chunk_size) == (16, 135, CHUNK_SIZE)
+    assert (warmed.chunks_stored, warmed.token_count, warmed.chunk_size) == (16 + 1, 135, CHUNK_SIZE)  # + partial tail
     assert (warmed.chunk_boundary_aligned, warmed.partial_tail_tokens) == (False, 7)
     assert "7 tokens" in warmed.alignment_warning
-    assert result.cached_tokens == 16 * CHUNK_SIZE
+    assert result.cached_tokens == 135  # the prompt continues the warmed text: all of it is reused
 
 
 def test_warm_without_text_is_invalid_argument(engine) -> None:
@@ -277,7 +277,7 @@ def test_verify_stats_and_model_info(engine) -> None:
     assert (report.identical, report.total) == (2, 2)
     assert [p.prompt for p in report.prompts] == [PROMPT, "short"]
     assert report.prompts[0].first_token_cosine == pytest.approx(1.0, abs=1e-5)
-    assert report.prompts[0].cached_tokens == 16 * CHUNK_SIZE
+    assert report.prompts[0].cached_tokens == len(PROMPT) - 1
     # Verify ran BASELINE and the cached mode twice per prompt.
     assert stats.requests == 6
     assert (stats.cache_address, stats.degraded, stats.queue_depth, stats.rejected) == ("in-process", False, 0, 0)

@@ -1,0 +1,103 @@
+"""A text's partial last chunk is stored and reused to its last token; outputs stay those of model.generate."""
+from __future__ import annotations
+
+from inference_service.engine.prompts import plan_prompt, tokenize_prompt
+from inference_service.store.memory import InMemoryStore
+from tests.inference_service.engine.test_engine import (  # noqa: F401 (tiny_model is a fixture)
+    make_engine, reference_ids, run, text_of_length, tiny_model,
+)
+
+# With the byte-level tiny tokenizer one character is one token; chunk size 8.
+DOCUMENT = text_of_length(30)  # 3 whole chunks, then a 6-token tail
+QUESTION = " Q: who jumps?"  # 14 tokens: the document's chunk 3 becomes whole, then a tail
+
+
+class RecordingStore(InMemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookups: list[tuple[int, int]] = []  # (prefix keys, partial keys) per Lookup
+        self.fetches: list[list[bytes]] = []
+
+    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None):
+        self.lookups.append((len(prefix_keys), len(partial_keys or ())))
+        return super().lookup(namespace, prefix_keys, content_keys, partial_keys)
+
+    def fetch(self, keys):
+        self.fetches.append(list(keys))
+        return super().fetch(keys)
+
+
+def test_a_warmed_unaligned_document_is_reused_to_its_last_token(tiny_model):
+    model, tokenizer = tiny_model
+    store = RecordingStore()
+    engine = make_engine(tiny_model, cache=store)
+    warmed = engine.warm(DOCUMENT)
+    store.lookups.clear()
+
+    outcome = run(engine, prompt=DOCUMENT + QUESTION, mode="prefix_cache")
+
+    assert (warmed.chunks_stored, warmed.partial_tail_tokens) == (3 + 1, 6)
+    assert outcome.cached_tokens == 30
+    assert outcome.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, DOCUMENT + QUESTION)[0])
+    # One Lookup of the 5 whole chunks (3 hit), one of the 7 partial candidates inside chunk 3, one Fetch of 4 blobs.
+    assert store.lookups == [(5, 0), (0, 7)]
+    plan = plan_prompt(engine.namespace, tokenize_prompt(tokenizer, DOCUMENT)[0:1], 8)
+    assert store.fetches[0] == [*plan.prefix_keys, plan.tail_key]
+
+
+def test_the_chunk_that_held_the_partial_hit_is_stored_whole_afterwards(tiny_llama):
+    model, tokenizer = tiny_llama
+    store = InMemoryStore()
+    engine = make_engine(tiny_llama, cache=store)
+    engine.warm(DOCUMENT)
+    run(engine, prompt=DOCUMENT + QUESTION, mode="prefix_cache")  # reuses 30 tokens, writes back chunks 3 and 4
+    longer = DOCUMENT + QUESTION + " The fox."
+
+    outcome = run(engine, prompt=longer, mode="prefix_cache")
+
+    # Chunks 0-4 (40 tokens) are whole now: chunk 3's K/V joined 6 fetched tokens and 2 computed ones.
+    assert outcome.cached_tokens >= 40
+    assert outcome.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, longer)[0])
+
+
+def test_a_prompt_that_leaves_the_text_inside_the_tail_reuses_the_whole_chunks_only(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = make_engine(tiny_llama)
+    engine.warm(DOCUMENT)
+    changed = DOCUMENT[:28] + "XY" + QUESTION  # the tail's last 2 tokens differ
+
+    outcome = run(engine, prompt=changed, mode="prefix_cache")
+
+    assert outcome.cached_tokens == 24
+    assert outcome.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, changed)[0])
+
+
+def test_a_prompt_ending_inside_the_stored_tail_runs_only_its_last_token(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = make_engine(tiny_llama)
+    engine.warm(DOCUMENT)
+    prefix = DOCUMENT[:27]  # ends 3 tokens into the 6-token tail: the 3-token partial key is not stored
+
+    exact = run(engine, prompt=DOCUMENT, mode="prefix_cache")
+    shorter = run(engine, prompt=prefix, mode="prefix_cache")
+
+    assert exact.cached_tokens == 29  # all but the last token, which always runs
+    assert shorter.cached_tokens == 24
+    assert exact.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, DOCUMENT)[0])
+    assert shorter.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, prefix)[0])
+
+
+def test_baseline_looks_nothing_up_and_chunk_kv_reuse_takes_partial_hits_too(tiny_llama):
+    model, tokenizer = tiny_llama
+    store = RecordingStore()
+    engine = make_engine(tiny_llama, cache=store)
+    engine.warm(DOCUMENT)
+    store.lookups.clear()
+
+    baseline = run(engine, prompt=DOCUMENT + QUESTION, mode="baseline")
+    assert store.lookups == [] and baseline.cached_tokens == 0
+    reused = run(engine, prompt=DOCUMENT + QUESTION, mode="chunk_kv_reuse")
+
+    assert reused.cached_tokens >= 30
+    expected = reference_ids(model, tokenize_prompt(tokenizer, DOCUMENT + QUESTION)[0])
+    assert baseline.output_token_ids == reused.output_token_ids == expected

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from inference_service.store.colocated import ColocatedStore
 from inference_service.store.grpc_store import GrpcStoreOptions, GrpcChunkStore
 from inference_service.store.protocol import ChunkStore, NullStore
 from inference_service.serving.config import ServiceConfig, parse_config
@@ -27,7 +28,7 @@ def make_store(config: ServiceConfig) -> ChunkStore:
         logger.warning("no --cache-addr: every request runs without the cache")
         return NullStore()
     roots = Path(config.cache_tls_ca).read_bytes() if config.cache_tls_ca else None
-    return GrpcChunkStore(GrpcStoreOptions(
+    remote = GrpcChunkStore(GrpcStoreOptions(
         address=config.cache_addr,
         auth_token=config.cache_auth_token(),
         tls=config.cache_tls or roots is not None,
@@ -35,11 +36,12 @@ def make_store(config: ServiceConfig) -> ChunkStore:
         rpc_timeout_s=config.cache_timeout_s,
         reconnect_interval_s=config.cache_timeout_s,
     ))
+    return remote if config.cache_local_read == "off" else ColocatedStore(remote, config.cache_local_read)
 
 
 def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
     """Checks the architecture from the config, then loads the weights (slow: runs off the event loop)."""
-    from inference_service.engine.engine import Engine, EngineConfig# torch and transformers load here
+    from inference_service.engine.engine import Engine, EngineConfig  # torch and transformers load here
     from inference_service.model.loading import load_model
 
     loaded = load_model(config.model, device=_auto(config.device), dtype=_auto(config.dtype), strict=config.strict)
@@ -58,7 +60,7 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
         kv_group_size=config.kv_group_size,
         kv_keys_before_rope=config.kv_keys_before_rope,
     )
-    if isinstance(store, GrpcChunkStore) and store.check():
+    if isinstance(store, (GrpcChunkStore, ColocatedStore)) and store.check():
         logger.info("cache daemon at %s answers", store.address)
     return Engine(loaded.model, loaded.tokenizer, engine_config, store, model_id=loaded.model_id)
 

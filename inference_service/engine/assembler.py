@@ -121,10 +121,13 @@ def fetch_prefix_run(
     degraded = False
     blobs = None
     try:
-        blobs = prefetched(store.fetch(keys_to_fetch))
+        blobs = store.fetch(keys_to_fetch)
+        lent = getattr(blobs, "lent", False)  # views into shared memory: decode each before taking the next
+        if not lent:
+            blobs = prefetched(blobs)
         for chunk, expected_key, (key, blob) in zip(chunks, keys_to_fetch, blobs):
             decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify, rope=rope,
-                                 device=keys.device)
+                                 device=keys.device, borrow=lent, on_corrupt=lambda key: report_corrupt(store, key))
             span = slice(chunk.start, chunk.end)
             if decoded is None or not place_hit_(keys[:, :, span], values[:, :, span], decoded, chunk.start, rope):
                 break
@@ -142,6 +145,13 @@ def fetch_prefix_run(
     placed_partial = partial is not None and num_placed == len(chunks)
     return AssembledContext(keys, values, chunks[num_placed - 1].end, min(num_placed, run), num_bytes_fetched=num_bytes,
                             degraded=degraded, partial_key=partial.key if placed_partial else None)
+
+
+def report_corrupt(store: ChunkStore, key: bytes) -> None:
+    """Tells a store that can hear it (the daemon) that a blob failed its checksum here."""
+    report = getattr(store, "report_corrupt", None)
+    if report is not None:
+        report([key])
 
 
 def prefetched(items: Iterator[T]) -> Iterator[T]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.engine.assembler import AssembledContext
+from inference_service.engine.assembler import AssembledContext, report_corrupt
 from inference_service.kv.blobs import decode_hit, place_hit_
 from inference_service.store.protocol import StoreUnavailable, ChunkStore
 from inference_service.engine.prompts import PromptPlan
@@ -86,11 +86,15 @@ def place_content_hits(
     verify = not getattr(cache, "verifies_blobs", False)  # one checksum per blob is enough
     shape = (geometry.num_layers, geometry.num_kv_heads, 0, geometry.head_dim)
     previous: tuple[int, int] | None = None  # (chunk index, stored end position) of the last placed hit
+    blobs = None
     try:
-        for (index, expected_key), (key, blob) in zip(hits, cache.fetch([key for _, key in hits])):
+        blobs = cache.fetch([key for _, key in hits])
+        lent = getattr(blobs, "lent", False)  # views into shared memory: decode each before taking the next
+        for (index, expected_key), (key, blob) in zip(hits, blobs):
             chunk = prompt.chunks.chunks[index]
             decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify,
-                                 same_position=False, rope=rope, device=key_buffer.device)
+                                 same_position=False, rope=rope, device=key_buffer.device, borrow=lent,
+                                 on_corrupt=lambda key: report_corrupt(cache, key))
             # Keys rotated to their new positions; rows whose keys cannot be stay MISSING, so they are recomputed.
             span = slice(chunk.start, chunk.end)
             if decoded is None or not place_hit_(key_buffer[:, :, span], value_buffer[:, :, span], decoded, chunk.start,
@@ -108,6 +112,10 @@ def place_content_hits(
     except StoreUnavailable as error:
         logger.warning("cache unavailable during content fetch, %d of %d hits placed: %s", num_placed, len(hits), error)
         degraded = context.degraded = True
+    finally:
+        close = getattr(blobs, "close", None)
+        if close is not None:
+            close()  # ends a stream or a read transaction we no longer read
     if num_placed == 0:
         return None
     if overlap_tokens:

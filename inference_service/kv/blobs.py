@@ -4,6 +4,7 @@ placement only do I/O and bookkeeping around these functions."""
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -62,22 +63,27 @@ def _unrotated(keys: torch.Tensor, start: int, rope: RopeParams) -> torch.Tensor
 
 def decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: int, shape: tuple[int, ...],
                verify: bool, same_position: bool = True, rope: RopeParams | None = None,
-               device: torch.device | str = "cpu"):
+               device: torch.device | str = "cpu", borrow: bool = False,
+               on_corrupt: Callable[[bytes], None] | None = None):
     """The decoded chunk, or None (logged) when the blob cannot stand for this chunk.
 
     shape: (layers, kv_heads, any, head_dim) of the model's K/V. same_position: the blob must have been
     computed at `start` (a prefix hit); False for a content hit, whose keys are re-rotated. rope: None
     refuses blobs whose keys are stored un-rotated (nothing could rotate them into place). device: where
-    the tensors are decoded (dequantized): the buffers' device.
+    the tensors are decoded (dequantized): the buffers' device. borrow: the tensors may share the blob's
+    read-only memory (placed before the blob goes away). on_corrupt(key): told of a blob that fails its
+    checksum or does not decode, so the store can drop it.
     """
     kind = "chunk" if same_position else "content hit"
     if blob is None or key != expected_key:
         logger.info("%s at position %d missing at fetch (evicted since lookup?)", kind, start)
         return None
     try:
-        decoded = decode_chunk(blob, device=device, verify=verify)
+        decoded = decode_chunk(blob, device=device, verify=verify, borrow=borrow)
     except BlobError as error:
         logger.warning("%s at position %d could not be decoded, recomputing it: %s", kind, start, error)
+        if on_corrupt is not None:
+            on_corrupt(key)
         return None
     header = decoded.header
     expected = (shape[0], shape[1], num_tokens, shape[3])

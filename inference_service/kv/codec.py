@@ -231,7 +231,8 @@ def read_header(blob: BlobBuffer) -> BlobHeader:
 
 
 def decode_chunk(
-    blob: BlobBuffer, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, verify: bool = True
+    blob: BlobBuffer, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, verify: bool = True,
+    borrow: bool = False,
 ) -> DecodedChunk:
     """Tensors straight from the blob's payload (torch.frombuffer, no per-element Python work).
 
@@ -241,8 +242,9 @@ def decode_chunk(
     Returns:
         keys/values [layers, kv_heads, tokens, head_dim], keys as stored: rotated for positions
         start_position.., or all for position 0 when header.keys_before_rope, for the caller to rotate
-        into place. A read-only blob (bytes) is copied once;
-        a writable one (bytearray, memoryview) may be shared by the CPU tensors, not copied.
+        into place. A read-only blob (bytes) is copied once, unless `borrow` says the caller is done with
+        the tensors before the blob's memory goes away (a view into a memory map); a writable one
+        (bytearray, memoryview) may be shared by the CPU tensors, not copied.
     Raises:
         BlobError: see read_header; also a checksum mismatch when verify is set.
     """
@@ -258,8 +260,9 @@ def decode_chunk(
     layout = _layout(header.version, header.dtype, header.bits, header.shape, header.group_size, header.sink_tokens)
     sections = {s.name: payload[s.offset : s.offset + s.num_bytes] for s in layout}
     if header.bits == 16:
-        keys = _to(sections["keys"].view(source_dtype).view(header.shape), device, target_dtype, view.readonly)
-        values = _to(sections["values"].view(source_dtype).view(header.shape), device, target_dtype, view.readonly)
+        must_copy = view.readonly and not borrow
+        keys = _to(sections["keys"].view(source_dtype).view(header.shape), device, target_dtype, must_copy)
+        values = _to(sections["values"].view(source_dtype).view(header.shape), device, target_dtype, must_copy)
         return DecodedChunk(header, keys, values)
     sink = header.sink_tokens
     if sink < header.num_tokens:

@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 
 from inference_service.engine.types import MODES, RECOMPUTE_STRATEGIES
 from inference_service.model.weights import DEFAULT_MODEL
+from inference_service.store.colocated import LOCAL_READ_MODES
 from kvboost_common.auth import load_token
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -49,6 +50,7 @@ class ServiceConfig:
     cache_tls: bool = False
     cache_tls_ca: str = ""  # PEM roots for the daemon's certificate; empty: the system roots
     cache_timeout_s: float = 1.0  # Lookup deadline; reconnect probe interval
+    cache_local_read: str = "auto"  # read blobs from the daemon's LMDB on this host: auto, on or off
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -72,6 +74,8 @@ class ServiceConfig:
         _require(self.max_prompt_tokens >= 0, f"--max-prompt-tokens must be >= 0, got {self.max_prompt_tokens}")
         _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
         _require(self.cache_timeout_s > 0, f"--cache-timeout must be positive, got {self.cache_timeout_s}")
+        _require(self.cache_local_read in LOCAL_READ_MODES,
+                 f"--cache-local-read must be one of {LOCAL_READ_MODES}, got {self.cache_local_read!r}")
 
     @property
     def tls(self) -> bool:
@@ -163,6 +167,10 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--cache-tls", action="store_true", default=default("CACHE_TLS", defaults.cache_tls), help="connect to the daemon over TLS (KVBOOST_CACHE_TLS=1)")
     add("--cache-tls-ca", default=default("CACHE_TLS_CA", defaults.cache_tls_ca), help="PEM roots for the daemon's certificate (KVBOOST_CACHE_TLS_CA)")
     add("--cache-timeout", dest="cache_timeout_s", type=float, default=default("CACHE_TIMEOUT", defaults.cache_timeout_s), help="seconds for a cache Lookup; also the reconnect interval (KVBOOST_CACHE_TIMEOUT)")
+    add("--cache-local-read", default=default("CACHE_LOCAL_READ", defaults.cache_local_read), choices=LOCAL_READ_MODES,
+        help="read cached blobs straight from the daemon's LMDB environment when this host can open it (the "
+             "daemon's Describe names it; Lookup and Store still go over gRPC): auto falls back to the gRPC "
+             "stream, on refuses to start without it, off always streams (KVBOOST_CACHE_LOCAL_READ)")
     add("--log-level", default=default("LOG_LEVEL", defaults.log_level), help="DEBUG, INFO, WARNING or ERROR (KVBOOST_LOG_LEVEL)")
     return parser
 

@@ -105,6 +105,23 @@ class GrpcChunkStore:
             raise self._failure("Store", error) from error
         return reply.stored + reply.already_present
 
+    def describe(self) -> cache_pb2.DescribeReply:
+        """Where the daemon keeps its environment (for co-located reads). Raises StoreUnavailable."""
+        stub = self._available_stub()
+        try:
+            return stub.Describe(cache_pb2.DescribeRequest(), timeout=self.options.rpc_timeout_s,
+                                 metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise self._failure("Describe", error) from error
+
+    def report_corrupt(self, keys: list[bytes]) -> None:
+        """Tells the daemon these blobs failed their checksum here: it deletes and counts them. Best effort."""
+        try:
+            self._available_stub().Delete(cache_pb2.DeleteRequest(keys=keys, corrupted=True),
+                                          timeout=self.options.rpc_timeout_s, metadata=self._metadata)
+        except (grpc.RpcError, StoreUnavailable) as error:
+            logger.warning("could not report %d corrupt blobs to the daemon: %s", len(keys), error)
+
     def check(self) -> bool:
         """Probes the daemon once now (start-up); degrades and starts reconnecting when it does not answer."""
         if self._probe(self._channel):

@@ -1,0 +1,121 @@
+"""ColocatedStore: Lookup and Store through the daemon, Fetch from its memory map when this host can open it."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Iterator
+
+from inference_service.store.grpc_store import GrpcChunkStore
+from inference_service.store.lmdb_reader import LmdbBlobReader, LocalReadUnavailable
+from inference_service.store.protocol import StoreItem, StoreLookup, StoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+LOCAL_READ_MODES = ("auto", "on", "off")
+
+
+class LentBlobs:
+    """A fetch whose blobs are views into shared memory, each valid until the next one is taken: the reader
+    decodes each before advancing and must not read ahead on another thread."""
+
+    lent = True
+
+    def __init__(self, blobs: Iterator[tuple[bytes, memoryview | bytes | None]]) -> None:
+        self._blobs = blobs
+
+    def __iter__(self) -> Iterator[tuple[bytes, memoryview | bytes | None]]:
+        return self._blobs
+
+    def close(self) -> None:
+        self._blobs.close()
+
+
+class ColocatedStore:
+    """The daemon's gRPC store, with Fetch served from the daemon's LMDB environment on this host.
+
+    The daemon stays the only writer and keeps counting hits (Lookup) and evicting (Store). Discovery is
+    automatic: Describe names the environment's directory and identity; the reader is used only when it
+    opens that directory and finds the same identity inside. mode "auto" falls back to the gRPC stream
+    (and tries again every `retry_interval_s`), "on" refuses to run without local reads (see `check`).
+    """
+
+    def __init__(self, remote: GrpcChunkStore, mode: str = "auto", retry_interval_s: float = 30.0) -> None:
+        assert mode in ("auto", "on"), f"local read mode must be auto or on here, got {mode!r}"
+        self.remote = remote
+        self.mode = mode
+        self._retry_interval_s = retry_interval_s
+        self._reader: LmdbBlobReader | None = None
+        self._next_attempt = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def degraded(self) -> bool:
+        return self.remote.degraded
+
+    @property
+    def address(self) -> str:
+        return self.remote.address
+
+    @property
+    def reads_locally(self) -> bool:
+        return self._reader is not None
+
+    def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
+               partial_keys: list[bytes] | None = None) -> StoreLookup:
+        return self.remote.lookup(namespace, prefix_keys, content_keys, partial_keys)
+
+    def store(self, items: list[StoreItem]) -> int:
+        return self.remote.store(items)
+
+    def report_corrupt(self, keys: list[bytes]) -> None:
+        self.remote.report_corrupt(keys)
+
+    def fetch(self, keys: list[bytes]):
+        """Blobs from the memory map (LentBlobs) when the environment is open here, else the gRPC stream."""
+        reader = self._reader or self._maybe_discover()
+        if reader is None:
+            return self.remote.fetch(keys)
+        return LentBlobs(self._read_locally(reader, keys))
+
+    def _read_locally(self, reader: LmdbBlobReader, keys: list[bytes]):
+        try:
+            yield from reader.fetch(keys)
+        except LocalReadUnavailable as error:
+            with self._lock:
+                if self._reader is reader:
+                    self._reader = None  # the gRPC stream serves from now on; discovery retries later
+            logger.warning("local read of the daemon's environment failed, falling back to gRPC: %s", error)
+            raise StoreUnavailable(f"local read failed: {error}") from error
+
+    def check(self) -> bool:
+        """Start-up: probes the daemon and discovers its environment. Raises LocalReadUnavailable in mode "on"
+        when local reads cannot be set up."""
+        answers = self.remote.check()
+        if self._maybe_discover(force=True) is None and self.mode == "on":
+            raise LocalReadUnavailable(f"--cache-local-read=on, but the environment of the daemon at {self.address} "
+                                       f"cannot be opened from this host (see the log)")
+        return answers
+
+    def close(self) -> None:
+        with self._lock:
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
+        self.remote.close()
+
+    def _maybe_discover(self, force: bool = False) -> LmdbBlobReader | None:
+        with self._lock:
+            if self._reader is not None or (not force and time.monotonic() < self._next_attempt):
+                return self._reader
+            self._next_attempt = time.monotonic() + self._retry_interval_s
+            try:
+                described = self.remote.describe()
+                self._reader = LmdbBlobReader(described.data_dir, described.environment_id,
+                                              described.blob_db_version)
+            except (StoreUnavailable, LocalReadUnavailable) as error:
+                logger.info("cache blobs come over gRPC from %s: %s", self.address, error)
+                return None
+            logger.info("cache blobs are read from the daemon's LMDB environment at %s%s", described.data_dir,
+                        "" if self._reader.locked else " (without its lock file: each blob copied)")
+            return self._reader

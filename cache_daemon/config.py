@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
+
+from kvboost_common.addresses import check_listen_address, is_local, is_unix, split_host_port
 
 DEFAULT_LISTEN = "127.0.0.1:50052"
 DEFAULT_MAX_BYTES = 1 << 30
@@ -47,7 +48,7 @@ class DaemonConfig:
                  f"(data frames are 1 MiB), got {self.max_message_bytes}")
         _require(self.max_concurrent_streams >= 0,
                  f"--max-concurrent-streams must be >= 0, got {self.max_concurrent_streams}")
-        split_host_port(self.listen)
+        check_listen_address(self.listen)
 
     @property
     def initial_map_size(self) -> int:
@@ -60,29 +61,17 @@ class DaemonConfig:
 
     @property
     def host(self) -> str:
-        return split_host_port(self.listen)[0]
+        """The listen host; loopback for a unix socket (where the metrics port then listens)."""
+        return "127.0.0.1" if is_unix(self.listen) else split_host_port(self.listen)[0]
 
     @property
     def is_loopback(self) -> bool:
-        host = self.host.strip("[]")
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
+        return is_local(self.listen)
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    host, separator, port = address.rpartition(":")
-    if not separator or not host or not port.isdigit():
-        raise ValueError(f"listen address must be host:port, got {address!r}")
-    return host, int(port)
 
 
 def parse_size(text: str) -> int:
@@ -105,7 +94,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", type=Path, default=env("KVBOOST_DATA_DIR", "~/.cache/kvboost/cache-daemon"),
                         help="LMDB directory, created if missing [KVBOOST_DATA_DIR]")
     parser.add_argument("--listen", default=env("KVBOOST_CACHE_LISTEN", DEFAULT_LISTEN),
-                        help="gRPC host:port; port 0 picks a free port [KVBOOST_CACHE_LISTEN]")
+                        help="gRPC HOST:PORT (port 0 picks a free port) or unix:PATH for a socket on this host [KVBOOST_CACHE_LISTEN]")
     parser.add_argument("--max-bytes", type=parse_size, default=env("KVBOOST_MAX_BYTES", str(DEFAULT_MAX_BYTES)),
                         help="hard budget on stored blob bytes, e.g. 512M or 8G [KVBOOST_MAX_BYTES]")
     parser.add_argument("--map-size", type=parse_size, default=env("KVBOOST_MAP_SIZE", "0"),

@@ -19,6 +19,7 @@ from cache_daemon.interceptors import RequestContextInterceptor
 from cache_daemon.metrics import start_metrics_server
 from cache_daemon.servicer import CacheServicer, add_cache_servicer
 from kvboost_common.auth import BearerTokenInterceptor, load_token
+from kvboost_common.addresses import is_unix
 from kvboost_common.binding import bind
 from kvboost_common.undecodable import UndecodableRequestInterceptor
 
@@ -69,7 +70,7 @@ class CacheDaemon:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return self.config.listen if is_unix(self.config.listen) else f"{self.config.host}:{self.port}"
 
     @classmethod
     async def start(cls, config: DaemonConfig) -> CacheDaemon:

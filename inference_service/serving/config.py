@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
@@ -10,6 +9,7 @@ from typing import Mapping, Sequence
 from inference_service.engine.types import MODES, RECOMPUTE_STRATEGIES
 from inference_service.model.weights import DEFAULT_MODEL
 from inference_service.store.colocated import LOCAL_READ_MODES
+from kvboost_common.addresses import check_listen_address, is_local
 from kvboost_common.auth import load_token
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -55,7 +55,10 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         _require(self.model != "", "--model is empty")
-        _require(":" in self.listen, f"--listen must be HOST:PORT, got {self.listen!r}")
+        try:
+            check_listen_address(self.listen)
+        except ValueError:
+            raise ValueError(f"--listen must be HOST:PORT or unix:PATH, got {self.listen!r}") from None
         _require(self.device in DEVICES or self.device.startswith("cuda:"), f"--device must be one of {DEVICES} or cuda:N, got {self.device!r}")
         _require(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.chunk_size > 0, f"--chunk-size must be positive, got {self.chunk_size}")
@@ -83,13 +86,7 @@ class ServiceConfig:
 
     @property
     def listens_on_loopback(self) -> bool:
-        host = self.listen.rsplit(":", 1)[0].strip("[]")
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:  # a host name: it may resolve beyond loopback
-            return False
+        return is_local(self.listen)
 
     def auth_token(self) -> str | None:
         return read_secret(self.auth_token_file)
@@ -134,8 +131,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--model", default=default("MODEL", defaults.model), help="HF model name or local folder (KVBOOST_MODEL); the default is the embedded SmolLM2")
-    add("--cache-addr", default=default("CACHE_ADDR", defaults.cache_addr), help="cache daemon HOST:PORT; empty runs without a cache (KVBOOST_CACHE_ADDR)")
-    add("--listen", default=default("LISTEN", defaults.listen), help="HOST:PORT to serve on (KVBOOST_LISTEN)")
+    add("--cache-addr", default=default("CACHE_ADDR", defaults.cache_addr), help="cache daemon HOST:PORT or unix:PATH; empty runs without a cache (KVBOOST_CACHE_ADDR)")
+    add("--listen", default=default("LISTEN", defaults.listen), help="HOST:PORT to serve on, or unix:PATH for a socket on this host (KVBOOST_LISTEN)")
     add("--device", default=default("DEVICE", defaults.device), help="auto, cpu, cuda or cuda:N (KVBOOST_DEVICE)")
     add("--dtype", default=default("DTYPE", defaults.dtype), choices=DTYPES, help="weights and K/V dtype (KVBOOST_DTYPE)")
     add("--chunk-size", type=int, default=default("CHUNK_SIZE", defaults.chunk_size), help="tokens per cached chunk (KVBOOST_CHUNK_SIZE)")

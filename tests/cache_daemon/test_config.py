@@ -61,3 +61,15 @@ def test_startup_logs_the_config_and_warns_when_exposed_without_auth(caplog) -> 
         caplog.clear()
         log_config(DaemonConfig(data_dir=Path("x"), listen="0.0.0.0:50052", auth_token_file=Path("token")))
         assert [record.levelname for record in caplog.records] == ["INFO"]
+
+
+@pytest.mark.parametrize("listen", ["unix:/run/kvboost/daemon.sock", "unix:///tmp/kv.sock", "unix:relative.sock"])
+def test_a_unix_socket_listens_locally(listen) -> None:
+    config = DaemonConfig(data_dir=Path("x"), listen=listen)
+    assert config.is_loopback and config.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("listen", ["unix:", "unix:///", "no-port", "host:port"])
+def test_bad_listen_addresses_are_refused(listen) -> None:
+    with pytest.raises(ValueError, match="HOST:PORT or unix:PATH|needs a path"):
+        DaemonConfig(data_dir=Path("x"), listen=listen)

@@ -42,13 +42,13 @@ class DaemonProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def start_daemon(data_dir: Path, port: int, *extra_args: str, tls_root_cert: bytes | None = None,
+def start_daemon(data_dir: Path, port: int | str, *extra_args: str, tls_root_cert: bytes | None = None,
                  timeout_s: float = 30.0, env: dict[str, str] | None = None) -> DaemonProcess:
-    """Starts the daemon on 127.0.0.1:port with data_dir and extra_args; returns once health says
-    SERVING for the cache service. The daemon's output goes to <data_dir>.log."""
+    """Starts the daemon on 127.0.0.1:port (or a unix:PATH address) with data_dir and extra_args; returns once
+    health says SERVING for the cache service. The daemon's output goes to <data_dir>.log."""
     data_dir = Path(data_dir)
     log_path = data_dir.with_name(data_dir.name + ".log")
-    address = f"127.0.0.1:{port}"
+    address = port if isinstance(port, str) else f"127.0.0.1:{port}"
     command = [sys.executable, "-m", "cache_daemon", "--data-dir", str(data_dir), "--listen", address, *extra_args]
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT,

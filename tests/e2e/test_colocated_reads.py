@@ -110,3 +110,20 @@ def test_a_killed_daemon_leaves_the_service_serving_correctly(tmp_path, tiny_mod
     finally:
         if daemon.process.poll() is None:
             daemon.terminate()
+
+
+def test_daemon_and_service_talk_over_a_unix_socket(tmp_path, tiny_model_dir) -> None:
+    socket_address = f"unix:{tmp_path / 'daemon.sock'}"
+    daemon = start_daemon(tmp_path / "lmdb", socket_address)
+    try:
+        with running_service(str(tiny_model_dir), socket_address, pick_free_port(), tmp_path / "service.log",
+                             "--chunk-size", "8", "--cache-local-read", "off") as service, service.stub() as stub:
+            stub.Warm(pb.WarmRequest(text=DOCUMENT), timeout=60)
+            _, result = generate(stub, DOCUMENT + QUESTION, max_new_tokens=MAX_NEW_TOKENS, mode=pb.PREFIX_CACHE)
+            with cache_stub(socket_address) as cache:
+                bytes_served_by_fetch = cache.Stats(cache_pb2.CacheStatsRequest(), timeout=5).bytes_read
+        assert result.cached_tokens == len(DOCUMENT) and not result.degraded
+        assert bytes_served_by_fetch > 0, "with local reads off, the blobs came through the socket's Fetch stream"
+        assert list(result.output_token_ids) == reference_ids(tiny_model_dir, DOCUMENT + QUESTION)
+    finally:
+        daemon.terminate()

@@ -1,14 +1,19 @@
-"""TTFT of BASELINE, PREFIX_CACHE and CHUNK_KV_REUSE on SmolLM2 (CPU): a long shared context plus a new question.
+"""TTFT on SmolLM2 (CPU) of a warmed document plus a new question, per path to the cached K/V.
 
-The context (a whole number of chunks unless --unaligned) is warmed once per store; every run then
-asks a question never seen before, so the cached modes reuse the context's full chunks and prefill
-only the rest. TTFT counts everything from
-request arrival: tokenize, hash, lookup, fetch, decode, assembly, prefill, first token. Modes are
-interleaved within each run and ratios are taken against BASELINE of the same run set. Stores: an
-in-process dict and the real cache daemon (started here unless --daemon-addr is given).
+Each length's document is warmed once per path (not a whole number of chunks unless --aligned: a
+user's document ends where it ends), then every run asks a question never seen before. Runs are
+interleaved: one BASELINE request, then one cached request per path, so drift hits all alike, and
+every ratio is against the BASELINE medians of the same run. TTFT counts everything from request
+arrival: tokenize, hash, lookup, fetch, decode, assembly, prefill, first token.
 
-    python bench/bench_ttft.py             # 256/512/1024/1600/3000 tokens, 5 runs each
-    python bench/bench_ttft.py --quick     # 512 and 1600 tokens, 5 runs
+Engine rows run the Engine in this process over each store: an in-process dict; the daemon read
+co-located (its LMDB opened read-only here); the daemon's Fetch stream over loopback TCP; the same
+over a unix socket. Service rows send the same requests to a running `python -m inference_service`
+(default mode, as `kvboost generate` does) and time from the client's call to the first streamed
+token; the service's own ttft_ms is reported beside it.
+
+    python bench/bench_ttft.py                       # 512/1600/3000 tokens, every path, 5 runs
+    python bench/bench_ttft.py --lengths 1600 --no-service
 """
 from __future__ import annotations
 
@@ -24,15 +29,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from inference_service.store.grpc_store import GrpcStoreOptions, GrpcChunkStore# noqa: E402
-from inference_service.store.memory import InMemoryStore# noqa: E402
-from inference_service.engine.engine import Engine, EngineConfig, GenerationParams# noqa: E402
-from inference_service.model.weights import DEFAULT_MODEL# noqa: E402
-from inference_service.model.loading import load_model# noqa: E402
+from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
+from inference_service.model.loading import load_model  # noqa: E402
+from inference_service.model.weights import DEFAULT_MODEL  # noqa: E402
+from inference_service.store.colocated import ColocatedStore  # noqa: E402
+from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions  # noqa: E402
+from inference_service.store.memory import InMemoryStore  # noqa: E402
+from kvboost.v1 import inference_pb2 as pb  # noqa: E402
+from kvboost.v1 import inference_pb2_grpc  # noqa: E402
 
-MODES = ("baseline", "prefix_cache", "chunk_kv_reuse")
 QUESTION_TOKENS = 30
 PASSAGE = (
     "Section {n}. The maintenance handbook describes the pumping station in detail. Each of the four "
@@ -45,8 +53,8 @@ SUBJECTS = ("pump", "valve", "seal", "alarm", "bearing", "motor", "log", "operat
 
 
 def context_length(prompt_tokens: int, chunk_size: int, aligned: bool) -> int:
-    """Tokens of shared context for a prompt of about prompt_tokens tokens: a whole number of chunks when
-    aligned (what Warm's chunk_boundary_aligned asks for), else whatever the question leaves."""
+    """Tokens of document for a prompt of about prompt_tokens tokens: a whole number of chunks when
+    aligned, else whatever the question leaves (a partial last chunk, as users' documents have)."""
     if not aligned:
         return prompt_tokens - QUESTION_TOKENS
     return max(chunk_size, round((prompt_tokens - QUESTION_TOKENS) / chunk_size) * chunk_size)
@@ -73,78 +81,162 @@ def question(run: int) -> str:
             "who records it, and where is it kept? Answer:")
 
 
-def measure(engine: Engine, context: str, runs: int, modes: tuple[str, ...]) -> dict[str, list[float]]:
-    engine.warm(context)
-    ttft: dict[str, list[float]] = {mode: [] for mode in modes}
-    cached: dict[str, int] = {}
+class EnginePath:
+    """The Engine in this process over one store."""
+
+    def __init__(self, name: str, loaded, config: EngineConfig, store) -> None:
+        self.name = name
+        self.engine = Engine(loaded.model, loaded.tokenizer, config, store, model_id=loaded.model_id)
+        self.engine.generate(GenerationParams(prompt="Warm-up.", max_new_tokens=1, mode="baseline"))
+
+    def warm(self, context: str) -> None:
+        self.engine.warm(context)
+
+    def ask(self, prompt: str, mode: str | None) -> dict:
+        outcome = self.engine.generate(GenerationParams(prompt=prompt, max_new_tokens=1, mode=mode))
+        self.engine.flush_writes()  # the question's write-back never overlaps the next request
+        assert not outcome.degraded, f"{self.name}: the cache was unreachable during the benchmark"
+        return {"ttft_ms": outcome.ttft_ms, "cached": outcome.cached_tokens, "prompt": outcome.prompt_tokens}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class ServicePath:
+    """A running `python -m inference_service`, asked over gRPC as a user's client asks it."""
+
+    def __init__(self, name: str, stack: ExitStack, workdir: Path, daemon_address: str, model: str,
+                 chunk_size: int, *flags: str) -> None:
+        from tests.conftest import pick_free_port
+        from tests.e2e.service_process import running_service
+
+        self.name = name
+        service = stack.enter_context(running_service(model, daemon_address, pick_free_port(),
+                                                      workdir / f"{name}.log", "--chunk-size", str(chunk_size),
+                                                      *flags, timeout_s=300))
+        self.channel = stack.enter_context(grpc.insecure_channel(service.address))
+        self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
+        self.ask("Warm-up.", "baseline")
+
+    def warm(self, context: str) -> None:
+        self.stub.Warm(pb.WarmRequest(text=context), timeout=600)
+
+    def ask(self, prompt: str, mode: str | None) -> dict:
+        request = pb.GenerateRequest(prompt=prompt, max_new_tokens=1,
+                                     mode=pb.Mode.Value(mode.upper()) if mode else pb.MODE_UNSPECIFIED)
+        started = time.perf_counter()
+        first = None
+        for event in self.stub.Generate(request, timeout=600):
+            first = first or time.perf_counter()
+            if event.HasField("result"):
+                result = event.result
+        assert not result.degraded, f"{self.name}: the cache was unreachable during the benchmark"
+        return {"ttft_ms": (first - started) * 1000, "server_ttft_ms": result.ttft_ms,
+                "cached": result.cached_tokens, "prompt": result.prompt_tokens}
+
+    def close(self) -> None:
+        pass
+
+
+def start_daemons(stack: ExitStack, workdir: Path) -> tuple[str, str]:
+    """Two daemons with their own data: one on a loopback port, one on a unix socket."""
+    from tests.conftest import pick_free_port
+    from tests.e2e.daemon_process import start_daemon
+
+    tcp = start_daemon(workdir / "lmdb-tcp", pick_free_port(), "--max-bytes", "8GB")
+    stack.callback(tcp.terminate)
+    unix = start_daemon(workdir / "lmdb-unix", f"unix:{workdir / 'daemon.sock'}", "--max-bytes", "8GB")
+    stack.callback(unix.terminate)
+    return tcp.address, unix.address
+
+
+def grpc_store(stack: ExitStack, address: str) -> GrpcChunkStore:
+    store = GrpcChunkStore(GrpcStoreOptions(address=address, fetch_timeout_s=60.0, store_timeout_s=60.0))
+    stack.callback(store.close)
+    assert store.check(), f"cache daemon at {address} does not answer"
+    return store
+
+
+def build_paths(args, stack: ExitStack, workdir: Path, loaded) -> list:
+    config = EngineConfig(chunk_size=args.chunk_size, kv_cache_bits=args.kv_cache_bits)
+    paths = [EnginePath("in-process", loaded, config, InMemoryStore())]
+    if args.no_daemon:
+        return paths
+    tcp, unix = start_daemons(stack, workdir)
+    colocated = ColocatedStore(grpc_store(stack, tcp), "on")
+    colocated.check()
+    paths += [EnginePath("co-located", loaded, config, colocated),
+              EnginePath("tcp stream", loaded, config, grpc_store(stack, tcp)),
+              EnginePath("unix stream", loaded, config, grpc_store(stack, unix))]
+    if not args.no_service:
+        common = (args.model, args.chunk_size, "--kv-cache-bits", str(args.kv_cache_bits))
+        paths += [ServicePath("service co-located", stack, workdir, tcp, *common, "--cache-local-read", "on"),
+                  ServicePath("service tcp", stack, workdir, tcp, *common, "--cache-local-read", "off"),
+                  ServicePath("service unix", stack, workdir, unix, *common, "--cache-local-read", "off")]
+    return paths
+
+
+def measure(paths: list, context: str, runs: int) -> dict[str, list[dict]]:
+    """Per run: BASELINE in the engine (and through the first service), then each path's cached request."""
+    for path in paths:
+        path.warm(context)
+    services = [path for path in paths if isinstance(path, ServicePath)]
+    baselines = {"baseline": paths[0]} | ({"service baseline": services[0]} if services else {})
+    samples: dict[str, list[dict]] = {name: [] for name in baselines} | {path.name: [] for path in paths}
     for run in range(runs):
-        for mode in modes:  # interleaved, so drift hits every mode alike
-            prompt = context + question(run * len(modes) + modes.index(mode))
-            outcome = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=1, mode=mode))
-            engine.flush_writes()  # write-back of the question's chunk never overlaps the next request
-            assert not outcome.degraded, "the cache was unreachable during the benchmark"
-            ttft[mode].append(outcome.ttft_ms)
-            cached[mode] = outcome.cached_tokens
-            cached["prompt"] = outcome.prompt_tokens
-    return {"ttft_ms": ttft, "cached_tokens": cached}
+        asked = iter(range(run * 97, run * 97 + 97))  # a fresh question for every request
+        for name, path in baselines.items():
+            samples[name].append(path.ask(context + question(next(asked)), "baseline"))
+        for path in paths:  # interleaved, so drift hits every path alike
+            mode = None if isinstance(path, ServicePath) else "prefix_cache"
+            samples[path.name].append(path.ask(context + question(next(asked)), mode))
+    return samples
 
 
-def start_daemon_cache(stack: ExitStack, address: str | None) -> GrpcChunkStore | None:
-    """A client for the given daemon, or for one started here; None when no daemon can run."""
-    if address is None:
-        try:
-            from tests.conftest import pick_free_port
-            from tests.e2e.daemon_process import start_daemon
-
-            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-ttft-"))) / "lmdb"
-            daemon = start_daemon(data_dir, pick_free_port(), "--max-bytes", "8GB")
-        except Exception as error:  # noqa: BLE001 - the benchmark still runs in-process
-            print(f"cache daemon could not start ({error}); benchmarking the in-process store only")
-            return None
-        stack.callback(daemon.terminate)
-        address = daemon.address
-    cache = GrpcChunkStore(GrpcStoreOptions(address=address, fetch_timeout_s=60.0, store_timeout_s=60.0))
-    stack.callback(cache.close)
-    if not cache.check():
-        print(f"cache daemon at {address} does not answer; benchmarking the in-process store only")
-        return None
-    return cache
+def summarize(length: int, samples: dict[str, list[dict]]) -> list[dict]:
+    """Median TTFT per path; engine rows against the engine's BASELINE, service rows against the service's."""
+    median_of = {name: statistics.median(s["ttft_ms"] for s in rows) for name, rows in samples.items()}
+    in_process = median_of.get("in-process", median_of["baseline"])
+    rows = []
+    for name, rows_of_path in samples.items():
+        median = median_of[name]
+        baseline = median_of["service baseline" if name.startswith("service") else "baseline"]
+        server = [s["server_ttft_ms"] for s in rows_of_path if "server_ttft_ms" in s]
+        rows.append({"length": length, "path": name, "prompt_tokens": rows_of_path[-1]["prompt"],
+                     "cached_tokens": rows_of_path[-1]["cached"], "median_ms": median,
+                     "server_median_ms": statistics.median(server) if server else None,
+                     "x_baseline": baseline / median, "x_in_process": median / in_process,
+                     "ttft_ms": [s["ttft_ms"] for s in rows_of_path]})
+    return rows
 
 
-def print_table(results: list[dict]) -> None:
-    header = (f"{'store':<10} {'prompt':>6} {'cached':>6} {'BASELINE ms':>11} {'PREFIX ms':>9} {'x':>6} "
-              f"{'CHUNK_KV ms':>11} {'x':>6} {'vs in-proc':>10}")
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'path':<20} {'prompt':>6} {'cached':>6} {'TTFT ms':>9} {'server ms':>9} {'x BASELINE':>10} "
+              f"{'/ in-proc':>9}")
     print(header)
     print("-" * len(header))
-    in_process = {r["length"]: r for r in results if r["store"] == "in-process"}
-    for r in results:
-        medians = r["median_ms"]
-        base = medians["baseline"]
-        relative = ""
-        if r["store"] == "daemon" and r["length"] in in_process:
-            relative = f"{medians['prefix_cache'] / in_process[r['length']]['median_ms']['prefix_cache']:.2f}x"
-        print(f"{r['store']:<10} {r['prompt_tokens']:>6} {r['cached_tokens']:>6} {base:>11.1f} "
-              f"{medians['prefix_cache']:>9.1f} {base / medians['prefix_cache']:>5.1f}x "
-              f"{medians['chunk_kv_reuse']:>11.1f} {base / medians['chunk_kv_reuse']:>5.1f}x {relative:>10}")
+    for r in rows:
+        server = f"{r['server_median_ms']:.1f}" if r["server_median_ms"] is not None else ""
+        print(f"{r['path']:<20} {r['prompt_tokens']:>6} {r['cached_tokens']:>6} {r['median_ms']:>9.1f} {server:>9} "
+              f"{r['x_baseline']:>9.1f}x {r['x_in_process']:>8.2f}x")
 
 
-def write_plot(results: list[dict], path: Path) -> None:
+def write_plot(rows: list[dict], path: Path) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for store in sorted({r["store"] for r in results}):
-        rows = [r for r in results if r["store"] == store]
-        for mode in MODES if store == "in-process" else MODES[1:]:
-            axis.plot([r["prompt_tokens"] for r in rows], [r["median_ms"][mode] for r in rows], marker="o",
-                      label=f"{mode} ({store})")
-    axis.set_xlabel("prompt tokens")
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["path"] for r in rows):
+        points = [r for r in rows if r["path"] == name]
+        axis.plot([r["prompt_tokens"] for r in points], [r["median_ms"] for r in points], marker="o", label=name,
+                  linestyle="--" if name.startswith("service") else "-")
+    axis.set_xlabel("prompt tokens (warmed document + new question)")
     axis.set_ylabel("median TTFT (ms)")
     axis.set_yscale("log")
-    axis.set_title("SmolLM2-135M TTFT, CPU")
+    axis.set_title("SmolLM2-135M TTFT by path to the cached K/V, CPU fp32")
     axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path)
@@ -152,60 +244,43 @@ def write_plot(results: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 1600, 3000])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--chunk-size", type=int, default=128)
-    parser.add_argument("--daemon-addr", help="a running cache daemon (default: start one here)")
-    parser.add_argument("--no-daemon", action="store_true", help="in-process store only")
-    parser.add_argument("--quick", action="store_true", help="512 and 1600 tokens only")
-    parser.add_argument("--unaligned", action="store_true",
-                        help="context of prompt length minus the question, not a whole number of chunks")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or path (default: the embedded SmolLM2)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1600, 3000], help="prompt tokens")
+    parser.add_argument("--runs", type=int, default=5, help="requests per path and length (medians; at least 5)")
+    parser.add_argument("--chunk-size", type=int, default=128, help="tokens per cached chunk")
+    parser.add_argument("--aligned", action="store_true", help="documents of a whole number of chunks")
+    parser.add_argument("--no-daemon", action="store_true", help="the in-process store only")
+    parser.add_argument("--no-service", action="store_true", help="engine rows only (no service processes)")
     parser.add_argument("--kv-cache-bits", type=int, choices=(16, 8, 4), default=16, help="storage width")
-    parser.add_argument("--kv-keys-before-rope", action="store_true",
-                        help="at 8 and 4 bits, store keys un-rotated (RoPE redone on every hit)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--threads", type=int, help="torch CPU threads in this process (default: torch's choice)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where JSON and PNG go")
     args = parser.parse_args(argv)
+    assert args.runs >= 5, "medians need at least 5 runs"
     if args.threads:
         torch.set_num_threads(args.threads)
-    lengths = [512, 1600] if args.quick else args.lengths
-    assert args.runs >= 5, "medians need at least 5 runs"
 
     loaded = load_model(args.model, device="cpu", dtype="float32")
-    config = EngineConfig(chunk_size=args.chunk_size, kv_cache_bits=args.kv_cache_bits,
-                          kv_keys_before_rope=args.kv_keys_before_rope)
-    results = []
+    rows: list[dict] = []
     with ExitStack() as stack:
-        stores = {"in-process": InMemoryStore()}
-        daemon = None if args.no_daemon else start_daemon_cache(stack, args.daemon_addr)
-        if daemon is not None:
-            stores["daemon"] = daemon
-        for length in lengths:
-            context = build_context(loaded.tokenizer, context_length(length, args.chunk_size, not args.unaligned))
-            for store, cache in stores.items():
-                engine = Engine(loaded.model, loaded.tokenizer, config, cache, model_id=loaded.model_id)
-                # Warm-up request: first-call allocations and lazy imports stay out of the medians.
-                engine.generate(GenerationParams(prompt="Warm-up.", max_new_tokens=1, mode="baseline"))
-                measured = measure(engine, context, args.runs, MODES)
-                engine.close()
-                results.append({
-                    "store": store, "length": length, "prompt_tokens": measured["cached_tokens"]["prompt"],
-                    "cached_tokens": measured["cached_tokens"]["prefix_cache"],
-                    "median_ms": {mode: statistics.median(v) for mode, v in measured["ttft_ms"].items()},
-                    "ttft_ms": measured["ttft_ms"],
-                })
-                print(f"  {store} {length}: " + ", ".join(
-                    f"{mode} {statistics.median(v):.1f} ms" for mode, v in measured["ttft_ms"].items()), flush=True)
-    keys = "" if args.kv_cache_bits == 16 else (", keys before RoPE" if config.keys_before_rope else ", keys after RoPE")
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-ttft-")))
+        paths = build_paths(args, stack, workdir, loaded)
+        for length in args.lengths:
+            context = build_context(loaded.tokenizer, context_length(length, args.chunk_size, args.aligned))
+            length_rows = summarize(length, measure(paths, context, args.runs))
+            rows += length_rows
+            print(f"  {length} tokens: " + ", ".join(f"{r['path']} {r['median_ms']:.1f} ms" for r in length_rows),
+                  flush=True)
+        for path in paths:
+            path.close()
     print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size {args.chunk_size}, "
-          f"{args.kv_cache_bits}-bit storage{keys}, "
-          f"median of {args.runs} runs, new ~{QUESTION_TOKENS}-token question per run\n")
-    print_table(results)
+          f"{args.kv_cache_bits}-bit storage, {'aligned' if args.aligned else 'unaligned'} documents, "
+          f"median of {args.runs} runs, a new ~{QUESTION_TOKENS}-token question per run\n")
+    print_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"ttft-{stamp}.json").write_text(json.dumps(results, indent=2))
-    write_plot(results, args.out / f"ttft-{stamp}.png")
+    (args.out / f"ttft-{stamp}.json").write_text(json.dumps(rows, indent=2))
+    write_plot(rows, args.out / f"ttft-{stamp}.png")
+    print(f"\nwrote {args.out}/ttft-{stamp}.json and .png")
 
 
 if __name__ == "__main__":

@@ -181,6 +181,14 @@ def test_lmdb_lives_on_a_named_volume_at_the_data_dir() -> None:
     assert f"VOLUME {daemon.data_dir}" in DOCKERFILE
 
 
+def test_the_service_sees_the_daemons_volume_at_the_same_path_for_colocated_reads() -> None:
+    daemon = compose_args("cache-daemon")
+    service = COMPOSE["services"]["inference"]
+    # Describe names the daemon's data dir; the service opens that same path, so the mount must match.
+    assert service["volumes"] == [f"kvboost-lmdb:{daemon.data_dir}"]
+    assert service["environment"]["KVBOOST_CACHE_LOCAL_READ"].endswith("-auto}")
+
+
 # --- images -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("service, target", [("cache-daemon", "daemon"), ("inference", "inference")])

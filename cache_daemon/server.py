@@ -116,6 +116,7 @@ async def _flush_periodically(cache: ChunkCache, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         try:
             await asyncio.to_thread(cache.flush_hits)
+            await asyncio.to_thread(cache.store.clear_stale_readers)
         except Exception:
             logger.exception("flushing hit counts failed; they are retried at the next flush")
 

@@ -167,6 +167,14 @@ class LmdbStore:
             self._env.set_mapsize(new_size)
         logger.info("LMDB map was full: grew map_size from %d to %d bytes", old_size, new_size)
 
+    def clear_stale_readers(self) -> int:
+        """Frees the reader slots of processes that died inside a read transaction (a co-located service
+        killed mid-read), so the pages their snapshots held can be reused. Returns how many were freed."""
+        cleared = self._env.reader_check()
+        if cleared:
+            logger.info("cleared %d stale LMDB readers left by a dead process", cleared)
+        return cleared
+
     def file_size(self) -> int:
         return (self.path / "data.mdb").stat().st_size
 

@@ -1,6 +1,9 @@
 """Lookup of partial chunks, Describe for co-located readers, and corruption reported by a reader."""
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -86,3 +89,26 @@ def test_delete_marked_corrupted_counts_and_refuses_a_namespace(daemon) -> None:
 
     assert (reply.deleted, after - before) == (1, 1)
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_reader_killed_inside_a_transaction_leaves_a_slot_the_daemon_clears(tmp_path: Path) -> None:
+    store = LmdbStore(tmp_path / "lmdb", map_size=1 << 20)
+    reader = (
+        "import lmdb, sys\n"
+        "env = lmdb.open(sys.argv[1], readonly=True, max_dbs=8, create=False)\n"
+        "txn = env.begin()\n"
+        "print('reading', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", reader, str(tmp_path / "lmdb")], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "reading\n"
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        assert store.clear_stale_readers() == 1
+        assert store.clear_stale_readers() == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        store.close()

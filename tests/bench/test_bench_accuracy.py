@@ -22,7 +22,10 @@ def test_identity_table_has_every_storage_row(capsys, smollm2, tmp_path):
             for name, _, _ in bench_accuracy.STORAGE if line.startswith(name + " ")}
     assert set(rows) == {name for name, _, _ in bench_accuracy.STORAGE}
     # columns: prompts, with hits, same output, same tokens, first-token KL, bytes stored, x fewer, x fewer than fp16
-    assert int(rows["16-bit"][1]) >= 1 and rows["16-bit"][2:5] == ["1.000", "1.000", "0.00e+00"]  # exact is exact
+    # 16-bit K/V are stored bit-exact (tests/inference_service/kv/test_codec.py); the first token's logits then
+    # come from a one-token prefill over them, which rounds differently from a full prefill in the last bits.
+    assert int(rows["16-bit"][1]) >= 1 and rows["16-bit"][2:4] == ["1.000", "1.000"]
+    assert float(rows["16-bit"][4]) < 1e-9
     assert float(rows["8-bit"][4]) > 0 and float(rows["4-bit"][4]) > float(rows["8-bit"][4])
     assert 1.85 < float(rows["8-bit"][7]) < 1.95 and 3.5 < float(rows["4-bit"][7]) < 3.9
     assert rows["8-bit"][5] == rows["8-bit, keys before RoPE"][5], "where keys are rotated costs no bytes"

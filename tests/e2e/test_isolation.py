@@ -61,25 +61,27 @@ def test_two_tenants_with_the_same_prompt_never_share_chunks(tmp_path) -> None:
             # would make a second call hit B's own chunks.
             _, hit_a = generate(stub_a, PROMPT + QUESTION, max_new_tokens=2, mode=pb.PREFIX_CACHE)
             assert hit_a.cached_tokens == FULL_CHUNKS * CHUNK_SIZE
+            # Each request's write-back stores its tail (the question) as a partial chunk: one more entry.
             _, miss_b = generate(stub_b, PROMPT + QUESTION, max_new_tokens=2, mode=pb.CHUNK_KV_REUSE)
             assert miss_b.cached_tokens == 0, "tenant beta reused alpha's chunks"
             assert not miss_b.degraded
 
             # B's own write-back lands in B's namespace only; A's entry count is unchanged.
-            wait_for_entries(daemon_addr, ns_b, FULL_CHUNKS)
+            wait_for_entries(daemon_addr, ns_b, FULL_CHUNKS + 1)
+            wait_for_entries(daemon_addr, ns_a, FULL_CHUNKS + 1)
             namespaces = namespace_stats(daemon_addr)
-            assert namespaces[ns_a].entries == FULL_CHUNKS
-            assert namespaces[ns_b].entries == FULL_CHUNKS
+            assert namespaces[ns_a].entries == FULL_CHUNKS + 1
+            assert namespaces[ns_b].entries == FULL_CHUNKS + 1
 
             # Delete A's namespace: B keeps its entries and its hits, A misses.
             with grpc.insecure_channel(daemon_addr) as channel:
                 deleted = cache_pb2_grpc.CacheServiceStub(channel).Delete(
                     cache_pb2.DeleteRequest(namespace=ns_a), timeout=10)
-            assert deleted.deleted == FULL_CHUNKS
+            assert deleted.deleted == FULL_CHUNKS + 1
             namespaces = namespace_stats(daemon_addr)
-            assert ns_a not in namespaces and namespaces[ns_b].entries == FULL_CHUNKS
+            assert ns_a not in namespaces and namespaces[ns_b].entries == FULL_CHUNKS + 1
             _, hit_b = generate(stub_b, PROMPT + QUESTION, max_new_tokens=2, mode=pb.PREFIX_CACHE)
-            assert hit_b.cached_tokens == FULL_CHUNKS * CHUNK_SIZE
+            assert hit_b.cached_tokens == len(PROMPT + QUESTION) - 1  # B stored this very prompt's tail
             _, miss_a = generate(stub_a, PROMPT + QUESTION, max_new_tokens=2, mode=pb.PREFIX_CACHE)
             assert miss_a.cached_tokens == 0
     finally:

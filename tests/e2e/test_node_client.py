@@ -48,9 +48,10 @@ def test_node_client_warms_then_generates_with_reuse(tmp_path, node_client) -> N
     assert completed.returncode == 0, completed.stderr
     warm_line, result_line = completed.stdout.splitlines()
     warmed, result = json.loads(warm_line), json.loads(result_line)
-    assert (warmed["chunks_stored"], warmed["token_count"]) == (len(DOCUMENT) // 128, len(DOCUMENT))
+    # Whole chunks and the document's tail as a partial chunk; the question continues the document.
+    assert (warmed["chunks_stored"], warmed["token_count"]) == (len(DOCUMENT) // 128 + 1, len(DOCUMENT))
     assert result["mode"] == "PREFIX_CACHE"
-    assert result["cached_tokens"] == warmed["chunks_stored"] * 128
+    assert result["cached_tokens"] == len(DOCUMENT)
     assert result["generated_tokens"] == 4 and len(result["output_token_ids"]) == 4
     assert set(result) >= {"output_text", "ttft_ms", "kv_reuse_ratio", "prompt_tokens", "finish_reason"}
 

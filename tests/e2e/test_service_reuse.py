@@ -37,9 +37,11 @@ def test_warmed_system_prompt_is_reused_and_survives_restarts(tmp_path) -> None:
         with service("service-1.log") as first_service, first_service.stub() as stub:
             warmed = stub.Warm(pb.WarmRequest(text=SYSTEM_PROMPT), timeout=120)
             assert warmed.chunk_size == CHUNK_SIZE
-            assert warmed.chunks_stored == warmed.token_count // CHUNK_SIZE >= 11
+            # Whole chunks and the tail as a partial chunk.
+            assert warmed.chunks_stored == warmed.token_count // CHUNK_SIZE + 1 >= 12
             _, reused = generate(stub, SYSTEM_PROMPT + QUESTION, max_new_tokens=8, mode=pb.PREFIX_CACHE)
-        assert reused.cached_tokens == warmed.chunks_stored * CHUNK_SIZE
+        # The question continues the prompt token for token (SmolLM2 splits at the newline): all of it is reused.
+        assert reused.cached_tokens == warmed.token_count
         assert reused.kv_reuse_ratio > 0.9
         assert not reused.degraded
 
@@ -69,6 +71,7 @@ def test_write_backs_reach_the_daemon_through_a_sigterm(tmp_path) -> None:
                                  "--chunk-size", "32") as service, service.stub() as stub:
                 _, result = generate(stub, prompt, max_new_tokens=2, mode=pb.PREFIX_CACHE)
             # Byte-level tokenizer: the second process reuses every full chunk the first one computed.
-            assert result.cached_tokens == (0 if run == 0 else len(prompt) // 32 * 32)
+            # The first process wrote back its whole chunks and its tail: the second reuses all but the last token.
+            assert result.cached_tokens == (0 if run == 0 else len(prompt) - 1)
     finally:
         daemon.terminate()

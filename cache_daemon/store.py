@@ -159,7 +159,7 @@ class LmdbStore:
         with self._gate.shared(), self._env.begin(db=self._meta) as txn:
             return {ChunkKey(key): decode_entry(value) for key, value in txn.cursor()}
 
-    def scan_meta(self, batch_size: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def scan_meta(self, batch_size: int = 8192) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Every entry's key and fixed metadata, decode_meta_batch'ed batch_size at a time, in
         one read transaction (a snapshot: writes meanwhile are not seen)."""
         with self._gate.shared(), self._env.begin(db=self._meta) as txn:

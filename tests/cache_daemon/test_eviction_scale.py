@@ -109,7 +109,7 @@ def test_a_cache_reopened_from_lmdb_loads_the_same_index(tmp_path: Path) -> None
     before = (index_order(cache._index), cache.stats())
     cache.close()
     store = LmdbStore(tmp_path / "lmdb", map_size=1 << 22)
-    store.scan_meta = lambda batch_size=65536, scan=store.scan_meta: scan(batch_size=16)  # many batches
+    store.scan_meta = lambda batch_size=8192, scan=store.scan_meta: scan(batch_size=16)  # many batches
     reopened = ChunkCache(store, 60_000, 50.0, clock=lambda: clock_now[0])
     try:
         stats = reopened.stats()

@@ -9,6 +9,11 @@ processes' CPU time is reported too, since wall time is noisy on a shared machin
 
     python bench/bench_daemon.py            # ~100 MB of 1-5 MB chunks, 5 repeats
     python bench/bench_daemon.py --quick    # ~20 MB, 3 repeats
+
+The scale part (issue #16, bench/daemon_scale.py) times Store with eviction, Lookup alone and beside
+concurrent Stores, restart and RSS per entry at each entry count, writes docs/daemon_scale.png:
+
+    python bench/bench_daemon.py --parts scale --entries 1e4,1e5,1e6
 """
 from __future__ import annotations
 
@@ -211,15 +216,43 @@ def main() -> None:
     parser.add_argument("--total-mb", type=float, default=None, help="bytes to move per run, in MB (default 100)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs of each stream (default 5)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", default="fetch", help="comma-separated: fetch (throughput vs bare gRPC), "
+                        "scale (entry counts, see --entries)")
+    parser.add_argument("--entries", default="1e4,1e5,1e6", help="scale part: entry counts, e.g. 1e4,1e5,1e6")
+    parser.add_argument("--stores", type=int, default=500, help="scale part: timed Stores per entry count")
+    parser.add_argument("--lookups", type=int, default=2000, help="scale part: timed Lookups per phase")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "daemon_scale.png", help="scale part: PNG")
     parser.add_argument("--serve-bare", type=int, nargs=2, metavar=("PORT", "TOTAL_BYTES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_bare:
         serve_bare(*args.serve_bare, args.seed)
         return
-    total_mb = args.total_mb or (20 if args.quick else 100)
-    repeats = args.repeats or (3 if args.quick else 5)
-    assert repeats >= 3, "the median needs at least 3 repeats"
-    run(int(total_mb * 1e6), repeats, args.seed)
+    parts = set(args.parts.split(","))
+    assert parts <= {"fetch", "scale"}, f"unknown parts: {parts - {'fetch', 'scale'}}"
+    if "fetch" in parts:
+        total_mb = args.total_mb or (20 if args.quick else 100)
+        repeats = args.repeats or (3 if args.quick else 5)
+        assert repeats >= 3, "the median needs at least 3 repeats"
+        run(int(total_mb * 1e6), repeats, args.seed)
+    if "scale" in parts:
+        run_scale([int(float(count)) for count in args.entries.split(",")], args.stores, args.lookups, args.seed,
+                  args.plot)
+
+
+def run_scale(entry_counts: list[int], num_stores: int, num_lookups: int, seed: int, plot_path: Path) -> None:
+    from bench import daemon_scale
+
+    empty_rss = daemon_scale.empty_daemon_rss(free_port)
+    points = []
+    for num_entries in entry_counts:
+        points.append(daemon_scale.measure(num_entries, num_stores, num_lookups, seed, free_port, empty_rss))
+        print(f"{num_entries:,} entries: LMDB written directly through the store in {points[-1].build_s:.1f} s",
+              flush=True)
+    print(f"\n1 KiB blobs, budget exactly full (every Store of a new chunk evicts one), {num_stores} Stores, "
+          f"{num_lookups} Lookups per phase, {os.cpu_count()} CPUs, daemon empty RssAnon {empty_rss / 2**20:.1f} MiB")
+    print("\n".join(daemon_scale.table(points)))
+    daemon_scale.plot(points, plot_path)
+    print(f"plot: {plot_path}")
 
 
 if __name__ == "__main__":

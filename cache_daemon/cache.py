@@ -6,9 +6,10 @@ import logging
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from cache_daemon import eviction
 from kvboost_common.checksum import crc32
@@ -74,12 +75,16 @@ class CacheStats:
 
 
 class ChunkCache:
-    """Thread-safe. `_write_lock` serializes LMDB writes; the index changes only right after a
-    write, under both locks. So a holder of `_write_lock` reads the index freely, and everyone
-    else reads it under `_lock`, which is never held across I/O."""
+    """Thread-safe. LMDB is the truth for what is stored: Lookup, Fetch and `entry` read it in
+    their own read transactions and take no lock but `_lock`, which only guards the pending hits
+    and counters and is never held across I/O or planning. Writers (Store, Delete, Pin, the hit
+    flush) run one at a time under `_write_lock`; they plan from the index, commit, then apply
+    the change to the index under `_index_lock` (held for that O(k log n) update, and by stats).
+    The index loads from LMDB's metadata after the constructor returns when
+    `load_in_background`; writers wait for it, readers do not need it."""
 
     def __init__(self, store: LmdbStore, max_bytes: int, half_life: float,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, load_in_background: bool = False) -> None:
         assert max_bytes > 0, f"max_bytes must be positive, got {max_bytes}"
         assert half_life > 0, f"half_life must be positive (math.inf for no decay), got {half_life}"
         self.store = store
@@ -87,28 +92,65 @@ class ChunkCache:
         self.half_life = half_life
         self._clock = clock
         self._lock = threading.Lock()
+        self._index_lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._index = EntryIndex(store.load_entries())
+        self._index = EntryIndex(half_life)
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
         self._pending_hits: Counter[ChunkKey] = Counter()
         self._counters = Counters()
-        # A restart with a smaller --max-bytes evicts down to the new budget at once.
-        self.put_many([])
+        if load_in_background:
+            threading.Thread(target=self._load, name="index-loader", daemon=True).start()
+        else:
+            self._load()
+            if self._load_error is not None:
+                raise self._load_error
 
     @classmethod
     def open(cls, data_dir: Path, map_size: int, max_bytes: int, half_life: float) -> ChunkCache:
-        return cls(LmdbStore(data_dir, map_size), max_bytes, half_life)
+        """Serves reads at once; writes wait until the index is loaded (about 1 s per million chunks)."""
+        return cls(LmdbStore(data_dir, map_size), max_bytes, half_life, load_in_background=True)
+
+    def _load(self) -> None:
+        started = time.perf_counter()
+        try:
+            for key_rows, metas in self.store.scan_meta():
+                with self._index_lock:
+                    self._index.load(key_rows, metas)
+            with self._index_lock:
+                self._index.finish_load()
+            self._loaded.set()
+            # A restart with a smaller --max-bytes evicts down to the new budget at once.
+            self.put_many([])
+        except BaseException as error:  # writers raise it; reads keep working from LMDB
+            logger.exception("loading the eviction index failed: Store, Delete and Pin are refused")
+            self._load_error = error
+            self._loaded.set()
+            return
+        logger.info("eviction index loaded: %d chunks, %d bytes in %.2f s", len(self._index),
+                    self._index.num_bytes, time.perf_counter() - started)
+
+    def wait_until_loaded(self, timeout_s: float | None = None) -> bool:
+        return self._loaded.wait(timeout_s)
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        self._loaded.wait()
+        if self._load_error is not None:
+            raise RuntimeError("the eviction index did not load; see the daemon's log") from self._load_error
+        with self._write_lock:
+            yield
 
     def entry(self, key: ChunkKey) -> Entry | None:
-        with self._lock:
-            return self._index.get(key)
+        return self.store.get_entries([key])[0]
 
     def lookup(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
                partial_keys: Sequence[bytes] = ()) -> LookupResult:
         """Which keys hit; the leading prefix run, the content hits and the first stored partial key
         (partial_keys are tried in order) count toward frequencies."""
-        with self._lock:
-            prefix_hit = [self._holds(key, namespace) for key in prefix_keys]
-            partial_index = next((i for i, key in enumerate(partial_keys) if self._holds(key, namespace)), None)
+        prefix_hit = self.store.holding(prefix_keys, namespace)
+        partial_held = self.store.holding(partial_keys, namespace) if partial_keys else []
+        partial_index = partial_held.index(True) if True in partial_held else None
         prefix_run = prefix_hit.index(False) if False in prefix_hit else len(prefix_hit)
         content_hits = self._content_hits(namespace, prefix_hit, content_keys)
         partial_hits = [] if partial_index is None else [partial_keys[partial_index]]
@@ -122,46 +164,40 @@ class ChunkCache:
         return LookupResult(prefix_hit=prefix_hit, prefix_run=prefix_run, content_hits=content_hits,
                             partial_index=partial_index)
 
-    def _holds(self, key: bytes, namespace: bytes) -> bool:
-        entry = self._index.get(ChunkKey(key))
-        return entry is not None and entry.namespace == namespace
-
     def _content_hits(self, namespace: bytes, prefix_hit: list[bool],
                       content_keys: Sequence[bytes]) -> list[tuple[int, ChunkKey]]:
         indices = [index for index, key in enumerate(content_keys) if key and not prefix_hit[index]]
         if not indices:
             return []
         matches = self.store.content_matches([content_keys[index] for index in indices])
+        stored = self.store.get_entries([key for stored_keys in matches for key in stored_keys])
+        entries = iter(stored)
         hits = []
-        with self._lock:
-            for index, stored_keys in zip(indices, matches):
-                candidates = [key for key in stored_keys if self._holds(key, namespace)]
-                if candidates:
-                    # Several contexts may hold these tokens: serve the one kept most reliably.
-                    best = max(candidates, key=lambda key: eviction.retention_score(self._index.entries[key],
-                                                                                     self.half_life))
-                    hits.append((index, best))
+        for index, stored_keys in zip(indices, matches):
+            candidates = [(key, entry) for key, entry in zip(stored_keys, entries)
+                          if entry is not None and entry.namespace == namespace]
+            if candidates:
+                # Several contexts may hold these tokens: serve the one kept most reliably.
+                best, _ = max(candidates, key=lambda pair: eviction.retention_score(pair[1], self.half_life))
+                hits.append((index, best))
         return hits
 
     def read(self, key: ChunkKey, copy_out: Callable[[memoryview], T]) -> tuple[Entry, T] | None:
         """The chunk's metadata and copy_out(blob view), or None when absent or corrupted."""
-        entry = self.entry(key)
-        result = None
-        if entry is not None:
-            result = self.store.read_blob(key, lambda view: _verified(view, entry, copy_out))
-            if result is _CORRUPTED:
-                self._drop_corrupted(key, entry)
-                result = None
+        found = self.store.read_chunk(key, lambda entry, view: (entry, _verified(view, entry, copy_out)))
+        if found is not None and found[1] is _CORRUPTED:
+            self._drop_corrupted(key, found[0])
+            found = None
         with self._lock:
-            if result is None:
+            if found is None:
                 self._counters.misses += 1
                 return None
             self._counters.hits += 1
-            self._counters.bytes_read += entry.size_bytes
-        return entry, result
+            self._counters.bytes_read += found[0].size_bytes
+        return found
 
     def _drop_corrupted(self, key: ChunkKey, entry: Entry) -> None:
-        with self._write_lock:
+        with self._writing():
             current = self.entry(key)
             # The key may have been evicted and stored again since `entry` was read.
             if current is None or (current.checksum, current.size_bytes) != (entry.checksum, entry.size_bytes):
@@ -174,34 +210,46 @@ class ChunkCache:
 
     def put_many(self, chunks: Sequence[IncomingChunk]) -> PutResult:
         """Commits new chunks in one transaction, evicting to stay inside the budget. Keys already
-        stored are left as they are (bytes, frequency and pin)."""
+        stored are left as they are (bytes, frequency and pin). Costs O((new + evicted) log n)."""
         for chunk in chunks:
             check_blob_fits(chunk.key, len(chunk.blob), self.max_bytes)
-        with self._write_lock:
-            new_chunks = _first_of_each_key(chunk for chunk in chunks if chunk.key not in self._index)
-            plan = eviction.plan_admission(self._index.entries, [(c.key, len(c.blob)) for c in new_chunks],
-                                           self.max_bytes, self.half_life)
+        with self._writing():
+            unique = _first_of_each_key(chunks)
+            stored = self.store.get_entries([chunk.key for chunk in unique])
+            new_chunks = [chunk for chunk, entry in zip(unique, stored) if entry is None]
+            index = self._index
+            plan = eviction.plan_admission_from_totals(index.num_bytes, index.pinned_bytes, index.iter_victims(),
+                                                       [(c.key, len(c.blob)) for c in new_chunks], self.max_bytes)
             if new_chunks and not plan.admitted:
                 raise BudgetExceeded(f"pinned chunks fill the budget --max-bytes={self.max_bytes}: "
                                      f"no room for {len(new_chunks)} new chunks")
+            victim_keys = [index.key_of(slot) for slot in plan.victims]
+            victims = list(zip(victim_keys, self.store.get_entries(victim_keys)))
+            assert all(entry is not None for _, entry in victims), "the index holds a chunk LMDB does not"
             now = self._clock()
             admitted = set(plan.admitted)
-            puts = [(c.key, c.to_entry(now), c.blob) for c in new_chunks if c.key in admitted]
-            self._commit(puts=puts, deletes=[(key, self._index.entries[key]) for key in plan.victims])
+            to_put = [chunk for chunk in new_chunks if chunk.key in admitted]
+            slots = index.reserve_slots(len(to_put))
+            puts = [(chunk.key, chunk.to_entry(now, slot), chunk.blob) for chunk, slot in zip(to_put, slots)]
+            try:
+                self._commit(puts=puts, deletes=victims)
+            except BaseException:
+                index.release_slots(slots)
+                raise
             bytes_stored = sum(entry.size_bytes for _, entry, _ in puts)
             num_evicted = len(plan.victims) + len(plan.rejected)
             with self._lock:
                 self._counters.evictions += num_evicted
                 self._counters.bytes_written += bytes_stored
         if num_evicted:
-            logger.info("evicted %d chunks (%d bytes) and dropped %d incoming ones to stay inside %d bytes",
-                        len(plan.victims), plan.bytes_freed, len(plan.rejected), self.max_bytes)
+            logger.debug("evicted %d chunks (%d bytes) and dropped %d incoming ones to stay inside %d bytes",
+                         len(plan.victims), plan.bytes_freed, len(plan.rejected), self.max_bytes)
         return PutResult(stored=len(puts), already_present=len(chunks) - len(new_chunks), evicted=num_evicted,
                          bytes_stored=bytes_stored)
 
     def delete_keys(self, keys: Sequence[ChunkKey], corrupted: bool = False) -> DeleteResult:
         """corrupted: a reader found these blobs failing their checksum; they count in Stats.corrupted."""
-        with self._write_lock:
+        with self._writing():
             result = self._delete_locked(keys)
             if corrupted and result.deleted:
                 with self._lock:
@@ -212,23 +260,25 @@ class ChunkCache:
         return result
 
     def delete_namespace(self, namespace: bytes) -> DeleteResult:
-        with self._write_lock:
-            keys = self._index.keys_in_namespace(namespace)
+        with self._writing():
+            keys = [self._index.key_of(slot) for slot in self._index.slots_in_namespace(namespace)]
             if not keys:
                 raise NotFound(f"namespace {namespace.hex()[:16]} has no entries")
             return self._delete_locked(keys)
 
     def _delete_locked(self, keys: Sequence[ChunkKey]) -> DeleteResult:
-        targets = {key: self._index.entries[key] for key in keys if key in self._index}
-        self._commit(deletes=list(targets.items()))
-        return DeleteResult(deleted=len(targets), bytes_freed=sum(entry.size_bytes for entry in targets.values()))
+        unique = list(dict.fromkeys(keys))
+        targets = [(key, entry) for key, entry in zip(unique, self.store.get_entries(unique)) if entry is not None]
+        self._commit(deletes=targets)
+        return DeleteResult(deleted=len(targets), bytes_freed=sum(entry.size_bytes for _, entry in targets))
 
     def set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> PinResult:
         """Raises NotFound when none of the keys is stored."""
-        with self._write_lock:
-            missing = [key for key in keys if key not in self._index]
-            updates = {key: dataclasses.replace(self._index.entries[key], pinned=pinned)
-                       for key in keys if key in self._index}
+        with self._writing():
+            stored = dict(zip(keys, self.store.get_entries(keys)))
+            missing = [key for key in keys if stored[key] is None]
+            updates = {key: dataclasses.replace(entry, pinned=pinned) for key, entry in stored.items()
+                       if entry is not None}
             if not updates:
                 raise NotFound(f"none of the {len(keys)} keys is stored")
             self._commit(updates=list(updates.items()))
@@ -236,14 +286,14 @@ class ChunkCache:
 
     def flush_hits(self) -> int:
         """Applies the hits recorded since the last flush to the frequencies, in one transaction."""
-        with self._write_lock:
+        with self._writing():
             with self._lock:
                 pending, self._pending_hits = self._pending_hits, Counter()
             now = self._clock()
-            # A key evicted after its lookup has no entry left to update.
-            updates = [(key, eviction.record_hits(self._index.entries[key], num_hits, now, self.half_life))
-                       for key, num_hits in pending.items() if key in self._index]
             try:
+                # A key evicted after its lookup has no entry left to update.
+                updates = [(key, eviction.record_hits(entry, pending[key], now, self.half_life))
+                           for key, entry in zip(pending, self.store.get_entries(list(pending))) if entry is not None]
                 self._commit(updates=updates)
             except Exception:
                 with self._lock:
@@ -257,22 +307,27 @@ class ChunkCache:
         if not (puts or updates or deletes):
             return
         self.store.write(puts=puts, updates=updates, deletes=deletes)
-        with self._lock:
-            for key, _ in deletes:
-                self._index.remove(key)
-                self._pending_hits.pop(key, None)
+        if deletes:
+            with self._lock:
+                for key, _ in deletes:
+                    self._pending_hits.pop(key, None)
+        with self._index_lock:
+            for _, entry in deletes:
+                self._index.remove(entry.slot)
             for key, entry, _ in puts:
                 self._index.add(key, entry)
-            for key, entry in updates:
-                self._index.replace(key, entry)
+            for _, entry in updates:
+                self._index.replace(entry)
 
     def stats(self) -> CacheStats:
+        """While the index loads (after a restart), entries and bytes count what is loaded so far."""
         map_size = self.store.map_size
+        with self._index_lock:
+            num_entries, num_bytes, usage = len(self._index), self._index.num_bytes, self._index.usage()
         with self._lock:
-            return CacheStats(num_entries=len(self._index), num_bytes=self._index.num_bytes,
-                              max_bytes=self.max_bytes, map_size=map_size,
-                              num_unflushed_hits=sum(self._pending_hits.values()),
-                              counters=dataclasses.replace(self._counters), namespaces=self._index.usage())
+            return CacheStats(num_entries=num_entries, num_bytes=num_bytes, max_bytes=self.max_bytes,
+                              map_size=map_size, num_unflushed_hits=sum(self._pending_hits.values()),
+                              counters=dataclasses.replace(self._counters), namespaces=usage)
 
     def close(self) -> None:
         """Flushes frequencies, syncs and closes the store."""

@@ -24,6 +24,9 @@ class Entry:
     frequency: float
     last_access: float  # seconds since the epoch
     pinned: bool = False
+    # The chunk's row in the daemon's in-memory eviction columns (cache_daemon/index.py), kept in
+    # LMDB with the rest so a restart needs no key -> row map in RAM; -1 until the cache gives one.
+    slot: int = -1
 
     def __post_init__(self) -> None:
         assert len(self.namespace) == DIGEST_SIZE, f"namespace must be {DIGEST_SIZE} bytes, got {len(self.namespace)}"
@@ -31,6 +34,7 @@ class Entry:
         assert self.size_bytes >= 0, f"size_bytes must be >= 0, got {self.size_bytes}"
         assert 0 <= self.checksum < 2**32, f"checksum must be a CRC-32, got {self.checksum}"
         assert self.frequency >= 0, f"frequency must be >= 0, got {self.frequency}"
+        assert -1 <= self.slot < 2**31, f"slot must be -1 or a row number, got {self.slot}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,7 +52,7 @@ class IncomingChunk:
     def __post_init__(self) -> None:
         assert len(self.key) == DIGEST_SIZE, f"key must be {DIGEST_SIZE} bytes, got {len(self.key)}"
 
-    def to_entry(self, now: float) -> Entry:
+    def to_entry(self, now: float, slot: int = -1) -> Entry:
         return Entry(namespace=self.namespace, content_key=self.content_key, num_tokens=self.num_tokens,
                      size_bytes=len(self.blob), checksum=self.checksum, frequency=INITIAL_FREQUENCY,
-                     last_access=now, pinned=self.pinned)
+                     last_access=now, pinned=self.pinned, slot=slot)

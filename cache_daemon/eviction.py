@@ -5,12 +5,13 @@ import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence, TypeVar
 
 from cache_daemon.entry import ChunkKey, Entry
 
 # half_life is in seconds; math.inf turns decay off (plain LFU).
 NO_DECAY = math.inf
+K = TypeVar("K")  # what identifies a stored chunk to the caller: its key, or its slot in the index
 
 
 def decayed_frequency(entry: Entry, now: float, half_life: float) -> float:
@@ -59,7 +60,7 @@ class AdmissionPlan:
 
     admitted: list[ChunkKey]  # in arrival order
     rejected: list[ChunkKey]  # did not fit beside the pinned chunks
-    victims: list[ChunkKey]  # stored chunks to delete, in eviction order
+    victims: list  # stored chunks to delete (keys, or the candidates' ids), in eviction order
     bytes_freed: int
 
 
@@ -69,14 +70,29 @@ def plan_admission(
     max_bytes: int,
     half_life: float,
 ) -> AdmissionPlan:
+    """The exact reference over a mapping of every entry: O(n) per call. The daemon calls
+    plan_admission_from_totals with counters and its heap instead (index.EntryIndex)."""
+    stored_bytes = sum(entry.size_bytes for entry in entries.values())
+    pinned_bytes = sum(entry.size_bytes for entry in entries.values() if entry.pinned)
+    candidates = ((key, entries[key].size_bytes) for key in iter_eviction_order(entries, half_life))
+    return plan_admission_from_totals(stored_bytes, pinned_bytes, candidates, incoming, max_bytes)
+
+
+def plan_admission_from_totals(
+    stored_bytes: int,
+    pinned_bytes: int,
+    candidates: Iterator[tuple[K, int]],
+    incoming: Sequence[tuple[ChunkKey, int]],
+    max_bytes: int,
+) -> AdmissionPlan:
     """Admit incoming (key, size) in order while they fit beside the pinned chunks, then evict.
 
     New chunks are always admitted over stored unpinned ones; the first incoming chunk that
     does not fit ends admission, so a prefix chain is kept from its start. Afterwards the
-    stored bytes plus the admitted bytes are at most `max_bytes`.
+    stored bytes plus the admitted bytes are at most `max_bytes`. `candidates` yields the
+    unpinned stored chunks as (id, size), the first to evict first; it is read only as far
+    as the bytes to free, so its cost is that of the victims, not of the cache.
     """
-    stored_bytes = sum(entry.size_bytes for entry in entries.values())
-    pinned_bytes = sum(entry.size_bytes for entry in entries.values() if entry.pinned)
     room = max_bytes - pinned_bytes
     admitted: list[ChunkKey] = []
     admitted_bytes = 0
@@ -90,12 +106,12 @@ def plan_admission(
         rejected = []
 
     bytes_to_free = stored_bytes + admitted_bytes - max_bytes
-    victims: list[ChunkKey] = []
+    victims: list = []
     bytes_freed = 0
     if bytes_to_free > 0:
-        for key in iter_eviction_order(entries, half_life):
-            victims.append(key)
-            bytes_freed += entries[key].size_bytes
+        for victim, size_bytes in candidates:
+            victims.append(victim)
+            bytes_freed += size_bytes
             if bytes_freed >= bytes_to_free:
                 break
     return AdmissionPlan(admitted=admitted, rejected=rejected, victims=victims, bytes_freed=bytes_freed)

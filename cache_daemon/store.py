@@ -1,6 +1,7 @@
 """LMDB persistence of blobs and metadata: the only module that imports lmdb."""
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import lmdb
+import numpy as np
 
 from cache_daemon.entry import DIGEST_SIZE, ChunkKey, Entry
 
@@ -21,14 +23,22 @@ META_DB = b"meta"  # key -> encoded Entry
 CONTENT_DB = b"content"  # content key -> prefix keys (sorted duplicates)
 INFO_DB = b"info"  # facts about the environment itself, such as its identity
 ENVIRONMENT_ID_KEY = b"environment_id"  # 16 random bytes, written once when the environment is created
+META_VERSION_KEY = b"meta_version"  # the _META_VERSION every value in META_DB has
 # The layout co-located readers rely on (see DescribeReply.blob_db_version): BLOBS_DB maps a prefix key
 # to the blob bytes exactly as stored, nothing before or after them.
 BLOB_DB_VERSION = 1
 
-_META_VERSION = 1
-# version, size_bytes, checksum, frequency, last_access, pinned, num_tokens, namespace; then the
-# content key (0 or 32 bytes) fills the rest of the value.
-_META = struct.Struct(f"<BQIddBI{DIGEST_SIZE}s")
+_META_VERSION = 2
+# version, size_bytes, checksum, frequency, last_access, pinned, num_tokens, namespace, slot; then the
+# content key (0 or 32 bytes) fills the rest of the value. Version 1 had no slot (migrated on open).
+_META = struct.Struct(f"<BQIddBI{DIGEST_SIZE}si")
+_META_V1 = struct.Struct(f"<BQIddBI{DIGEST_SIZE}s")
+_NAMESPACE_OFFSET = 34  # where the namespace starts in a value, in both versions
+# The fixed part of a version-2 value as numpy reads it, for decoding many values at once.
+META_DTYPE = np.dtype([("version", "u1"), ("size_bytes", "<u8"), ("checksum", "<u4"), ("frequency", "<f8"),
+                       ("last_access", "<f8"), ("pinned", "u1"), ("num_tokens", "<u4"),
+                       ("namespace", f"V{DIGEST_SIZE}"), ("slot", "<i4")])
+assert META_DTYPE.itemsize == _META.size and _META_V1.size == _NAMESPACE_OFFSET + DIGEST_SIZE
 
 T = TypeVar("T")
 Put = tuple[ChunkKey, Entry, bytes]
@@ -36,16 +46,29 @@ Put = tuple[ChunkKey, Entry, bytes]
 
 def encode_entry(entry: Entry) -> bytes:
     fixed = _META.pack(_META_VERSION, entry.size_bytes, entry.checksum, entry.frequency, entry.last_access,
-                       entry.pinned, entry.num_tokens, entry.namespace)
+                       entry.pinned, entry.num_tokens, entry.namespace, entry.slot)
     return fixed + entry.content_key
 
 
 def decode_entry(value: bytes) -> Entry:
-    version, size_bytes, checksum, frequency, last_access, pinned, num_tokens, namespace = _META.unpack_from(value)
-    assert version == _META_VERSION, f"unknown metadata version {version}"
-    return Entry(namespace=namespace, content_key=bytes(value[_META.size:]), num_tokens=num_tokens,
+    if value[0] == 1:
+        fields, slot, fixed_size = _META_V1.unpack_from(value), -1, _META_V1.size
+    else:
+        *fields, slot = _META.unpack_from(value)
+        fixed_size = _META.size
+    version, size_bytes, checksum, frequency, last_access, pinned, num_tokens, namespace = fields
+    assert version in (1, _META_VERSION), f"unknown metadata version {version}"
+    return Entry(namespace=namespace, content_key=bytes(value[fixed_size:]), num_tokens=num_tokens,
                  size_bytes=size_bytes, checksum=checksum, frequency=frequency, last_access=last_access,
-                 pinned=bool(pinned))
+                 pinned=bool(pinned), slot=slot)
+
+
+def decode_meta_batch(keys: Sequence[bytes], fixed_parts: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Many (key, value[:_META.size]) at once: keys: uint8 [n, 32], metas: META_DTYPE [n]."""
+    key_rows = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), DIGEST_SIZE)
+    metas = np.frombuffer(b"".join(fixed_parts), dtype=META_DTYPE)
+    assert len(metas) == len(keys), "every metadata value must hold the fixed part"
+    return key_rows, metas
 
 
 class _TxnGate:
@@ -97,7 +120,9 @@ class LmdbStore:
         self._blobs = self._env.open_db(BLOBS_DB)
         self._meta = self._env.open_db(META_DB)
         self._content = self._env.open_db(CONTENT_DB, dupsort=True)
-        self.environment_id = self._ensure_environment_id(self._env.open_db(INFO_DB))
+        info_db = self._env.open_db(INFO_DB)
+        self.environment_id = self._ensure_environment_id(info_db)
+        self._ensure_meta_version(info_db)
         self._gate = _TxnGate()
         self._write_lock = threading.Lock()
 
@@ -110,13 +135,68 @@ class LmdbStore:
             txn.put(ENVIRONMENT_ID_KEY, environment_id)
             return environment_id
 
+    def _ensure_meta_version(self, info_db) -> None:
+        """Version-1 metadata (no slot) gets slots 0..n-1 in key order, once, in one transaction."""
+        with self._env.begin(write=True) as txn:
+            if txn.get(META_VERSION_KEY, db=info_db) == bytes([_META_VERSION]):
+                return
+            old = [(key, decode_entry(value)) for key, value in txn.cursor(db=self._meta)]
+            for slot, (key, entry) in enumerate(old):
+                txn.put(key, encode_entry(dataclasses.replace(entry, slot=slot)), db=self._meta)
+            txn.put(META_VERSION_KEY, bytes([_META_VERSION]), db=info_db)
+        if old:
+            logger.info("gave %d chunks written by an older daemon a slot in their metadata", len(old))
+
     @property
     def map_size(self) -> int:
         return self._env.info()["map_size"]
 
+    def num_entries(self) -> int:
+        with self._gate.shared(), self._env.begin() as txn:
+            return txn.stat(self._meta)["entries"]
+
     def load_entries(self) -> dict[ChunkKey, Entry]:
         with self._gate.shared(), self._env.begin(db=self._meta) as txn:
             return {ChunkKey(key): decode_entry(value) for key, value in txn.cursor()}
+
+    def scan_meta(self, batch_size: int = 8192) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every entry's key and fixed metadata, decode_meta_batch'ed batch_size at a time, in
+        one read transaction (a snapshot: writes meanwhile are not seen)."""
+        with self._gate.shared(), self._env.begin(db=self._meta) as txn:
+            cursor = txn.cursor()
+            while True:
+                keys: list[bytes] = []
+                fixed_parts: list[bytes] = []
+                for key, value in cursor.iternext():
+                    keys.append(key)
+                    fixed_parts.append(value[:_META.size])
+                    if len(keys) == batch_size:
+                        break
+                if not keys:
+                    return
+                yield decode_meta_batch(keys, fixed_parts)
+                # iternext() yields the current entry before stepping: step past the last one read.
+                if len(keys) < batch_size or not cursor.next():
+                    return
+
+    def get_entries(self, keys: Sequence[bytes]) -> list[Entry | None]:
+        """Each key's metadata as committed, None when absent (one read txn for all)."""
+        with self._gate.shared(), self._env.begin(db=self._meta) as txn:
+            return [None if (value := txn.get(key)) is None else decode_entry(value) for key in keys]
+
+    def holding(self, keys: Sequence[bytes], namespace: bytes) -> list[bool]:
+        """Whether each key is stored in `namespace`, reading only the namespace field."""
+        end = _NAMESPACE_OFFSET + DIGEST_SIZE
+        with self._gate.shared(), self._env.begin(db=self._meta, buffers=True) as txn:
+            return [(value := txn.get(key)) is not None and value[_NAMESPACE_OFFSET:end] == namespace
+                    for key in keys]
+
+    def read_chunk(self, key: ChunkKey, copy_out: Callable[[Entry, memoryview], T]) -> T | None:
+        """copy_out(metadata, view of the blob) inside one short read txn; it must copy what it keeps."""
+        with self._gate.shared(), self._env.begin(buffers=True) as txn:
+            meta = txn.get(key, db=self._meta)
+            view = None if meta is None else txn.get(key, db=self._blobs)
+            return None if view is None else copy_out(decode_entry(bytes(meta)), memoryview(view))
 
     def content_matches(self, content_keys: Sequence[bytes]) -> list[list[ChunkKey]]:
         """For each content key, the prefix keys stored with it (one read txn for all)."""

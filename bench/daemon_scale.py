@@ -1,0 +1,234 @@
+"""The daemon at 1e4..1e6 entries (issue #16): Store with eviction, Lookup alone and beside Stores,
+restart, RSS per entry. Run through bench/bench_daemon.py --parts scale --entries 1e4,1e5,1e6.
+
+For each size the LMDB environment is written directly through cache_daemon.store (one write
+transaction per 20k chunks, what a million gRPC Stores would leave behind, in seconds instead of
+an hour); then a real daemon process is started on it with --max-bytes exactly full, so every
+Store of a new 1 KiB chunk evicts one. All timings are taken from gRPC clients in this process or
+in a child process (the concurrent Stores), never inside the daemon.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import random
+import statistics
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from kvboost.v1 import cache_pb2, cache_pb2_grpc
+
+from cache_daemon.entry import Entry
+from cache_daemon.store import LmdbStore
+from tests.e2e.daemon_process import start_daemon
+
+BLOB_BYTES = 1024
+NAMESPACE = bytes(range(32))
+NUM_HOT = 1000  # chunks read by Lookups (high frequency, so never the victims); at most a tenth of all
+LOOKUP_KEYS = 16
+BUILD_BATCH = 20_000
+
+
+def chunk_key(label: str, number: int) -> bytes:
+    return zlib.crc32(label.encode()).to_bytes(4, "big") + number.to_bytes(28, "big")
+
+
+def blob_for(key: bytes) -> bytes:
+    return key * (BLOB_BYTES // len(key))
+
+
+def build_environment(data_dir: Path, num_entries: int, seed: int) -> float:
+    """num_entries chunks of 1 KiB with varied frequencies and last accesses; returns seconds."""
+    rng, now, started = random.Random(seed), time.time(), time.perf_counter()
+    store = LmdbStore(data_dir, map_size=3 * num_entries * BLOB_BYTES + (256 << 20))
+    try:
+        for first in range(0, num_entries, BUILD_BATCH):
+            puts = []
+            for number in range(first, min(num_entries, first + BUILD_BATCH)):
+                key = chunk_key("stored", number)
+                blob = blob_for(key)
+                frequency = 100.0 if number < num_hot(num_entries) else float(rng.choice([1, 1, 1, 2, 3]))
+                entry = Entry(namespace=NAMESPACE, content_key=b"", num_tokens=128, size_bytes=len(blob),
+                              checksum=zlib.crc32(blob), frequency=frequency,
+                              last_access=now - rng.uniform(0, 3600), slot=number)
+                puts.append((key, entry, blob))
+            store.write(puts=puts)
+        store.sync()
+    finally:
+        store.close()
+    return time.perf_counter() - started
+
+
+def store_frames(key: bytes):
+    blob = blob_for(key)
+    meta = cache_pb2.ChunkMeta(key=key, namespace=NAMESPACE, size_bytes=len(blob), checksum=zlib.crc32(blob),
+                               num_tokens=128)
+    yield cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=meta))
+    yield cache_pb2.ChunkFrame(data=blob)
+
+
+def timed_stores(stub, label: str, count: int) -> list[float]:
+    """count Stores of one new chunk each (each evicts one), in ms."""
+    times = []
+    for number in range(count):
+        started = time.perf_counter()
+        reply = stub.Store(store_frames(chunk_key(label, number)))
+        times.append((time.perf_counter() - started) * 1e3)
+        assert reply.stored == 1 and reply.evicted == 1, f"expected one stored and one evicted, got {reply}"
+    return times
+
+
+def num_hot(num_entries: int) -> int:
+    return min(NUM_HOT, num_entries // 10)
+
+
+def timed_lookups(stub, count: int, seed: int, num_entries: int) -> list[float]:
+    rng = random.Random(seed)
+    times = []
+    for _ in range(count):
+        keys = [chunk_key("stored", rng.randrange(num_hot(num_entries))) for _ in range(LOOKUP_KEYS)]
+        started = time.perf_counter()
+        reply = stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=keys))
+        times.append((time.perf_counter() - started) * 1e3)
+        assert reply.prefix_run == LOOKUP_KEYS, f"hot chunks missing: {reply.prefix_run}"
+    return times
+
+
+def store_forever(address: str, label: str, stop, counter) -> None:
+    """Child process: Stores one new chunk after another until told to stop."""
+    with grpc.insecure_channel(address) as channel:
+        stub = cache_pb2_grpc.CacheServiceStub(channel)
+        number = 0
+        while not stop.is_set():
+            stub.Store(store_frames(chunk_key(label, number)))
+            number += 1
+        counter.value = number
+
+
+def rss_anon_bytes(pid: int) -> int:
+    """Anonymous resident memory: the process's own RAM, without LMDB's file-backed map."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc status")
+
+
+def wait_until_loaded(stub) -> None:
+    """A Store waits for the index to load: the first one returns once it is there."""
+    stub.Store(store_frames(chunk_key("warm-up", 0)))
+
+
+@dataclass
+class ScalePoint:
+    num_entries: int
+    build_s: float
+    store_ms: list[float]
+    lookup_ms: list[float]
+    lookup_during_stores_ms: list[float]
+    stores_during_lookups: int
+    restart_serving_s: float
+    restart_loaded_s: float
+    rss_per_entry: float
+
+
+def measure(num_entries: int, num_stores: int, num_lookups: int, seed: int, free_port, empty_rss: int) -> ScalePoint:
+    with tempfile.TemporaryDirectory(prefix="kvboost-scale-") as work_dir:
+        data_dir = Path(work_dir) / "lmdb"
+        build_s = build_environment(data_dir, num_entries, seed)
+        args = ("--max-bytes", str(num_entries * BLOB_BYTES), "--log-level", "WARNING")
+        daemon = start_daemon(data_dir, free_port(), *args)
+        try:
+            with grpc.insecure_channel(daemon.address) as channel:
+                stub = cache_pb2_grpc.CacheServiceStub(channel)
+                wait_until_loaded(stub)
+                timed_stores(stub, "warm", 50)
+                store_ms = timed_stores(stub, "timed", num_stores)
+                timed_lookups(stub, 100, seed, num_entries)
+                lookup_ms = timed_lookups(stub, num_lookups, seed, num_entries)
+                spawn = multiprocessing.get_context("spawn")  # a forked child would share gRPC state
+                stop, counter = spawn.Event(), spawn.Value("i", 0)
+                writer = spawn.Process(target=store_forever, args=(daemon.address, "beside", stop, counter))
+                writer.start()
+                time.sleep(0.5)
+                lookup_during_ms = timed_lookups(stub, num_lookups, seed + 1, num_entries)
+                stop.set()
+                writer.join()
+                rss_per_entry = (rss_anon_bytes(daemon.process.pid) - empty_rss) / num_entries
+            daemon.kill()  # kill -9: the restart below reads what a crash leaves
+            started = time.perf_counter()
+            daemon = start_daemon(data_dir, free_port(), *args)
+            restart_serving_s = time.perf_counter() - started
+            with grpc.insecure_channel(daemon.address) as channel:
+                wait_until_loaded(cache_pb2_grpc.CacheServiceStub(channel))
+            restart_loaded_s = time.perf_counter() - started
+        finally:
+            daemon.kill()
+    return ScalePoint(num_entries, build_s, store_ms, lookup_ms, lookup_during_ms, counter.value, restart_serving_s,
+                      restart_loaded_s, rss_per_entry)
+
+
+def empty_daemon_rss(free_port) -> int:
+    """RssAnon of a daemon over an empty environment, after one Store: the baseline per-entry RSS is above."""
+    with tempfile.TemporaryDirectory(prefix="kvboost-scale-") as work_dir:
+        daemon = start_daemon(Path(work_dir) / "lmdb", free_port(), "--log-level", "WARNING")
+        try:
+            with grpc.insecure_channel(daemon.address) as channel:
+                stub = cache_pb2_grpc.CacheServiceStub(channel)
+                stub.Store(store_frames(chunk_key("empty", 0)))
+                stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=[chunk_key("empty", 0)]))
+            return rss_anon_bytes(daemon.process.pid)
+        finally:
+            daemon.kill()
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def table(points: list[ScalePoint]) -> list[str]:
+    lines = ["| entries | Store+evict p50 | p99 | Lookup(16) p50 | p99 | Lookup p50 beside Stores | p99 | "
+             "Stores/s beside | restart to SERVING | to index loaded | RSS/entry |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in points:
+        during_s = len(p.lookup_during_stores_ms) and sum(p.lookup_during_stores_ms) / 1e3
+        lines.append(
+            f"| {p.num_entries:,} | {statistics.median(p.store_ms):.2f} ms | {percentile(p.store_ms, 0.99):.2f} ms | "
+            f"{statistics.median(p.lookup_ms):.2f} ms | {percentile(p.lookup_ms, 0.99):.2f} ms | "
+            f"{statistics.median(p.lookup_during_stores_ms):.2f} ms | "
+            f"{percentile(p.lookup_during_stores_ms, 0.99):.2f} ms | {p.stores_during_lookups / during_s:.0f} | "
+            f"{p.restart_serving_s:.2f} s | {p.restart_loaded_s:.2f} s | {p.rss_per_entry:.0f} B |")
+    return lines
+
+
+def plot(points: list[ScalePoint], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [p.num_entries for p in points]
+    figure, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    panels = [
+        ("Store with eviction (ms)", [("p50", [statistics.median(p.store_ms) for p in points]),
+                                      ("p99", [percentile(p.store_ms, 0.99) for p in points])], 5.0),
+        ("Lookup of 16 keys (ms)", [("p99 alone", [percentile(p.lookup_ms, 0.99) for p in points]),
+                                    ("p99 beside Stores", [percentile(p.lookup_during_stores_ms, 0.99)
+                                                           for p in points])], 2.0),
+        ("restart after kill -9 (s)", [("to SERVING", [p.restart_serving_s for p in points]),
+                                       ("to index loaded", [p.restart_loaded_s for p in points])], 2.0),
+        ("RSS per entry (bytes)", [("RssAnon / entries", [p.rss_per_entry for p in points])], 200.0),
+    ]
+    for axis, (title, series, target) in zip(axes, panels):
+        for label, values in series:
+            axis.plot(sizes, values, marker="o", label=label)
+        axis.axhline(target, color="grey", linestyle="--", label=f"target {target:g}")
+        axis.set_xscale("log")
+        axis.set_xlabel("entries")
+        axis.set_title(title)
+        axis.set_ylim(bottom=0)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)

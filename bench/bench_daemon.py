@@ -104,16 +104,17 @@ def store_all(stub: cache_pb2_grpc.CacheServiceStub, blobs: list[bytes]) -> floa
     return elapsed
 
 
-def fetch_decoded(stub: cache_pb2_grpc.CacheServiceStub, keys: list[bytes]) -> int:
+def fetch_decoded(stub: cache_pb2_grpc.CacheServiceStub, keys: list[bytes], reader_verifies: bool = False) -> int:
     """Fetch as a plain client does it: every frame decoded by the generated stub."""
-    return sum(len(frame.data) for frame in stub.Fetch(cache_pb2.FetchRequest(keys=keys)))
+    request = cache_pb2.FetchRequest(keys=keys, reader_verifies=reader_verifies)
+    return sum(len(frame.data) for frame in stub.Fetch(request))
 
 
-def fetch_undecoded(channel: grpc.Channel, keys: list[bytes]) -> int:
+def fetch_undecoded(channel: grpc.Channel, keys: list[bytes], reader_verifies: bool = False) -> int:
     """Fetch with the frames left as the bytes received: the same client work as the bare stream."""
     call = channel.unary_stream("/kvboost.v1.CacheService/Fetch",
                                 request_serializer=cache_pb2.FetchRequest.SerializeToString)
-    return sum(len(frame) for frame in call(cache_pb2.FetchRequest(keys=keys)))
+    return sum(len(frame) for frame in call(cache_pb2.FetchRequest(keys=keys, reader_verifies=reader_verifies)))
 
 
 def bare_stream(channel: grpc.Channel) -> int:
@@ -179,6 +180,11 @@ def run(total_bytes: int, repeats: int, seed: int) -> None:
                            lambda: fetch_decoded(stub, keys)),
                     Series("daemon Fetch, frames left undecoded (client work as bare)", daemon.process.pid,
                            lambda: fetch_undecoded(daemon_channel, keys)),
+                    # What the inference service asks for: it checks each blob itself, once, so the daemon doesn't.
+                    Series("daemon Fetch, reader verifies, decoded by the stub", daemon.process.pid,
+                           lambda: fetch_decoded(stub, keys, reader_verifies=True)),
+                    Series("daemon Fetch, reader verifies, undecoded", daemon.process.pid,
+                           lambda: fetch_undecoded(daemon_channel, keys, reader_verifies=True)),
                 ]
                 for one in series:  # warm-up: page cache, connections, allocator
                     one.transfer()
@@ -207,7 +213,7 @@ def print_table(total: int, num_chunks: int, repeats: int, store_s: float, serie
     bare_median = statistics.median(series[0].rates)
     for one in series[1:]:
         ratio = statistics.median(one.rates) / bare_median
-        print(f"{one.name} / bare = {ratio:.2f} ({'meets' if ratio >= 0.8 else 'misses'} the target of >= 0.8)")
+        print(f"{one.name} / bare = {ratio:.2f} ({'meets' if ratio >= 0.9 else 'misses'} the target of >= 0.9)")
 
 
 def main() -> None:

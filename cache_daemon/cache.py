@@ -182,9 +182,12 @@ class ChunkCache:
                 hits.append((index, best))
         return hits
 
-    def read(self, key: ChunkKey, copy_out: Callable[[memoryview], T]) -> tuple[Entry, T] | None:
-        """The chunk's metadata and copy_out(blob view), or None when absent or corrupted."""
-        found = self.store.read_chunk(key, lambda entry, view: (entry, _verified(view, entry, copy_out)))
+    def read(self, key: ChunkKey, copy_out: Callable[[memoryview], T], verify: bool = True) -> tuple[Entry, T] | None:
+        """The chunk's metadata and copy_out(blob view), or None when absent or (verify) corrupted.
+
+        verify=False: the reader checks the blob against entry.checksum itself (and reports a bad one)."""
+        check = _verified if verify else _sized
+        found = self.store.read_chunk(key, lambda entry, view: (entry, check(view, entry, copy_out)))
         if found is not None and found[1] is _CORRUPTED:
             self._drop_corrupted(key, found[0])
             found = None
@@ -341,6 +344,10 @@ class _Corrupted:
 
 
 _CORRUPTED = _Corrupted()
+
+
+def _sized(view: memoryview, entry: Entry, copy_out: Callable[[memoryview], T]) -> T | _Corrupted:
+    return _CORRUPTED if len(view) != entry.size_bytes else copy_out(view)
 
 
 def _verified(view: memoryview, entry: Entry, copy_out: Callable[[memoryview], T]) -> T | _Corrupted:

@@ -39,12 +39,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     async def Fetch(self, request: cache_pb2.FetchRequest, context) -> AsyncIterator[bytes]:
         """Yields wire-encoded ChunkFrames (the handler registers no serializer for them)."""
         keys = checked_keys(request.keys, "FetchRequest.keys")
-        # One read ahead: the next chunk is read and checked in a thread while this one is sent.
-        next_read = self._read(keys[0]) if keys else None
+        # One read ahead: the next chunk is read (and checked) in a thread while this one is sent.
+        verify = not request.reader_verifies
+        next_read = self._read(keys[0], verify) if keys else None
         try:
             for index, key in enumerate(keys):
                 chunk = await next_read
-                next_read = self._read(keys[index + 1]) if index + 1 < len(keys) else None
+                next_read = self._read(keys[index + 1], verify) if index + 1 < len(keys) else None
                 if chunk is None:
                     yield encode_header_frame(cache_pb2.ChunkMeta(key=key), found=False)
                     continue
@@ -56,8 +57,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             if next_read is not None:  # the stream ended early: client gone or cancelled
                 next_read.cancel()
 
-    def _read(self, key: ChunkKey) -> asyncio.Future:
-        return asyncio.ensure_future(asyncio.to_thread(self._cache.read, key, encode_data_frames))
+    def _read(self, key: ChunkKey, verify: bool) -> asyncio.Future:
+        return asyncio.ensure_future(asyncio.to_thread(self._cache.read, key, encode_data_frames, verify))
 
     async def Store(self, request_iterator: AsyncIterator[cache_pb2.ChunkFrame], context) -> cache_pb2.StoreReply:
         assembler = StoreStreamAssembler(max_blob_bytes=self._cache.max_bytes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import grpc
 
@@ -84,12 +84,14 @@ class GrpcChunkStore:
         if not keys:
             return iter(())
         stub = self._available_stub()
-        call = stub.Fetch(cache_pb2.FetchRequest(keys=keys), timeout=self.options.fetch_timeout_s, metadata=self._metadata)
+        # The stream's bytes are checked here, once (reader_verifies): the daemon skips its own check.
+        call = stub.Fetch(cache_pb2.FetchRequest(keys=keys, reader_verifies=True), timeout=self.options.fetch_timeout_s,
+                          metadata=self._metadata)
         return self._read_fetch(call, keys)
 
     def _read_fetch(self, call, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
         try:
-            yield from reassemble_chunks(call, keys)
+            yield from reassemble_chunks(call, keys, on_corrupt=lambda key: self.report_corrupt([key]))
         except grpc.RpcError as error:
             raise self._failure("Fetch", error) from error
         finally:
@@ -207,11 +209,13 @@ def iter_store_frames(items: Iterable[StoreItem]) -> Iterator[cache_pb2.ChunkFra
             yield cache_pb2.ChunkFrame(data=bytes(view[start:start + MAX_FRAME_BYTES]))
 
 
-def reassemble_chunks(frames: Iterable[cache_pb2.ChunkFrame], keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
+def reassemble_chunks(frames: Iterable[cache_pb2.ChunkFrame], keys: list[bytes],
+                      on_corrupt: Callable[[bytes], None] | None = None) -> Iterator[tuple[bytes, bytes | None]]:
     """Turns a Fetch stream back into (key, blob) pairs in request order.
 
-    A key that is absent, or whose bytes fail the CRC-32 in its header, comes back as None (a miss).
-    Raises StoreUnavailable when the stream breaks the contract (wrong order, short data, missing keys).
+    A key that is absent, or whose bytes fail the CRC-32 in its header, comes back as None (a miss);
+    on_corrupt(key) hears of the latter. Raises StoreUnavailable when the stream breaks the contract
+    (wrong order, short data, missing keys).
     """
     frames = iter(frames)
     for expected_key in keys:
@@ -226,7 +230,9 @@ def reassemble_chunks(frames: Iterable[cache_pb2.ChunkFrame], keys: list[bytes])
             continue
         blob = _read_blob(frames, meta.size_bytes, expected_key)
         if crc32(blob) != meta.checksum:
-            logger.warning("chunk %s failed its CRC-32 on the wire: treated as a miss", expected_key.hex()[:16])
+            logger.warning("chunk %s failed its CRC-32: treated as a miss, reported", expected_key.hex()[:16])
+            if on_corrupt is not None:
+                on_corrupt(expected_key)
             yield expected_key, None
             continue
         yield expected_key, blob

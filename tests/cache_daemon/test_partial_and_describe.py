@@ -4,6 +4,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import grpc
@@ -112,3 +113,23 @@ def test_a_reader_killed_inside_a_transaction_leaves_a_slot_the_daemon_clears(tm
         if process.poll() is None:
             process.kill()
         store.close()
+
+
+def test_a_reader_that_verifies_gets_the_bytes_and_the_daemon_skips_its_check(tmp_path: Path) -> None:
+    cache = open_cache(tmp_path / "lmdb", max_bytes=1 << 20)
+    try:
+        chunk = make_chunk("flipped", 500)
+        put(cache, chunk)
+        with cache.store._env.begin(write=True, db=cache.store._blobs) as txn:  # damage the stored bytes
+            damaged = bytearray(txn.get(chunk.key))
+            damaged[10] ^= 0xFF
+            txn.put(chunk.key, bytes(damaged))
+
+        unchecked = cache.read(chunk.key, bytes, verify=False)
+        checked = cache.read(chunk.key, bytes)
+
+        assert unchecked is not None and unchecked[1] == bytes(damaged)  # the reader's own check will refuse it
+        assert unchecked[0].checksum != zlib.crc32(unchecked[1])
+        assert checked is None and cache.stats().counters.corrupted == 1  # the daemon's check deletes it
+    finally:
+        cache.close()

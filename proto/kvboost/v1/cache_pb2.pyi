@@ -77,10 +77,12 @@ class LookupReply(_message.Message):
     def __init__(self, prefix_run: _Optional[int] = ..., prefix_hit: _Optional[_Iterable[bool]] = ..., content_hits: _Optional[_Iterable[_Union[ContentHit, _Mapping]]] = ..., partial_index: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "reader_verifies")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    READER_VERIFIES_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    reader_verifies: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., reader_verifies: _Optional[bool] = ...) -> None: ...
 
 class StoreReply(_message.Message):
     __slots__ = ("stored", "already_present", "evicted", "bytes_stored")

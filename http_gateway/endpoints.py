@@ -34,6 +34,7 @@ async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     model = await gateway.served_model(body.model)
     grpc_request = mapping.chat_request(body, request_id, gateway.config.default_max_tokens)
+    _log_request(request_id, "chat", body, grpc_request)
     response_id, created = f"chatcmpl-{request_id}", int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -49,6 +50,7 @@ async def completions(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     model = await gateway.served_model(body.model)
     grpc_request = mapping.completion_request(body, request_id)
+    _log_request(request_id, "completion", body, grpc_request)
     echo_prompt = mapping.completion_prompt(body) if body.echo else None
     if echo_prompt == "" and grpc_request.segments:
         echo_prompt = "".join(grpc_request.segments)
@@ -60,6 +62,12 @@ async def completions(request: Request) -> Response:
         return await _stream(request, grpc_request, formatter)
     collected = await _collect(request, grpc_request)
     return _json(request, completion(response_id, created, model, collected, echo_prompt, logprobs))
+
+
+def _log_request(request_id: str, kind: str, body, grpc_request: pb.GenerateRequest) -> None:
+    logger.info("[%s] %s: n=%d max_tokens=%d temperature=%g stream=%s%s", request_id, kind, grpc_request.n,
+                grpc_request.max_new_tokens, grpc_request.temperature, body.stream,
+                f" user={body.user!r}" if body.user else "")
 
 
 async def _collect(request: Request, grpc_request: pb.GenerateRequest) -> Collected:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from http_gateway import requests as mapping
+from http_gateway import request_mapping as mapping
 from http_gateway.disconnect import until_disconnect
 from http_gateway.responses import Collected, chat_completion, completion, usage
 from http_gateway.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, WarmRequest

@@ -1,6 +1,6 @@
 """Request bodies as pydantic models: OpenAI's fields, vLLM's extras, and KVBoost's own under `kvboost`.
 
-Unknown fields are kept (extra="allow") so requests.py can refuse the known but unsupported ones by
+Unknown fields are kept (extra="allow") so request_mapping.py can refuse the known but unsupported ones by
 name; everything else unknown is ignored, as OpenAI does.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from http_gateway.errors import GatewayError, from_validation_error
-from http_gateway.requests import chat_request, completion_request, tokenize_request, warm_request
+from http_gateway.request_mapping import chat_request, completion_request, tokenize_request, warm_request
 from http_gateway.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest, WarmRequest
 from kvboost.v1 import inference_pb2 as pb
 

@@ -1,6 +1,7 @@
-# KVBoost-gRPC images. Two targets share one base:
+# KVBoost-gRPC images. Three targets share one base:
 #   daemon     the cache daemon (no torch): python -m cache_daemon
 #   inference  the inference service (torch, transformers, the embedded SmolLM2): python -m inference_service
+#   gateway    the OpenAI-compatible HTTP gateway (no torch): python -m http_gateway
 # compose.yaml builds both; compose.gpu.yaml switches the torch wheel to CUDA and reserves a GPU.
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -34,3 +35,13 @@ RUN python -m inference_service.model.weights --prepare && chown -R kvboost:kvbo
 USER kvboost
 EXPOSE 50051
 ENTRYPOINT ["python", "-m", "inference_service"]
+
+FROM base AS gateway
+# Only what the gateway and its health check import; versions as pinned in pyproject.toml.
+RUN pip install grpcio==1.85.1 grpcio-health-checking==1.85.1 protobuf==7.36.2 prometheus-client==0.26.0 \
+        fastapi==0.163.2 starlette==1.10.0 uvicorn==0.54.0
+COPY . .
+RUN pip install --no-deps .
+USER kvboost
+EXPOSE 8000
+ENTRYPOINT ["python", "-m", "http_gateway"]

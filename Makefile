@@ -47,6 +47,7 @@ bench: setup model
 	$(PY) bench/bench_accuracy.py
 	$(PY) bench/bench_deviation.py
 	$(PY) bench/load.py
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_gateway.py
 
 clean: down
 	rm -rf $(VENV) .run .pytest_cache .hypothesis build *.egg-info

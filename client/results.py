@@ -88,6 +88,7 @@ class GenerationResult(_FromProto):
     output_token_ids: tuple[int, ...]
     degraded: bool
     request_id: str
+    index: int  # which of the request's n completions
 
 
 @dataclass(slots=True, frozen=True)

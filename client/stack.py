@@ -1,7 +1,8 @@
-"""`python -m client.stack up|down|status`: the cache daemon and inference service as background processes.
+"""`python -m client.stack up|down|status`: the cache daemon, inference service and HTTP gateway as background processes.
 
 Pid files, logs and the LMDB data live under the run folder (default `.run/`); `up` waits on each
-server's gRPC health service, `down` stops the service, then the daemon (SIGTERM, then SIGKILL).
+server's gRPC health service (the gateway's HTTP /health), `down` stops the gateway, the service, then
+the daemon (SIGTERM, then SIGKILL).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from client.healthcheck import check_health, wait_until_serving
 from client.library import DEFAULT_ADDRESS
 
 EXIT_OK, EXIT_FAILED = 0, 1
+DEFAULT_GATEWAY_ADDRESS = "127.0.0.1:8000"
 _LOG_TAIL_LINES = 30
 
 
@@ -33,6 +37,13 @@ class Component:
     module: str
     address: str
     arguments: tuple[str, ...]
+    http_health: bool = False  # health is GET http://<address>/health (200 = serving), not gRPC health
+
+    def health(self, timeout: float = 2.0) -> str:
+        """SERVING, another health status, or UNREACHABLE."""
+        if self.http_health:
+            return http_health_status(f"http://{self.address}/health", timeout)
+        return check_health(self.address, timeout=timeout)
 
     def pid_file(self, run_dir: Path) -> Path:
         return run_dir / f"{self.name}.pid"
@@ -53,12 +64,40 @@ def build_components(args: argparse.Namespace) -> list[Component]:
     service_arguments = ["--listen", args.address, "--cache-addr", args.daemon_address]
     if args.model:
         service_arguments += ["--model", args.model]
-    return [
+    components = [
         Component("daemon", "cache daemon", "cache_daemon", args.daemon_address,
                   tuple(daemon_arguments + args.daemon_arg)),
         Component("service", "inference service", "inference_service", args.address,
                   tuple(service_arguments + args.service_arg)),
     ]
+    if args.gateway:
+        gateway_arguments = ["--listen", args.gateway_address, "--service-addr", args.address]
+        components.append(Component("gateway", "HTTP gateway", "http_gateway", args.gateway_address,
+                                    tuple(gateway_arguments + args.gateway_arg), http_health=True))
+    return components
+
+
+def http_health_status(url: str, timeout: float = 2.0) -> str:
+    """SERVING when GET url answers 200, HTTP <code> for another answer, UNREACHABLE for none."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return "SERVING" if response.status == 200 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as error:
+        return f"HTTP {error.code}"
+    except (urllib.error.URLError, OSError):
+        return "UNREACHABLE"
+
+
+def wait_until_http_serving(url: str, deadline_s: float, is_alive=lambda: True) -> str:
+    """Polls url until it answers 200, deadline_s passes or is_alive() turns false; returns the last status."""
+    give_up_at = time.monotonic() + deadline_s
+    status = "UNREACHABLE"
+    while is_alive() and time.monotonic() < give_up_at:
+        status = http_health_status(url, timeout=1.0)
+        if status == "SERVING":
+            break
+        time.sleep(0.1)
+    return status
 
 
 def read_pid(pid_file: Path) -> int | None:
@@ -105,7 +144,14 @@ def start(component: Component, run_dir: Path, timeout_s: float) -> int:
         process = subprocess.Popen(component.command(), stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     component.pid_file(run_dir).write_text(f"{process.pid}\n")
-    status = wait_until_serving(component.address, timeout_s, is_alive=lambda: process.poll() is None)
+
+    def is_alive() -> bool:
+        return process.poll() is None
+
+    if component.http_health:
+        status = wait_until_http_serving(f"http://{component.address}/health", timeout_s, is_alive)
+    else:
+        status = wait_until_serving(component.address, timeout_s, is_alive=is_alive)
     if status == "SERVING":
         return process.pid
     reason = (f"exited with status {process.returncode}" if process.poll() is not None
@@ -186,7 +232,8 @@ def command_up(args: argparse.Namespace) -> int:
             return EXIT_FAILED
         print(f"{component.title} serving (pid {pid}, {component.address})")
     _write_state(run_dir, args)
-    print(f"stack up: inference service {args.address}, cache daemon {args.daemon_address}; "
+    gateway = f", OpenAI-compatible HTTP gateway http://{args.gateway_address}/v1" if args.gateway else ""
+    print(f"stack up: inference service {args.address}, cache daemon {args.daemon_address}{gateway}; "
           f"stop it with `make down` or `python -m client.stack down`")
     return EXIT_OK
 
@@ -204,7 +251,7 @@ def command_status(args: argparse.Namespace) -> int:
     all_serving = True
     for component in build_components(_with_state(args, run_dir)):
         pid = running_pid(component, run_dir)
-        health = check_health(component.address) if pid is not None else "-"
+        health = component.health() if pid is not None else "-"
         all_serving &= health == "SERVING"
         print(f"{component.title:<18} {'pid ' + str(pid) if pid else 'not running':<12} "
               f"{component.address:<22} {health}")
@@ -213,7 +260,8 @@ def command_status(args: argparse.Namespace) -> int:
 
 def _write_state(run_dir: Path, args: argparse.Namespace) -> None:
     # `down` and `status` read the addresses `up` used, whatever flags they are given themselves.
-    state = {"address": args.address, "daemon_address": args.daemon_address}
+    state = {"address": args.address, "daemon_address": args.daemon_address,
+             "gateway_address": args.gateway_address, "gateway": args.gateway}
     (run_dir / "stack.json").write_text(json.dumps(state) + "\n")
 
 
@@ -234,11 +282,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="inference service listen address (env KVBOOST_ADDRESS, default %(default)s)")
     parser.add_argument("--daemon-address", default=os.environ.get("KVBOOST_DAEMON_ADDRESS", DEFAULT_DAEMON_ADDRESS),
                         help="cache daemon listen address (env KVBOOST_DAEMON_ADDRESS, default %(default)s)")
+    parser.add_argument("--gateway-address", default=os.environ.get("KVBOOST_GATEWAY_LISTEN", DEFAULT_GATEWAY_ADDRESS),
+                        help="HTTP gateway listen address (env KVBOOST_GATEWAY_LISTEN, default %(default)s)")
+    parser.add_argument("--no-gateway", dest="gateway", action="store_false",
+                        help="start the daemon and the service only, without the HTTP gateway")
     parser.add_argument("--model", help="model name or path (default: the service's, env KVBOOST_MODEL)")
     parser.add_argument("--max-bytes",
                         help="daemon byte budget, e.g. 512M or 8G (default: the daemon's, env KVBOOST_MAX_BYTES)")
     parser.add_argument("--daemon-arg", action="append", default=[], help="extra daemon flag (repeatable)")
     parser.add_argument("--service-arg", action="append", default=[], help="extra service flag (repeatable)")
+    parser.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag (repeatable)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds to wait for each server to be SERVING (default %(default)s)")
     parser.add_argument("--grace", type=float, default=15.0,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_FREE_PACKAGES = ("cache_daemon", "kvboost_common")
+TORCH_FREE_PACKAGES = ("cache_daemon", "kvboost_common", "http_gateway")
 # Rooms of inference_service, by floor: a module imports from its own room or from a lower floor only.
 # serving (gRPC) -> engine (orchestration) -> kv (K/V maths, blobs, repair) -> model | store -> errors.
 ROOM_FLOORS = {"__main__": 5, "serving": 4, "engine": 3, "kv": 2, "model": 1, "store": 1, "errors": 0}
@@ -19,6 +19,7 @@ ALLOWED_PACKAGES = {
     "cache_daemon": {"cache_daemon", "kvboost_common", "kvboost"},
     "inference_service": {"inference_service", "kvboost_common", "kvboost"},
     "client": {"client", "kvboost_common", "kvboost"},
+    "http_gateway": {"http_gateway", "kvboost_common", "kvboost"},
 }
 FIRST_PARTY = {"cache_daemon", "inference_service", "client", "kvboost_common", "kvboost", "http_gateway", "bench",
                "tests"}

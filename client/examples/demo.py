@@ -1,13 +1,18 @@
 """Demo of KV reuse: warm a system prompt with a long document, ask questions, print TTFT and reuse.
 
 Run it against a running stack (`make up`, or `make run` which does both):
-    python client/examples/demo.py [--address HOST:PORT] [--max-new-tokens N]
+    python client/examples/demo.py [--address HOST:PORT] [--max-new-tokens N] [--gateway-url URL | --no-gateway]
+
+The last question is asked once more through the OpenAI-compatible HTTP gateway, as any OpenAI client would.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from client import KVBoostClient, KVBoostError
@@ -35,10 +40,38 @@ def ask(client: KVBoostClient, system: dict, question: str, mode: str, max_new_t
     return client.generate(messages=messages, mode=mode, max_new_tokens=max_new_tokens).result
 
 
+def ask_gateway(gateway_url: str, system: dict, question: str, max_new_tokens: int) -> dict:
+    """One chat completion through the HTTP gateway, with plain urllib (any OpenAI client would do)."""
+    body = {"messages": [system, {"role": "user", "content": question}], "max_tokens": max_new_tokens,
+            "temperature": 0, "kvboost": {"mode": "chunk_kv_reuse"}}
+    request = urllib.request.Request(f"{gateway_url.rstrip('/')}/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
+def show_gateway_call(gateway_url: str, system: dict, max_new_tokens: int) -> None:
+    question = QUESTIONS[-1]
+    try:
+        reply = ask_gateway(gateway_url, system, question, max_new_tokens)
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        print(f"\nthe HTTP gateway at {gateway_url} did not answer ({error}); `make up` starts it on 127.0.0.1:8000")
+        return
+    usage = reply["usage"]
+    print(f"\nthrough the OpenAI-compatible HTTP gateway ({gateway_url}): {question!r}\n"
+          f"  usage: {usage['prompt_tokens']} prompt tokens, {usage['prompt_tokens_details']['cached_tokens']} "
+          f"cached (prompt_tokens_details.cached_tokens), {usage['completion_tokens']} generated\n"
+          f"  answer: {shorten(reply['choices'][0]['message']['content'], 100)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", default=os.environ.get("KVBOOST_ADDRESS", "127.0.0.1:50051"))
     parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--gateway-url", default=os.environ.get("KVBOOST_GATEWAY_URL", "http://127.0.0.1:8000/v1"),
+                        help="the HTTP gateway's OpenAI base URL (env KVBOOST_GATEWAY_URL, default %(default)s)")
+    parser.add_argument("--no-gateway", dest="gateway", action="store_false",
+                        help="skip the call through the HTTP gateway")
     args = parser.parse_args(argv)
 
     system = {"role": "system", "content": SYSTEM_PROMPT + DOCUMENT.read_text(encoding="utf-8")}
@@ -65,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     mean_ttft = sum(result.ttft_ms for result in results) / len(results)
     print(f"\nbaseline TTFT {baseline.ttft_ms:.1f} ms, with the cache {mean_ttft:.1f} ms on average "
           f"({baseline.ttft_ms / max(mean_ttft, 1e-9):.1f}x faster)")
+    if args.gateway:
+        show_gateway_call(args.gateway_url, system, args.max_new_tokens)
     print("The stack is still running: stop it with `make down` (or `python -m client.stack down`).")
     low = [result for result in results[1:] if result.kv_reuse_ratio <= MIN_FOLLOW_UP_REUSE]
     if low:

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from inference_service.engine.assembler import AssembledContext, empty_context
-from inference_service.engine.generation import DecodeResult, finish_reason
+from inference_service.engine.generation import DecodeResult, SamplingSettings, finish_reason
 from inference_service.engine.pipeline import (
     EngineParts, ShouldStop, generate_one, plan_request, prefill_prompt, record_outcome, submit_write_back,
 )
@@ -56,8 +56,9 @@ class _Row:
         self.first_token_time = self.first_token_time or now
         self.last_token_time = now
         self.detokenizer.add(token_id)
-        self.finish_reason = finish_reason(token_id, self.detokenizer, eos_ids, len(self.token_ids),
-                                           self.max_new_tokens, should_stop)
+        settings = SamplingSettings.of(self.params)
+        self.finish_reason = finish_reason(token_id, self.detokenizer, settings.eos_ids(eos_ids), len(self.token_ids),
+                                           self.max_new_tokens, should_stop, settings.stop_token_ids)
         if self.finish_reason:
             self.detokenizer.finish()
 
@@ -132,6 +133,7 @@ def _plan_rows(parts: EngineParts, params_list: Sequence[GenerationParams]) -> l
     rows = []
     for index, params in enumerate(params_list):
         try:
+            _require_batchable(params)
             mode, prompt, max_new_tokens = plan_request(parts, params)
         except InvalidRequest as error:
             raise InvalidRequest(f"requests[{index}]: {error}") from None
@@ -141,6 +143,16 @@ def _plan_rows(parts: EngineParts, params_list: Sequence[GenerationParams]) -> l
             raise named from None
         rows.append(_Row(index, params, mode, prompt, max_new_tokens))
     return rows
+
+
+def _require_batchable(params: GenerationParams) -> None:
+    """Batch rows take the fields every row's decode step handles; the rest need Generate."""
+    unsupported = [name for name, used in (("n", params.n > 1), ("logprobs", params.logprobs is not None),
+                                           ("prompt_logprobs", params.prompt_logprobs is not None),
+                                           ("min_tokens", params.min_tokens > 0),
+                                           ("cache_salt", bool(params.cache_salt))) if used]
+    if unsupported:
+        raise InvalidRequest(f"batches do not take {', '.join(unsupported)}; send such a request with Generate")
 
 
 def _run_rows(parts: EngineParts, rows: list[_Row], should_stop: ShouldStop, pad_token_id: int | None,

@@ -7,10 +7,12 @@ from typing import Callable, Sequence
 import torch
 
 from inference_service.engine import batch
+from inference_service.engine.choices import generate_choices
 from inference_service.engine.counters import EngineStats
 from inference_service.engine.generation import OnToken, eos_token_ids
+from inference_service.engine.logprobs import token_text
 from inference_service.engine.pipeline import (
-    EngineParts, generate_one, plan_request, plan_segments, repair_options,
+    EngineParts, generate_one, plan_request, plan_segments, repair_options, salted,
 )
 from inference_service.engine.prompts import PromptPlan, tokenize_document, tokenize_messages, tokenize_prompt
 from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
@@ -96,6 +98,39 @@ class Engine:
         """
         return generate_one(self.parts, params, on_token, should_stop)[0]
 
+    def generate_choices(self, params: GenerationParams, on_token: OnToken | None = None,
+                         should_stop: Callable[[], bool] = lambda: False) -> list[GenerationOutcome]:
+        """params.n completions of one prompt (one prefill, rows decoded together), in index order.
+
+        Raises:
+            InvalidRequest, PromptTooLong: as generate().
+        """
+        return generate_choices(self.parts, params, on_token, should_stop)
+
+    def tokenize(self, prompt: str | None = None, messages=None, add_special_tokens: bool = True,
+                 add_generation_prompt: bool = True) -> tuple[list[int], list[str]]:
+        """(token ids, each token decoded alone) of a prompt or chat, as Generate tokenizes it.
+
+        Raises:
+            InvalidRequest: neither or both of prompt and messages.
+        """
+        if bool(prompt) == bool(messages):
+            raise InvalidRequest("Tokenize needs exactly one of prompt and messages")
+        if messages:
+            _check_roles(messages)
+            token_ids = tokenize_messages(self.tokenizer, messages, add_generation_prompt)[0]
+        else:
+            token_ids = list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        return token_ids, [token_text(self.tokenizer, token_id) for token_id in token_ids]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Raises InvalidRequest for ids outside the vocabulary."""
+        vocab_size = len(self.tokenizer)
+        wrong = [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]
+        if wrong:
+            raise InvalidRequest(f"token ids {wrong[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
     def generate_with_first_logits(self, params: GenerationParams) -> tuple[GenerationOutcome, torch.Tensor | None]:
         """generate() without streaming, plus the logits the first token was chosen from ([vocab] float32)."""
         return generate_one(self.parts, params)
@@ -120,11 +155,13 @@ class Engine:
 
     # ---- warm, verify, info ---------------------------------------------------------------------
 
-    def warm(self, text: str | None, messages=None, content_addressed: bool = False, pin: bool = False) -> WarmOutcome:
+    def warm(self, text: str | None, messages=None, content_addressed: bool = False, pin: bool = False,
+             cache_salt: str = "") -> WarmOutcome:
         """Computes and stores every chunk of the text (or chat prefix, no generation prompt), the tokens
         after the last full chunk as a partial chunk, so a prompt that continues the text reuses all of it.
 
         content_addressed: the text is chunked as a segment and every chunk is also keyed by content.
+        cache_salt: stored under that salt's namespace, where requests with the same cache_salt find them.
 
         Raises:
             InvalidRequest: neither text nor messages.
@@ -139,7 +176,8 @@ class Engine:
             segments = tokenize_prompt(self.tokenizer, text)
         else:
             raise InvalidRequest("Warm needs text or messages")
-        prompt = plan_segments(self.parts, segments)
+        parts = salted(self.parts, cache_salt)
+        prompt = plan_segments(parts, segments)
         chunks = list(prompt.chunks.chunks)
         prefix_keys = list(prompt.prefix_keys)
         content_keys: list[bytes | None] = list(prompt.content_keys) if content_addressed else [None] * len(chunks)
@@ -151,8 +189,8 @@ class Engine:
         buffers = allocate_kv(self.geometry, prompt.num_tokens, self.device, self.dtype)
         token_ids = torch.tensor(prompt.token_ids, device=self.device)
         _, new_kv = prefill(self.model, build_cache(self.model.config, *buffers, 0), token_ids, 0)
-        stored = self.parts.writeback.store_now(PendingChunks(
-            self.namespace, tuple(chunks), tuple(prefix_keys), tuple(content_keys), new_kv, 0, pin=pin))
+        stored = parts.writeback.store_now(PendingChunks(
+            parts.namespace, tuple(chunks), tuple(prefix_keys), tuple(content_keys), new_kv, 0, pin=pin))
         num_tail = len(prompt.chunks.tail)
         note = "" if num_tail == 0 else (
             f"the last {num_tail} tokens are stored as a partial chunk: a prompt reuses them when it continues "
@@ -221,3 +259,8 @@ def _rope_or_none(config) -> RopeParams | None:
     except (UnsupportedRope, AttributeError, KeyError) as error:
         logger.info("content hits will not be reused by this model: %s", error)
         return None
+
+
+def _check_roles(messages) -> None:
+    # The same check a Generate request's messages get (GenerationParams validates them).
+    GenerationParams(messages=tuple(messages))

@@ -5,6 +5,7 @@ the typed bundle of what every request needs, so neither reaches into the other'
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -15,17 +16,18 @@ from inference_service.engine.assembler import AssembledContext, assemble_contex
 from inference_service.engine.content_reuse import exact_pending_chunks, prefill_with_content_hits
 from inference_service.engine.counters import EngineStats
 from inference_service.engine.generation import DecodeResult, OnToken, SamplingSettings, decode_loop
+from inference_service.engine.logprobs import prompt_logprobs
 from inference_service.engine.prompts import (
     PromptPlan, plan_prompt, tokenize_messages, tokenize_prompt, tokenize_segments,
 )
-from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams
+from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams, TokenEvent, TokenLogprob
 from inference_service.engine.writeback import PendingChunks, WriteBack
 from inference_service.errors import InvalidRequest, PromptTooLong
-from inference_service.kv.namespace import Namespace
+from inference_service.kv.namespace import Namespace, salted_namespace
 from inference_service.kv.repair import RepairOptions
 from inference_service.kv.rope import RopeParams
 from inference_service.model.detokenizer import IncrementalDetokenizer
-from inference_service.model.forward import prefill
+from inference_service.model.forward import prefill, prefill_scored
 from inference_service.model.kv_buffers import KVGeometry, allocate_kv, build_cache
 from inference_service.store.protocol import ChunkStore
 
@@ -74,6 +76,19 @@ class Prefilled:
     cache: object  # the DynamicCache over the buffers, ready for decoding
     first_logits: torch.Tensor | None  # [vocab]; None when no token had to run (need_logits=False)
     pending: PendingChunks | None  # new full chunks to store after the first token
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # every prompt token's, when asked for
+
+
+def for_request(parts: EngineParts, params: GenerationParams) -> EngineParts:
+    """The parts with the request's namespace: the engine's, salted by params.cache_salt when one is given."""
+    return salted(parts, params.cache_salt)
+
+
+def salted(parts: EngineParts, cache_salt: str) -> EngineParts:
+    """The parts under salted_namespace(namespace, cache_salt); the same parts for an empty salt."""
+    if not cache_salt:
+        return parts
+    return dataclasses.replace(parts, namespace=salted_namespace(parts.namespace, cache_salt))
 
 
 # ---- planning -------------------------------------------------------------------------------------
@@ -131,15 +146,18 @@ def repair_options(parts: EngineParts, params: GenerationParams | None = None) -
 # ---- prefill --------------------------------------------------------------------------------------
 
 def prefill_prompt(parts: EngineParts, prompt: PromptPlan, mode: str, capacity: int, request_id: str,
-                   repair: RepairOptions | None = None, need_logits: bool = True) -> Prefilled:
+                   repair: RepairOptions | None = None, need_logits: bool = True,
+                   num_prompt_logprobs: int | None = None) -> Prefilled:
     """Reuses what the store holds, then runs the rest of the prompt; capacity: prompt plus new tokens.
 
     In chunk_kv_reuse mode, content hits after the prefix run are re-rotated, placed and repaired by
     `repair` (the server's defaults when None) in the same pass that computes the missing tokens.
     need_logits: at least the last prompt token runs, so there are logits to start decoding from;
     False (a batch's shared prefix) runs nothing when every token is cached.
+    num_prompt_logprobs: every prompt token's logprob is wanted (with that many alternatives): cached
+    K/V give no logits, so the whole prompt runs; its new chunks are still stored (unless baseline).
     """
-    if mode == "baseline":
+    if mode == "baseline" or num_prompt_logprobs is not None:
         context = empty_context()
     else:
         context = assemble_context(parts.store, parts.namespace, prompt, parts.geometry, parts.device, parts.dtype,
@@ -154,12 +172,18 @@ def prefill_prompt(parts: EngineParts, prompt: PromptPlan, mode: str, capacity: 
         buffers = allocate_kv(parts.geometry, capacity, parts.device, parts.dtype)
     cache = build_cache(parts.model.config, *buffers, num_cached)
     first_logits = pending = None
+    scored: tuple[TokenLogprob, ...] = ()
     if num_cached < prompt.num_tokens:
         live = torch.tensor(prompt.token_ids[num_cached:], device=parts.device)
-        first_logits, new_kv = prefill(parts.model, cache, live, num_cached)
+        if num_prompt_logprobs is None:
+            first_logits, new_kv = prefill(parts.model, cache, live, num_cached)
+        else:  # num_cached is 0 here: the context is empty
+            all_logits, new_kv = prefill_scored(parts.model, cache, live, num_cached)  # [tokens, vocab]
+            first_logits = all_logits[-1]
+            scored = tuple(prompt_logprobs(parts.tokenizer, all_logits, prompt.token_ids, num_prompt_logprobs))
         if mode != "baseline" and not context.degraded:
             pending = _new_chunks(parts, prompt, context, new_kv, num_cached, buffers, request_id)
-    return Prefilled(prompt, context, num_cached, *buffers, cache, first_logits, pending)
+    return Prefilled(prompt, context, num_cached, *buffers, cache, first_logits, pending, scored)
 
 
 def _new_chunks(parts: EngineParts, prompt: PromptPlan, context: AssembledContext, new_kv, num_cached: int,
@@ -211,17 +235,20 @@ def generate_one(parts: EngineParts, params: GenerationParams, on_token: OnToken
         InvalidRequest: parameters the server does not accept.
         PromptTooLong: more prompt tokens than max_prompt_tokens.
     """
+    assert params.n == 1, "n > 1 runs through choices.generate_choices"
+    parts = for_request(parts, params)
     mode, prompt, max_new_tokens = plan_request(parts, params)
     if should_stop():  # cancelled or past its deadline while queued
         return record_outcome(parts, params, mode, prompt, empty_context(), 0, cancelled_before_start()), None
     prefilled = prefill_prompt(parts, prompt, mode, prompt.num_tokens + max_new_tokens, params.request_id,
-                               repair_options(parts, params))
+                               repair_options(parts, params), num_prompt_logprobs=params.prompt_logprobs)
+    if prefilled.prompt_logprobs and on_token is not None:
+        on_token(TokenEvent("", (), prompt_logprobs=prefilled.prompt_logprobs))
     decoded = decode_loop(
         parts.model, prefilled.cache, prefilled.first_logits, prompt.num_tokens,
         IncrementalDetokenizer(parts.tokenizer, prompt.token_ids, params.stop),
-        SamplingSettings(params.temperature, params.top_k, params.top_p, params.seed),
-        parts.eos_ids, max_new_tokens, on_token, should_stop,
-        after_first_token=lambda: submit_write_back(parts, prefilled.pending),
+        SamplingSettings.of(params), parts.eos_ids, max_new_tokens, on_token, should_stop,
+        after_first_token=lambda: submit_write_back(parts, prefilled.pending), tokenizer=parts.tokenizer,
     )
     outcome = record_outcome(parts, params, mode, prompt, prefilled.context, prefilled.num_cached_tokens, decoded)
     return outcome, prefilled.first_logits
@@ -229,13 +256,14 @@ def generate_one(parts: EngineParts, params: GenerationParams, on_token: OnToken
 
 def record_outcome(parts: EngineParts, params: GenerationParams, mode: str, prompt: PromptPlan,
                    context: AssembledContext, num_cached: int, decoded: DecodeResult, count_fetched: bool = True,
-                   label: str = "") -> GenerationOutcome:
+                   label: str = "", index: int = 0) -> GenerationOutcome:
     """The finished request's result, added to the counters and logged.
 
-    count_fetched: False for batch rows after the first, whose shared chunks were fetched once.
+    count_fetched: False for batch rows (and choices) after the first, whose shared chunks were fetched once.
+    index: which of the request's n completions.
     """
     outcome = outcome_of(params, mode, prompt.num_tokens, num_cached, context.num_recomputed_tokens, decoded,
-                         context.degraded)
+                         context.degraded, index)
     parts.counters.add_request(prompt.num_tokens, num_cached, context.num_recomputed_tokens,
                                context.num_fetched_blobs if count_fetched else 0,
                                context.num_bytes_fetched if count_fetched else 0,
@@ -247,7 +275,7 @@ def record_outcome(parts: EngineParts, params: GenerationParams, mode: str, prom
 
 
 def outcome_of(params: GenerationParams, mode: str, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int,
-               decoded: DecodeResult, degraded: bool) -> GenerationOutcome:
+               decoded: DecodeResult, degraded: bool, index: int = 0) -> GenerationOutcome:
     """A finished request's result; times are measured from the request's arrival."""
     generated = len(decoded.token_ids)
     decode_seconds = decoded.last_token_time - decoded.first_token_time
@@ -266,6 +294,7 @@ def outcome_of(params: GenerationParams, mode: str, prompt_tokens: int, cached_t
         finish_reason=decoded.finish_reason,
         degraded=degraded,
         request_id=params.request_id,
+        index=index,
     )
 
 

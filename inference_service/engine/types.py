@@ -11,6 +11,8 @@ MODES = ("baseline", "prefix_cache", "chunk_kv_reuse")
 RECOMPUTE_STRATEGIES = ("none", "selective", "cacheblend")
 CHAT_ROLES = ("system", "user", "assistant")
 FINISH_REASONS = ("eos", "length", "stop", "cancelled")
+MAX_TOP_LOGPROBS = 20  # alternatives listed per token at most (OpenAI's limit)
+MAX_CHOICES = 16  # completions of one request (rows decoded together)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -75,6 +77,13 @@ class GenerationParams:
     sink_tokens: int | None = None
     request_id: str = ""
     arrival: float = field(default_factory=time.perf_counter)  # time.perf_counter() when the request arrived
+    logprobs: int | None = None  # None: off; k: each generated token's logprob and its k best alternatives
+    prompt_logprobs: int | None = None  # None: off; k: every prompt token's logprob with k alternatives
+    n: int = 1  # completions sampled from the one prefilled prompt
+    cache_salt: str = ""  # mixed into the cache namespace (kv.namespace.salted_namespace)
+    min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         given = [name for name in ("prompt", "messages", "segments") if getattr(self, name)]
@@ -100,6 +109,42 @@ class GenerationParams:
         _require(self.selective_tokens is None or self.selective_tokens >= 0,
                  f"selective_tokens must be >= 0, got {self.selective_tokens}")
         _require(self.sink_tokens is None or self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or 0 <= value <= MAX_TOP_LOGPROBS,
+                     f"{name} must be in 0..{MAX_TOP_LOGPROBS} alternatives, got {value}")
+        _require(1 <= self.n <= MAX_CHOICES, f"n must be in 1..{MAX_CHOICES}, got {self.n}")
+        _require(0 <= self.min_tokens <= self.max_new_tokens,
+                 f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
+        _require(all(token_id >= 0 for token_id in self.stop_token_ids), "stop_token_ids must be >= 0")
+
+
+@dataclass(slots=True, frozen=True)
+class TopLogprob:
+    token_id: int
+    text: str  # the token alone, decoded
+    logprob: float
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """One token's log-probability (natural log, float32 log-softmax of the logits it was chosen from)."""
+
+    token_id: int
+    text: str  # the token alone, decoded
+    logprob: float | None  # None for a prompt's first token (nothing predicts it)
+    top: tuple[TopLogprob, ...] = ()  # the most likely alternatives, best first
+
+
+@dataclass(slots=True, frozen=True)
+class TokenEvent:
+    """What one decode step streams: text it completes (maybe empty) and the tokens it covers."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
+    index: int = 0  # which of the request's n completions
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first event only, when asked for
 
 
 @dataclass(slots=True)
@@ -118,6 +163,7 @@ class GenerationOutcome:
     finish_reason: str  # one of FINISH_REASONS
     degraded: bool  # the cache was unreachable for this request
     request_id: str
+    index: int = 0  # which of the request's n completions
 
 
 @dataclass(slots=True, frozen=True)

@@ -62,3 +62,13 @@ class NamespaceSpec:
 
 def namespace_digest(spec: NamespaceSpec) -> Namespace:
     return Namespace(hashlib.sha256(canonical_json(asdict(spec)).encode()).digest())
+
+
+def salted_namespace(namespace: Namespace, cache_salt: str) -> Namespace:
+    """A request's namespace: SHA-256(namespace ‖ salt), so requests with different salts share no chunk.
+
+    An empty salt leaves the namespace (and so every key) unchanged.
+    """
+    if not cache_salt:
+        return namespace
+    return Namespace(hashlib.sha256(namespace + cache_salt.encode()).digest())

@@ -6,13 +6,24 @@ from transformers import DynamicCache
 
 from inference_service.model.kv_buffers import LayerKV
 
-@torch.inference_mode()
 def prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, LayerKV]:
     """Runs the live tokens after `start` cached ones; returns the last token's logits and their K/V.
 
     token_ids: [n] at positions start .. start+n-1. Returns logits [vocab] (float32) and, per layer,
     the K/V of these n tokens (views; nothing later writes into them).
     """
+    logits, new_kv = _prefill(model, cache, token_ids, start, logits_to_keep=1)
+    return logits[-1], new_kv
+
+
+def prefill_scored(model, cache: DynamicCache, token_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, LayerKV]:
+    """prefill() that keeps every token's logits: [n, vocab] (float32), row i predicting token i + 1."""
+    return _prefill(model, cache, token_ids, start, logits_to_keep=0)
+
+
+@torch.inference_mode()
+def _prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int,
+             logits_to_keep: int) -> tuple[torch.Tensor, LayerKV]:
     num_tokens = token_ids.shape[0]
     sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
     for layer in sliding:  # keep every new token's K/V until they are read below
@@ -20,14 +31,14 @@ def prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int) -> 
     position_ids = torch.arange(start, start + num_tokens, device=token_ids.device).unsqueeze(0)
     output = model(
         input_ids=token_ids.unsqueeze(0), position_ids=position_ids, past_key_values=cache,
-        use_cache=True, logits_to_keep=1,
+        use_cache=True, logits_to_keep=logits_to_keep,
     )
     new_kv = [(layer.keys[:, :, -num_tokens:], layer.values[:, :, -num_tokens:]) for layer in cache.layers]
     for layer in sliding:
         layer.record_past = False
         layer.keys = layer.keys[:, :, -layer.sliding_window + 1 :]
         layer.values = layer.values[:, :, -layer.sliding_window + 1 :]
-    return output.logits[0, -1].float(), new_kv
+    return output.logits[0].float(), new_kv  # [kept tokens, vocab]
 
 
 @torch.inference_mode()

@@ -29,6 +29,14 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def suppress_tokens(logits: torch.Tensor, token_ids: frozenset[int]) -> torch.Tensor:
+    """The logits with token_ids made impossible (-inf); logits: [vocab] or [rows, vocab]."""
+    if not token_ids:
+        return logits
+    index = torch.tensor(sorted(token_ids), device=logits.device)
+    return logits.index_fill(-1, index, float("-inf"))
+
+
 def sample(
     logits: torch.Tensor,
     temperature: float,

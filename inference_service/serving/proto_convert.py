@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from inference_service.engine.types import GenerationOutcome, GenerationParams, WarmOutcome
+from inference_service.engine.types import GenerationOutcome, GenerationParams, TokenEvent, TokenLogprob, WarmOutcome
 from inference_service.errors import InvalidRequest
 from kvboost.v1 import inference_pb2 as pb
 from kvboost_common.request_ids import new_request_id
@@ -57,6 +57,13 @@ def generation_params(request: pb.GenerateRequest, arrival: float | None = None)
         sink_tokens=request.sink_tokens if request.HasField("sink_tokens") else None,
         request_id=new_request_id(request.request_id),
         arrival=time.perf_counter() if arrival is None else arrival,
+        logprobs=request.top_logprobs if request.logprobs else None,
+        prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+        n=request.n or 1,
+        cache_salt=request.cache_salt,
+        min_tokens=request.min_tokens,
+        ignore_eos=request.ignore_eos,
+        stop_token_ids=tuple(request.stop_token_ids),
     )
 
 
@@ -77,12 +84,19 @@ def generation_result(outcome: GenerationOutcome) -> pb.GenerationResult:
     return pb.GenerationResult(**fields)
 
 
-def token_event(text: str, token_ids: list[int]) -> pb.GenerateEvent:
-    return pb.GenerateEvent(text=text, token_ids=token_ids)
+def token_event(event: TokenEvent) -> pb.GenerateEvent:
+    return pb.GenerateEvent(text=event.text, token_ids=event.token_ids, index=event.index,
+                            logprobs=[token_logprob(item) for item in event.logprobs],
+                            prompt_logprobs=[token_logprob(item) for item in event.prompt_logprobs])
+
+
+def token_logprob(item: TokenLogprob) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=alt.token_id, text=alt.text, logprob=alt.logprob) for alt in item.top]
+    return pb.TokenLogprob(token_id=item.token_id, text=item.text, logprob=item.logprob, top=top)
 
 
 def final_event(outcome: GenerationOutcome) -> pb.GenerateEvent:
-    return pb.GenerateEvent(result=generation_result(outcome))
+    return pb.GenerateEvent(result=generation_result(outcome), index=outcome.index)
 
 
 def warm_result(outcome: WarmOutcome) -> pb.WarmResult:
@@ -96,7 +110,22 @@ def warm_arguments(request: pb.WarmRequest) -> dict[str, Any]:
         "messages": tuple((m.role, m.content) for m in request.messages) or None,
         "content_addressed": request.content_addressed,
         "pin": request.pin,
+        "cache_salt": request.cache_salt,
     }
+
+
+def tokenize_arguments(request: pb.TokenizeRequest) -> dict[str, Any]:
+    """Keyword arguments of Engine.tokenize; unset flags default to how Generate tokenizes."""
+    return {
+        "prompt": request.prompt or None,
+        "messages": tuple((m.role, m.content) for m in request.messages) or None,
+        "add_special_tokens": request.add_special_tokens if request.HasField("add_special_tokens") else True,
+        "add_generation_prompt": request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
+    }
+
+
+def tokenize_reply(token_ids: list[int], tokens: list[str], max_context: int) -> pb.TokenizeReply:
+    return pb.TokenizeReply(token_ids=token_ids, tokens=tokens, max_context=max_context)
 
 
 def verify_arguments(request: pb.VerifyRequest) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """kvboost.v1.InferenceService on grpc.aio: parse the request, run the engine on the model worker, build the reply."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -26,19 +27,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         arrival = time.perf_counter()
         try:
             params = convert.generation_params(request, arrival)
-            job = self._submit(context, params.request_id, lambda job: self._engine().generate(
-                params, on_token=lambda text, ids: job.emit((text, list(ids))), should_stop=job.should_stop))
+            job = self._submit(context, params.request_id, lambda job: self._engine().generate_choices(
+                params, on_token=lambda event: job.emit(convert.token_event(event)), should_stop=job.should_stop))
         except Exception as error:
             await abort_with(context, error, request.request_id)
         try:
-            async for text, token_ids in job.updates():
-                yield convert.token_event(text, token_ids)
-            outcome = await job.result()
+            async for event in job.updates():
+                yield event
+            outcomes = await job.result()
         except Exception as error:
             await abort_with(context, error, params.request_id)
         finally:
             job.cancel()  # the client went away or the deadline passed: the engine stops at its next step
-        yield convert.final_event(outcome)
+        for outcome in outcomes:
+            yield convert.final_event(outcome)
 
     async def GenerateBatch(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext) -> pb.GenerateBatchReply:
         return await self._batch(request, context, "GenerateBatch", lambda engine: engine.generate_batch)
@@ -89,6 +91,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             return convert.model_info_reply(self._engine().model_info())
         except Exception as error:
             await abort_with(context, error, "model-info")
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeReply:
+        # Off the model worker: counting tokens never waits behind generation (fast tokenizers are thread-safe).
+        try:
+            engine = self._engine()
+            token_ids, tokens = await asyncio.to_thread(engine.tokenize, **convert.tokenize_arguments(request))
+        except Exception as error:
+            await abort_with(context, error, "tokenize")
+        return convert.tokenize_reply(token_ids, tokens, engine.geometry.max_context)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeReply:
+        try:
+            text = await asyncio.to_thread(self._engine().detokenize, list(request.token_ids))
+        except Exception as error:
+            await abort_with(context, error, "detokenize")
+        return pb.DetokenizeReply(text=text)
 
     def _engine(self) -> Any:
         if self.engine is None:

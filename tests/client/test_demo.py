@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -39,7 +42,7 @@ def test_demo_warms_asks_and_prints_the_table(capsys) -> None:
     demo = load_demo()
     inference = ReusingInference(reuse=0.95)
     with running_server(inference=inference) as address:
-        assert demo.main(["--address", address, "--max-new-tokens", "8"]) == 0
+        assert demo.main(["--address", address, "--max-new-tokens", "8", "--no-gateway"]) == 0
     out = capsys.readouterr().out
     warm = inference.requests[1]
     assert [message.role for message in warm.messages] == ["system"]
@@ -55,7 +58,7 @@ def test_demo_warms_asks_and_prints_the_table(capsys) -> None:
 def test_demo_fails_when_follow_ups_reuse_too_little(capsys) -> None:
     demo = load_demo()
     with running_server(inference=ReusingInference(reuse=0.5)) as address:
-        assert demo.main(["--address", address]) == 1
+        assert demo.main(["--address", address, "--no-gateway"]) == 1
     assert "follow-up question(s) reused 80% of the prompt or less" in capsys.readouterr().err
 
 
@@ -65,5 +68,45 @@ def test_demo_says_how_to_start_the_stack_when_it_is_down(capsys) -> None:
     demo = load_demo()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(demo.KVBoostClient, "wait_ready", lambda self, timeout: self._rpc.wait_ready(0.2))
-        assert demo.main(["--address", f"127.0.0.1:{pick_free_port()}"]) == 1
+        assert demo.main(["--address", f"127.0.0.1:{pick_free_port()}", "--no-gateway"]) == 1
     assert "Is the stack running? Start it with `make up`." in capsys.readouterr().err
+
+
+class _FakeGateway(BaseHTTPRequestHandler):
+    """Answers POST /v1/chat/completions as the gateway would, and keeps the body it got."""
+
+    bodies: list = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        _FakeGateway.bodies.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+        reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": "Yes, on the Aurora."}}],
+                            "usage": {"prompt_tokens": 1000, "completion_tokens": 5, "total_tokens": 1005,
+                                      "prompt_tokens_details": {"cached_tokens": 896}}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_demo_asks_the_last_question_through_the_http_gateway(capsys) -> None:
+    demo = load_demo()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeGateway)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with running_server(inference=ReusingInference(reuse=0.95)) as address:
+            gateway_url = f"http://127.0.0.1:{server.server_port}/v1"
+            assert demo.main(["--address", address, "--gateway-url", gateway_url]) == 0
+    finally:
+        server.shutdown()
+        thread.join()
+    path, body = _FakeGateway.bodies[-1]
+    assert path == "/v1/chat/completions" and body["messages"][-1]["content"] == demo.QUESTIONS[-1]
+    assert body["messages"][0]["content"].startswith("You are the customer assistant")
+    out = capsys.readouterr().out
+    assert "1000 prompt tokens, 896 cached (prompt_tokens_details.cached_tokens)" in out
+    assert "Yes, on the Aurora." in out

@@ -20,14 +20,18 @@ import yaml
 
 from cache_daemon import config as daemon_config
 from client import healthcheck
+from http_gateway import config as gateway_config
+from http_gateway import healthcheck as gateway_healthcheck
 from inference_service.serving import config as service_config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 GPU_OVERRIDE = yaml.safe_load((ROOT / "compose.gpu.yaml").read_text())
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
-PARSERS = {"cache-daemon": daemon_config.build_parser, "inference": service_config.build_parser}
-MODULES = {"cache-daemon": "cache_daemon", "inference": "inference_service"}
+PARSERS = {"cache-daemon": daemon_config.build_parser, "inference": service_config.build_parser,
+           "gateway": gateway_config.build_parser}
+MODULES = {"cache-daemon": "cache_daemon", "inference": "inference_service", "gateway": "http_gateway"}
+GRPC_SERVICES = ("cache-daemon", "inference")
 # Compose-specific choices that differ from the parsers' defaults on purpose.
 DELIBERATE_OVERRIDES = {
     "KVBOOST_MAX_BYTES": "a container deployment gets a 4 GiB budget instead of 1 GiB",
@@ -165,7 +169,23 @@ def test_service_reaches_the_daemon_by_its_compose_name_and_port() -> None:
     assert COMPOSE["services"]["inference"]["depends_on"] == {"cache-daemon": {"condition": "service_healthy"}}
 
 
-@pytest.mark.parametrize("service", sorted(PARSERS))
+def test_gateway_reaches_the_service_by_its_compose_name_and_waits_for_its_health() -> None:
+    service, gateway = compose_args("inference"), compose_args("gateway")
+    host, port = gateway.service_addr.rsplit(":", 1)
+    assert host == "inference" and int(port) == port_of(service.listen)
+    assert COMPOSE["services"]["gateway"]["depends_on"] == {"inference": {"condition": "service_healthy"}}
+    assert port_of(gateway.listen) == port_of(gateway_config.DEFAULT_LISTEN) == 8000
+    assert published("gateway") == {8000: "127.0.0.1:8000"}
+
+
+def test_gateway_health_check_asks_its_http_health_on_the_listen_port() -> None:
+    test = COMPOSE["services"]["gateway"]["healthcheck"]["test"]
+    assert test[:4] == ["CMD", "python", "-m", "http_gateway.healthcheck"]
+    check = gateway_healthcheck.build_parser().parse_args(test[4:])
+    assert check.url == f"http://127.0.0.1:{port_of(compose_args('gateway').listen)}/health"
+
+
+@pytest.mark.parametrize("service", GRPC_SERVICES)
 def test_health_checks_ask_the_grpc_health_service_on_the_listen_port(service) -> None:
     test = COMPOSE["services"][service]["healthcheck"]["test"]
     assert test[:4] == ["CMD", "python", "-m", "client.healthcheck"]
@@ -191,7 +211,8 @@ def test_the_service_sees_the_daemons_volume_at_the_same_path_for_colocated_read
 
 # --- images -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("service, target", [("cache-daemon", "daemon"), ("inference", "inference")])
+@pytest.mark.parametrize("service, target", [("cache-daemon", "daemon"), ("inference", "inference"),
+                                             ("gateway", "gateway")])
 def test_each_service_builds_a_dockerfile_target_running_its_module(service, target) -> None:
     assert COMPOSE["services"][service]["build"] == {"context": ".", "target": target}
     stage = _stage(target)
@@ -199,8 +220,9 @@ def test_each_service_builds_a_dockerfile_target_running_its_module(service, tar
     assert f"EXPOSE {port_of(compose_args(service).listen)}" in stage
 
 
-def test_daemon_image_has_no_torch() -> None:
-    assert "torch" not in _stage("daemon")
+@pytest.mark.parametrize("target", ["daemon", "gateway"])
+def test_torch_free_images_have_no_torch(target) -> None:
+    assert "torch" not in _stage(target)
 
 
 def test_daemon_image_installs_every_package_the_daemon_and_health_check_import() -> None:

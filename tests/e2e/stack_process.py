@@ -19,6 +19,7 @@ class StackPaths:
     run_dir: Path
     address: str
     daemon_address: str
+    gateway_address: str
 
 
 def save_tiny_model(folder: Path) -> Path:
@@ -35,14 +36,15 @@ def stack_command(paths: StackPaths, action: str, *extra: str) -> subprocess.Com
     """Runs `python -m client.stack ACTION` the way `make up` does, with no KVBOOST_* variables leaking in."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
     command = [sys.executable, "-m", "client.stack", action, "--run-dir", str(paths.run_dir),
-               "--address", paths.address, "--daemon-address", paths.daemon_address, *extra]
+               "--address", paths.address, "--daemon-address", paths.daemon_address,
+               "--gateway-address", paths.gateway_address, *extra]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=STACK_TIMEOUT_S + 60)
 
 
 @contextmanager
 def running_stack(run_dir: Path, model_dir: Path):
     """Starts the stack on free loopback ports; yields its StackPaths; always stops it."""
-    paths = StackPaths(run_dir, f"127.0.0.1:{pick_free_port()}", f"127.0.0.1:{pick_free_port()}")
+    paths = StackPaths(run_dir, *(f"127.0.0.1:{pick_free_port()}" for _ in range(3)))
     try:
         started = stack_command(paths, "up", "--model", str(model_dir), "--timeout", str(STACK_TIMEOUT_S))
         assert started.returncode == 0, f"stack up failed:\n{started.stdout}\n{started.stderr}"

@@ -24,11 +24,12 @@ def tiny_model_dir(tmp_path_factory):
 def test_up_serves_clients_is_idempotent_and_down_stops_everything(tmp_path, tiny_model_dir, capsys) -> None:
     run_dir = tmp_path / "run"
     with running_stack(run_dir, tiny_model_dir) as paths:
-        assert {path.name for path in run_dir.iterdir()} >= {"daemon.pid", "service.pid", "daemon.log",
-                                                               "service.log", "lmdb", "stack.json"}
+        assert {path.name for path in run_dir.iterdir()} >= {"daemon.pid", "service.pid", "gateway.pid", "daemon.log",
+                                                               "service.log", "gateway.log", "lmdb", "stack.json"}
         again = stack_command(paths, "up", "--model", str(tiny_model_dir))
         assert again.returncode == 0
         assert "cache daemon already running" in again.stdout and "inference service already running" in again.stdout
+        assert "HTTP gateway already running" in again.stdout
         assert stack_command(paths, "status").returncode == 0
 
         with KVBoostClient(paths.address, timeout=120) as client:
@@ -51,7 +52,7 @@ def test_up_serves_clients_is_idempotent_and_down_stops_everything(tmp_path, tin
 
         stopped = stack_command(paths, "down")
         assert stopped.returncode == 0
-        assert stopped.stdout == "inference service: stopped\ncache daemon: stopped\n"
+        assert stopped.stdout == "HTTP gateway: stopped\ninference service: stopped\ncache daemon: stopped\n"
         assert not (run_dir / "daemon.pid").exists() and not (run_dir / "service.pid").exists()
         assert check_health(paths.address, timeout=0.5) == "UNREACHABLE"
         assert check_health(paths.daemon_address, timeout=0.5) == "UNREACHABLE"

@@ -38,7 +38,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "segments", "max_new_tokens", "mode", "temperature", "top_p", "top_k", "seed", "stop", "recompute_strategy", "recompute_ratio", "selective_tokens", "request_id", "sink_tokens")
+    __slots__ = ("prompt", "messages", "segments", "max_new_tokens", "mode", "temperature", "top_p", "top_k", "seed", "stop", "recompute_strategy", "recompute_ratio", "selective_tokens", "request_id", "sink_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "n", "cache_salt", "min_tokens", "ignore_eos", "stop_token_ids")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,14 @@ class GenerateRequest(_message.Message):
     SELECTIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     segments: _containers.RepeatedScalarFieldContainer[str]
@@ -69,10 +77,40 @@ class GenerateRequest(_message.Message):
     selective_tokens: int
     request_id: str
     sink_tokens: int
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., segments: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., recompute_strategy: _Optional[_Union[RecomputeStrategy, str]] = ..., recompute_ratio: _Optional[float] = ..., selective_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    prompt_logprobs: int
+    n: int
+    cache_salt: str
+    min_tokens: int
+    ignore_eos: bool
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., segments: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., recompute_strategy: _Optional[_Union[RecomputeStrategy, str]] = ..., recompute_ratio: _Optional[float] = ..., selective_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "text", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    text: str
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "text", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    text: str
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
-    __slots__ = ("output_text", "generated_tokens", "ttft_ms", "total_ms", "tokens_per_sec", "kv_reuse_ratio", "prompt_tokens", "cached_tokens", "recomputed_tokens", "mode", "finish_reason", "output_token_ids", "degraded", "request_id")
+    __slots__ = ("output_text", "generated_tokens", "ttft_ms", "total_ms", "tokens_per_sec", "kv_reuse_ratio", "prompt_tokens", "cached_tokens", "recomputed_tokens", "mode", "finish_reason", "output_token_ids", "degraded", "request_id", "index")
     OUTPUT_TEXT_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +125,7 @@ class GenerationResult(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     output_text: str
     generated_tokens: int
     ttft_ms: float
@@ -101,17 +140,24 @@ class GenerationResult(_message.Message):
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     degraded: bool
     request_id: str
-    def __init__(self, output_text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_sec: _Optional[float] = ..., kv_reuse_ratio: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., degraded: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, output_text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_sec: _Optional[float] = ..., kv_reuse_ratio: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., degraded: _Optional[bool] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("text", "token_ids", "result")
+    __slots__ = ("text", "token_ids", "result", "index", "logprobs", "prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     result: GenerationResult
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., result: _Optional[_Union[GenerationResult, _Mapping]] = ...) -> None: ...
+    index: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., result: _Optional[_Union[GenerationResult, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateBatchRequest(_message.Message):
     __slots__ = ("requests",)
@@ -126,16 +172,18 @@ class GenerateBatchReply(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[GenerationResult, _Mapping]]] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
-    __slots__ = ("text", "content_addressed", "messages", "pin")
+    __slots__ = ("text", "content_addressed", "messages", "pin", "cache_salt")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CONTENT_ADDRESSED_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     text: str
     content_addressed: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     pin: bool
-    def __init__(self, text: _Optional[str] = ..., content_addressed: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., pin: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, text: _Optional[str] = ..., content_addressed: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., pin: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class WarmResult(_message.Message):
     __slots__ = ("chunks_stored", "token_count", "chunk_size", "chunk_boundary_aligned", "partial_tail_tokens", "alignment_warning")
@@ -258,3 +306,37 @@ class ModelInfoReply(_message.Message):
     namespace_hex: str
     default_recompute_strategy: RecomputeStrategy
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_context: _Optional[int] = ..., chunk_size: _Optional[int] = ..., kv_cache_bits: _Optional[int] = ..., namespace_hex: _Optional[str] = ..., default_recompute_strategy: _Optional[_Union[RecomputeStrategy, str]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("prompt", "messages", "add_special_tokens", "add_generation_prompt")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+
+class TokenizeReply(_message.Message):
+    __slots__ = ("token_ids", "tokens", "max_context")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[str]
+    max_context: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ..., max_context: _Optional[int] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeReply(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...

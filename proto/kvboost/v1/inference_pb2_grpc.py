@@ -69,6 +69,16 @@ class InferenceServiceStub:
                 request_serializer=kvboost_dot_v1_dot_inference__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=kvboost_dot_v1_dot_inference__pb2.ModelInfoReply.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/kvboost.v1.InferenceService/Tokenize',
+                request_serializer=kvboost_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=kvboost_dot_v1_dot_inference__pb2.TokenizeReply.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/kvboost.v1.InferenceService/Detokenize',
+                request_serializer=kvboost_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=kvboost_dot_v1_dot_inference__pb2.DetokenizeReply.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -122,6 +132,20 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The prompt (or chat messages) as the model's token ids, as Generate would see them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids back to text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +183,16 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=kvboost_dot_v1_dot_inference__pb2.ModelInfoRequest.FromString,
                     response_serializer=kvboost_dot_v1_dot_inference__pb2.ModelInfoReply.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=kvboost_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=kvboost_dot_v1_dot_inference__pb2.TokenizeReply.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=kvboost_dot_v1_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=kvboost_dot_v1_dot_inference__pb2.DetokenizeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +384,60 @@ class InferenceService:
             '/kvboost.v1.InferenceService/ModelInfo',
             kvboost_dot_v1_dot_inference__pb2.ModelInfoRequest.SerializeToString,
             kvboost_dot_v1_dot_inference__pb2.ModelInfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvboost.v1.InferenceService/Tokenize',
+            kvboost_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            kvboost_dot_v1_dot_inference__pb2.TokenizeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvboost.v1.InferenceService/Detokenize',
+            kvboost_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            kvboost_dot_v1_dot_inference__pb2.DetokenizeReply.FromString,
             options,
             channel_credentials,
             insecure,

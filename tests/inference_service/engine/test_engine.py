@@ -167,7 +167,7 @@ def test_write_back_happens_after_the_first_token(tiny_llama):
     cache.on_store = lambda: cache.calls.append(f"store after {len(streamed)} tokens")
 
     engine.generate(GenerationParams(prompt=text_of_length(40), max_new_tokens=4),
-                    on_token=lambda text, ids: streamed.append(text))
+                    on_token=lambda event: streamed.append(event.text))
     engine.flush_writes()
 
     assert cache.calls[:2] == ["lookup", "fetch"] or cache.calls[:1] == ["lookup"]
@@ -275,9 +275,9 @@ def test_streamed_pieces_concatenate_to_the_output(tiny_llama):
     engine = make_engine(tiny_llama)
     pieces, ids = [], []
 
-    def on_token(text, token_ids):
-        pieces.append(text)
-        ids.extend(token_ids)
+    def on_token(event):
+        pieces.append(event.text)
+        ids.extend(event.token_ids)
 
     outcome = engine.generate(GenerationParams(prompt="Hello", max_new_tokens=16), on_token=on_token)
 
@@ -293,7 +293,7 @@ def test_stop_string_cuts_the_output_before_it(tiny_llama):
     pieces = []
 
     outcome = engine.generate(GenerationParams(prompt="Hello", max_new_tokens=24, stop=(stop, "never there")),
-                              on_token=lambda text, ids: pieces.append(text))
+                              on_token=lambda event: pieces.append(event.text))
 
     assert outcome.finish_reason == "stop"
     assert outcome.output_text == free[: free.index(stop)] == "".join(pieces)
@@ -316,7 +316,7 @@ def test_should_stop_cancels(tiny_llama):
     engine = make_engine(tiny_llama)
     seen = []
     outcome = engine.generate(GenerationParams(prompt="Hello", max_new_tokens=50),
-                              on_token=lambda text, ids: seen.append(ids), should_stop=lambda: len(seen) >= 3)
+                              on_token=lambda event: seen.append(event.token_ids), should_stop=lambda: len(seen) >= 3)
     assert outcome.finish_reason == "cancelled" and outcome.generated_tokens == 3
 
     before_start = engine.generate(GenerationParams(prompt="Hello"), should_stop=lambda: True)

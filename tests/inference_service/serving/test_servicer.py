@@ -72,14 +72,14 @@ async def wait_until(condition, timeout_s: float = 10.0, what: str = "condition"
 
 
 def record_outcomes(engine) -> list:
-    """Wraps engine.generate so the test sees each outcome the engine returned."""
-    outcomes, original = [], engine.generate
+    """Wraps engine.generate_choices so the test sees each outcome the engine returned."""
+    outcomes, original = [], engine.generate_choices
 
     def recording(*args, **kwargs):
-        outcomes.append(original(*args, **kwargs))
-        return outcomes[-1]
+        outcomes.extend(original(*args, **kwargs))
+        return outcomes[-1:]
 
-    engine.generate = recording
+    engine.generate_choices = recording
     return outcomes
 
 

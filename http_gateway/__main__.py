@@ -1,0 +1,28 @@
+"""`python -m http_gateway` / `kvboost-gateway`: the OpenAI-compatible HTTP gateway on uvicorn."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from http_gateway.app import build_app
+from http_gateway.config import parse_config
+
+logger = logging.getLogger("http_gateway")
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logger.info("KVBoost HTTP gateway on http://%s, inference service %s\n%s", config.listen, config.service_addr,
+                config.describe())
+    app = build_app(config)
+    # uvicorn's access log is off: the gateway logs each request once, with its request id.
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
+                timeout_graceful_shutdown=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

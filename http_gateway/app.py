@@ -1,0 +1,136 @@
+"""The FastAPI application: endpoints, the OpenAI-shaped error handlers, request ids, metrics, the gRPC client's life."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from http_gateway import errors
+from http_gateway.config import GatewayConfig
+from http_gateway.disconnect import ClientDisconnected
+from http_gateway.endpoints import router
+from http_gateway.metrics import GatewayMetrics
+from http_gateway.state import Gateway
+from http_gateway.upstream import Upstream
+from kvboost_common.request_ids import new_request_id
+
+logger = logging.getLogger(__name__)
+
+KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
+                         "/v1/kvboost/warm", "/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key: probes and scrapers
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left (never reaches the client)
+
+
+def build_app(config: GatewayConfig, upstream_factory: Callable[[GatewayConfig], Upstream] = Upstream) -> FastAPI:
+    gateway = Gateway(config, GatewayMetrics())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gateway.upstream = upstream_factory(config)  # grpc.aio channels belong to the serving loop
+        try:
+            yield
+        finally:
+            await gateway.upstream.close()
+
+    app = FastAPI(title="KVBoost OpenAI-compatible gateway", lifespan=lifespan)
+    app.state.gateway = gateway
+    app.include_router(router)
+    _install_error_handlers(app, gateway)
+    app.add_middleware(RequestContext, gateway=gateway, api_key=config.api_key())
+    return app
+
+
+def _error_response(gateway: Gateway, error: errors.GatewayError, request_id: str) -> JSONResponse:
+    gateway.metrics.errors.labels(str(error.status), error.type).inc()
+    logger.info("[%s] %s", request_id, error)
+    return JSONResponse(error.body(), status_code=error.status, headers={**error.headers, "X-Request-Id": request_id})
+
+
+def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
+    def request_id(request: Request) -> str:
+        return getattr(request.state, "request_id", "-")
+
+    @app.exception_handler(errors.GatewayError)
+    async def gateway_error(request: Request, error: errors.GatewayError) -> Response:
+        return _error_response(gateway, error, request_id(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> Response:
+        problems = "; ".join(f"{'.'.join(map(str, item['loc']))}: {item['msg']}" for item in error.errors())
+        return _error_response(gateway, errors.invalid_request(f"invalid request: {problems}"), request_id(request))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        return _error_response(gateway, errors.from_http_status(error.status_code, str(error.detail)),
+                               request_id(request))
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(request: Request, error: ClientDisconnected) -> Response:
+        gateway.metrics.aborted.labels(request.url.path).inc()
+        logger.info("[%s] the client went away; the generation was cancelled", request_id(request))
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> Response:
+        return _error_response(gateway, errors.internal(error, request_id(request)), request_id(request))
+
+
+class RequestContext:
+    """Pure ASGI middleware: request id and arrival time on request.state, the API key check, the
+    X-Request-Id header, one log line and the request counter per request."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway, api_key: str | None) -> None:
+        self.app = app
+        self.gateway = gateway
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        request_id = new_request_id(headers.get(b"x-request-id", b"").decode("latin-1")[:64])
+        scope.setdefault("state", {}).update(request_id=request_id, arrival=time.perf_counter(), ttft_seen=False)
+        path = scope["path"]
+        status = {"code": 500}
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                if not any(name.lower() == b"x-request-id" for name, _ in message.get("headers", [])):
+                    message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+            await send(message)
+
+        try:
+            if self.api_key and path not in OPEN_PATHS and not self._authorized(headers):
+                await self._refuse(send_with_id, request_id)
+            else:
+                await self.app(scope, receive, send_with_id)
+        finally:
+            endpoint = path if path in KNOWN_PATHS else "other"
+            self.gateway.metrics.requests.labels(endpoint, str(status["code"])).inc()
+            logger.info("[%s] %s %s -> %d in %.1f ms", request_id, scope["method"], path, status["code"],
+                        (time.perf_counter() - scope["state"]["arrival"]) * 1000)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        given = headers.get(b"authorization", b"")
+        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
+
+    async def _refuse(self, send: Send, request_id: str) -> None:
+        error = errors.GatewayError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+                                    "authentication_error", None, "invalid_api_key")
+        self.gateway.metrics.errors.labels("401", error.type).inc()
+        body = json.dumps(error.body()).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

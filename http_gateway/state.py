@@ -1,0 +1,54 @@
+"""What every endpoint shares: configuration, the gRPC client, metrics, and the served model's identity."""
+from __future__ import annotations
+
+import time
+
+import grpc
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from http_gateway.config import GatewayConfig
+from http_gateway.errors import GatewayError, from_rpc_error, from_validation_error, invalid_request, model_not_found
+from http_gateway.metrics import GatewayMetrics
+from http_gateway.upstream import Upstream
+from kvboost.v1 import inference_pb2 as pb
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.started = int(time.time())
+        self.upstream: Upstream | None = None  # opened in the app's lifespan, on its event loop
+        self._model_info: pb.ModelInfoReply | None = None
+
+    async def model_info(self) -> pb.ModelInfoReply:
+        """The service's ModelInfo, asked once (the service may start after the gateway)."""
+        if self._model_info is None:
+            try:
+                self._model_info = await self.upstream.model_info()
+            except grpc.aio.AioRpcError as error:
+                raise self.rpc_error(error) from None
+        return self._model_info
+
+    async def served_model(self, requested: str | None = None) -> str:
+        """The model id responses carry; raises 404 model_not_found when `requested` names another model."""
+        info = await self.model_info()
+        served = self.config.served_model_name or info.model
+        if requested and requested not in (served, info.model):
+            raise model_not_found(requested)
+        return served
+
+    def rpc_error(self, error: grpc.RpcError) -> GatewayError:
+        return from_rpc_error(error, self.config.retry_after_s)
+
+
+async def parse_body(request: Request, schema: type[BaseModel]) -> BaseModel:
+    """The JSON body as `schema`; 400 (never 422) naming what is wrong."""
+    raw = await request.body()
+    if not raw.strip():
+        raise invalid_request("the request body is empty; send a JSON object")
+    try:
+        return schema.model_validate_json(raw)
+    except ValidationError as error:
+        raise from_validation_error(error) from None

@@ -27,6 +27,7 @@ class DaemonConfig:
     map_size: int = 0  # initial LMDB map size; 0 = twice the budget plus 64 MiB (it grows when full)
     metrics_port: int = 0  # Prometheus HTTP port on the listen host; 0 = off
     auth_token_file: Path | None = None
+    tenants_file: Path | None = None  # tokens of many tenants, each with its own key space (cache_daemon.tenancy)
     tls_cert: Path | None = None
     tls_key: Path | None = None
     half_life_s: float = 3600.0  # frequencies halve after this long without hits; 0 = never decay
@@ -41,6 +42,8 @@ class DaemonConfig:
         _require(self.map_size >= 0, f"--map-size must be >= 0, got {self.map_size}")
         _require(0 <= self.metrics_port < 65536, f"--metrics-port out of range: {self.metrics_port}")
         _require((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together")
+        _require(self.auth_token_file is None or self.tenants_file is None,
+                 "--auth-token-file (one trusted caller) and --tenants-file (many tenants) exclude each other")
         _require(self.half_life_s >= 0, f"--half-life must be >= 0, got {self.half_life_s}")
         _require(self.flush_interval_s > 0, f"--flush-interval must be positive, got {self.flush_interval_s}")
         _require(self.shutdown_grace_s >= 0, f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
@@ -104,6 +107,10 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--auth-token-file", type=Path, default=env("KVBOOST_AUTH_TOKEN_FILE"),
                         help="file holding a bearer token; callers then send 'authorization: Bearer <token>' "
                              "(health checks stay open) [KVBOOST_AUTH_TOKEN_FILE]")
+    parser.add_argument("--tenants-file", type=Path, default=env("KVBOOST_TENANTS_FILE"),
+                        help="JSON file of tenants, each with its bearer token (or token file), an optional admin "
+                             "role and max_bytes: each tenant reaches only its own keys; excludes "
+                             "--auth-token-file (see docs/security.md) [KVBOOST_TENANTS_FILE]")
     parser.add_argument("--tls-cert", type=Path, default=env("KVBOOST_TLS_CERT"),
                         help="PEM certificate chain; serve TLS (with --tls-key) [KVBOOST_TLS_CERT]")
     parser.add_argument("--tls-key", type=Path, default=env("KVBOOST_TLS_KEY"),
@@ -135,7 +142,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         return DaemonConfig(
             data_dir=args.data_dir.expanduser(), listen=args.listen, max_bytes=args.max_bytes,
             map_size=args.map_size, metrics_port=args.metrics_port,
-            auth_token_file=args.auth_token_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            auth_token_file=args.auth_token_file, tenants_file=args.tenants_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
             half_life_s=args.half_life, flush_interval_s=args.flush_interval,
             shutdown_grace_s=args.shutdown_grace, max_message_bytes=args.max_message_bytes,
             max_concurrent_streams=args.max_concurrent_streams, log_level=args.log_level,

@@ -16,6 +16,10 @@ class NotFound(CacheError):
     """Nothing to act on: an unknown namespace in Delete, no known key in Pin/Unpin."""
 
 
+class PermissionDenied(CacheError):
+    """The caller's token is valid but its role may not do this (Describe by a tenant)."""
+
+
 class BudgetExceeded(CacheError):
     """The blob cannot fit inside --max-bytes, not even after evicting every unpinned chunk."""
 
@@ -27,6 +31,7 @@ class StartupError(Exception):
 _STATUS_BY_ERROR: dict[type[CacheError], grpc.StatusCode] = {
     InvalidCacheRequest: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     BudgetExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 

@@ -1,6 +1,8 @@
 """Prometheus metrics, read from the cache's stats at scrape time, on a private registry."""
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -10,9 +12,32 @@ from prometheus_client.registry import Collector
 from cache_daemon.cache import CacheStats, ChunkCache
 
 
+REFUSAL_REASONS = ("unauthenticated", "permission_denied")
+
+
+class Refusals:
+    """Calls refused since start, by reason (thread-safe: the interceptor and the servicer count)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def count(self, reason: str) -> None:
+        assert reason in REFUSAL_REASONS, f"unknown refusal reason {reason!r}"
+        with self._lock:
+            self._counts[reason] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {reason: self._counts[reason] for reason in REFUSAL_REASONS}
+
+
 class CacheCollector(Collector):
-    def __init__(self, cache: ChunkCache) -> None:
+    def __init__(self, cache: ChunkCache, refusals: Refusals | None = None,
+                 namespace_owner: Callable[[bytes], str | None] | None = None) -> None:
         self._cache = cache
+        self._refusals = refusals
+        self._namespace_owner = namespace_owner
 
     def collect(self) -> Iterator[Metric]:
         stats: CacheStats = self._cache.stats()
@@ -35,6 +60,26 @@ class CacheCollector(Collector):
         for namespace, usage in stats.namespaces.items():
             namespace_bytes.add_metric([namespace.hex()[:16]], usage.num_bytes)
         yield namespace_bytes
+        if self._refusals is not None:
+            refused = CounterMetricFamily("kvboost_cache_refusals", "Calls refused, by reason: unauthenticated "
+                                          "(no known bearer token), permission_denied (the role may not).",
+                                          labels=["reason"])
+            for reason, count in self._refusals.snapshot().items():
+                refused.add_metric([reason], count)
+            yield refused
+        if self._namespace_owner is not None:
+            yield self._tenant_bytes(stats)
+
+    def _tenant_bytes(self, stats: CacheStats) -> Metric:
+        """Stored blob bytes per tenant ("" for chunks stored by an admin or before tenancy)."""
+        totals: Counter[str] = Counter()
+        for namespace, usage in stats.namespaces.items():
+            totals[self._namespace_owner(namespace) or ""] += usage.num_bytes
+        tenant_bytes = GaugeMetricFamily("kvboost_cache_tenant_bytes", "Stored blob bytes per tenant.",
+                                         labels=["tenant"])
+        for tenant, num_bytes in sorted(totals.items()):
+            tenant_bytes.add_metric([tenant], num_bytes)
+        return tenant_bytes
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -45,10 +90,11 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
     return CounterMetricFamily(name, documentation, value=value)
 
 
-def start_metrics_server(cache: ChunkCache, host: str, port: int) -> Callable[[], None]:
+def start_metrics_server(cache: ChunkCache, host: str, port: int, refusals: Refusals | None = None,
+                         namespace_owner: Callable[[bytes], str | None] | None = None) -> Callable[[], None]:
     """Serves /metrics over HTTP on host:port in a thread; returns the function that stops it."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(CacheCollector(cache))
+    registry.register(CacheCollector(cache, refusals, namespace_owner))
     server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
 
     def stop() -> None:

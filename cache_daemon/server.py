@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from typing import Callable
 
@@ -16,9 +17,10 @@ from cache_daemon.cache import ChunkCache
 from cache_daemon.config import DaemonConfig
 from cache_daemon.errors import StartupError
 from cache_daemon.interceptors import RequestContextInterceptor
-from cache_daemon.metrics import start_metrics_server
-from cache_daemon.servicer import CacheServicer, add_cache_servicer
-from kvboost_common.auth import BearerTokenInterceptor, load_token
+from cache_daemon.metrics import Refusals, start_metrics_server
+from cache_daemon.servicer import NAMESPACE_OWNER_PREFIX, CacheServicer, add_cache_servicer
+from cache_daemon.tenancy import SECRET_SIZE, Tenancy, Tenant, current_tenant, load_tenants_file
+from kvboost_common.auth import BearerTokenInterceptor, TokenTableInterceptor, load_token
 from kvboost_common.addresses import is_unix
 from kvboost_common.binding import bind
 from kvboost_common.undecodable import UndecodableRequestInterceptor
@@ -39,20 +41,41 @@ def grpc_options(config: DaemonConfig) -> list[tuple[str, int]]:
     return options
 
 
-def build_server(config: DaemonConfig, cache: ChunkCache,
-                 health_servicer: health.aio.HealthServicer) -> tuple[grpc.aio.Server, int]:
+TENANCY_SECRET_KEY = b"tenancy_secret"  # info DB: 32 random bytes every tenant's key space derives from
+
+
+def open_tenancy(cache: ChunkCache, tenants_by_token: dict[str, Tenant]) -> Tenancy:
+    """The daemon's secret (created once, kept inside the LMDB environment with the data it guards)
+    and the recorded namespace owners."""
+    store = cache.store
+    secret = store.info_value(TENANCY_SECRET_KEY, lambda: os.urandom(SECRET_SIZE))
+    owners = {namespace: name.decode() for namespace, name in store.info_items(NAMESPACE_OWNER_PREFIX).items()}
+    return Tenancy(secret, tenants_by_token.values(), owners)
+
+
+def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: health.aio.HealthServicer,
+                 refusals: Refusals | None = None,
+                 tenants_by_token: dict[str, Tenant] | None = None) -> tuple[grpc.aio.Server, int, Tenancy | None]:
     """The server with every service registered, bound to config.listen (port 0 picks a free
-    port); returns it with the bound port. Not started."""
+    port); returns it with the bound port and the tenancy (None without --tenants-file). Not started.
+    tenants_by_token: the tenants file's contents, read here when not given."""
+    refusals = refusals or Refusals()
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestContextInterceptor()]
+    tenancy = None
+    count_unauthenticated = lambda: refusals.count("unauthenticated")  # noqa: E731
     if config.auth_token_file is not None:
-        interceptors.append(BearerTokenInterceptor(load_token(config.auth_token_file)))
+        interceptors.append(BearerTokenInterceptor(load_token(config.auth_token_file), count_unauthenticated))
+    elif config.tenants_file is not None:
+        tenants_by_token = tenants_by_token or load_tenants_file(config.tenants_file)
+        tenancy = open_tenancy(cache, tenants_by_token)
+        interceptors.append(TokenTableInterceptor(tenants_by_token, current_tenant, count_unauthenticated))
     interceptors.append(UndecodableRequestInterceptor())  # innermost: unauthenticated calls are refused first
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
-    add_cache_servicer(CacheServicer(cache), server)
+    add_cache_servicer(CacheServicer(cache, tenancy, refusals), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-    return server, bind(server, config.listen, config.tls_cert, config.tls_key)
+    return server, bind(server, config.listen, config.tls_cert, config.tls_key), tenancy
 
 
 class CacheDaemon:
@@ -74,14 +97,21 @@ class CacheDaemon:
 
     @classmethod
     async def start(cls, config: DaemonConfig) -> CacheDaemon:
+        tenants_by_token = None
+        if config.tenants_file is not None:
+            try:
+                tenants_by_token = load_tenants_file(config.tenants_file)
+            except (OSError, ValueError) as error:
+                raise StartupError(f"cannot use --tenants-file {config.tenants_file}: {error}") from error
         try:
             cache = await asyncio.to_thread(ChunkCache.open, config.data_dir, config.initial_map_size,
                                             config.max_bytes, config.half_life)
         except (RuntimeError, OSError) as error:
             raise StartupError(f"cannot open {config.data_dir}: {error}") from error
         health_servicer = health.aio.HealthServicer()
+        refusals = Refusals()
         try:
-            server, port = build_server(config, cache, health_servicer)
+            server, port, tenancy = build_server(config, cache, health_servicer, refusals, tenants_by_token)
         except (RuntimeError, OSError, ValueError) as error:
             cache.close()
             raise StartupError(f"cannot serve on {config.listen}: {error}") from error
@@ -89,7 +119,11 @@ class CacheDaemon:
         await server.start()
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port:
-            daemon._stop_metrics = start_metrics_server(cache, config.host, config.metrics_port)
+            daemon._stop_metrics = start_metrics_server(cache, config.host, config.metrics_port, refusals,
+                                                        None if tenancy is None else tenancy.owner_of)
+        if tenancy is not None:
+            logger.info("tenancy on: %s", ", ".join(f"{tenant.name}{' (admin)' if tenant.admin else ''}"
+                                                    for tenant in tenancy.tenants.values()))
         daemon._flusher = asyncio.create_task(_flush_periodically(cache, config.flush_interval_s))
         stats = cache.stats()
         logger.info("serving %s on %s: %d chunks, %d of %d bytes, LMDB map %d bytes in %s", SERVICE_NAME,
@@ -123,7 +157,7 @@ async def _flush_periodically(cache: ChunkCache, interval_s: float) -> None:
 
 def log_config(config: DaemonConfig) -> None:
     logger.info("config: %s", config)
-    if not config.is_loopback and config.auth_token_file is None:
+    if not config.is_loopback and config.auth_token_file is None and config.tenants_file is None:
         logger.warning("listening on %s beyond loopback without --auth-token-file: anyone who can reach "
                        "the port can read and write the cache", config.listen)
 

@@ -2,55 +2,88 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import AsyncIterator, Sequence
 
 import grpc
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
-from cache_daemon.cache import ChunkCache, DeleteResult, PinResult
-from cache_daemon.entry import ChunkKey
-from cache_daemon.errors import InvalidCacheRequest
+from cache_daemon.cache import CacheStats, ChunkCache, DeleteResult, PinResult
+from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
+from cache_daemon.errors import InvalidCacheRequest, PermissionDenied
+from cache_daemon.metrics import Refusals
 from cache_daemon.store import BLOB_DB_VERSION
 from cache_daemon.framing import (StoreStreamAssembler, check_digest, chunk_meta, encode_data_frames,
                                   encode_header_frame)
+from cache_daemon.tenancy import PLAIN, KeySpace, Tenancy, Tenant, current_tenant
 
 MAX_KEYS_PER_REQUEST = 65536
+NAMESPACE_OWNER_PREFIX = b"namespace_owner:"  # info DB: + stored namespace -> tenant name
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     """Lookup and Stats run on the event loop (in-memory index, plus one short LMDB read for
-    content keys); blob reads and every LMDB write run in threads."""
+    content keys); blob reads and every LMDB write run in threads.
 
-    def __init__(self, cache: ChunkCache) -> None:
+    With tenancy every key, namespace and content key a tenant sends is mapped into its own key
+    space on the way in (KeySpace.scope) and back on the way out, so another tenant's keys are
+    plain misses: the same code path as a key never stored, which reveals nothing."""
+
+    def __init__(self, cache: ChunkCache, tenancy: Tenancy | None = None, refusals: Refusals | None = None) -> None:
         self._cache = cache
+        self._tenancy = tenancy
+        self._refusals = refusals
+
+    def _caller(self) -> Tenant | None:
+        """The calling tenant; None without tenancy (one trusted caller). Fails closed."""
+        if self._tenancy is None:
+            return None
+        tenant = current_tenant.get()
+        if tenant is None:  # the interceptor sets it on every authenticated call: never reached
+            self._refuse("no tenant is attached to this call")
+        return tenant
+
+    def _space(self) -> KeySpace:
+        tenant = self._caller()
+        return PLAIN if tenant is None else self._tenancy.space_of(tenant)
+
+    def _refuse(self, message: str) -> None:
+        if self._refusals is not None:
+            self._refusals.count("permission_denied")
+        raise PermissionDenied(message)
 
     async def Lookup(self, request: cache_pb2.LookupRequest, context) -> cache_pb2.LookupReply:
         check_digest(request.namespace, "LookupRequest.namespace")
         prefix_keys = checked_keys(request.prefix_keys, "LookupRequest.prefix_keys")
         content_keys = checked_content_keys(request.content_keys, len(prefix_keys))
         partial_keys = checked_keys(request.partial_keys, "LookupRequest.partial_keys")
-        result = self._cache.lookup(request.namespace, prefix_keys, content_keys, partial_keys)
+        space = self._space()
+        result = self._cache.lookup(space.scope(request.namespace), space.scope_all(prefix_keys),
+                                    [space.scope_optional(key) for key in content_keys], space.scope_all(partial_keys))
         return cache_pb2.LookupReply(
             prefix_run=result.prefix_run, prefix_hit=result.prefix_hit,
-            content_hits=[cache_pb2.ContentHit(index=index, stored_key=key) for index, key in result.content_hits],
+            content_hits=[cache_pb2.ContentHit(index=index, stored_key=space.unscope(key))
+                          for index, key in result.content_hits],
             partial_index=result.partial_index,
         )
 
     async def Fetch(self, request: cache_pb2.FetchRequest, context) -> AsyncIterator[bytes]:
         """Yields wire-encoded ChunkFrames (the handler registers no serializer for them)."""
         keys = checked_keys(request.keys, "FetchRequest.keys")
+        space = self._space()
+        stored_keys = space.scope_all(keys)
         # One read ahead: the next chunk is read (and checked) in a thread while this one is sent.
         verify = not request.reader_verifies
-        next_read = self._read(keys[0], verify) if keys else None
+        next_read = self._read(stored_keys[0], verify) if keys else None
         try:
             for index, key in enumerate(keys):
                 chunk = await next_read
-                next_read = self._read(keys[index + 1], verify) if index + 1 < len(keys) else None
+                next_read = self._read(stored_keys[index + 1], verify) if index + 1 < len(keys) else None
                 if chunk is None:
                     yield encode_header_frame(cache_pb2.ChunkMeta(key=key), found=False)
                     continue
                 entry, data_frames = chunk
-                yield encode_header_frame(chunk_meta(key, entry), found=True)
+                yield encode_header_frame(chunk_meta(key, unscoped_entry(space, entry)), found=True)
                 for frame in data_frames:
                     yield frame
         finally:
@@ -64,12 +97,32 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         assembler = StoreStreamAssembler(max_blob_bytes=self._cache.max_bytes)
         async for frame in request_iterator:
             assembler.feed(frame)
-        result = await asyncio.to_thread(self._cache.put_many, assembler.finish())
+        chunks = assembler.finish()
+        tenant = self._caller()
+        if tenant is not None:
+            chunks = await asyncio.to_thread(self._scoped_chunks, tenant, chunks)
+        result = await asyncio.to_thread(self._cache.put_many, chunks)
         return cache_pb2.StoreReply(stored=result.stored, already_present=result.already_present,
                                     evicted=result.evicted, bytes_stored=result.bytes_stored)
 
+    def _scoped_chunks(self, tenant: Tenant, chunks: list[IncomingChunk]) -> list[IncomingChunk]:
+        """The chunks moved into the tenant's space; the owner of each new namespace recorded first
+        (in LMDB too), so Stats can show a tenant its own namespaces after a restart."""
+        space = self._tenancy.space_of(tenant)
+        scoped = [dataclasses.replace(chunk, key=ChunkKey(space.scope(chunk.key)), namespace=space.scope(chunk.namespace),
+                                      content_key=space.scope_optional(chunk.content_key)) for chunk in chunks]
+        new_owners = self._tenancy.new_namespaces(tenant, (chunk.namespace for chunk in scoped))
+        if new_owners:
+            self._cache.store.put_info({NAMESPACE_OWNER_PREFIX + namespace: name.encode()
+                                        for namespace, name in new_owners.items()})
+            self._tenancy.record_owners(new_owners)
+        return scoped
+
     async def Stats(self, request: cache_pb2.CacheStatsRequest, context) -> cache_pb2.CacheStatsReply:
         stats = self._cache.stats()
+        tenant = self._caller()
+        if tenant is not None and not tenant.admin:
+            return self._tenant_stats(tenant, stats, request.namespace)
         counters = stats.counters
         namespaces = [
             cache_pb2.NamespaceStats(namespace=namespace, entries=usage.num_entries, bytes=usage.num_bytes,
@@ -84,22 +137,44 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             namespaces=namespaces,
         )
 
+    def _tenant_stats(self, tenant: Tenant, stats: CacheStats, namespace: bytes) -> cache_pb2.CacheStatsReply:
+        """Only the tenant's own namespaces and totals; daemon-wide counters (hits, evictions, ...)
+        stay 0, since they would show other tenants' traffic."""
+        space = self._tenancy.space_of(tenant)
+        namespaces = [
+            cache_pb2.NamespaceStats(namespace=space.unscope(stored), entries=usage.num_entries, bytes=usage.num_bytes,
+                                     pinned=usage.num_pinned)
+            for stored, usage in stats.namespaces.items() if self._tenancy.owner_of(stored) == tenant.name
+        ]
+        return cache_pb2.CacheStatsReply(
+            entries=sum(item.entries for item in namespaces), bytes=sum(item.bytes for item in namespaces),
+            max_bytes=tenant.max_bytes or stats.max_bytes,
+            namespaces=sorted((item for item in namespaces if not namespace or item.namespace == namespace),
+                              key=lambda item: item.namespace),
+        )
+
     async def Delete(self, request: cache_pb2.DeleteRequest, context) -> cache_pb2.DeleteReply:
         if request.keys and request.namespace:
             raise InvalidCacheRequest("DeleteRequest takes keys or a namespace, not both")
         if request.corrupted and request.namespace:
             raise InvalidCacheRequest("DeleteRequest.corrupted names keys, not a namespace")
+        space = self._space()
         if request.namespace:
             check_digest(request.namespace, "DeleteRequest.namespace")
-            result: DeleteResult = await asyncio.to_thread(self._cache.delete_namespace, request.namespace)
+            result: DeleteResult = await asyncio.to_thread(self._cache.delete_namespace, space.scope(request.namespace))
         elif request.keys:
-            keys = checked_keys(request.keys, "DeleteRequest.keys")
+            keys = [ChunkKey(key) for key in space.scope_all(checked_keys(request.keys, "DeleteRequest.keys"))]
             result = await asyncio.to_thread(self._cache.delete_keys, keys, request.corrupted)
         else:
             raise InvalidCacheRequest("DeleteRequest needs keys or a namespace")
         return cache_pb2.DeleteReply(deleted=result.deleted, bytes_freed=result.bytes_freed)
 
     async def Describe(self, request: cache_pb2.DescribeRequest, context) -> cache_pb2.DescribeReply:
+        tenant = self._caller()
+        if tenant is not None and not tenant.admin:
+            # Opening the environment reads every tenant's blobs: co-located reads are for admins.
+            self._refuse("Describe is for admin tokens when the daemon has tenants: a co-located reader sees "
+                         "every tenant's chunks; this caller's blobs come over the Fetch stream")
         store = self._cache.store
         return cache_pb2.DescribeReply(data_dir=str(store.path.resolve()), environment_id=store.environment_id,
                                        map_size=store.map_size, max_bytes=self._cache.max_bytes,
@@ -115,8 +190,17 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         keys = checked_keys(request.keys, "PinRequest.keys")
         if not keys:
             raise InvalidCacheRequest("PinRequest needs at least one key")
-        result: PinResult = await asyncio.to_thread(self._cache.set_pinned, keys, pinned)
-        return cache_pb2.PinReply(updated=result.updated, missing=result.missing)
+        space = self._space()
+        stored_keys = [ChunkKey(key) for key in space.scope_all(keys)]
+        result: PinResult = await asyncio.to_thread(self._cache.set_pinned, stored_keys, pinned)
+        return cache_pb2.PinReply(updated=result.updated, missing=[space.unscope(key) for key in result.missing])
+
+
+def unscoped_entry(space: KeySpace, entry: Entry) -> Entry:
+    if space is PLAIN:
+        return entry
+    return dataclasses.replace(entry, namespace=space.unscope(entry.namespace),
+                               content_key=space.unscope_optional(entry.content_key))
 
 
 def checked_keys(keys: Sequence[bytes], what: str) -> list[ChunkKey]:

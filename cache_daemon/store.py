@@ -120,7 +120,7 @@ class LmdbStore:
         self._blobs = self._env.open_db(BLOBS_DB)
         self._meta = self._env.open_db(META_DB)
         self._content = self._env.open_db(CONTENT_DB, dupsort=True)
-        info_db = self._env.open_db(INFO_DB)
+        info_db = self._info = self._env.open_db(INFO_DB)
         self.environment_id = self._ensure_environment_id(info_db)
         self._ensure_meta_version(info_db)
         self._gate = _TxnGate()
@@ -146,6 +146,39 @@ class LmdbStore:
             txn.put(META_VERSION_KEY, bytes([_META_VERSION]), db=info_db)
         if old:
             logger.info("gave %d chunks written by an older daemon a slot in their metadata", len(old))
+
+    def info_value(self, key: bytes, create: Callable[[], bytes]) -> bytes:
+        """The value under `key` in the info DB; create() is stored there first when there is none."""
+        with self._write_lock, self._gate.shared(), self._env.begin(write=True, db=self._info) as txn:
+            existing = txn.get(key)
+            if existing is not None:
+                return bytes(existing)
+            value = create()
+            txn.put(key, value)
+            return value
+
+    def info_items(self, prefix: bytes) -> dict[bytes, bytes]:
+        """Every info DB item whose key starts with `prefix`, the prefix cut off."""
+        with self._gate.shared(), self._env.begin(db=self._info) as txn:
+            cursor = txn.cursor()
+            found = {}
+            if cursor.set_range(prefix):
+                for key, value in cursor:
+                    if not key.startswith(prefix):
+                        break
+                    found[key[len(prefix):]] = value
+            return found
+
+    def put_info(self, items: dict[bytes, bytes]) -> None:
+        with self._write_lock:
+            while True:
+                try:
+                    with self._gate.shared(), self._env.begin(write=True, db=self._info) as txn:
+                        for key, value in items.items():
+                            txn.put(key, value)
+                    return
+                except lmdb.MapFullError:
+                    self._grow_map(sum(len(key) + len(value) for key, value in items.items()))
 
     @property
     def map_size(self) -> int:

@@ -114,6 +114,10 @@ class GrpcChunkStore:
             return stub.Describe(cache_pb2.DescribeRequest(), timeout=self.options.rpc_timeout_s,
                                  metadata=self._metadata)
         except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.PERMISSION_DENIED:
+                # A tenant's token on a daemon with tenants: co-located reads are for admins. The daemon
+                # serves this service fine, so it is not degraded: blobs come over the Fetch stream.
+                raise StoreUnavailable(f"the daemon refuses Describe to this token: {error.details()}") from error
             raise self._failure("Describe", error) from error
 
     def report_corrupt(self, keys: list[bytes]) -> None:

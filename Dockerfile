@@ -13,7 +13,8 @@ WORKDIR /app
 FROM base AS daemon
 # Only what the daemon and the health check import; versions as pinned in pyproject.toml.
 RUN pip install grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
-        protobuf==7.36.2 lmdb==3.0.0 isal==1.9.1 prometheus-client==0.26.0 numpy==2.4.6
+        protobuf==7.36.2 lmdb==3.0.0 isal==1.9.1 prometheus-client==0.26.0 numpy==2.4.6 \
+        redis==8.1.0 hiredis==3.5.0
 COPY . .
 RUN pip install --no-deps . \
     && mkdir -p /data && chown kvboost:kvboost /data

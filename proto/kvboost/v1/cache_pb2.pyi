@@ -115,7 +115,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
 
 class CacheStatsReply(_message.Message):
-    __slots__ = ("entries", "bytes", "max_bytes", "hits", "misses", "evictions", "corrupted", "bytes_read", "bytes_written", "map_size", "namespaces")
+    __slots__ = ("entries", "bytes", "max_bytes", "hits", "misses", "evictions", "corrupted", "bytes_read", "bytes_written", "map_size", "namespaces", "l2")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class CacheStatsReply(_message.Message):
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     MAP_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    L2_FIELD_NUMBER: _ClassVar[int]
     entries: int
     bytes: int
     max_bytes: int
@@ -138,7 +139,30 @@ class CacheStatsReply(_message.Message):
     bytes_written: int
     map_size: int
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
-    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupted: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., map_size: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+    l2: L2Stats
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupted: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., map_size: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., l2: _Optional[_Union[L2Stats, _Mapping]] = ...) -> None: ...
+
+class L2Stats(_message.Message):
+    __slots__ = ("url", "degraded", "hits", "misses", "writes", "dropped_writes", "corrupted", "errors", "queued_writes")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    degraded: bool
+    hits: int
+    misses: int
+    writes: int
+    dropped_writes: int
+    corrupted: int
+    errors: int
+    queued_writes: int
+    def __init__(self, url: _Optional[str] = ..., degraded: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., writes: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., corrupted: _Optional[int] = ..., errors: _Optional[int] = ..., queued_writes: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("keys", "namespace", "corrupted")

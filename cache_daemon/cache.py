@@ -83,6 +83,8 @@ class ChunkCache:
     The index loads from LMDB's metadata after the constructor returns when
     `load_in_background`; writers wait for it, readers do not need it."""
 
+    lookup_does_io = False  # Lookup reads LMDB only: cheap enough for the servicer's event loop
+
     def __init__(self, store: LmdbStore, max_bytes: int, half_life: float,
                  clock: Callable[[], float] = time.time, load_in_background: bool = False) -> None:
         assert max_bytes > 0, f"max_bytes must be positive, got {max_bytes}"
@@ -148,21 +150,31 @@ class ChunkCache:
                partial_keys: Sequence[bytes] = ()) -> LookupResult:
         """Which keys hit; the leading prefix run, the content hits and the first stored partial key
         (partial_keys are tried in order) count toward frequencies."""
+        result = self.probe(namespace, prefix_keys, content_keys, partial_keys)
+        self.record_lookup(result, prefix_keys, partial_keys)
+        return result
+
+    def probe(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
+              partial_keys: Sequence[bytes] = ()) -> LookupResult:
+        """What `lookup` answers, without counting anything."""
         prefix_hit = self.store.holding(prefix_keys, namespace)
         partial_held = self.store.holding(partial_keys, namespace) if partial_keys else []
         partial_index = partial_held.index(True) if True in partial_held else None
         prefix_run = prefix_hit.index(False) if False in prefix_hit else len(prefix_hit)
         content_hits = self._content_hits(namespace, prefix_hit, content_keys)
-        partial_hits = [] if partial_index is None else [partial_keys[partial_index]]
-        with self._lock:
-            self._pending_hits.update(prefix_keys[:prefix_run])
-            self._pending_hits.update(key for _, key in content_hits)
-            self._pending_hits.update(partial_hits)
-            num_hits = sum(prefix_hit) + len(content_hits) + len(partial_hits)
-            self._counters.hits += num_hits
-            self._counters.misses += len(prefix_keys) + (1 if partial_keys else 0) - num_hits
         return LookupResult(prefix_hit=prefix_hit, prefix_run=prefix_run, content_hits=content_hits,
                             partial_index=partial_index)
+
+    def record_lookup(self, result: LookupResult, prefix_keys: Sequence[bytes], partial_keys: Sequence[bytes]) -> None:
+        """Counts a probe's hits and misses, and its hits toward frequencies."""
+        partial_hits = [] if result.partial_index is None else [partial_keys[result.partial_index]]
+        with self._lock:
+            self._pending_hits.update(prefix_keys[:result.prefix_run])
+            self._pending_hits.update(key for _, key in result.content_hits)
+            self._pending_hits.update(partial_hits)
+            num_hits = sum(result.prefix_hit) + len(result.content_hits) + len(partial_hits)
+            self._counters.hits += num_hits
+            self._counters.misses += len(prefix_keys) + (1 if partial_keys else 0) - num_hits
 
     def _content_hits(self, namespace: bytes, prefix_hit: list[bool],
                       content_keys: Sequence[bytes]) -> list[tuple[int, ChunkKey]]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from cache_daemon.l2.address import L2Address, parse_l2_address
 from kvboost_common.addresses import check_listen_address, is_local, is_unix, split_host_port
 
 DEFAULT_LISTEN = "127.0.0.1:50052"
@@ -36,6 +37,13 @@ class DaemonConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # largest gRPC message received or sent
     max_concurrent_streams: int = 0  # RPCs in flight per client connection (more wait); 0 = gRPC's default
     log_level: str = "INFO"
+    l2: str = ""  # shared second tier: redis://host:port or redis-cluster://h1:p1,h2:p2; "" = none
+    l2_password_file: Path | None = None  # used when the --l2 address carries no password
+    l2_write: str = "behind"  # "behind": bounded write-behind queue; "sync": Store waits for L2 (and WAIT)
+    l2_queue_bytes: int = 256 << 20  # write-behind bound; beyond it L2 writes are dropped and counted
+    l2_wait_replicas: int = -1  # sync writes wait for this many replicas; -1 = 1 for a cluster, 0 for one node
+    l2_timeout_s: float = 1.0  # socket timeout of every L2 call; an outage costs at most this per retry
+    l2_retry_interval_s: float = 1.0  # while L2 is down, one call tries it again this often
 
     def __post_init__(self) -> None:
         _require(self.max_bytes > 0, f"--max-bytes must be positive, got {self.max_bytes}")
@@ -52,10 +60,30 @@ class DaemonConfig:
         _require(self.max_concurrent_streams >= 0,
                  f"--max-concurrent-streams must be >= 0, got {self.max_concurrent_streams}")
         check_listen_address(self.listen)
+        _require(self.l2_write in ("behind", "sync"), f"--l2-write must be behind or sync, got {self.l2_write!r}")
+        _require(self.l2_queue_bytes > 0, f"--l2-queue-bytes must be positive, got {self.l2_queue_bytes}")
+        _require(self.l2_wait_replicas >= -1, f"--l2-wait-replicas must be >= 0, got {self.l2_wait_replicas}")
+        _require(self.l2_timeout_s > 0 and self.l2_retry_interval_s > 0,
+                 "--l2-timeout and --l2-retry-interval must be positive")
+        if self.l2:
+            parse_l2_address(self.l2)  # ValueError with the reason
 
     @property
     def initial_map_size(self) -> int:
         return self.map_size or 2 * self.max_bytes + (64 << 20)
+
+    def l2_address(self) -> L2Address | None:
+        """The parsed --l2 address with the password file read; None without --l2."""
+        if not self.l2:
+            return None
+        password = self.l2_password_file.read_text().strip() if self.l2_password_file else None
+        return parse_l2_address(self.l2, password)
+
+    @property
+    def num_l2_wait_replicas(self) -> int:
+        if self.l2_wait_replicas >= 0:
+            return self.l2_wait_replicas
+        return 1 if self.l2.startswith(("redis-cluster", "rediss-cluster")) else 0
 
     @property
     def half_life(self) -> float:
@@ -129,6 +157,25 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrent-streams", type=int, default=env("KVBOOST_MAX_CONCURRENT_STREAMS", "0"),
                         help="RPCs in flight per client connection; further calls wait for a free stream, "
                              "0 = gRPC's default [KVBOOST_MAX_CONCURRENT_STREAMS]")
+    parser.add_argument("--l2", default=env("KVBOOST_L2", ""),
+                        help="shared second tier under LMDB: redis://[:PASSWORD@]HOST:PORT[/DB], rediss:// for TLS, "
+                             "redis-cluster://H1:P1,H2:P2,... (rediss-cluster:// for TLS); empty = none "
+                             "(see docs/scaling.md) [KVBOOST_L2]")
+    parser.add_argument("--l2-password-file", type=Path, default=env("KVBOOST_L2_PASSWORD_FILE"),
+                        help="file holding the Redis password, when --l2 carries none [KVBOOST_L2_PASSWORD_FILE]")
+    parser.add_argument("--l2-write", choices=["behind", "sync"], default=env("KVBOOST_L2_WRITE", "behind"),
+                        help="behind: Store replies after LMDB, L2 is written by a background queue (a full queue "
+                             "drops writes and counts them); sync: Store replies once L2 (and, in a cluster, a "
+                             "replica: WAIT) holds the chunks [KVBOOST_L2_WRITE]")
+    parser.add_argument("--l2-queue-bytes", type=parse_size, default=env("KVBOOST_L2_QUEUE_BYTES", "256M"),
+                        help="bound of the L2 write-behind queue [KVBOOST_L2_QUEUE_BYTES]")
+    parser.add_argument("--l2-wait-replicas", type=int, default=env("KVBOOST_L2_WAIT_REPLICAS", "-1"),
+                        help="replicas a sync write waits for; -1 = 1 for a cluster, 0 for one node "
+                             "[KVBOOST_L2_WAIT_REPLICAS]")
+    parser.add_argument("--l2-timeout", type=float, default=env("KVBOOST_L2_TIMEOUT", "1.0"),
+                        help="seconds before an L2 call counts as failed [KVBOOST_L2_TIMEOUT]")
+    parser.add_argument("--l2-retry-interval", type=float, default=env("KVBOOST_L2_RETRY_INTERVAL", "1.0"),
+                        help="seconds between tries while L2 is down [KVBOOST_L2_RETRY_INTERVAL]")
     parser.add_argument("--log-level", default=env("KVBOOST_LOG_LEVEL", "INFO"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="[KVBOOST_LOG_LEVEL]")
     return parser
@@ -146,6 +193,9 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             half_life_s=args.half_life, flush_interval_s=args.flush_interval,
             shutdown_grace_s=args.shutdown_grace, max_message_bytes=args.max_message_bytes,
             max_concurrent_streams=args.max_concurrent_streams, log_level=args.log_level,
+            l2=args.l2, l2_password_file=args.l2_password_file, l2_write=args.l2_write,
+            l2_queue_bytes=args.l2_queue_bytes, l2_wait_replicas=args.l2_wait_replicas,
+            l2_timeout_s=args.l2_timeout, l2_retry_interval_s=args.l2_retry_interval,
         )
     except ValueError as error:
         parser.error(str(error))

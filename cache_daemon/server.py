@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -19,6 +20,9 @@ from cache_daemon.errors import StartupError
 from cache_daemon.interceptors import RequestContextInterceptor
 from cache_daemon.metrics import Refusals, start_metrics_server
 from cache_daemon.servicer import NAMESPACE_OWNER_PREFIX, CacheServicer, add_cache_servicer
+from cache_daemon.l2.address import parse_l2_address
+from cache_daemon.l2.redis_tier import L2Unavailable, RedisTier
+from cache_daemon.tiered import TieredCache
 from cache_daemon.tenancy import SECRET_SIZE, Tenancy, Tenant, current_tenant, load_tenants_file
 from kvboost_common.auth import BearerTokenInterceptor, TokenTableInterceptor, load_token
 from kvboost_common.addresses import is_unix
@@ -49,8 +53,36 @@ def open_tenancy(cache: ChunkCache, tenants_by_token: dict[str, Tenant]) -> Tena
     and the recorded namespace owners."""
     store = cache.store
     secret = store.info_value(TENANCY_SECRET_KEY, lambda: os.urandom(SECRET_SIZE))
+    if isinstance(cache, TieredCache):
+        secret = shared_tenancy_secret(cache, secret)
     owners = {namespace: name.decode() for namespace, name in store.info_items(NAMESPACE_OWNER_PREFIX).items()}
     return Tenancy(secret, tenants_by_token.values(), owners)
+
+
+def shared_tenancy_secret(cache: TieredCache, local_secret: bytes) -> bytes:
+    """Every daemon sharing an L2 must map a tenant's keys alike, or a chunk warmed on one host is
+    never found on another: the first daemon's secret, kept in L2, is everyone's."""
+    try:
+        secret = cache.l2.shared_value(TENANCY_SECRET_KEY, local_secret)
+    except L2Unavailable as error:
+        raise StartupError(f"--tenants-file with --l2 needs L2 at start to agree on the tenants' key "
+                           f"spaces: {error}") from error
+    if secret != local_secret:
+        logger.warning("tenant key spaces now follow the secret shared through L2; chunks this LMDB stored "
+                       "for tenants under its own secret are no longer reachable and will be evicted")
+    return secret
+
+
+def open_cache(config: DaemonConfig) -> ChunkCache | TieredCache:
+    """LMDB, with the L2 tier in front of Redis when --l2 is set (L2 may be down: it is retried)."""
+    cache = ChunkCache.open(config.data_dir, config.initial_map_size, config.max_bytes, config.half_life)
+    address = config.l2_address()
+    if address is None:
+        return cache
+    tier = RedisTier(address, wait_replicas=config.num_l2_wait_replicas, timeout_s=config.l2_timeout_s,
+                     retry_interval_s=config.l2_retry_interval_s)
+    logger.info("L2 tier: %s, writes %s", address.redacted(), config.l2_write)
+    return TieredCache(cache, tier, sync_writes=config.l2_write == "sync", queue_bytes=config.l2_queue_bytes)
 
 
 def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: health.aio.HealthServicer,
@@ -104,16 +136,17 @@ class CacheDaemon:
             except (OSError, ValueError) as error:
                 raise StartupError(f"cannot use --tenants-file {config.tenants_file}: {error}") from error
         try:
-            cache = await asyncio.to_thread(ChunkCache.open, config.data_dir, config.initial_map_size,
-                                            config.max_bytes, config.half_life)
-        except (RuntimeError, OSError) as error:
+            cache = await asyncio.to_thread(open_cache, config)
+        except (RuntimeError, OSError, ValueError) as error:
             raise StartupError(f"cannot open {config.data_dir}: {error}") from error
         health_servicer = health.aio.HealthServicer()
         refusals = Refusals()
         try:
             server, port, tenancy = build_server(config, cache, health_servicer, refusals, tenants_by_token)
-        except (RuntimeError, OSError, ValueError) as error:
+        except (RuntimeError, OSError, ValueError, StartupError) as error:
             cache.close()
+            if isinstance(error, StartupError):
+                raise
             raise StartupError(f"cannot serve on {config.listen}: {error}") from error
         daemon = cls(config, cache, server, port, health_servicer)
         await server.start()
@@ -156,7 +189,8 @@ async def _flush_periodically(cache: ChunkCache, interval_s: float) -> None:
 
 
 def log_config(config: DaemonConfig) -> None:
-    logger.info("config: %s", config)
+    shown = dataclasses.replace(config, l2=parse_l2_address(config.l2).redacted()) if config.l2 else config
+    logger.info("config: %s", shown)
     if not config.is_loopback and config.auth_token_file is None and config.tenants_file is None:
         logger.warning("listening on %s beyond loopback without --auth-token-file: anyone who can reach "
                        "the port can read and write the cache", config.listen)

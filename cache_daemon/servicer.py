@@ -15,6 +15,7 @@ from cache_daemon.metrics import Refusals
 from cache_daemon.store import BLOB_DB_VERSION
 from cache_daemon.framing import (StoreStreamAssembler, check_digest, chunk_meta, encode_data_frames,
                                   encode_header_frame)
+from cache_daemon.tiered import TieredCache
 from cache_daemon.tenancy import PLAIN, KeySpace, Tenancy, Tenant, current_tenant
 
 MAX_KEYS_PER_REQUEST = 65536
@@ -29,7 +30,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     space on the way in (KeySpace.scope) and back on the way out, so another tenant's keys are
     plain misses: the same code path as a key never stored, which reveals nothing."""
 
-    def __init__(self, cache: ChunkCache, tenancy: Tenancy | None = None, refusals: Refusals | None = None) -> None:
+    def __init__(self, cache: ChunkCache | TieredCache, tenancy: Tenancy | None = None, refusals: Refusals | None = None) -> None:
         self._cache = cache
         self._tenancy = tenancy
         self._refusals = refusals
@@ -58,8 +59,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         content_keys = checked_content_keys(request.content_keys, len(prefix_keys))
         partial_keys = checked_keys(request.partial_keys, "LookupRequest.partial_keys")
         space = self._space()
-        result = self._cache.lookup(space.scope(request.namespace), space.scope_all(prefix_keys),
-                                    [space.scope_optional(key) for key in content_keys], space.scope_all(partial_keys))
+        arguments = (space.scope(request.namespace), space.scope_all(prefix_keys),
+                     [space.scope_optional(key) for key in content_keys], space.scope_all(partial_keys))
+        if self._cache.lookup_does_io:  # L2 behind LMDB: a network round trip
+            result = await asyncio.to_thread(self._cache.lookup, *arguments)
+        else:
+            result = self._cache.lookup(*arguments)
         return cache_pb2.LookupReply(
             prefix_run=result.prefix_run, prefix_hit=result.prefix_hit,
             content_hits=[cache_pb2.ContentHit(index=index, stored_key=space.unscope(key))
@@ -134,8 +139,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             entries=stats.num_entries, bytes=stats.num_bytes, max_bytes=stats.max_bytes, hits=counters.hits,
             misses=counters.misses, evictions=counters.evictions, corrupted=counters.corrupted,
             bytes_read=counters.bytes_read, bytes_written=counters.bytes_written, map_size=stats.map_size,
-            namespaces=namespaces,
+            namespaces=namespaces, l2=self._l2_stats(),
         )
+
+    def _l2_stats(self) -> cache_pb2.L2Stats | None:
+        if not isinstance(self._cache, TieredCache):
+            return None
+        return cache_pb2.L2Stats(**dataclasses.asdict(self._cache.l2_stats()))
 
     def _tenant_stats(self, tenant: Tenant, stats: CacheStats, namespace: bytes) -> cache_pb2.CacheStatsReply:
         """Only the tenant's own namespaces and totals; daemon-wide counters (hits, evictions, ...)

@@ -1,0 +1,1 @@
+"""The optional shared second tier under each host's LMDB (Redis or Redis Cluster)."""

@@ -1,0 +1,238 @@
+"""Chunks in Redis or Redis Cluster: the only module that imports redis."""
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+
+from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
+from cache_daemon.l2.address import L2Address
+from cache_daemon.store import decode_entry, encode_entry
+from kvboost_common.checksum import crc32
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Key layout (binary keys; the 32-byte digests are the daemon's stored keys, tenant-scoped already):
+CHUNK_PREFIX = b"kvb:chunk:"  # + key -> u16 header length, encoded Entry, blob
+CONTENT_PREFIX = b"kvb:content:"  # + content key -> set of keys stored with those tokens
+NAMESPACE_PREFIX = b"kvb:ns:"  # + namespace -> set of its keys (for Delete by namespace)
+_HEADER_LENGTH = struct.Struct("<H")
+
+
+class L2Unavailable(Exception):
+    """L2 did not answer (down, failing over, or not acknowledging a sync write)."""
+
+
+@dataclass(slots=True, frozen=True)
+class L2Hit:
+    key: ChunkKey
+    entry: Entry
+    blob: bytes
+
+
+def encode_record(chunk: IncomingChunk) -> bytes:
+    header = encode_entry(chunk.to_entry(now=0.0))
+    return _HEADER_LENGTH.pack(len(header)) + header + chunk.blob
+
+
+def decode_record(key: ChunkKey, value: bytes) -> L2Hit | None:
+    """The chunk, or None when the value is truncated or its blob fails the CRC-32 it carries."""
+    if len(value) < _HEADER_LENGTH.size:
+        return None
+    (header_length,) = _HEADER_LENGTH.unpack_from(value)
+    start = _HEADER_LENGTH.size + header_length
+    try:
+        entry = decode_entry(value[_HEADER_LENGTH.size:start])
+    except (AssertionError, struct.error, IndexError):
+        return None
+    blob = value[start:]
+    if len(blob) != entry.size_bytes or crc32(blob) != entry.checksum:
+        return None
+    return L2Hit(key, entry, blob)
+
+
+class RedisTier:
+    """Thread-safe. Every call is one pipelined round trip (per cluster node). A failed call marks the
+    tier degraded: later calls fail at once (L2Unavailable, no waiting on a dead socket) until
+    `retry_interval_s` has passed, then one call tries again; redis-py reconnects on its own."""
+
+    def __init__(self, address: L2Address, wait_replicas: int = 0, timeout_s: float = 1.0,
+                 retry_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.address = address
+        self.wait_replicas = wait_replicas
+        self._timeout_s = timeout_s
+        self._retry_interval_s = retry_interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._client: redis.Redis | RedisCluster | None = None
+        self._retry_at = 0.0
+        self.degraded = False
+        self.num_errors = 0
+        self.num_corrupted = 0
+
+    def _connect(self) -> redis.Redis | RedisCluster:
+        options = dict(password=self.address.password, username=self.address.username, ssl=self.address.tls,
+                       socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s)
+        if self.address.cluster:
+            nodes = [ClusterNode(host, port) for host, port in self.address.nodes]
+            return RedisCluster(startup_nodes=nodes, cluster_error_retry_attempts=3, **options)
+        (host, port), = self.address.nodes
+        return redis.Redis(host=host, port=port, db=self.address.db, **options)
+
+    def _call(self, operation: Callable[[redis.Redis | RedisCluster], T]) -> T:
+        with self._lock:
+            if self.degraded and self._clock() < self._retry_at:
+                raise L2Unavailable(f"L2 {self.address.redacted()} is degraded; next try in "
+                                    f"{self._retry_at - self._clock():.1f} s")
+            client = self._client
+        try:
+            if client is None:
+                client = self._connect()  # a cluster client reads the slot map here
+                with self._lock:
+                    self._client = client
+            result = operation(client)
+        except (redis.RedisError, OSError) as error:
+            self._mark_failed(error)
+            raise L2Unavailable(f"L2 {self.address.redacted()}: {error}") from error
+        if self.degraded:
+            with self._lock:
+                self.degraded = False
+            logger.warning("L2 %s answers again: the tier is back", self.address.redacted())
+        return result
+
+    def _mark_failed(self, error: BaseException) -> None:
+        with self._lock:
+            first = not self.degraded
+            self.degraded = True
+            self.num_errors += 1
+            self._retry_at = self._clock() + self._retry_interval_s
+            if isinstance(self._client, RedisCluster) and first:
+                self._client = None  # start again from the seed nodes: the slot map may be stale
+        if first:  # once per outage, not once per request
+            logger.warning("L2 %s failed (%s): serving from LMDB alone, retrying every %.1f s",
+                           self.address.redacted(), error, self._retry_interval_s)
+
+    def get(self, keys: Sequence[ChunkKey]) -> list[L2Hit | None]:
+        """Each key's chunk; None when absent or bad (a bad record is deleted)."""
+        if not keys:
+            return []
+        values = self._call(lambda client: _pipelined(client, [("get", CHUNK_PREFIX + key) for key in keys]))
+        return self._decoded(keys, values)
+
+    def get_with_content(self, keys: Sequence[ChunkKey], content_keys: Sequence[bytes]
+                         ) -> tuple[list[L2Hit | None], list[list[ChunkKey]]]:
+        """`get(keys)` and, for each content key, the keys stored with those tokens in some context,
+        in one pipelined round trip. Bad records are deleted and served as None."""
+        if not keys and not content_keys:
+            return [], []
+        commands = [("get", CHUNK_PREFIX + key) for key in keys]
+        commands += [("smembers", CONTENT_PREFIX + key) for key in content_keys]
+        replies = self._call(lambda client: _pipelined(client, commands))
+        hits = self._decoded(keys, replies[:len(keys)])
+        candidates = [sorted(ChunkKey(bytes(key)) for key in found) for found in replies[len(keys):]]
+        return hits, candidates
+
+    def _decoded(self, keys: Sequence[ChunkKey], values: Sequence[bytes | None]) -> list[L2Hit | None]:
+        hits = [None if value is None else decode_record(key, value) for key, value in zip(keys, values)]
+        corrupted = [key for key, value, hit in zip(keys, values, hits) if value is not None and hit is None]
+        if corrupted:
+            with self._lock:
+                self.num_corrupted += len(corrupted)
+            logger.error("%d L2 records failed their CRC-32 (%s): deleted, served as misses", len(corrupted),
+                         ", ".join(key.hex()[:16] for key in corrupted))
+            self.delete(corrupted)
+        return hits
+
+    def shared_value(self, name: bytes, proposed: bytes) -> bytes:
+        """The value every daemon sharing this L2 agrees on: the first one proposed wins (SET NX)."""
+        key = b"kvb:shared:" + name
+        _, value = self._call(lambda client: _pipelined(client, [("execute_command", "SET", key, proposed, "NX"),
+                                                                  ("get", key)]))
+        return bytes(value)
+
+    def put(self, chunks: Sequence[IncomingChunk], wait: bool = False, deadline_s: float = 10.0) -> None:
+        """Writes the chunks (and their content and namespace sets).
+
+        wait: returns only once `wait_replicas` replicas of every node written hold them (Redis WAIT on
+        the connection that wrote), retrying through a failover for up to deadline_s; else L2Unavailable."""
+        if not chunks:
+            return
+        commands = []
+        for chunk in chunks:
+            commands.append(("set", CHUNK_PREFIX + chunk.key, encode_record(chunk)))
+            commands.append(("sadd", NAMESPACE_PREFIX + chunk.namespace, chunk.key))
+            if chunk.content_key:
+                commands.append(("sadd", CONTENT_PREFIX + chunk.content_key, chunk.key))
+        if not wait:
+            self._call(lambda client: _pipelined(client, commands))
+            return
+        give_up_at = self._clock() + deadline_s
+        while True:
+            try:
+                acknowledged = self._call(lambda client: _written_with_wait(
+                    client, commands, self.wait_replicas, self._timeout_s))
+                if acknowledged >= self.wait_replicas:
+                    return
+                problem = f"{acknowledged} of {self.wait_replicas} replicas acknowledged the write"
+            except L2Unavailable as error:
+                problem = str(error)
+            if self._clock() >= give_up_at:
+                raise L2Unavailable(f"L2 did not acknowledge {len(chunks)} chunks within {deadline_s} s: {problem}")
+            time.sleep(min(self._retry_interval_s, 0.25))
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Deletes the chunks; the content and namespace sets drop them lazily (a missing chunk is a miss)."""
+        if not keys:
+            return 0
+        deleted = self._call(lambda client: _pipelined(client, [("delete", CHUNK_PREFIX + key) for key in keys]))
+        return sum(deleted)
+
+    def delete_namespace(self, namespace: bytes) -> int:
+        members = self._call(lambda client: client.smembers(NAMESPACE_PREFIX + namespace))
+        deleted = self.delete([ChunkKey(bytes(key)) for key in members])
+        self._call(lambda client: client.delete(NAMESPACE_PREFIX + namespace))
+        return deleted
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def _pipelined(client: redis.Redis | RedisCluster, commands: Sequence[tuple]) -> list:
+    """One round trip (per node in a cluster); the first failed command raises."""
+    pipeline = client.pipeline(transaction=False)
+    for name, *args in commands:
+        getattr(pipeline, name)(*args)
+    return pipeline.execute()
+
+
+def _written_with_wait(client: redis.Redis | RedisCluster, commands: Sequence[tuple], num_replicas: int,
+                       timeout_s: float) -> int:
+    """Runs the commands node by node, each batch followed by WAIT on the same connection (WAIT counts
+    the replicas holding what *that* connection wrote); returns the fewest replicas any node reached."""
+    if isinstance(client, RedisCluster):
+        by_node: dict[str, tuple[redis.Redis, list[tuple]]] = {}
+        for command in commands:
+            node = client.get_node_from_key(command[1])
+            by_node.setdefault(node.name, (client.get_redis_connection(node), []))[1].append(command)
+        batches = list(by_node.values())
+    else:
+        batches = [(client, list(commands))]
+    acknowledged = []
+    for connection, batch in batches:
+        pipeline = connection.pipeline(transaction=False)
+        for name, *args in batch:
+            getattr(pipeline, name)(*args)
+        pipeline.execute_command("WAIT", num_replicas, max(1, int(timeout_s * 1000)))
+        acknowledged.append(pipeline.execute()[-1])
+    return min(acknowledged)

@@ -1,0 +1,195 @@
+"""Two tiers: this host's LMDB (L1) in front of a shared Redis (L2), read-through with promotion."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+from cache_daemon.cache import CacheStats, ChunkCache, DeleteResult, LookupResult, PinResult, PutResult
+from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
+from cache_daemon.errors import BudgetExceeded, L2NotAcknowledged, NotFound
+from cache_daemon.l2.redis_tier import L2Hit, L2Unavailable, RedisTier
+from cache_daemon.l2.writer import WriteBehindQueue
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_CONTENT_CANDIDATES = 4  # contexts tried per content key in L2
+
+
+@dataclass(slots=True, frozen=True)
+class L2Stats:
+    url: str
+    degraded: bool
+    hits: int
+    misses: int
+    writes: int
+    dropped_writes: int
+    corrupted: int
+    errors: int
+    queued_writes: int
+
+
+class TieredCache:
+    """The ChunkCache interface over two tiers. Lookup asks L2 only for what LMDB misses, promotes
+    L2 hits into LMDB (so Fetch and co-located readers serve them from L1), and counts the rest
+    as misses. Store commits to LMDB first; L2 gets the chunks behind (bounded queue) or, with
+    sync_writes, before Store replies. Pins, budget and eviction stay LMDB's; L2 evicts by its
+    own maxmemory policy. An unreachable L2 turns into LMDB-only service, never a failed call."""
+
+    lookup_does_io = True  # the servicer runs Lookup in a thread
+
+    def __init__(self, l1: ChunkCache, l2: RedisTier, sync_writes: bool = False,
+                 queue_bytes: int = 256 << 20, sync_deadline_s: float = 10.0) -> None:
+        self.l1 = l1
+        self.l2 = l2
+        self.sync_writes = sync_writes
+        self._sync_deadline_s = sync_deadline_s
+        self._writer = WriteBehindQueue(self._write_behind, queue_bytes)
+        self._lock = threading.Lock()
+        self._num_hits = 0
+        self._num_misses = 0
+        self._num_sync_writes = 0
+
+    @property
+    def store(self):
+        return self.l1.store
+
+    @property
+    def max_bytes(self) -> int:
+        return self.l1.max_bytes
+
+    def lookup(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
+               partial_keys: Sequence[bytes] = ()) -> LookupResult:
+        result = self.l1.probe(namespace, prefix_keys, content_keys, partial_keys)
+        missing = [ChunkKey(key) for key, hit in zip(prefix_keys, result.prefix_hit) if not hit]
+        if partial_keys and result.partial_index is None:
+            missing += [ChunkKey(key) for key in partial_keys]
+        content_found = {index for index, _ in result.content_hits}
+        content_wanted = [key for index, key in enumerate(content_keys)
+                          if key and not result.prefix_hit[index] and index not in content_found]
+        if missing or content_wanted:
+            num_promoted = self._promote_from_l2(namespace, missing, content_wanted)
+            if num_promoted:
+                result = self.l1.probe(namespace, prefix_keys, content_keys, partial_keys)
+        self.l1.record_lookup(result, prefix_keys, partial_keys)
+        return result
+
+    def _promote_from_l2(self, namespace: bytes, keys: list[ChunkKey], content_keys: list[bytes]) -> int:
+        """Copies what L2 holds of these keys (and of these content keys' contexts) into LMDB."""
+        try:
+            hits, candidates = self.l2.get_with_content(keys, content_keys)
+            found = [hit for hit in hits if hit is not None and hit.entry.namespace == namespace]
+            found += self._content_hits(namespace, candidates, {hit.key for hit in found})
+        except L2Unavailable:
+            return 0  # logged once per outage by the tier
+        with self._lock:
+            self._num_hits += len(found)
+            self._num_misses += len(keys) + len(content_keys) - len(found)
+        if not found:
+            return 0
+        try:
+            return self.l1.put_many([_incoming(hit) for hit in found]).stored
+        except BudgetExceeded as error:
+            logger.warning("L2 hits not promoted into LMDB: %s", error)
+            return 0
+
+    def _content_hits(self, namespace: bytes, candidates: list[list[ChunkKey]], have: set[ChunkKey]) -> list[L2Hit]:
+        """For each content key, the first stored context in this namespace (one more round trip)."""
+        wanted = list(dict.fromkeys(key for keys in candidates for key in keys[:MAX_CONTENT_CANDIDATES]
+                                    if key not in have))
+        if not wanted:
+            return []
+        chunks = dict(zip(wanted, self.l2.get(wanted)))
+        hits = []
+        for keys in candidates:
+            usable = [chunks.get(key) for key in keys[:MAX_CONTENT_CANDIDATES]]
+            hit = next((hit for hit in usable if hit is not None and hit.entry.namespace == namespace), None)
+            if hit is not None and hit.key not in have:
+                hits.append(hit)
+                have.add(hit.key)
+        return hits
+
+    def put_many(self, chunks: Sequence[IncomingChunk]) -> PutResult:
+        """Raises L2NotAcknowledged (sync writes) when L2 did not take them; LMDB holds them anyway."""
+        result = self.l1.put_many(chunks)
+        if not self.sync_writes:
+            self._writer.submit(chunks)
+            return result
+        try:
+            self.l2.put(chunks, wait=True, deadline_s=self._sync_deadline_s)
+        except L2Unavailable as error:
+            raise L2NotAcknowledged(f"stored in this host's LMDB, not acknowledged by L2: {error}") from error
+        with self._lock:
+            self._num_sync_writes += len(chunks)
+        return result
+
+    def _write_behind(self, chunks: Sequence[IncomingChunk]) -> None:
+        self.l2.put(chunks)
+
+    def drain_writes(self, timeout_s: float | None = None) -> bool:
+        return self._writer.drain(timeout_s)
+
+    def delete_keys(self, keys: Sequence[ChunkKey], corrupted: bool = False) -> DeleteResult:
+        result = self.l1.delete_keys(keys, corrupted)
+        num_deleted_l2 = self._maybe_on_l2(lambda: self.l2.delete(list(dict.fromkeys(keys))), 0)
+        return DeleteResult(deleted=max(result.deleted, num_deleted_l2), bytes_freed=result.bytes_freed)
+
+    def delete_namespace(self, namespace: bytes) -> DeleteResult:
+        try:
+            result = self.l1.delete_namespace(namespace)
+        except NotFound:
+            result = None
+        num_deleted_l2 = self._maybe_on_l2(lambda: self.l2.delete_namespace(namespace), 0)
+        if result is None and not num_deleted_l2:
+            raise NotFound(f"namespace {namespace.hex()[:16]} has no entries in either tier")
+        if result is None:
+            return DeleteResult(deleted=num_deleted_l2, bytes_freed=0)
+        return DeleteResult(deleted=max(result.deleted, num_deleted_l2), bytes_freed=result.bytes_freed)
+
+    def _maybe_on_l2(self, operation: Callable[[], T], default: T) -> T:
+        try:
+            return operation()
+        except L2Unavailable as error:
+            logger.warning("L2 left as it was (%s): its copies go when Redis evicts them", error)
+            return default
+
+    def read(self, key: ChunkKey, copy_out: Callable[[memoryview], T], verify: bool = True) -> tuple[Entry, T] | None:
+        return self.l1.read(key, copy_out, verify)
+
+    def entry(self, key: ChunkKey) -> Entry | None:
+        return self.l1.entry(key)
+
+    def set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> PinResult:
+        return self.l1.set_pinned(keys, pinned)
+
+    def flush_hits(self) -> int:
+        return self.l1.flush_hits()
+
+    def wait_until_loaded(self, timeout_s: float | None = None) -> bool:
+        return self.l1.wait_until_loaded(timeout_s)
+
+    def stats(self) -> CacheStats:
+        return self.l1.stats()
+
+    def l2_stats(self) -> L2Stats:
+        with self._lock:
+            hits, misses, sync_writes = self._num_hits, self._num_misses, self._num_sync_writes
+        return L2Stats(url=self.l2.address.redacted(), degraded=self.l2.degraded, hits=hits, misses=misses,
+                       writes=self._writer.num_written + sync_writes, dropped_writes=self._writer.num_dropped,
+                       corrupted=self.l2.num_corrupted, errors=self.l2.num_errors,
+                       queued_writes=self._writer.num_queued)
+
+    def close(self) -> None:
+        """Gives queued L2 writes a few seconds, then closes both tiers."""
+        self._writer.close()
+        self.l1.close()
+        self.l2.close()
+
+
+def _incoming(hit: L2Hit) -> IncomingChunk:
+    entry = hit.entry
+    return IncomingChunk(key=hit.key, namespace=entry.namespace, content_key=entry.content_key,
+                         num_tokens=entry.num_tokens, checksum=entry.checksum, pinned=False, blob=hit.blob)

@@ -1,0 +1,144 @@
+"""Two daemons, each with its own LMDB, sharing one real redis-server as L2 (in-process gRPC servers)."""
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+
+import pytest
+from kvboost.v1 import cache_pb2
+
+from tests.conftest import pick_free_port
+from tests.daemon_support import (NAMESPACE, cache_stub, digest, fetch_chunks, make_chunk, rpc_error,
+                                  running_daemon, store_chunks)
+from tests.redis_support import RedisNode, redis_node, requires_redis
+
+pytestmark = requires_redis
+
+
+def stats(stub) -> cache_pb2.CacheStatsReply:
+    return stub.Stats(cache_pb2.CacheStatsRequest())
+
+
+def lookup(stub, keys, content_keys=()) -> cache_pb2.LookupReply:
+    return stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=keys, content_keys=content_keys))
+
+
+@pytest.fixture()
+def redis(tmp_path):
+    with redis_node(tmp_path / "redis") as node:
+        yield node
+
+
+@pytest.fixture()
+def two_hosts(tmp_path, redis):
+    """Daemons A and B (separate LMDB dirs) on the same L2, with write-behind."""
+    with ExitStack() as stack:
+        hosts = [stack.enter_context(running_daemon(tmp_path / name, l2=redis.url)) for name in ("a", "b")]
+        yield hosts
+
+
+def test_a_chunk_stored_on_host_a_is_found_fetched_and_promoted_on_host_b(two_hosts):
+    host_a, host_b = two_hosts
+    chunks = [make_chunk(index, 5000) for index in range(3)]
+    with cache_stub(host_a.address) as stub_a, cache_stub(host_b.address) as stub_b:
+        assert store_chunks(stub_a, chunks).stored == 3
+        assert host_a.cache.drain_writes(10)
+        # B's LMDB is empty: the whole run comes from L2, plus one key stored nowhere.
+        reply = lookup(stub_b, [chunk.key for chunk in chunks] + [digest("never stored")])
+        assert (reply.prefix_run, list(reply.prefix_hit)) == (3, [True, True, True, False])
+        fetched = fetch_chunks(stub_b, [chunk.key for chunk in chunks])
+        assert [chunk.blob for chunk in fetched] == [chunk.blob for chunk in chunks]
+        b_stats = stats(stub_b)
+        assert (b_stats.entries, b_stats.l2.hits, b_stats.l2.misses) == (3, 3, 1)  # promoted into B's LMDB
+        assert stats(stub_a).l2.writes == 3 and not b_stats.l2.degraded
+        # Now an L1 hit on B: L2 is not asked again.
+        lookup(stub_b, [chunk.key for chunk in chunks])
+        assert stats(stub_b).l2.hits == 3
+
+
+def test_a_content_hit_warmed_on_host_a_is_found_on_host_b_in_another_context(two_hosts):
+    host_a, host_b = two_hosts
+    document = make_chunk("doc in context 1", 4000, content_key=digest("document tokens"))
+    with cache_stub(host_a.address) as stub_a, cache_stub(host_b.address) as stub_b:
+        store_chunks(stub_a, [document])
+        assert host_a.cache.drain_writes(10)
+        # On B the same tokens come after another prefix: a different prefix key, the same content key.
+        reply = lookup(stub_b, [digest("system prompt"), digest("doc in context 2")],
+                       [b"", document.content_key])
+        assert reply.prefix_run == 0
+        assert [(hit.index, hit.stored_key) for hit in reply.content_hits] == [(1, document.key)]
+        assert fetch_chunks(stub_b, [document.key])[0].blob == document.blob
+
+
+def test_a_corrupted_l2_record_is_a_miss_and_is_deleted(two_hosts, redis):
+    host_a, host_b = two_hosts
+    chunk = make_chunk("to corrupt", 3000)
+    with cache_stub(host_a.address) as stub_a, cache_stub(host_b.address) as stub_b:
+        store_chunks(stub_a, [chunk])
+        assert host_a.cache.drain_writes(10)
+        redis_key = b"kvb:chunk:" + chunk.key
+        client = host_a.cache.l2._client
+        value = bytearray(client.get(redis_key))
+        value[-1] ^= 0xFF  # one flipped bit in the blob
+        client.set(redis_key, bytes(value))
+        assert list(lookup(stub_b, [chunk.key]).prefix_hit) == [False]
+        assert client.exists(redis_key) == 0
+        assert stats(stub_b).l2.corrupted == 1
+
+
+def test_delete_by_namespace_and_by_key_reach_l2(two_hosts):
+    host_a, host_b = two_hosts
+    chunks = [make_chunk(f"delete {index}", 2000) for index in range(4)]
+    with cache_stub(host_a.address) as stub_a, cache_stub(host_b.address) as stub_b:
+        store_chunks(stub_a, chunks)
+        assert host_a.cache.drain_writes(10)
+        stub_a.Delete(cache_pb2.DeleteRequest(keys=[chunks[0].key]))
+        assert list(lookup(stub_b, [chunks[0].key]).prefix_hit) == [False]
+        # B holds none of the namespace in its LMDB: Delete by namespace still reaches L2.
+        assert stub_b.Delete(cache_pb2.DeleteRequest(namespace=NAMESPACE)).deleted == 3
+        assert list(lookup(stub_b, [chunk.key for chunk in chunks]).prefix_hit) == [False] * 4
+        error = rpc_error(stub_b.Delete, cache_pb2.DeleteRequest(namespace=NAMESPACE))
+        assert error.code().name == "NOT_FOUND"
+
+
+def test_sync_writes_are_in_l2_when_store_replies_and_survive_a_redis_restart_with_aof(tmp_path, redis):
+    chunks = [make_chunk(f"sync {index}", 8000) for index in range(5)]
+    with running_daemon(tmp_path / "a", l2=redis.url, l2_write="sync") as host_a:
+        with cache_stub(host_a.address) as stub_a:
+            assert store_chunks(stub_a, chunks).stored == 5  # no drain: acknowledged means in L2
+    redis.kill()  # kill -9 of the whole Redis; appendfsync always kept every write
+    redis.start()
+    with running_daemon(tmp_path / "b", l2=redis.url) as host_b, cache_stub(host_b.address) as stub_b:
+        assert lookup(stub_b, [chunk.key for chunk in chunks]).prefix_run == 5
+        assert [chunk.blob for chunk in fetch_chunks(stub_b, [chunk.key for chunk in chunks])] == \
+            [chunk.blob for chunk in chunks]
+
+
+def test_l2_down_at_start_serves_from_lmdb_reports_degraded_and_reconnects(tmp_path, caplog):
+    port = pick_free_port()
+    url = f"redis://127.0.0.1:{port}"
+    first, later = make_chunk("while down", 2000), make_chunk("after reconnect", 2000)
+    with running_daemon(tmp_path / "a", l2=url, l2_retry_interval_s=0.2, l2_timeout_s=0.5) as host_a, \
+            cache_stub(host_a.address) as stub_a:
+        assert store_chunks(stub_a, [first]).stored == 1  # Store never waits on L2
+        assert lookup(stub_a, [first.key, digest("absent")]).prefix_run == 1
+        assert host_a.cache.drain_writes(10)
+        down = stats(stub_a).l2
+        assert down.degraded and down.dropped_writes == 1 and down.errors >= 1
+        lookup(stub_a, [digest("absent")])
+        outage_logs = [record for record in caplog.records if "serving from LMDB alone" in record.getMessage()]
+        assert len(outage_logs) == 1, "an outage is logged once, not once per request"
+        node = RedisNode(port, tmp_path / "redis", cluster=False).start()
+        try:
+            deadline = time.monotonic() + 10
+            while stats(stub_a).l2.degraded and time.monotonic() < deadline:
+                lookup(stub_a, [digest("absent")])  # a miss asks L2 again once the retry interval passed
+                time.sleep(0.1)
+            assert not stats(stub_a).l2.degraded
+            assert any("answers again" in record.getMessage() for record in caplog.records)
+            store_chunks(stub_a, [later])
+            assert host_a.cache.drain_writes(10)
+            with running_daemon(tmp_path / "b", l2=url) as host_b, cache_stub(host_b.address) as stub_b:
+                assert list(lookup(stub_b, [later.key, first.key]).prefix_hit) == [True, False]
+        finally:
+            node.stop()

@@ -110,11 +110,14 @@ class RedisCluster:
                 and "role:master" in node.cli("INFO", "replication")]
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
-        """Until every live node says cluster_state:ok and 3 primaries are up."""
+        """Until every live node says cluster_state:ok, 3 primaries are up and every replica is in sync."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             live = [node for node in self.nodes if node.process and node.process.poll() is None]
-            if all("cluster_state:ok" in node.cli("CLUSTER", "INFO") for node in live) and len(self.primaries()) >= 3:
+            replication = [node.cli("INFO", "replication") for node in live]
+            replicas_synced = all("master_link_status:up" in info for info in replication if "role:slave" in info)
+            if (all("cluster_state:ok" in node.cli("CLUSTER", "INFO") for node in live)
+                    and len(self.primaries()) >= 3 and replicas_synced):
                 return
             time.sleep(0.2)
         raise TimeoutError("the Redis cluster did not reach cluster_state:ok")

@@ -233,6 +233,7 @@ def _written_with_wait(client: redis.Redis | RedisCluster, commands: Sequence[tu
         pipeline = connection.pipeline(transaction=False)
         for name, *args in batch:
             getattr(pipeline, name)(*args)
-        pipeline.execute_command("WAIT", num_replicas, max(1, int(timeout_s * 1000)))
+        # Half the socket timeout: Redis answers WAIT (with the count so far) before the socket gives up.
+        pipeline.execute_command("WAIT", num_replicas, max(1, int(timeout_s * 500)))
         acknowledged.append(pipeline.execute()[-1])
     return min(acknowledged)

@@ -277,3 +277,18 @@ def _stage(target: str) -> str:
     match = re.search(rf"^FROM \S+ AS {target}\n(.*?)(?=^FROM |\Z)", DOCKERFILE, re.MULTILINE | re.DOTALL)
     assert match, f"no stage {target} in the Dockerfile"
     return match.group(1)
+
+
+def test_the_l2_profile_runs_redis_with_lfu_eviction_and_aof_and_the_daemon_can_point_at_it() -> None:
+    redis = COMPOSE["services"]["redis"]
+    assert redis["profiles"] == ["l2"], "Redis starts only with `docker compose --profile l2 up`"
+    command = redis["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lfu"
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert redis["volumes"] == ["kvboost-redis:/data"] and "kvboost-redis" in COMPOSE["volumes"]
+    assert published("redis") == {6379: "127.0.0.1:6379"}
+    # Off by default; the documented value parses as an L2 address of the compose service.
+    assert compose_args("cache-daemon").l2 == ""
+    args = parse("cache-daemon", COMPOSE["services"]["cache-daemon"]["command"], {"KVBOOST_L2": "redis://redis:6379"})
+    assert daemon_config.parse_l2_address(args.l2).nodes == (("redis", 6379),)
+    assert "KVBOOST_L2=redis://redis:6379 docker compose --profile l2 up" in (ROOT / "compose.yaml").read_text()

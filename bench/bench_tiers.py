@@ -1,0 +1,141 @@
+"""TTFT on SmolLM2 (CPU) through the two cache tiers: L1 hits with and without L2, and L2 hits on a
+second host whose LMDB never saw the document.
+
+Three daemons on loopback: P (LMDB only), A and B (each its own LMDB, both on one redis-server as
+L2). An Engine in this process reads each daemon the way the service does by default (co-located
+reads, Lookup and Store over gRPC). Every run: BASELINE; an L1 hit through P and through A (the same
+warmed document, a new question); then a new document (same length, its own first line) is warmed
+through A, A's write-behind queue drained to Redis, and asked through B: B's Lookup finds it in L2,
+promotes it into B's LMDB, and the engine reads it from there. Runs are interleaved, medians reported.
+
+    flock /tmp/kvboost-bench.lock python bench/bench_tiers.py            # 1600 tokens, 5 runs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from kvboost.v1 import cache_pb2  # noqa: E402
+
+from bench.bench_ttft import EnginePath, build_context, context_length, grpc_store, question  # noqa: E402
+from inference_service.engine.engine import EngineConfig  # noqa: E402
+from inference_service.model.loading import load_model  # noqa: E402
+from inference_service.model.weights import DEFAULT_MODEL  # noqa: E402
+from inference_service.store.colocated import ColocatedStore  # noqa: E402
+
+
+def start_tier_daemons(stack: ExitStack, workdir: Path, redis_url: str) -> dict[str, str]:
+    from tests.conftest import pick_free_port
+    from tests.e2e.daemon_process import start_daemon
+
+    addresses = {}
+    for name, flags in (("P", ()), ("A", ("--l2", redis_url)), ("B", ("--l2", redis_url))):
+        daemon = start_daemon(workdir / f"lmdb-{name}", pick_free_port(), "--max-bytes", "8GB", *flags)
+        stack.callback(daemon.terminate)
+        addresses[name] = daemon.address
+    return addresses
+
+
+def engine_over(stack: ExitStack, name: str, loaded, config: EngineConfig, address: str) -> EnginePath:
+    store = ColocatedStore(grpc_store(stack, address), "on")
+    store.check()
+    path = EnginePath(name, loaded, config, store)
+    stack.callback(path.close)
+    return path
+
+
+def l2_stats(stub) -> cache_pb2.L2Stats:
+    return stub.Stats(cache_pb2.CacheStatsRequest(), timeout=10).l2
+
+
+def drain_l2_writes(stub, written_before: int, timeout_s: float = 60.0) -> int:
+    """Waits until the daemon wrote more chunks to L2 than before and has none queued; returns the count."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = l2_stats(stub)
+        if stats.writes > written_before and stats.queued_writes == 0:
+            return stats.writes
+        assert time.monotonic() < deadline and not stats.degraded, f"L2 writes did not drain: {stats}"
+        time.sleep(0.02)
+
+
+def measure(paths: dict[str, EnginePath], stub_a, context: str, runs: int) -> dict[str, list[dict]]:
+    paths["L1 hit, no L2"].warm(context)
+    paths["L1 hit, L2 on"].warm(context)
+    samples: dict[str, list[dict]] = {name: [] for name in ("baseline", "L1 hit, no L2", "L1 hit, L2 on", "L2 hit")}
+    written = l2_stats(stub_a).writes
+    for run in range(runs):
+        asked = iter(range(run * 97, run * 97 + 97))
+        samples["baseline"].append(paths["L1 hit, no L2"].ask(context + question(next(asked)), "baseline"))
+        for name in ("L1 hit, no L2", "L1 hit, L2 on"):
+            samples[name].append(paths[name].ask(context + question(next(asked)), "prefix_cache"))
+        # A document host B has never seen: warmed on A, reaching B through Redis only.
+        fresh = f"Handbook copy {run}.\n" + context
+        written = drain_l2_writes(stub_a, written) if run == 0 else written
+        paths["warm on A"].warm(fresh)
+        written = drain_l2_writes(stub_a, written)
+        samples["L2 hit"].append(paths["L2 hit"].ask(fresh + question(next(asked)), "prefix_cache"))
+    return samples
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--length", type=int, default=1600, help="prompt tokens")
+    parser.add_argument("--runs", type=int, default=5, help="requests per path (medians; at least 5)")
+    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    assert args.runs >= 5, "medians need at least 5 runs"
+    from tests.daemon_support import cache_stub
+    from tests.redis_support import redis_node
+
+    loaded = load_model(args.model, device="cpu", dtype="float32")
+    config = EngineConfig(chunk_size=args.chunk_size)
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-tiers-")))
+        redis = stack.enter_context(redis_node(workdir / "redis"))
+        addresses = start_tier_daemons(stack, workdir, redis.url)
+        paths = {"L1 hit, no L2": engine_over(stack, "L1 hit, no L2", loaded, config, addresses["P"]),
+                 "L1 hit, L2 on": engine_over(stack, "L1 hit, L2 on", loaded, config, addresses["A"]),
+                 "L2 hit": engine_over(stack, "L2 hit", loaded, config, addresses["B"])}
+        paths["warm on A"] = paths["L1 hit, L2 on"]
+        stub_a = stack.enter_context(cache_stub(addresses["A"]))
+        context = build_context(loaded.tokenizer, context_length(args.length, args.chunk_size, aligned=False))
+        samples = measure(paths, stub_a, context, args.runs)
+        with cache_stub(addresses["B"]) as stub_b:
+            b_stats = l2_stats(stub_b)
+        a_stats = l2_stats(stub_a)
+    medians = {name: statistics.median(s["ttft_ms"] for s in rows) for name, rows in samples.items()}
+    print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size {args.chunk_size}, "
+          f"~{args.length}-token prompts, median of {args.runs} runs, redis-server on loopback\n")
+    print(f"{'path':<16} {'prompt':>6} {'cached':>6} {'TTFT ms':>9} {'x BASELINE':>10}")
+    for name, rows in samples.items():
+        last = rows[-1]
+        print(f"{name:<16} {last['prompt']:>6} {last['cached']:>6} {medians[name]:>9.1f} "
+              f"{medians['baseline'] / medians[name]:>9.1f}x")
+    reuse = [s["cached"] / s["prompt"] for s in samples["L2 hit"]]
+    l1_change = medians["L1 hit, L2 on"] / medians["L1 hit, no L2"] - 1
+    print(f"\nL2 hit vs BASELINE: {medians['baseline'] / medians['L2 hit']:.1f}x (target >= 5x)")
+    print(f"L1 hit with L2 configured vs without: {l1_change:+.1%} (target within 5%)")
+    print(f"cross-host reuse on B: min {min(reuse):.1%} of the prompt (target >= 90%)")
+    print(f"L2 counters: A writes {a_stats.writes}, dropped {a_stats.dropped_writes}, errors {a_stats.errors}; "
+          f"B hits {b_stats.hits}, misses {b_stats.misses}, corrupted {b_stats.corrupted}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (args.out / f"tiers-{stamp}.json").write_text(json.dumps({"medians_ms": medians, "samples": samples}, indent=2))
+    print(f"wrote {args.out}/tiers-{stamp}.json")
+
+
+if __name__ == "__main__":
+    main()

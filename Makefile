@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROTOS := proto/kvboost/v1/cache.proto proto/kvboost/v1/inference.proto
 
-.PHONY: setup proto model test test-fast run up down bench clean
+.PHONY: setup proto model test test-fast run up down up-l2 down-l2 redis-server bench clean
 
 setup: $(STAMP)
 
@@ -25,8 +25,16 @@ proto: setup
 model: setup
 	$(PY) -m inference_service.model.weights --prepare
 
-test: setup model
+test: setup model redis-server
 	$(PY) -m pytest
+
+# The L2 tests start real redis-server processes. As root (CI) with apt, install it when missing;
+# otherwise those tests skip and say why.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
+		else echo "redis-server not found: the L2 tests will skip (apt-get install redis-server)"; fi; }
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not e2e"
@@ -36,6 +44,18 @@ up: setup model
 
 down:
 	@if [ -x $(PY) ]; then $(PY) -m client.stack down; else echo "nothing to stop"; fi
+
+# The stack with a local Redis as the daemon's shared L2 tier (port KVBOOST_L2_PORT, default 6380).
+L2_PORT ?= $(or $(KVBOOST_L2_PORT),6380)
+up-l2: setup model redis-server
+	mkdir -p .run/redis
+	redis-server --port $(L2_PORT) --bind 127.0.0.1 --dir $(CURDIR)/.run/redis --daemonize yes \
+		--pidfile $(CURDIR)/.run/redis/redis.pid --logfile $(CURDIR)/.run/redis/redis.log \
+		--appendonly yes --appendfsync everysec --save "" --maxmemory 2gb --maxmemory-policy allkeys-lfu
+	$(PY) -m client.stack up --daemon-arg=--l2 --daemon-arg=redis://127.0.0.1:$(L2_PORT)
+
+down-l2: down
+	-redis-cli -p $(L2_PORT) shutdown
 
 run: setup model up
 	$(PY) client/examples/demo.py
@@ -48,6 +68,7 @@ bench: setup model
 	$(PY) bench/bench_deviation.py
 	$(PY) bench/load.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_gateway.py
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_tiers.py
 
 clean: down
 	rm -rf $(VENV) .run .pytest_cache .hypothesis build *.egg-info

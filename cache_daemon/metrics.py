@@ -69,6 +69,9 @@ class CacheCollector(Collector):
             yield refused
         if self._namespace_owner is not None:
             yield self._tenant_bytes(stats)
+        l2_stats = getattr(self._cache, "l2_stats", None)  # a TieredCache: LMDB under a shared L2
+        if l2_stats is not None:
+            yield from _l2_metrics(l2_stats())
 
     def _tenant_bytes(self, stats: CacheStats) -> Metric:
         """Stored blob bytes per tenant ("" for chunks stored by an admin or before tenancy)."""
@@ -80,6 +83,19 @@ class CacheCollector(Collector):
         for tenant, num_bytes in sorted(totals.items()):
             tenant_bytes.add_metric([tenant], num_bytes)
         return tenant_bytes
+
+
+def _l2_metrics(l2) -> Iterator[Metric]:
+    yield _gauge("kvboost_l2_degraded", "1 while the shared L2 tier does not answer (LMDB serves alone).",
+                 int(l2.degraded))
+    yield _counter("kvboost_l2_hits", "Keys LMDB missed and L2 held (promoted into LMDB).", l2.hits)
+    yield _counter("kvboost_l2_misses", "Keys missing in both tiers.", l2.misses)
+    yield _counter("kvboost_l2_writes", "Chunks written to L2.", l2.writes)
+    yield _counter("kvboost_l2_dropped_writes", "Chunks not written to L2: queue full or L2 down.",
+                   l2.dropped_writes)
+    yield _counter("kvboost_l2_corrupted", "L2 records that failed their CRC-32 (deleted).", l2.corrupted)
+    yield _counter("kvboost_l2_errors", "Failed calls to L2.", l2.errors)
+    yield _gauge("kvboost_l2_queued_writes", "Chunks waiting in the L2 write-behind queue.", l2.queued_writes)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

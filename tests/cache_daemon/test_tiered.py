@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 from contextlib import ExitStack
 
 import pytest
@@ -118,7 +119,9 @@ def test_l2_down_at_start_serves_from_lmdb_reports_degraded_and_reconnects(tmp_p
     port = pick_free_port()
     url = f"redis://127.0.0.1:{port}"
     first, later = make_chunk("while down", 2000), make_chunk("after reconnect", 2000)
-    with running_daemon(tmp_path / "a", l2=url, l2_retry_interval_s=0.2, l2_timeout_s=0.5) as host_a, \
+    metrics_port = pick_free_port()
+    with running_daemon(tmp_path / "a", l2=url, l2_retry_interval_s=0.2, l2_timeout_s=0.5,
+                        metrics_port=metrics_port) as host_a, \
             cache_stub(host_a.address) as stub_a:
         assert store_chunks(stub_a, [first]).stored == 1  # Store never waits on L2
         assert lookup(stub_a, [first.key, digest("absent")]).prefix_run == 1
@@ -126,6 +129,8 @@ def test_l2_down_at_start_serves_from_lmdb_reports_degraded_and_reconnects(tmp_p
         down = stats(stub_a).l2
         assert down.degraded and down.dropped_writes == 1 and down.errors >= 1
         lookup(stub_a, [digest("absent")])
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        assert "kvboost_l2_degraded 1.0" in metrics and "kvboost_l2_dropped_writes_total 1.0" in metrics
         outage_logs = [record for record in caplog.records if "serving from LMDB alone" in record.getMessage()]
         assert len(outage_logs) == 1, "an outage is logged once, not once per request"
         node = RedisNode(port, tmp_path / "redis", cluster=False).start()

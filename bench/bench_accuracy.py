@@ -217,8 +217,6 @@ def print_identity(identity: dict) -> None:
 
 def write_plot(table: list[dict], path: Path) -> None:
     plt = pyplot()
-    if plt is None:
-        return
     by_name = {r["column"]: r for r in table}
     blend = sorted((r for r in table if r["ratio"] is not None), key=lambda r: r["ratio"])
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))

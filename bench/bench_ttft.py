@@ -224,8 +224,6 @@ def print_table(rows: list[dict]) -> None:
 
 def write_plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
-    if plt is None:
-        return
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for name in dict.fromkeys(r["path"] for r in rows):
         points = [r for r in rows if r["path"] == name]

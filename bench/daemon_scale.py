@@ -207,8 +207,6 @@ def table(points: list[ScalePoint]) -> list[str]:
 
 def plot(points: list[ScalePoint], path: Path) -> None:
     plt = pyplot()
-    if plt is None:
-        return
     sizes = [p.num_entries for p in points]
     figure, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     panels = [

@@ -1,15 +1,13 @@
-"""How the benchmarks draw: matplotlib on its file-only backend, and no plot where matplotlib is missing."""
+"""How the benchmarks draw: matplotlib (pinned in the `bench` extra) on its file-only Agg backend."""
 from __future__ import annotations
 
 from types import ModuleType
 
 
-def pyplot() -> ModuleType | None:
-    """matplotlib.pyplot on the Agg backend (no display needed); None when matplotlib is not installed."""
-    try:
-        import matplotlib
-    except ImportError:
-        return None
+def pyplot() -> ModuleType:
+    """matplotlib.pyplot on the Agg backend: plots are written to files, no display needed."""
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

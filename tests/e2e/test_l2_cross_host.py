@@ -7,16 +7,14 @@ import time
 from contextlib import ExitStack, contextmanager
 
 import pytest
-import torch
 from kvboost.v1 import cache_pb2
 from kvboost.v1 import inference_pb2 as pb
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import pick_free_port
 from tests.daemon_support import cache_stub
 from tests.e2e.daemon_process import start_daemon
 from tests.e2e.service_process import generate, running_service
-from tests.e2e.stack_process import save_tiny_model
+from tests.e2e.stack_process import reference_ids, save_tiny_model
 from tests.e2e.tenancy_support import write_tenants_file, write_token_file
 from tests.redis_support import redis_cluster, redis_node, requires_redis
 
@@ -32,16 +30,6 @@ SERVICE_FLAGS = ("--chunk-size", "8")
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def reference_ids(model_dir, prompt: str) -> list[int]:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    input_ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-    with torch.inference_mode():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                max_new_tokens=MAX_NEW_TOKENS)
-    return output[0, input_ids.shape[1]:].tolist()
 
 
 @contextmanager
@@ -87,7 +75,7 @@ def test_a_document_warmed_on_host_a_is_reused_on_host_b(tmp_path, tiny_model_di
             l2_on_b = daemon_b.Stats(cache_pb2.CacheStatsRequest(), timeout=5).l2
     assert reused.cached_tokens >= 0.9 * len(DOCUMENT) and reused.kv_reuse_ratio >= 0.75
     assert l2_on_b.hits >= warmed.chunks_stored - 1 and not l2_on_b.degraded
-    assert list(reused.output_token_ids) == reference_ids(tiny_model_dir, prompt)
+    assert list(reused.output_token_ids) == reference_ids(tiny_model_dir, prompt, MAX_NEW_TOKENS)
 
 
 def test_tenancy_holds_in_l2_across_hosts(tmp_path, tiny_model_dir):
@@ -118,5 +106,5 @@ def test_tenancy_holds_in_l2_across_hosts(tmp_path, tiny_model_dir):
     assert warmed.chunks_stored > 0
     assert bob_result.cached_tokens == 0, "bob reused alice's chunks through L2"
     assert alice_result.cached_tokens >= 0.9 * len(DOCUMENT)
-    expected = reference_ids(tiny_model_dir, prompt)
+    expected = reference_ids(tiny_model_dir, prompt, MAX_NEW_TOKENS)
     assert list(alice_result.output_token_ids) == expected == list(bob_result.output_token_ids)

@@ -1,6 +1,7 @@
 """Chunks in Redis or Redis Cluster: the only module that imports redis."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import struct
 import threading
@@ -39,7 +40,7 @@ class L2Hit:
 
 
 def encode_record(chunk: IncomingChunk) -> bytes:
-    header = encode_entry(chunk.to_entry(now=0.0))
+    header = encode_entry(dataclasses.replace(chunk.to_entry(now=0.0), pinned=False))  # pins stay in L1
     return _HEADER_LENGTH.pack(len(header)) + header + chunk.blob
 
 

@@ -26,6 +26,7 @@ class WriteBehindQueue:
         self._queued_bytes = 0
         self._closed = False
         self._busy = False
+        self._num_in_flight = 0
         self.num_written = 0
         self.num_dropped = 0
         self._thread = threading.Thread(target=self._run, name="l2-writer", daemon=True)
@@ -49,8 +50,9 @@ class WriteBehindQueue:
 
     @property
     def num_queued(self) -> int:
+        """Chunks submitted and not yet written or dropped (the batch being written included)."""
         with self._condition:
-            return len(self._queue)
+            return len(self._queue) + self._num_in_flight
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Waits until every queued chunk was written or dropped; False on timeout."""
@@ -73,6 +75,7 @@ class WriteBehindQueue:
                 batch = [self._queue.popleft() for _ in range(min(MAX_BATCH_CHUNKS, len(self._queue)))]
                 self._queued_bytes -= sum(len(chunk.blob) for chunk in batch)
                 self._busy = True
+                self._num_in_flight = len(batch)
             try:
                 self._write(batch)
                 written, dropped = len(batch), 0
@@ -83,4 +86,5 @@ class WriteBehindQueue:
                 self.num_written += written
                 self.num_dropped += dropped
                 self._busy = False
+                self._num_in_flight = 0
                 self._condition.notify_all()

@@ -15,7 +15,7 @@ from tests.daemon_support import cache_stub
 from tests.e2e.daemon_process import start_daemon
 from tests.e2e.service_process import generate, running_service
 from tests.e2e.stack_process import reference_ids, save_tiny_model
-from tests.e2e.tenancy_support import write_tenants_file, write_token_file
+from tests.e2e.tenancy_support import as_tenant, write_tenants_file, write_token_file
 from tests.redis_support import redis_cluster, redis_node, requires_redis
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), requires_redis]
@@ -42,12 +42,12 @@ def l2_url(kind: str, folder):
             yield cluster.url
 
 
-def wait_for_l2_writes(daemon_address: str, num_chunks: int, timeout_s: float = 20.0) -> None:
+def wait_for_l2_writes(daemon_address: str, num_chunks: int, timeout_s: float = 20.0, metadata=None) -> None:
     """Until the daemon's write-behind queue has written num_chunks chunks to L2."""
     deadline = time.monotonic() + timeout_s
     with cache_stub(daemon_address) as stub:
         while True:
-            l2 = stub.Stats(cache_pb2.CacheStatsRequest(), timeout=5).l2
+            l2 = stub.Stats(cache_pb2.CacheStatsRequest(), timeout=5, metadata=metadata).l2
             if l2.writes >= num_chunks and l2.queued_writes == 0:
                 return
             assert time.monotonic() < deadline, f"L2 writes stuck at {l2}"
@@ -98,7 +98,8 @@ def test_tenancy_holds_in_l2_across_hosts(tmp_path, tiny_model_dir):
 
         with service(daemons[0], "alice").stub() as alice_a:
             warmed = alice_a.Warm(pb.WarmRequest(text=DOCUMENT), timeout=60)
-        time.sleep(1.0)  # write-behind (Stats of a tenant shows no daemon-wide L2 counters)
+        # The admin sees the daemon-wide L2 counters (a tenant's Stats shows none).
+        wait_for_l2_writes(daemons[0].address, warmed.chunks_stored, metadata=as_tenant("ops"))
         with service(daemons[1], "bob").stub() as bob_b:
             _, bob_result = generate(bob_b, prompt, max_new_tokens=MAX_NEW_TOKENS, mode=pb.PREFIX_CACHE)
         with service(daemons[1], "alice").stub() as alice_b:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 from cache_daemon.entry import ChunkKey, IncomingChunk
 from cache_daemon.l2.writer import WriteBehindQueue
@@ -15,27 +14,26 @@ def chunk(label: str, size_bytes: int) -> IncomingChunk:
 
 
 def test_a_full_queue_drops_and_counts_instead_of_blocking():
-    release = threading.Event()
+    release, writing = threading.Event(), threading.Event()
     written: list[str] = []
 
     def slow_write(chunks):
+        writing.set()
         release.wait(10)
         written.extend(c.key.hex()[:4] for c in chunks)
 
     queue = WriteBehindQueue(slow_write, max_bytes=250)
     try:
         assert queue.submit([chunk("first", 100)]) == 0  # the writer takes it and blocks in slow_write
-        deadline = time.monotonic() + 10
-        while queue.num_queued and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert writing.wait(10)
         assert queue.drain(0.05) is False
         # 100 + 100 fit beside nothing else queued; the third would pass 250 bytes: dropped at once.
         assert queue.submit([chunk("a", 100), chunk("b", 100), chunk("c", 100)]) == 1
-        assert (queue.num_dropped, queue.num_queued) == (1, 2)
+        assert (queue.num_dropped, queue.num_queued) == (1, 3)  # two queued, one being written
         release.set()
         assert queue.drain(10)
         assert written == [digest(label).hex()[:4] for label in ("first", "a", "b")]
-        assert (queue.num_written, queue.num_dropped) == (3, 1)
+        assert (queue.num_written, queue.num_dropped, queue.num_queued) == (3, 1, 0)
     finally:
         release.set()
         queue.close()

@@ -44,6 +44,7 @@ class DaemonConfig:
     l2_wait_replicas: int = -1  # sync writes wait for this many replicas; -1 = 1 for a cluster, 0 for one node
     l2_timeout_s: float = 1.0  # socket timeout of every L2 call; an outage costs at most this per retry
     l2_retry_interval_s: float = 1.0  # while L2 is down, one call tries it again this often
+    l2_sync_timeout_s: float = 10.0  # a sync Store retries L2 (through a failover) this long, then UNAVAILABLE
 
     def __post_init__(self) -> None:
         _require(self.max_bytes > 0, f"--max-bytes must be positive, got {self.max_bytes}")
@@ -63,8 +64,8 @@ class DaemonConfig:
         _require(self.l2_write in ("behind", "sync"), f"--l2-write must be behind or sync, got {self.l2_write!r}")
         _require(self.l2_queue_bytes > 0, f"--l2-queue-bytes must be positive, got {self.l2_queue_bytes}")
         _require(self.l2_wait_replicas >= -1, f"--l2-wait-replicas must be >= 0, got {self.l2_wait_replicas}")
-        _require(self.l2_timeout_s > 0 and self.l2_retry_interval_s > 0,
-                 "--l2-timeout and --l2-retry-interval must be positive")
+        _require(self.l2_timeout_s > 0 and self.l2_retry_interval_s > 0 and self.l2_sync_timeout_s > 0,
+                 "--l2-timeout, --l2-retry-interval and --l2-sync-timeout must be positive")
         if self.l2:
             parse_l2_address(self.l2)  # ValueError with the reason
 
@@ -176,6 +177,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                         help="seconds before an L2 call counts as failed [KVBOOST_L2_TIMEOUT]")
     parser.add_argument("--l2-retry-interval", type=float, default=env("KVBOOST_L2_RETRY_INTERVAL", "1.0"),
                         help="seconds between tries while L2 is down [KVBOOST_L2_RETRY_INTERVAL]")
+    parser.add_argument("--l2-sync-timeout", type=float, default=env("KVBOOST_L2_SYNC_TIMEOUT", "10"),
+                        help="seconds a --l2-write sync Store keeps trying L2 (a cluster failover takes the "
+                             "node timeout and more) before it answers UNAVAILABLE [KVBOOST_L2_SYNC_TIMEOUT]")
     parser.add_argument("--log-level", default=env("KVBOOST_LOG_LEVEL", "INFO"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="[KVBOOST_LOG_LEVEL]")
     return parser
@@ -196,6 +200,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             l2=args.l2, l2_password_file=args.l2_password_file, l2_write=args.l2_write,
             l2_queue_bytes=args.l2_queue_bytes, l2_wait_replicas=args.l2_wait_replicas,
             l2_timeout_s=args.l2_timeout, l2_retry_interval_s=args.l2_retry_interval,
+            l2_sync_timeout_s=args.l2_sync_timeout,
         )
     except ValueError as error:
         parser.error(str(error))

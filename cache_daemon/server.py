@@ -82,7 +82,8 @@ def open_cache(config: DaemonConfig) -> ChunkCache | TieredCache:
     tier = RedisTier(address, wait_replicas=config.num_l2_wait_replicas, timeout_s=config.l2_timeout_s,
                      retry_interval_s=config.l2_retry_interval_s)
     logger.info("L2 tier: %s, writes %s", address.redacted(), config.l2_write)
-    return TieredCache(cache, tier, sync_writes=config.l2_write == "sync", queue_bytes=config.l2_queue_bytes)
+    return TieredCache(cache, tier, sync_writes=config.l2_write == "sync", queue_bytes=config.l2_queue_bytes,
+                       sync_deadline_s=config.l2_sync_timeout_s)
 
 
 def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: health.aio.HealthServicer,

@@ -147,3 +147,14 @@ def test_l2_down_at_start_serves_from_lmdb_reports_degraded_and_reconnects(tmp_p
                 assert list(lookup(stub_b, [later.key, first.key]).prefix_hit) == [True, False]
         finally:
             node.stop()
+
+
+def test_a_sync_store_that_l2_cannot_take_is_unavailable_and_kept_in_lmdb(tmp_path):
+    chunk = make_chunk("unacknowledged", 2000)
+    url = f"redis://127.0.0.1:{pick_free_port()}"  # nothing listens there
+    with running_daemon(tmp_path / "a", l2=url, l2_write="sync", l2_timeout_s=0.2, l2_retry_interval_s=0.1,
+                        l2_sync_timeout_s=0.5) as host_a, cache_stub(host_a.address) as stub_a:
+        error = rpc_error(store_chunks, stub_a, [chunk])
+        assert error.code().name == "UNAVAILABLE"
+        assert "stored in this host's LMDB, not acknowledged by L2" in error.details()
+        assert lookup(stub_a, [chunk.key]).prefix_run == 1  # this host still serves it

@@ -27,11 +27,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from kvboost.v1 import cache_pb2  # noqa: E402
 
-from bench.bench_ttft import EnginePath, build_context, context_length, grpc_store, question  # noqa: E402
+from bench.bench_ttft import EnginePath, build_context, context_length, question  # noqa: E402
 from inference_service.engine.engine import EngineConfig  # noqa: E402
 from inference_service.model.loading import load_model  # noqa: E402
 from inference_service.model.weights import DEFAULT_MODEL  # noqa: E402
 from inference_service.store.colocated import ColocatedStore  # noqa: E402
+from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions  # noqa: E402
 
 
 def start_tier_daemons(stack: ExitStack, workdir: Path, redis_url: str) -> dict[str, str]:
@@ -47,7 +48,13 @@ def start_tier_daemons(stack: ExitStack, workdir: Path, redis_url: str) -> dict[
 
 
 def engine_over(stack: ExitStack, name: str, loaded, config: EngineConfig, address: str) -> EnginePath:
-    store = ColocatedStore(grpc_store(stack, address), "on")
+    # A Lookup that hits L2 moves the blobs into LMDB before it answers: its deadline (the service's
+    # --cache-timeout, 1 s by default) must cover that transfer, ~70 MB here on a loaded 2-core machine.
+    options = GrpcStoreOptions(address=address, rpc_timeout_s=10.0, fetch_timeout_s=60.0, store_timeout_s=60.0)
+    remote = GrpcChunkStore(options)
+    stack.callback(remote.close)
+    assert remote.check(), f"cache daemon at {address} does not answer"
+    store = ColocatedStore(remote, "on")
     store.check()
     path = EnginePath(name, loaded, config, store)
     stack.callback(path.close)

@@ -13,12 +13,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvboost.v1 import cache_pb2
 
-from cache_daemon.cache import ChunkCache
+from cache_daemon.cache import NAMESPACE_OWNER_PREFIX, ChunkCache
 from cache_daemon.config import DaemonConfig
 from cache_daemon.errors import StartupError
 from cache_daemon.interceptors import RequestContextInterceptor
 from cache_daemon.metrics import Refusals, start_metrics_server
-from cache_daemon.servicer import NAMESPACE_OWNER_PREFIX, CacheServicer, add_cache_servicer
+from cache_daemon.servicer import CacheServicer, add_cache_servicer
 from cache_daemon.tenancy import SECRET_SIZE, Tenancy, Tenant, current_tenant, load_tenants_file
 from kvboost_common.auth import BearerTokenInterceptor, TokenTableInterceptor, load_token
 from kvboost_common.addresses import is_unix
@@ -51,6 +51,12 @@ def open_tenancy(cache: ChunkCache, tenants_by_token: dict[str, Tenant]) -> Tena
     secret = store.info_value(TENANCY_SECRET_KEY, lambda: os.urandom(SECRET_SIZE))
     owners = {namespace: name.decode() for namespace, name in store.info_items(NAMESPACE_OWNER_PREFIX).items()}
     return Tenancy(secret, tenants_by_token.values(), owners)
+
+
+def share_budgets(tenants_by_token: dict[str, Tenant] | None) -> dict[str, int]:
+    """Tenant -> max_bytes for the tenants with a share of the budget of their own."""
+    return {tenant.name: tenant.max_bytes for tenant in (tenants_by_token or {}).values()
+            if tenant.max_bytes is not None and not tenant.admin}
 
 
 def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: health.aio.HealthServicer,
@@ -105,7 +111,7 @@ class CacheDaemon:
                 raise StartupError(f"cannot use --tenants-file {config.tenants_file}: {error}") from error
         try:
             cache = await asyncio.to_thread(ChunkCache.open, config.data_dir, config.initial_map_size,
-                                            config.max_bytes, config.half_life)
+                                            config.max_bytes, config.half_life, share_budgets(tenants_by_token))
         except (RuntimeError, OSError) as error:
             raise StartupError(f"cannot open {config.data_dir}: {error}") from error
         health_servicer = health.aio.HealthServicer()

@@ -273,7 +273,8 @@ class ChunkCache:
             plan = eviction.plan_admission_from_totals(share.num_bytes, share.pinned_bytes, index.iter_victims(share),
                                                        mine, share.max_bytes)
             if mine and not plan.admitted:
-                full_shares.append(f"tenant {share.tenant}'s share max_bytes={share.max_bytes}")
+                full_shares.append(f"tenant {share.tenant}'s share max_bytes={share.max_bytes} "
+                                   "(or a chunk is larger than that share)")
             victims += plan.victims
             rejected.update(plan.rejected)
         chosen = set(victims)
@@ -284,7 +285,7 @@ class ChunkCache:
             [item for item in incoming if item[0] not in rejected], self.max_bytes)
         if incoming and not plan.admitted:
             budgets = ", ".join(full_shares) or f"the budget --max-bytes={self.max_bytes}"
-            raise BudgetExceeded(f"pinned chunks (or a chunk larger than the budget) fill {budgets}: "
+            raise BudgetExceeded(f"pinned chunks fill {budgets}: "
                                  f"no room for {len(incoming)} new chunks")
         return eviction.AdmissionPlan(admitted=plan.admitted, rejected=[key for key, _ in incoming if key in rejected]
                                       + plan.rejected, victims=victims + plan.victims,

@@ -194,9 +194,10 @@ def test_bob_filling_his_share_never_evicts_alices_chunks_before_or_after_a_rest
             bob_stays_inside_his_share(stub)
             alice_stats = stub.Stats(cache_pb2.CacheStatsRequest(), metadata=ALICE, timeout=5)
             assert (alice_stats.bytes, alice_stats.max_bytes) == (30_000, 60_000), "no share: the daemon's budget"
-            # Bob keeps his newest chunks, the least used of his own went first.
+            # Bob keeps his newest chunks: the least recently used of his own went first (ties within one
+            # Store go by key, so which 2 of the 4 before the last Store stay is the keys' order).
             held = [chunk.found for chunk in fetch_chunks(stub, [c.key for c in bob_chunks[:20]], metadata=BOB)]
-            assert held == [False] * 14 + [True] * 6
+            assert held[16:] == [True] * 4 and sum(held[12:16]) == 2 and not any(held[:12])
     finally:
         daemon.terminate()
     daemon = start_daemon(data_dir, port, *flags)

@@ -144,11 +144,11 @@ class EntryIndex:
         ordered = queued[order]
         self.heap.replace_all(ordered)
         if self.shares:  # a sorted subsequence is sorted too: each share's heap is its part of the order
-            share_of_namespace = {id(share): index for index, share in enumerate(self.shares.values())}
-            table = np.array([-1 if share is None else share_of_namespace[id(share)]
-                              for share in self._namespace_shares] or [-1], dtype=np.int64)
+            shares = list(self.shares.values())  # Share compares by identity
+            table = np.array([-1 if share is None else shares.index(share) for share in self._namespace_shares]
+                             or [-1], dtype=np.int64)
             share_ids = table[np.frombuffer(self.namespace_ids, dtype=np.uint32)[ordered]]
-            for index, share in enumerate(self.shares.values()):
+            for index, share in enumerate(shares):
                 share.heap.replace_all(ordered[share_ids == index])
         self._free_slots = array("i", np.flatnonzero(flags == 0)[::-1].astype(np.int32).tobytes())
 

@@ -162,6 +162,33 @@ def print_probe_rows(rows: list[dict]) -> None:
 
 # ---- 2. TTFT with and without the tenants check ----
 
+def check_cost_us() -> float:
+    """CPU time of what tenancy adds to one ~1600-token request: the key mapping of a Lookup (namespace +
+    12 keys), of a Fetch (12 keys in, 12 namespaces out), of the write-back Store, and two token digests."""
+    import timeit
+
+    from cache_daemon.tenancy import KeySpace
+    from kvboost_common.auth import _token_digest
+
+    space, keys = KeySpace(os.urandom(32)), [os.urandom(32) for _ in range(KEYS_PER_REQUEST)]
+
+    def per_request() -> None:
+        space.scope(keys[0])
+        space.scope_all(keys)
+        space.scope_all(keys)
+        [space.unscope(key) for key in keys]
+        _token_digest(TOKENS["alice"])
+        _token_digest(TOKENS["alice"])
+
+    return min(timeit.repeat(per_request, number=2000, repeat=5)) / 2000 * 1e6
+
+
+def ratio_interval(candidate: list[float], baseline: list[float], rng: random.Random) -> tuple[float, float]:
+    """Bootstrap 95% interval of median(candidate) / median(baseline)."""
+    ratios = sorted(statistics.median(rng.choices(candidate, k=len(candidate)))
+                    / statistics.median(rng.choices(baseline, k=len(baseline))) for _ in range(2000))
+    return ratios[50], ratios[1949]
+
 def ttft_rows(plain_address: str, tenants_address: str, runs: int, prompt_tokens: int, stack: ExitStack) -> list[dict]:
     import torch
 
@@ -208,13 +235,20 @@ def ttft_rows(plain_address: str, tenants_address: str, runs: int, prompt_tokens
     for engine in engines.values():
         engine.close()
     baseline = statistics.median(samples["no tenants, stream"])
+    check_us = check_cost_us()
     print(f"\nTTFT, {loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, ~{prompt_tokens}-token prompt "
           f"({outcome.cached_tokens} cached), median of {runs} alternated runs\n")
     rows = []
     for name, values in samples.items():
         median = statistics.median(values)
-        rows.append({"path": name, "median_ms": median, "ratio": median / baseline, "ttft_ms": values})
-        print(f"{name:<24} median {median:7.1f} ms   x no-tenants stream {median / baseline:.3f}", flush=True)
+        low, high = ratio_interval(values, samples["no tenants, stream"], random.Random(7))
+        rows.append({"path": name, "median_ms": median, "ratio": median / baseline, "ratio_ci": [low, high],
+                     "ttft_ms": values})
+        print(f"{name:<24} median {median:7.1f} ms   x no-tenants stream {median / baseline:.3f} "
+              f"(95% CI {low:.3f}-{high:.3f})", flush=True)
+    print(f"tenancy's own CPU work per request (key mapping, token digests): {check_us:.0f} us = "
+          f"{check_us / 1000 / baseline:.3%} of the no-tenants median", flush=True)
+    rows.append({"path": "check cost", "check_us": check_us, "fraction_of_ttft": check_us / 1000 / baseline})
     return rows
 
 

@@ -43,10 +43,10 @@ def allocate_batch(config, geometry: KVGeometry, num_rows: int, capacity: int, p
         keys[:, :, :, :prefix_len].copy_(prefix_keys.unsqueeze(1).expand(-1, num_rows, -1, -1, -1))
         values[:, :, :, :prefix_len].copy_(prefix_values.unsqueeze(1).expand(-1, num_rows, -1, -1, -1))
     mask = torch.ones((num_rows, prefix_len), dtype=torch.long, device=device)
-    return PaddedBatch(keys, values, mask, _batch_cache(config, keys, values, prefix_len), prefix_len, [])
+    return PaddedBatch(keys, values, mask, batch_cache(config, keys, values, prefix_len), prefix_len, [])
 
 
-def _batch_cache(config, keys: torch.Tensor, values: torch.Tensor, num_tokens: int) -> DynamicCache:
+def batch_cache(config, keys: torch.Tensor, values: torch.Tensor, num_tokens: int) -> DynamicCache:
     cache = DynamicCache(config=config)
     for index, layer in enumerate(cache.layers):
         assert type(layer) is DynamicLayer, "padded batches need full-attention layers (see has_sliding_layers)"
@@ -111,4 +111,4 @@ def keep_rows(config, batch: PaddedBatch, slots: Sequence[int]) -> None:
     batch.values = batch.values.index_select(1, index)
     batch.attention_mask = batch.attention_mask.index_select(0, index)
     batch.pads = [batch.pads[slot] for slot in slots]
-    batch.cache = _batch_cache(config, batch.keys, batch.values, length)
+    batch.cache = batch_cache(config, batch.keys, batch.values, length)

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference_service.store.memory import InMemoryStore
 from inference_service.serving.config import ServiceConfig
+from inference_service.engine import scheduler as scheduler_module
 from inference_service.engine.engine import Engine, EngineConfig
 from inference_service.serving.server import CACHE_HEALTH_NAME, SERVICE_NAME, build_server
 from kvboost.v1 import inference_pb2 as pb
@@ -71,15 +72,21 @@ async def wait_until(condition, timeout_s: float = 10.0, what: str = "condition"
         await asyncio.sleep(0.02)
 
 
-def record_outcomes(engine) -> list:
-    """Wraps engine.generate_choices so the test sees each outcome the engine returned."""
-    outcomes, original = [], engine.generate_choices
+def record_outcomes(engine, monkeypatch) -> list:
+    """Wraps engine.generate_choices (serial) and the scheduler's record_outcome (continuous) so the test
+    sees each outcome the engine produced."""
+    outcomes, original, original_record = [], engine.generate_choices, scheduler_module.record_outcome
 
     def recording(*args, **kwargs):
         outcomes.extend(original(*args, **kwargs))
         return outcomes[-1:]
 
-    engine.generate_choices = recording
+    def recording_outcome(*args, **kwargs):
+        outcomes.append(original_record(*args, **kwargs))
+        return outcomes[-1]
+
+    monkeypatch.setattr(engine, "generate_choices", recording)
+    monkeypatch.setattr(scheduler_module, "record_outcome", recording_outcome)
     return outcomes
 
 
@@ -174,11 +181,12 @@ def test_a_full_queue_is_resource_exhausted_and_counted(engine) -> None:
     assert queued_result.generated_tokens == 2
 
 
-def test_client_cancellation_stops_generation(engine) -> None:
-    outcomes = record_outcomes(engine)
+@pytest.mark.parametrize("scheduler", ["continuous", "serial"])
+def test_client_cancellation_stops_generation(engine, monkeypatch, scheduler) -> None:
+    outcomes = record_outcomes(engine, monkeypatch)
 
     async def scenario():
-        async with serving(engine) as (_, stub, _health):
+        async with serving(engine, scheduler=scheduler) as (_, stub, _health):
             call = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=MAX_NEW_TOKENS_LIMIT - len(PROMPT)))
             first = await call.read()
             call.cancel()
@@ -191,11 +199,12 @@ def test_client_cancellation_stops_generation(engine) -> None:
     assert outcomes[0].generated_tokens < MAX_NEW_TOKENS_LIMIT - len(PROMPT)
 
 
-def test_a_passed_deadline_stops_generation(engine) -> None:
-    outcomes = record_outcomes(engine)
+@pytest.mark.parametrize("scheduler", ["continuous", "serial"])
+def test_a_passed_deadline_stops_generation(engine, monkeypatch, scheduler) -> None:
+    outcomes = record_outcomes(engine, monkeypatch)
 
     async def scenario():
-        async with serving(engine) as (_, stub, _health):
+        async with serving(engine, scheduler=scheduler) as (_, stub, _health):
             request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=MAX_NEW_TOKENS_LIMIT - len(PROMPT))
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 async for _ in stub.Generate(request, timeout=0.3):

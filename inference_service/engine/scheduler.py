@@ -1,8 +1,9 @@
 """Continuous batching: requests join the running batch between decode steps and leave as each one ends.
 
-The scheduler is driven by the model worker thread: `submit` queues a request, every `step` admits what
-fits (prefix hits, content-hit repair and prefill through the same pipeline as a single request, the
-first token, its write-back) and then runs ONE batched decode step for every running request. Each
+The scheduler is driven by the model worker thread: `submit` queues a request, every `step` spends a
+bounded prefill budget on joining requests (prefix hits, content-hit repair and the uncached suffix in
+pieces, through the same pipeline as a single request; then the first token and its write-back) and
+then runs ONE batched decode step for every running request. Each
 request keeps its own mode, sampler, seed, stop strings and length limit (a RowDecoder per request).
 """
 from __future__ import annotations
@@ -13,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from inference_service.engine.assembler import empty_context
+from inference_service.engine.chunked_prefill import ChunkedPrefill
 from inference_service.engine.generation import OnToken, RowDecoder, SamplingSettings
 from inference_service.engine.pipeline import (
-    EngineParts, Prefilled, cancelled_before_start, for_request, plan_request, prefill_prompt, record_outcome,
-    repair_options, submit_write_back,
+    EngineParts, Prefilled, cancelled_before_start, for_request, plan_request, record_outcome, repair_options,
+    submit_write_back,
 )
 from inference_service.engine.prompts import PromptPlan
 from inference_service.engine.types import GenerationOutcome, GenerationParams, TokenEvent
@@ -75,6 +77,7 @@ class Scheduler:
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     waiting: deque = field(default_factory=deque)
     rows: dict = field(default_factory=dict)  # slot -> RunningRow
+    prefilling: list = field(default_factory=list)  # (StreamRequest, ChunkedPrefill), oldest first
     num_steps: int = 0
 
     def __post_init__(self) -> None:
@@ -91,13 +94,15 @@ class Scheduler:
 
     @property
     def num_reserved_tokens(self) -> int:
-        return sum(row.request.num_reserved_tokens for row in self.rows.values())
+        """Prompt + max_new_tokens of every request running or prefilling."""
+        return (sum(row.request.num_reserved_tokens for row in self.rows.values())
+                + sum(request.num_reserved_tokens for request, _ in self.prefilling))
 
     def submit(self, request: StreamRequest) -> None:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.rows)
+        return bool(self.waiting or self.rows or self.prefilling)
 
     def step(self) -> None:
         """Admits waiting requests that fit, then decodes one token for every running request."""
@@ -117,15 +122,21 @@ class Scheduler:
         """Ends every request with `error` and starts over with an empty batch (after a failed step)."""
         self.fail_waiting(error)
         rows, self.rows = self.rows, {}
-        for row in rows.values():
-            row.request.on_done(None, error)
+        prefilling, self.prefilling = self.prefilling, []
+        for request in [row.request for row in rows.values()] + [request for request, _ in prefilling]:
+            request.on_done(None, error)
         self.batch = RunningBatch(self.parts.model.config, self.parts.geometry, self.parts.device, self.parts.dtype)
 
     # ---- admission ------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        num_prefilled = 0
-        while self.waiting and len(self.rows) < self.limits.max_running_requests:
+        """Spends this step's prefill budget: first on prefills under way, then on waiting requests that fit."""
+        budget = self.limits.max_prefill_tokens
+        for request, prefill in list(self.prefilling):
+            if budget <= 0:
+                return
+            budget -= self._advance(request, prefill, budget)
+        while self.waiting and budget > 0 and self.num_running + len(self.prefilling) < self.limits.max_running_requests:
             request = self.waiting[0]
             try:
                 _maybe_plan(self.parts, request)
@@ -133,25 +144,38 @@ class Scheduler:
                 self.waiting.popleft().on_done(None, error)
                 continue
             over_budget = self.num_reserved_tokens + request.num_reserved_tokens > self.limits.max_batch_tokens
-            if self.rows and (over_budget or num_prefilled >= self.limits.max_prefill_tokens):
-                return  # waits for rows to finish, or for the next step
+            if (self.rows or self.prefilling) and over_budget:
+                return  # waits for running requests to finish
             self.waiting.popleft()
+            if request.should_stop():  # cancelled or past its deadline while waiting
+                request.on_done(record_outcome(request.parts, request.params, request.mode, request.prompt,
+                                               empty_context(), 0, cancelled_before_start()), None)
+                continue
             try:
-                num_prefilled += self._start(request)
+                prefill = ChunkedPrefill(request.parts, request.prompt, request.mode,
+                                         request.num_reserved_tokens, request.params.request_id,
+                                         repair_options(request.parts, request.params), request.params.prompt_logprobs)
             except Exception as error:
-                logger.exception("[%s] prefill failed", request.params.request_id)
-                request.on_done(None, error)
+                self._fail(request, error)
+                continue
+            self.prefilling.append((request, prefill))
+            budget -= self._advance(request, prefill, budget)
 
-    def _start(self, request: StreamRequest) -> int:
-        """Prefills the request and picks its first token; returns the number of prompt tokens it ran."""
-        parts, params, prompt = request.parts, request.params, request.prompt
-        if request.should_stop():  # cancelled or past its deadline while waiting
-            request.on_done(record_outcome(parts, params, request.mode, prompt, empty_context(), 0,
-                                           cancelled_before_start()), None)
+    def _advance(self, request: StreamRequest, prefill: ChunkedPrefill, budget: int) -> int:
+        """Runs one piece of the request's prefill; when it is done, the request picks its first token and joins."""
+        try:
+            num_run = prefill.advance(budget)
+        except Exception as error:
+            self.prefilling.remove((request, prefill))
+            self._fail(request, error)
             return 0
-        prefilled = prefill_prompt(parts, prompt, request.mode, prompt.num_tokens + request.max_new_tokens,
-                                   params.request_id, repair_options(parts, params),
-                                   num_prompt_logprobs=params.prompt_logprobs)
+        if prefill.done is not None:
+            self.prefilling.remove((request, prefill))
+            self._join(request, prefill.done)
+        return num_run
+
+    def _join(self, request: StreamRequest, prefilled: Prefilled) -> None:
+        parts, params, prompt = request.parts, request.params, request.prompt
         if prefilled.prompt_logprobs and request.on_token is not None:
             request.on_token(TokenEvent("", (), prompt_logprobs=prefilled.prompt_logprobs))
         decoder = RowDecoder(
@@ -164,11 +188,14 @@ class Scheduler:
         row.next_position = prompt.num_tokens
         if decoder.reason:
             self._finish(row)
-        else:
-            length = prompt.num_tokens
-            slot = self.batch.add(prefilled.key_buffer[:, :, :length], prefilled.value_buffer[:, :, :length])
-            self.rows[slot] = row
-        return prompt.num_tokens - prefilled.num_cached_tokens
+            return
+        length = prompt.num_tokens
+        slot = self.batch.add(prefilled.key_buffer[:, :, :length], prefilled.value_buffer[:, :, :length])
+        self.rows[slot] = row
+
+    def _fail(self, request: StreamRequest, error: BaseException) -> None:
+        logger.exception("[%s] prefill failed", request.params.request_id, exc_info=error)
+        request.on_done(None, error)
 
     # ---- decoding -------------------------------------------------------------------------------
 

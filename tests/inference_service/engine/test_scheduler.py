@@ -173,3 +173,29 @@ def test_a_bad_request_fails_alone(tiny_model):
     run_until_done(scheduler, [good, bad], {0: [bad, good]})
     assert isinstance(bad.error, InvalidRequest)
     assert good.outcome.output_token_ids == expected(model, tokenizer, SYSTEM, 6)
+
+
+def test_a_long_prefill_runs_in_pieces_between_decode_steps_and_is_written_back(tiny_model):
+    model, tokenizer = tiny_model
+    scheduler = make_scheduler(model, tokenizer, max_prefill_tokens=8)
+    decoding = Tracked("short", 20)
+    long_prompt = SYSTEM + QUESTIONS[1]  # ~140 uncached tokens: ~18 pieces of 8
+    long = Tracked(long_prompt, 6)
+    scheduler.submit(decoding.request)
+    scheduler.step()  # `short` (5 tokens) prefills in one piece and decodes
+    scheduler.submit(long.request)
+    tokens_while_prefilling = []
+    while not long.token_ids:
+        before = len(decoding.token_ids)
+        scheduler.step()
+        tokens_while_prefilling.append(len(decoding.token_ids) - before)
+    assert len(tokens_while_prefilling) >= 140 // 8, "the prefill took one piece per step"
+    assert all(count == 1 for count in tokens_while_prefilling[:-1]), "`short` decoded on every step meanwhile"
+    run_until_done(scheduler, [decoding, long])
+    assert long.outcome.output_token_ids == expected(model, tokenizer, long_prompt, 6)
+    assert decoding.outcome.output_token_ids == expected(model, tokenizer, "short", 20)
+    scheduler.parts.writeback.flush()
+    again = Tracked(long_prompt, 6)
+    run_until_done(scheduler, [again], {0: [again]})
+    assert again.outcome.cached_tokens == long.outcome.prompt_tokens - 1, "every chunk of the pieces was stored"
+    assert again.outcome.output_token_ids == long.outcome.output_token_ids

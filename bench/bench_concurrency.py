@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.load import Report, rss_bytes, run_load  # noqa: E402
+from bench.load import SYSTEM_PROMPT, Report, rss_bytes, run_load  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 
 SCHEDULERS = ("serial", "continuous")
@@ -49,6 +49,16 @@ def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str
         stack.callback(lambda service=service: service.process.poll() is None and service.terminate())
         addresses[scheduler] = service.address
     return addresses, daemon.address, daemon.process.pid
+
+
+def warm_system_prompt(address: str) -> None:
+    import grpc
+    from kvboost.v1 import inference_pb2 as pb
+    from kvboost.v1 import inference_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        result = inference_pb2_grpc.InferenceServiceStub(channel).Warm(pb.WarmRequest(text=SYSTEM_PROMPT), timeout=300)
+    print(f"warmed the system prompt: {result.token_count} tokens, {result.chunks_stored} chunks stored", flush=True)
 
 
 def format_row(scheduler: str, report: Report) -> str:
@@ -88,18 +98,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--max-bytes", default="256M", help="daemon budget")
     parser.add_argument("--max-queue", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads of each service (OMP_NUM_THREADS); 1 keeps a shared 2-core machine "
+                             "from stalling batched matmuls on busy cores")
+    parser.add_argument("--no-warm", action="store_true",
+                        help="do not Warm the system prompt first (then every request also prefills its tail)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="folder for concurrency.png and .json")
     args = parser.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the services inherit it; torch sizes its pool by it
     rows, failed = [], False
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-concurrency-")))
         addresses, daemon_address, daemon_pid = start_services(
             stack, args.model, args.chunk_size, args.max_bytes, args.max_queue, work_dir)
-        for scheduler in SCHEDULERS:  # warms the system prompt and each service's first forward
+        if not args.no_warm:  # as a deployment would: the shared system prompt, its partial last chunk included
+            warm_system_prompt(addresses["continuous"])
+        for scheduler in SCHEDULERS:  # each service's first forward
             run_load(addresses[scheduler], 1, 0.1, args.max_new_tokens)
         rss_start = rss_bytes(daemon_pid)
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, {args.duration:.0f} s per row, "
-              f"max_new_tokens {args.max_new_tokens}", flush=True)
+              f"max_new_tokens {args.max_new_tokens}, {args.threads} torch thread(s) per service, system prompt "
+              f"{'not ' if args.no_warm else ''}warmed", flush=True)
         for clients in args.levels:
             for scheduler in SCHEDULERS:
                 report = run_load(addresses[scheduler], clients, args.duration, args.max_new_tokens,

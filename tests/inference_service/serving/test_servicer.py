@@ -364,3 +364,59 @@ def test_bearer_token_guards_every_rpc_but_health(engine, tmp_path) -> None:
     assert good.chunk_size == CHUNK_SIZE
     assert events[-1].result.generated_tokens == 2
     assert health == SERVING
+
+
+# --- continuous batching -----------------------------------------------------------------------------
+
+def test_concurrent_streams_share_the_running_batch_and_match_generate_alone(engine, tiny_llama) -> None:
+    from inference_service.engine.prompts import tokenize_prompt
+    from tests.inference_service.engine.test_batch import reference_ids
+
+    model, tokenizer = tiny_llama
+    prompts = [PROMPT + f"Question {index}?" * (index + 1) for index in range(5)] + ["Other prompt."]
+    steps_before = []
+
+    async def scenario():
+        async with serving(engine) as (server, stub, _health):
+            scheduler = server.servicer.worker.scheduler
+            steps_before.append(scheduler.num_steps)
+            calls = [generate(stub, prompt=prompt, max_new_tokens=10 + index, mode=pb.PREFIX_CACHE)
+                     for index, prompt in enumerate(prompts)]
+            results = [events[-1].result for events in await asyncio.gather(*calls)]
+            return results, scheduler.num_steps - steps_before[0]
+
+    results, num_steps = run(scenario())
+    for index, (prompt, result) in enumerate(zip(prompts, results)):
+        assert list(result.output_token_ids) == reference_ids(model, tokenize_prompt(tokenizer, prompt)[0], 10 + index)
+    assert num_steps < sum(result.generated_tokens for result in results), "requests decoded together"
+
+
+def test_requests_waiting_to_join_count_against_the_queue(engine) -> None:
+    from tests.inference_service.engine.test_scheduler import Tracked
+
+    started, release = threading.Event(), threading.Event()
+    waiting = [Tracked(PROMPT, 3), Tracked(PROMPT, 3)]
+
+    def hold_the_model(job):
+        started.set()
+        release.wait(30)
+
+    async def scenario():
+        async with serving(engine, max_queue=3) as (server, stub, _health):
+            worker = server.servicer.worker
+            running = worker.submit(hold_the_model)
+            await asyncio.to_thread(started.wait, 10)
+            for item in waiting:  # two requests waiting for room in the running batch
+                worker.scheduler.submit(item.request)
+            queued = asyncio.create_task(generate(stub, prompt="queued", max_new_tokens=2))
+            await wait_until(lambda: worker.queue_depth == 3, what="the queued request")
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await generate(stub, prompt="refused", max_new_tokens=2)
+            release.set()
+            await running.result()
+            await queued
+            await wait_until(lambda: all(item.done for item in waiting), what="the waiting requests")
+            return raised.value
+
+    assert run(scenario()).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [item.outcome.generated_tokens for item in waiting] == [3, 3]

@@ -377,7 +377,7 @@ def test_concurrent_streams_share_the_running_batch_and_match_generate_alone(eng
     steps_before = []
 
     async def scenario():
-        async with serving(engine) as (server, stub, _health):
+        async with serving(engine, max_queue=16) as (server, stub, _health):
             scheduler = server.servicer.worker.scheduler
             steps_before.append(scheduler.num_steps)
             calls = [generate(stub, prompt=prompt, max_new_tokens=10 + index, mode=pb.PREFIX_CACHE)

@@ -111,3 +111,32 @@ def test_prefix_hits_are_token_identical_to_generate(smollm2, daemon_cache, refe
             mismatches.append((case, expected, [outcome.output_token_ids for outcome in outcomes]))
     assert mismatches == []
     assert hits >= len(rows) * 0.7, "most cases must exercise prefix hits"
+
+
+def test_continuous_batching_is_token_identical_to_generate(smollm2, daemon_cache, references):
+    """Every case through one scheduler, arriving two per step so rows of all lengths share decode steps:
+    first with misses (the write-back runs meanwhile), then again with prefix hits."""
+    from inference_service.engine.scheduler import Scheduler, StreamRequest
+
+    model, tokenizer, path = smollm2
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=32), daemon_cache, model_id=path + "#continuous")
+    scheduler = Scheduler(engine.parts)
+    for attempt in range(2):
+        results: dict[int, object] = {}
+        pending = list(enumerate(references))
+        while pending or scheduler.has_work():
+            for index, (case, _, _) in pending[:2]:
+                def done(outcome, error, index=index):
+                    results[index] = error or outcome
+                scheduler.submit(StreamRequest(GenerationParams(**case, max_new_tokens=MAX_NEW_TOKENS,
+                                                                mode="prefix_cache"), None, lambda: False, done))
+            pending = pending[2:]
+            scheduler.step()
+        engine.flush_writes()
+        mismatches = [(case, expected, results[index].output_token_ids)
+                      for index, (case, _, expected) in enumerate(references)
+                      if results[index].output_token_ids != expected]
+        assert mismatches == [], f"attempt {attempt}"
+        if attempt == 1:
+            hits = sum(results[index].cached_tokens == len(ids) - 1 for index, (_, ids, _) in enumerate(references))
+            assert hits == len(references), "the second attempt reuses all but the last token"

@@ -191,6 +191,8 @@ class Scheduler:
             return
         length = prompt.num_tokens
         slot = self.batch.add(prefilled.key_buffer[:, :, :length], prefilled.value_buffer[:, :, :length])
+        # The batch holds the row's K/V now; the write-back keeps its own views until it has stored them.
+        prefilled.key_buffer = prefilled.value_buffer = prefilled.cache = None
         self.rows[slot] = row
 
     def _fail(self, request: StreamRequest, error: BaseException) -> None:

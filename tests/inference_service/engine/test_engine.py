@@ -133,7 +133,7 @@ def test_sliding_window_model_is_token_identical():
 
 
 def test_grouped_query_sdpa_on_cpu_is_bit_identical(tiny_llama, monkeypatch):
-    """prefer_gqa_attention changes how SDPA is called after a cache hit, never a single bit of the result."""
+    """engine_attention (grouped-query SDPA on CPU) changes how SDPA is called after a cache hit, never a single bit of the result."""
     from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
     from inference_service.model.forward import decode_step, prefill
 

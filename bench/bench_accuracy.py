@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
+from bench.plotting import pyplot  # noqa: E402
 from inference_service.kv import codec  # noqa: E402
 from inference_service.store.memory import InMemoryStore# noqa: E402
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams# noqa: E402
@@ -215,12 +216,7 @@ def print_identity(identity: dict) -> None:
 
 
 def write_plot(table: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
     by_name = {r["column"]: r for r in table}
     blend = sorted((r for r in table if r["ratio"] is not None), key=lambda r: r["ratio"])
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from bench.plotting import pyplot  # noqa: E402
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
 from inference_service.model.loading import load_model  # noqa: E402
 from inference_service.model.weights import DEFAULT_MODEL  # noqa: E402
@@ -222,12 +223,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def write_plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for name in dict.fromkeys(r["path"] for r in rows):
         points = [r for r in rows if r["path"] == name]

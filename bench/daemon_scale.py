@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
+from bench.plotting import pyplot
 from cache_daemon.entry import Entry
 from cache_daemon.store import LmdbStore
 from tests.e2e.daemon_process import start_daemon
@@ -205,10 +206,7 @@ def table(points: list[ScalePoint]) -> list[str]:
 
 
 def plot(points: list[ScalePoint], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sizes = [p.num_entries for p in points]
     figure, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     panels = [

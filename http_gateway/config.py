@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
 from kvboost_common.auth import load_token
+from kvboost_common.env_defaults import env_default_reader
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
 DEFAULT_SERVICE_ADDR = "127.0.0.1:50051"
-_TRUE = ("1", "true", "yes", "on")
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,17 +67,7 @@ def _require(condition: bool, message: str) -> None:
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     defaults = GatewayConfig()
-
-    def default(name: str, value: object) -> object:
-        raw = environ.get(f"KVBOOST_{name}")
-        if raw is None:
-            return value
-        if isinstance(value, bool):
-            return raw.strip().lower() in _TRUE
-        try:
-            return type(value)(raw)
-        except ValueError:
-            raise SystemExit(f"KVBOOST_{name}={raw!r} is not a valid {type(value).__name__}") from None
+    default = env_default_reader(environ)
 
     parser = argparse.ArgumentParser(
         prog="kvboost-gateway",

@@ -82,10 +82,7 @@ async def _collect(request: Request, grpc_request: pb.GenerateRequest) -> Collec
             collected.add(event)
         return collected
 
-    try:
-        return await until_disconnect(request.receive, read_all())
-    except grpc.aio.AioRpcError as error:
-        raise gateway.rpc_error(error) from None
+    return await gateway.call(until_disconnect(request.receive, read_all()))
 
 
 async def _stream(request: Request, grpc_request: pb.GenerateRequest, formatter) -> Response:
@@ -165,10 +162,7 @@ async def tokenize(request: Request) -> Response:
     gateway = _gateway(request)
     body = await parse_body(request, TokenizeRequest)
     await gateway.served_model(body.model)
-    try:
-        reply = await gateway.upstream.tokenize(mapping.tokenize_request(body))
-    except grpc.aio.AioRpcError as error:
-        raise gateway.rpc_error(error) from None
+    reply = await gateway.call(gateway.upstream.tokenize(mapping.tokenize_request(body)))
     return JSONResponse({"count": len(reply.token_ids), "max_model_len": reply.max_context,
                          "tokens": list(reply.token_ids),
                          "token_strs": list(reply.tokens) if body.return_token_strs else None})
@@ -179,10 +173,7 @@ async def detokenize(request: Request) -> Response:
     gateway = _gateway(request)
     body = await parse_body(request, DetokenizeRequest)
     await gateway.served_model(body.model)
-    try:
-        reply = await gateway.upstream.detokenize(body.tokens)
-    except grpc.aio.AioRpcError as error:
-        raise gateway.rpc_error(error) from None
+    reply = await gateway.call(gateway.upstream.detokenize(body.tokens))
     return JSONResponse({"prompt": reply.text})
 
 
@@ -191,10 +182,7 @@ async def warm(request: Request) -> Response:
     gateway = _gateway(request)
     body = await parse_body(request, WarmRequest)
     await gateway.served_model(body.model)
-    try:
-        result = await until_disconnect(request.receive, gateway.upstream.warm(mapping.warm_request(body)))
-    except grpc.aio.AioRpcError as error:
-        raise gateway.rpc_error(error) from None
+    result = await gateway.call(until_disconnect(request.receive, gateway.upstream.warm(mapping.warm_request(body))))
     return JSONResponse({"object": "kvboost.warm", "chunks_stored": result.chunks_stored,
                          "token_count": result.token_count, "chunk_size": result.chunk_size,
                          "chunk_boundary_aligned": result.chunk_boundary_aligned,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from typing import Awaitable, TypeVar
 
 import grpc
 from pydantic import BaseModel, ValidationError
@@ -12,6 +13,8 @@ from http_gateway.errors import GatewayError, from_rpc_error, from_validation_er
 from http_gateway.metrics import GatewayMetrics
 from http_gateway.upstream import Upstream
 from kvboost.v1 import inference_pb2 as pb
+
+T = TypeVar("T")
 
 
 class Gateway:
@@ -25,10 +28,7 @@ class Gateway:
     async def model_info(self) -> pb.ModelInfoReply:
         """The service's ModelInfo, asked once (the service may start after the gateway)."""
         if self._model_info is None:
-            try:
-                self._model_info = await self.upstream.model_info()
-            except grpc.aio.AioRpcError as error:
-                raise self.rpc_error(error) from None
+            self._model_info = await self.call(self.upstream.model_info())
         return self._model_info
 
     async def served_model(self, requested: str | None = None) -> str:
@@ -41,6 +41,13 @@ class Gateway:
 
     def rpc_error(self, error: grpc.RpcError) -> GatewayError:
         return from_rpc_error(error, self.config.retry_after_s)
+
+    async def call(self, rpc: Awaitable[T]) -> T:
+        """Awaits one unary call to the service; its gRPC status becomes the HTTP error an OpenAI client expects."""
+        try:
+            return await rpc
+        except grpc.aio.AioRpcError as error:
+            raise self.rpc_error(error) from None
 
 
 async def parse_body(request: Request, schema: type[BaseModel]) -> BaseModel:

@@ -11,12 +11,12 @@ from inference_service.model.weights import DEFAULT_MODEL
 from inference_service.store.colocated import LOCAL_READ_MODES
 from kvboost_common.addresses import check_listen_address, is_local
 from kvboost_common.auth import load_token
+from kvboost_common.env_defaults import env_default_reader
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_CACHE_ADDR = "127.0.0.1:50052"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-_TRUE = ("1", "true", "yes", "on")
 
 
 @dataclass(slots=True, frozen=True)
@@ -111,17 +111,7 @@ def _require(condition: bool, message: str) -> None:
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     defaults = ServiceConfig()
-
-    def default(name: str, value: object) -> object:
-        raw = environ.get(f"KVBOOST_{name}")
-        if raw is None:
-            return value
-        if isinstance(value, bool):
-            return raw.strip().lower() in _TRUE
-        try:
-            return type(value)(raw)
-        except ValueError:
-            raise SystemExit(f"KVBOOST_{name}={raw!r} is not a valid {type(value).__name__}") from None
+    default = env_default_reader(environ)
 
     parser = argparse.ArgumentParser(
         prog="python -m inference_service",

@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.e2e.child_process import ChildProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CACHE_SERVICE = "kvboost.v1.CacheService"
@@ -19,27 +19,9 @@ _FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconne
                    ("grpc.max_reconnect_backoff_ms", 200)]
 
 
-@dataclass
-class DaemonProcess:
-    process: subprocess.Popen
-    address: str
-    log_path: Path
-
-    def kill(self) -> int:
-        """SIGKILL: no flush, no sync (what a crash does)."""
-        self.process.send_signal(signal.SIGKILL)
-        return self.wait()
-
-    def terminate(self) -> int:
-        """SIGTERM: graceful shutdown."""
-        self.process.send_signal(signal.SIGTERM)
-        return self.wait()
-
+class DaemonProcess(ChildProcess):
     def wait(self, timeout_s: float = 30.0) -> int:
         return self.process.wait(timeout=timeout_s)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 def start_daemon(data_dir: Path, port: int | str, *extra_args: str, tls_root_cert: bytes | None = None,

@@ -2,36 +2,24 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 
+from tests.e2e.child_process import ChildProcess
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@dataclass
-class GatewayProcess:
-    process: subprocess.Popen
-    base_url: str  # http://127.0.0.1:PORT
-    log_path: Path
-
-    def terminate(self, timeout_s: float = 20.0) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait(timeout=timeout_s)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+class GatewayProcess(ChildProcess):
+    @property
+    def base_url(self) -> str:  # http://127.0.0.1:PORT
+        return self.address
 
 
 def launch_gateway(service_addr: str, port: int, log_path: Path, *extra_args: str) -> GatewayProcess:

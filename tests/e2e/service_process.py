@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -15,27 +13,13 @@ import grpc
 from client.healthcheck import wait_until_serving
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
+from tests.e2e.child_process import ChildProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@dataclass
-class ServiceProcess:
-    process: subprocess.Popen
-    address: str
-    log_path: Path
-
-    def terminate(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM: graceful shutdown (write-backs flushed); SIGKILL when it does not exit in time."""
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait(timeout=timeout_s)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+class ServiceProcess(ChildProcess):
+    """SIGTERM flushes pending write-backs before the service exits."""
 
     @contextmanager
     def stub(self) -> Iterator[inference_pb2_grpc.InferenceServiceStub]:

@@ -32,6 +32,20 @@ def save_tiny_model(folder: Path) -> Path:
     return folder
 
 
+def reference_ids(model_dir: Path, prompt: str, max_new_tokens: int) -> list[int]:
+    """Plain transformers greedy output for the prompt alone, loaded fresh from the saved model: the ground truth."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    input_ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    with torch.inference_mode():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=max_new_tokens)
+    return output[0, input_ids.shape[1]:].tolist()
+
+
 def stack_command(paths: StackPaths, action: str, *extra: str) -> subprocess.CompletedProcess:
     """Runs `python -m client.stack ACTION` the way `make up` does, with no KVBOOST_* variables leaking in."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}

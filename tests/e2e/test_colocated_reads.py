@@ -5,16 +5,14 @@ import time
 
 import lmdb
 import pytest
-import torch
 from kvboost.v1 import cache_pb2
 from kvboost.v1 import inference_pb2 as pb
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import pick_free_port
 from tests.daemon_support import cache_stub
 from tests.e2e.daemon_process import start_daemon
 from tests.e2e.service_process import generate, running_service
-from tests.e2e.stack_process import save_tiny_model
+from tests.e2e.stack_process import reference_ids, save_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -29,15 +27,6 @@ def tiny_model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def reference_ids(model_dir, prompt: str) -> list[int]:
-    """Plain transformers greedy output for the prompt alone: the ground truth."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    input_ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-    with torch.inference_mode():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                max_new_tokens=MAX_NEW_TOKENS)
-    return output[0, input_ids.shape[1]:].tolist()
 
 
 def test_a_colocated_service_reads_blobs_from_the_memory_map(tmp_path, tiny_model_dir) -> None:
@@ -53,7 +42,7 @@ def test_a_colocated_service_reads_blobs_from_the_memory_map(tmp_path, tiny_mode
         assert warmed.partial_tail_tokens > 0
         assert result.cached_tokens == warmed.token_count  # whole chunks and the partial tail
         assert bytes_served_by_fetch == 0, "no blob byte crossed gRPC"
-        assert list(result.output_token_ids) == reference_ids(tiny_model_dir, DOCUMENT + QUESTION)
+        assert list(result.output_token_ids) == reference_ids(tiny_model_dir, DOCUMENT + QUESTION, MAX_NEW_TOKENS)
     finally:
         daemon.terminate()
 
@@ -81,7 +70,7 @@ def test_a_blob_corrupted_on_disk_is_recomputed_reported_and_deleted(tmp_path, t
                 corrupted = cache.Stats(cache_pb2.CacheStatsRequest(), timeout=5).corrupted
         assert result.cached_tokens == 0, "a damaged first chunk ends the reused run"
         assert corrupted == 1, "the service reported the blob it could not decode"
-        assert list(result.output_token_ids) == reference_ids(tiny_model_dir, DOCUMENT + QUESTION)
+        assert list(result.output_token_ids) == reference_ids(tiny_model_dir, DOCUMENT + QUESTION, MAX_NEW_TOKENS)
     finally:
         daemon.terminate()
 
@@ -101,7 +90,7 @@ def test_a_killed_daemon_leaves_the_service_serving_correctly(tmp_path, tiny_mod
             while stub.Stats(pb.ServiceStatsRequest(), timeout=5).degraded and time.monotonic() < deadline:
                 time.sleep(0.1)
             _, after = generate(stub, DOCUMENT + QUESTION, max_new_tokens=MAX_NEW_TOKENS, mode=pb.PREFIX_CACHE)
-        expected = reference_ids(tiny_model_dir, DOCUMENT + QUESTION)
+        expected = reference_ids(tiny_model_dir, DOCUMENT + QUESTION, MAX_NEW_TOKENS)
         assert degraded.degraded and degraded.cached_tokens == 0
         assert list(degraded.output_token_ids) == expected
         # The restarted daemon serves the same environment: the memory map is read again, nothing was lost.
@@ -124,6 +113,6 @@ def test_daemon_and_service_talk_over_a_unix_socket(tmp_path, tiny_model_dir) ->
                 bytes_served_by_fetch = cache.Stats(cache_pb2.CacheStatsRequest(), timeout=5).bytes_read
         assert result.cached_tokens == len(DOCUMENT) and not result.degraded
         assert bytes_served_by_fetch > 0, "with local reads off, the blobs came through the socket's Fetch stream"
-        assert list(result.output_token_ids) == reference_ids(tiny_model_dir, DOCUMENT + QUESTION)
+        assert list(result.output_token_ids) == reference_ids(tiny_model_dir, DOCUMENT + QUESTION, MAX_NEW_TOKENS)
     finally:
         daemon.terminate()

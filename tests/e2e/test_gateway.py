@@ -198,14 +198,15 @@ def test_cache_salt_separates_warmed_chunks(stack):
     document = unique("The harbour handbook. " * 6)
     warmed = httpx.post(f"{stack.main.base_url}/v1/kvboost/warm", json={"text": document, "cache_salt": "tenant-a"},
                         timeout=60).json()
-    assert warmed["chunks_stored"] == warmed["token_count"] // CHUNK_SIZE >= 4
+    # Whole chunks and the partial last one: a question after the document reuses all of it.
+    assert warmed["chunks_stored"] == -(-warmed["token_count"] // CHUNK_SIZE) >= 4
 
     def cached(**extra):
         return stack.client().completions.create(
             model=stack.model, prompt=document + "?", max_tokens=1,
             extra_body={"kvboost": {"mode": "prefix_cache"}, **extra}).usage.prompt_tokens_details.cached_tokens
 
-    assert cached(cache_salt="tenant-a") == warmed["chunks_stored"] * CHUNK_SIZE
+    assert cached(cache_salt="tenant-a") == warmed["token_count"]
     assert cached(cache_salt="tenant-b") == 0
     assert cached() == 0
 

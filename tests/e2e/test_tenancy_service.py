@@ -9,10 +9,8 @@ import grpc
 import lmdb
 import numpy as np
 import pytest
-import torch
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 from kvboost.v1 import inference_pb2 as pb
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cache_daemon.store import decode_entry
 from inference_service.kv.codec import HEADER_SIZE
@@ -20,7 +18,7 @@ from tests.conftest import pick_free_port
 from tests.daemon_support import SampleChunk, cache_stub, fetch_chunks, store_chunks
 from tests.e2e.daemon_process import start_daemon
 from tests.e2e.service_process import generate, running_service
-from tests.e2e.stack_process import save_tiny_model
+from tests.e2e.stack_process import reference_ids, save_tiny_model
 from tests.e2e.tenancy_support import as_tenant, metric_value, scrape, write_tenants_file, write_token_file
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -37,15 +35,6 @@ def tiny_model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def reference_ids(model_dir, prompt: str) -> list[int]:
-    """Plain transformers greedy output for the prompt alone: the ground truth."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    input_ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-    with torch.inference_mode():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                max_new_tokens=MAX_NEW_TOKENS)
-    return output[0, input_ids.shape[1]:].tolist()
 
 
 def stored_chunks(data_dir) -> list[SampleChunk]:
@@ -82,7 +71,7 @@ def forged(chunks: list[SampleChunk]) -> list[SampleChunk]:
 
 def test_forged_chunks_poison_a_daemon_without_tenants_but_not_one_with_them(tmp_path, tiny_model_dir) -> None:
     prompt = DOCUMENT + QUESTION
-    expected = reference_ids(tiny_model_dir, prompt)
+    expected = reference_ids(tiny_model_dir, prompt, MAX_NEW_TOKENS)
 
     # 1. Control: on a daemon with one trusted caller, forged bytes under the service's keys poison it.
     plain_dir = tmp_path / "plain"
@@ -142,6 +131,9 @@ def test_forged_chunks_poison_a_daemon_without_tenants_but_not_one_with_them(tmp
             assert list(result.output_token_ids) == expected, "alice's output is never poisoned"
         metrics = scrape(metrics_port)
         assert metric_value(metrics, "kvboost_cache_refusals_total", reason="permission_denied") >= 1
-        assert metric_value(metrics, "kvboost_cache_tenant_bytes", tenant="alice") == sum(len(c.blob) for c in honest)
+        # Bob deleted his forgeries: everything left is alice's, her warmed document and her requests' own chunks.
+        alice_bytes = metric_value(metrics, "kvboost_cache_tenant_bytes", tenant="alice")
+        assert alice_bytes == metric_value(metrics, "kvboost_cache_bytes")
+        assert alice_bytes > sum(len(chunk.blob) for chunk in honest)
     finally:
         daemon.terminate()

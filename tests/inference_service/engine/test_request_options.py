@@ -12,7 +12,9 @@ from inference_service.errors import InvalidRequest
 from inference_service.store.memory import InMemoryStore
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-PROMPT = "The quick brown fox jumps over the lazy dog. " * 2  # 90 byte tokens: 11 chunks of 8
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
+# 90 byte tokens: 11 chunks of 8 and a stored 2-token partial tail, so a repeat reuses every token but the last
+# (always recomputed for its logits).
 
 
 def make_engine(tiny_llama, store=None) -> Engine:
@@ -76,7 +78,7 @@ def test_prompt_logprobs_match_a_plain_forward_and_still_store_chunks(tiny_llama
     assert outcome.cached_tokens == 0
     # The chunks were stored: a plain request now reuses them.
     again, _ = generate(engine, mode="prefix_cache")
-    assert again.cached_tokens == len(prompt_ids) // 8 * 8
+    assert again.cached_tokens == len(prompt_ids) - 1
     assert again.output_token_ids == outcome.output_token_ids
 
 
@@ -108,7 +110,7 @@ def test_stop_token_ids_end_generation_with_reason_stop(tiny_llama):
 def test_cache_salt_isolates_cached_chunks(tiny_llama):
     engine = make_engine(tiny_llama)
     generate(engine, mode="prefix_cache")  # stores the prompt's chunks under the plain namespace
-    num_chunk_tokens = len(PROMPT) // 8 * 8
+    num_chunk_tokens = len(PROMPT) - 1
 
     first_salted, _ = generate(engine, mode="prefix_cache", cache_salt="tenant-a")
     second_salted, _ = generate(engine, mode="prefix_cache", cache_salt="tenant-a")
@@ -127,7 +129,7 @@ def test_warm_under_a_salt_is_found_by_that_salt_only(tiny_llama):
     engine.warm(PROMPT, cache_salt="tenant-a")
     salted, _ = generate(engine, mode="prefix_cache", cache_salt="tenant-a")
     plain, _ = generate(engine, mode="prefix_cache")
-    assert salted.cached_tokens == len(PROMPT) // 8 * 8 and plain.cached_tokens == 0
+    assert salted.cached_tokens == len(PROMPT) - 1 and plain.cached_tokens == 0
 
 
 def test_tokenize_counts_as_generate_does_and_detokenize_inverts_it(tiny_llama):

@@ -310,8 +310,9 @@ def test_streamed_pieces_concatenate_to_the_output(tiny_llama):
 
 
 def test_stop_string_cuts_the_output_before_it(tiny_llama):
+    model, tokenizer = tiny_llama
     engine = make_engine(tiny_llama)
-    free = run(engine, prompt="Hello", max_new_tokens=24, mode="baseline").output_text
+    free = tokenizer.decode(reference_ids(model, tokenize_prompt(tokenizer, "Hello")[0], max_new_tokens=24))  # plain generate
     stop = next(free[i:i + 2] for i in range(3, len(free)) if "\ufffd" not in free[i:i + 2])
     pieces = []
 
@@ -325,14 +326,19 @@ def test_stop_string_cuts_the_output_before_it(tiny_llama):
 def test_eos_ends_generation_like_generate(tiny_llama):
     model, tokenizer = tiny_llama
     engine = make_engine(tiny_llama)
-    free = run(engine, prompt="Hello", mode="baseline").output_token_ids
-    eos = free[5]
+    prompt_ids = tokenize_prompt(tokenizer, "Hello")[0]
+    eos = reference_ids(model, prompt_ids)[5]  # a token plain greedy decoding reaches: make it the EOS
+    input_ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        stopped = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                 max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos, pad_token_id=eos)
+    expected = stopped[0, len(prompt_ids):].tolist()  # plain transformers, stopped by its own EOS handling
     engine.parts = dataclasses.replace(engine.parts, eos_ids=frozenset({eos}))
 
     outcome = run(engine, prompt="Hello")
 
-    assert outcome.finish_reason == "eos"
-    assert outcome.output_token_ids == free[: free.index(eos) + 1]
+    assert outcome.finish_reason == "eos" and expected[-1] == eos
+    assert outcome.output_token_ids == expected
 
 
 def test_should_stop_cancels(tiny_llama):

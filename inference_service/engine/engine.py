@@ -197,7 +197,11 @@ class Engine:
         return WarmOutcome(stored, prompt.num_tokens, self.config.chunk_size, num_tail == 0, num_tail, note)
 
     def verify(self, prompts: list[str], max_new_tokens: int = 32, mode: str = "prefix_cache") -> list[dict]:
-        """BASELINE against `mode` per prompt (the cached mode runs twice, so the second run has hits)."""
+        """BASELINE against `mode` per prompt (the cached mode runs twice, so the second run has hits).
+
+        Compares our own modes with each other (its job); identity with plain transformers `model.generate`
+        is checked by the test suite, never by this.
+        """
         reports = []
         for prompt in prompts or BUILTIN_PROMPTS:
             def run(run_mode: str):

@@ -81,3 +81,21 @@ def test_cuda_forwards_keep_transformers_default(monkeypatch):
     monkeypatch.delenv(FORCE_GQA_VARIABLE, raising=False)
     with engine_attention(torch.device("cuda")):
         assert FORCE_GQA_VARIABLE not in os.environ
+
+
+@pytest.mark.slow
+def test_smollm2_reference_after_an_engine_runs_without_the_flag(smollm2, flag_at_each_sdpa_call, monkeypatch):
+    # SmolLM2 groups 3 query heads per K/V head (the tiny model above: 2).
+    monkeypatch.delenv(FORCE_GQA_VARIABLE, raising=False)
+    model, tokenizer, path = smollm2
+    assert model.config.num_attention_heads == 3 * model.config.num_key_value_heads
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=16), InMemoryStore(), model_id=path)
+    for _ in range(2):
+        engine.generate(GenerationParams(prompt=PROMPT, max_new_tokens=2))
+        engine.flush_writes()
+    during_engine = list(flag_at_each_sdpa_call)
+    flag_at_each_sdpa_call.clear()
+    plain_generate(model, tokenizer(PROMPT, add_special_tokens=False)["input_ids"])
+
+    assert during_engine and set(during_engine) == {"1"}
+    assert flag_at_each_sdpa_call and set(flag_at_each_sdpa_call) == {None}

@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from inference_service.model.attention_scope import engine_attention
 from inference_service.model.kv_buffers import KVGeometry, LayerKV, PreallocatedLayer
 
 
@@ -76,8 +77,9 @@ def prefill_suffixes(model, batch: PaddedBatch, suffixes: Sequence[Sequence[int]
         # Real tokens continue from the prefix, as they would in the row's own prompt.
         position_ids[row, num_pads:] = torch.arange(start, start + len(suffix), device=device)
     batch.attention_mask = torch.cat([batch.attention_mask, suffix_mask], dim=1)  # [rows, P + longest]
-    output = model(input_ids=input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
-                   past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
+    with engine_attention(model.device):
+        output = model(input_ids=input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
+                       past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
     end = start + longest
     row_kv = [[(layer.keys[row : row + 1, :, start + pads : end], layer.values[row : row + 1, :, start + pads : end])
                for layer in batch.cache.layers] for row, pads in enumerate(batch.pads)]
@@ -91,12 +93,13 @@ def decode_rows(model, batch: PaddedBatch, token_ids: Sequence[int], positions: 
     num_rows = len(token_ids)
     batch.attention_mask = torch.cat(
         [batch.attention_mask, torch.ones((num_rows, 1), dtype=torch.long, device=device)], dim=1)
-    output = model(
-        input_ids=torch.tensor(token_ids, device=device).view(num_rows, 1),
-        attention_mask=batch.attention_mask,
-        position_ids=torch.tensor(positions, device=device).view(num_rows, 1),
-        past_key_values=batch.cache, use_cache=True,
-    )
+    with engine_attention(model.device):
+        output = model(
+            input_ids=torch.tensor(token_ids, device=device).view(num_rows, 1),
+            attention_mask=batch.attention_mask,
+            position_ids=torch.tensor(positions, device=device).view(num_rows, 1),
+            past_key_values=batch.cache, use_cache=True,
+        )
     return output.logits[:, -1].float()
 
 

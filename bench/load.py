@@ -58,6 +58,9 @@ class Report:
     server_ttft_ms_p99: float = 0.0
     mean_kv_reuse_ratio: float = 0.0
     requests_per_s: float = 0.0
+    output_tokens: int = 0
+    output_tokens_per_s: float = 0.0
+    time_per_output_token_ms_p50: float = 0.0  # server-side decode time per token after the first
     daemon_rss_before_bytes: int | None = None
     daemon_rss_after_bytes: int | None = None
     lmdb_bytes_before: int | None = None
@@ -113,6 +116,8 @@ class Client(threading.Thread):
         self.ttft_ms: list[float] = []
         self.server_ttft_ms: list[float] = []
         self.reuse: list[float] = []
+        self.generated_tokens: list[int] = []
+        self.time_per_output_token_ms: list[float] = []
         self.errors: list[str] = []
         self.rejected = 0
 
@@ -150,6 +155,9 @@ class Client(threading.Thread):
         self.ttft_ms.append(((first or time.perf_counter()) - started) * 1000)
         self.server_ttft_ms.append(result.ttft_ms)
         self.reuse.append(result.kv_reuse_ratio)
+        self.generated_tokens.append(result.generated_tokens)
+        if result.tokens_per_sec > 0:
+            self.time_per_output_token_ms.append(1000.0 / result.tokens_per_sec)
 
 
 class BudgetMonitor(threading.Thread):
@@ -218,6 +226,10 @@ def run_load(address: str, clients: int, duration_s: float, max_new_tokens: int 
     report.server_ttft_ms_p50, report.server_ttft_ms_p99 = percentile(server_ttft, 0.5), percentile(server_ttft, 0.99)
     report.mean_kv_reuse_ratio = statistics.fmean(reuse) if reuse else 0.0
     report.requests_per_s = report.requests / elapsed if elapsed else 0.0
+    report.output_tokens = sum(sum(worker.generated_tokens) for worker in workers)
+    report.output_tokens_per_s = report.output_tokens / elapsed if elapsed else 0.0
+    report.time_per_output_token_ms_p50 = percentile(
+        [value for worker in workers for value in worker.time_per_output_token_ms], 0.5)
     report.daemon_rss_after_bytes = rss_bytes(daemon_pid)
     report.lmdb_bytes_after = dir_bytes(data_dir)
     return report
@@ -243,7 +255,7 @@ def format_report(report: Report) -> str:
 
 
 def start_stack(stack: ExitStack, model: str, chunk_size: int, max_bytes: str, max_queue: int,
-                work_dir: Path) -> tuple[str, str, int, Path]:
+                work_dir: Path, *service_args: str) -> tuple[str, str, int, Path]:
     """Daemon and service processes on free loopback ports; stopped when `stack` closes."""
     from tests.conftest import pick_free_port
     from tests.e2e.daemon_process import start_daemon
@@ -256,7 +268,8 @@ def start_stack(stack: ExitStack, model: str, chunk_size: int, max_bytes: str, m
     daemon = start_daemon(data_dir, pick_free_port(), "--max-bytes", max_bytes)
     stack.callback(lambda: daemon.process.poll() is None and daemon.terminate())
     service = start_service(model, daemon.address, pick_free_port(), work_dir / "service.log",
-                            "--chunk-size", str(chunk_size), "--max-queue", str(max_queue), timeout_s=300)
+                            "--chunk-size", str(chunk_size), "--max-queue", str(max_queue), *service_args,
+                            timeout_s=300)
     stack.callback(lambda: service.process.poll() is None and service.terminate())
     return service.address, daemon.address, daemon.process.pid, data_dir
 

@@ -9,16 +9,18 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Mapping, Sequence, TypeVar
 
 from cache_daemon import eviction
 from kvboost_common.checksum import crc32
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
 from cache_daemon.errors import BudgetExceeded, NotFound, check_blob_fits
-from cache_daemon.index import EntryIndex, NamespaceUsage
+from cache_daemon.index import EntryIndex, NamespaceUsage, Share
 from cache_daemon.store import LmdbStore, Put
 
 logger = logging.getLogger(__name__)
+
+NAMESPACE_OWNER_PREFIX = b"namespace_owner:"  # info DB: + stored namespace -> tenant name
 
 T = TypeVar("T")
 
@@ -86,7 +88,10 @@ class ChunkCache:
     lookup_does_io = False  # Lookup reads LMDB only: cheap enough for the servicer's event loop
 
     def __init__(self, store: LmdbStore, max_bytes: int, half_life: float,
-                 clock: Callable[[], float] = time.time, load_in_background: bool = False) -> None:
+                 clock: Callable[[], float] = time.time, load_in_background: bool = False,
+                 share_budgets: Mapping[str, int] | None = None) -> None:
+        """share_budgets: tenant -> max_bytes, the tenants whose chunks are evicted within a share
+        of their own (a tenant owns the namespaces recorded by `record_owners`)."""
         assert max_bytes > 0, f"max_bytes must be positive, got {max_bytes}"
         assert half_life > 0, f"half_life must be positive (math.inf for no decay), got {half_life}"
         self.store = store
@@ -96,7 +101,7 @@ class ChunkCache:
         self._lock = threading.Lock()
         self._index_lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._index = EntryIndex(half_life)
+        self._index = EntryIndex(half_life, share_budgets)
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
         self._pending_hits: Counter[ChunkKey] = Counter()
@@ -109,13 +114,18 @@ class ChunkCache:
                 raise self._load_error
 
     @classmethod
-    def open(cls, data_dir: Path, map_size: int, max_bytes: int, half_life: float) -> ChunkCache:
+    def open(cls, data_dir: Path, map_size: int, max_bytes: int, half_life: float,
+             share_budgets: Mapping[str, int] | None = None) -> ChunkCache:
         """Serves reads at once; writes wait until the index is loaded (about 1 s per million chunks)."""
-        return cls(LmdbStore(data_dir, map_size), max_bytes, half_life, load_in_background=True)
+        return cls(LmdbStore(data_dir, map_size), max_bytes, half_life, load_in_background=True,
+                   share_budgets=share_budgets)
 
     def _load(self) -> None:
         started = time.perf_counter()
         try:
+            for namespace, tenant in self.store.info_items(NAMESPACE_OWNER_PREFIX).items():
+                with self._index_lock:
+                    self._index.assign_owner(namespace, tenant.decode())
             for key_rows, metas in self.store.scan_meta():
                 with self._index_lock:
                     self._index.load(key_rows, metas)
@@ -233,11 +243,8 @@ class ChunkCache:
             stored = self.store.get_entries([chunk.key for chunk in unique])
             new_chunks = [chunk for chunk, entry in zip(unique, stored) if entry is None]
             index = self._index
-            plan = eviction.plan_admission_from_totals(index.num_bytes, index.pinned_bytes, index.iter_victims(),
-                                                       [(c.key, len(c.blob)) for c in new_chunks], self.max_bytes)
-            if new_chunks and not plan.admitted:
-                raise BudgetExceeded(f"pinned chunks fill the budget --max-bytes={self.max_bytes}: "
-                                     f"no room for {len(new_chunks)} new chunks")
+            plan = self._plan_admission([(chunk.key, len(chunk.blob)) for chunk in new_chunks],
+                                        [index.share_of_namespace(chunk.namespace) for chunk in new_chunks])
             victim_keys = [index.key_of(slot) for slot in plan.victims]
             victims = list(zip(victim_keys, self.store.get_entries(victim_keys)))
             assert all(entry is not None for _, entry in victims), "the index holds a chunk LMDB does not"
@@ -261,6 +268,55 @@ class ChunkCache:
                          len(plan.victims), plan.bytes_freed, len(plan.rejected), self.max_bytes)
         return PutResult(stored=len(puts), already_present=len(chunks) - len(new_chunks), evicted=num_evicted,
                          bytes_stored=bytes_stored)
+
+    def _plan_admission(self, incoming: list[tuple[ChunkKey, int]],
+                        shares: list[Share | None]) -> eviction.AdmissionPlan:
+        """First each tenant share over its budget evicts its own chunks (never another tenant's),
+        then the global budget applies to what the shares admitted. Raises BudgetExceeded when
+        nothing incoming fits. The caller holds _write_lock."""
+        index = self._index
+        victims: list[int] = []
+        rejected: set[ChunkKey] = set()
+        full_shares: list[str] = []
+        for share in index.shares.values():
+            mine = [item for item, owner in zip(incoming, shares) if owner is share]
+            if not mine and share.num_bytes <= share.max_bytes:
+                continue
+            plan = eviction.plan_admission_from_totals(share.num_bytes, share.pinned_bytes, index.iter_victims(share),
+                                                       mine, share.max_bytes)
+            if mine and not plan.admitted:
+                full_shares.append(f"tenant {share.tenant}'s share max_bytes={share.max_bytes} "
+                                   "(or a chunk is larger than that share)")
+            victims += plan.victims
+            rejected.update(plan.rejected)
+        chosen = set(victims)
+        freed = sum(index.sizes[slot] for slot in victims)
+        plan = eviction.plan_admission_from_totals(
+            index.num_bytes - freed, index.pinned_bytes,
+            ((slot, size) for slot, size in index.iter_victims() if slot not in chosen),
+            [item for item in incoming if item[0] not in rejected], self.max_bytes)
+        if incoming and not plan.admitted:
+            budgets = ", ".join(full_shares) or f"the budget --max-bytes={self.max_bytes}"
+            raise BudgetExceeded(f"pinned chunks fill {budgets}: "
+                                 f"no room for {len(incoming)} new chunks")
+        return eviction.AdmissionPlan(admitted=plan.admitted, rejected=[key for key, _ in incoming if key in rejected]
+                                      + plan.rejected, victims=victims + plan.victims,
+                                      bytes_freed=freed + plan.bytes_freed)
+
+    def record_owners(self, owners: Mapping[bytes, str]) -> None:
+        """Stored namespace -> tenant, kept in LMDB: the namespace's chunks count in the tenant's share."""
+        with self._writing():
+            self.store.put_info({NAMESPACE_OWNER_PREFIX + namespace: tenant.encode()
+                                 for namespace, tenant in owners.items()})
+            with self._index_lock:
+                for namespace, tenant in owners.items():
+                    self._index.assign_owner(namespace, tenant)
+
+    def share_usage(self, tenant: str) -> tuple[int, int] | None:
+        """(bytes, max_bytes) of the tenant's share; None when it has no budget of its own."""
+        with self._index_lock:
+            share = self._index.shares.get(tenant)
+            return None if share is None else (share.num_bytes, share.max_bytes)
 
     def delete_keys(self, keys: Sequence[ChunkKey], corrupted: bool = False) -> DeleteResult:
         """corrupted: a reader found these blobs failing their checksum; they count in Stats.corrupted."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -23,6 +23,17 @@ class NamespaceUsage:
     num_pinned: int = 0
 
 
+@dataclass(slots=True, eq=False)
+class Share:
+    """One tenant's part of the budget: its byte totals and an eviction heap over its own slots only."""
+
+    tenant: str
+    max_bytes: int
+    heap: SlotHeap
+    num_bytes: int = 0
+    pinned_bytes: int = 0
+
+
 class EntryIndex:
     """Slot -> (key, size, frequency, last access, score, flags, namespace) for every committed
     chunk, in typed arrays (~80 bytes per slot), with the eviction heap over them. The slot of a
@@ -32,9 +43,13 @@ class EntryIndex:
     Invariants: `flags[s] & LIVE` for exactly the slots of stored chunks; the heap holds exactly
     the live unpinned slots; num_entries, num_bytes, pinned_bytes and the namespace usages are
     the sums over live slots, kept by every change (never recomputed by a sum over entries).
+
+    Tenant shares: a namespace owned by a tenant with a budget of its own (`share_budgets`,
+    tenant -> max_bytes) puts its slots in that tenant's Share too, whose heap holds exactly the
+    tenant's live unpinned slots and whose totals are the sums over its live slots.
     """
 
-    def __init__(self, half_life: float) -> None:
+    def __init__(self, half_life: float, share_budgets: Mapping[str, int] | None = None) -> None:
         self.half_life = half_life
         self.keys = bytearray()  # [capacity * 32]
         self.sizes = array("q")  # blob bytes
@@ -51,6 +66,9 @@ class EntryIndex:
         self.num_bytes = 0
         self.pinned_bytes = 0
         self.heap = SlotHeap(self.scores, self.last_accesses, self.keys)
+        self.shares = {tenant: Share(tenant, max_bytes, SlotHeap(self.scores, self.last_accesses, self.keys))
+                       for tenant, max_bytes in (share_budgets or {}).items()}
+        self._namespace_shares: list[Share | None] = []  # by namespace id
 
     @property
     def capacity(self) -> int:
@@ -103,6 +121,10 @@ class EntryIndex:
             usage.num_entries += int(mine.sum())
             usage.num_bytes += int(sizes[mine].sum())
             usage.num_pinned += int(pinned[mine].sum())
+            share = self._namespace_shares[namespace_id]
+            if share is not None:
+                share.num_bytes += int(sizes[mine].sum())
+                share.pinned_bytes += int(sizes[mine & pinned].sum())
         self.num_entries += len(slots)
         self.num_bytes += int(sizes.sum())
         self.pinned_bytes += int(sizes[pinned].sum())
@@ -119,7 +141,15 @@ class EntryIndex:
         # Keys as 4 big-endian words sort like the bytes; lexsort's last column is the first criterion.
         words = np.frombuffer(self.keys, dtype=">u8").reshape(-1, DIGEST_SIZE // 8)[queued]
         order = np.lexsort((words[:, 3], words[:, 2], words[:, 1], words[:, 0], last_accesses[queued], scores[queued]))
-        self.heap.replace_all(queued[order])
+        ordered = queued[order]
+        self.heap.replace_all(ordered)
+        if self.shares:  # a sorted subsequence is sorted too: each share's heap is its part of the order
+            shares = list(self.shares.values())  # Share compares by identity
+            table = np.array([-1 if share is None else shares.index(share) for share in self._namespace_shares]
+                             or [-1], dtype=np.int64)
+            share_ids = table[np.frombuffer(self.namespace_ids, dtype=np.uint32)[ordered]]
+            for index, share in enumerate(shares):
+                share.heap.replace_all(ordered[share_ids == index])
         self._free_slots = array("i", np.flatnonzero(flags == 0)[::-1].astype(np.int32).tobytes())
 
     def add(self, key: ChunkKey, entry: Entry) -> None:
@@ -132,11 +162,15 @@ class EntryIndex:
         self._count(slot, +1)
         if not entry.pinned:
             self.heap.push(slot)
+            if (share := self.share_of(slot)) is not None:
+                share.heap.push(slot)
 
     def remove(self, slot: int) -> None:
         assert self.is_live(slot), f"slot {slot} is not live"
         if slot in self.heap:
             self.heap.remove(slot)
+            if (share := self.share_of(slot)) is not None:
+                share.heap.remove(slot)
         self._count(slot, -1)
         self.flags[slot] = 0
         self._free_slots.append(slot)
@@ -149,18 +183,45 @@ class EntryIndex:
         was_queued = slot in self.heap
         self._set_rank(slot, entry)
         self._count(slot, +1)
-        if entry.pinned and was_queued:
-            self.heap.remove(slot)
-        elif not entry.pinned and not was_queued:
-            self.heap.push(slot)
-        elif was_queued:
-            self.heap.update(slot)
+        share = self.share_of(slot)
+        heaps = [self.heap] if share is None else [self.heap, share.heap]
+        for heap in heaps:
+            if entry.pinned and was_queued:
+                heap.remove(slot)
+            elif not entry.pinned and not was_queued:
+                heap.push(slot)
+            elif was_queued:
+                heap.update(slot)
 
-    def iter_victims(self) -> Iterator[tuple[int, int]]:
-        """(slot, size) of unpinned chunks, the first to evict first."""
+    def iter_victims(self, share: Share | None = None) -> Iterator[tuple[int, int]]:
+        """(slot, size) of unpinned chunks (of one tenant's share when given), the first to evict first."""
         sizes = self.sizes
-        for slot in self.heap.iter_in_order():
+        for slot in (self.heap if share is None else share.heap).iter_in_order():
             yield slot, sizes[slot]
+
+    def share_of(self, slot: int) -> Share | None:
+        return self._namespace_shares[self.namespace_ids[slot]]
+
+    def share_of_namespace(self, namespace: bytes) -> Share | None:
+        namespace_id = self._namespace_ids.get(namespace)
+        return None if namespace_id is None else self._namespace_shares[namespace_id]
+
+    def assign_owner(self, namespace: bytes, tenant: str) -> None:
+        """The namespace belongs to `tenant`: its chunks count in the tenant's share, when it has one.
+        Chunks already stored under it (by an admin, or before tenancy) move into the share: one
+        scan of the namespace, done once, since a namespace's owner never changes."""
+        share = self.shares.get(tenant)
+        namespace_id = self._namespace_id(namespace)
+        current = self._namespace_shares[namespace_id]
+        if current is share:
+            return
+        assert current is None, f"namespace {namespace.hex()[:16]} already counts in {current.tenant}'s share"
+        slots = self.slots_in_namespace(namespace)
+        self._namespace_shares[namespace_id] = share
+        for slot in slots:
+            self._count_share(share, slot, +1)
+            if slot in self.heap:
+                share.heap.push(slot)
 
     def slots_in_namespace(self, namespace: bytes) -> list[int]:
         namespace_id = self._namespace_ids.get(namespace)
@@ -193,12 +254,20 @@ class EntryIndex:
         self.num_entries += sign
         self.num_bytes += sign * size
         self.pinned_bytes += sign * size * pinned
+        if (share := self._namespace_shares[namespace_id]) is not None:
+            self._count_share(share, slot, sign)
+
+    def _count_share(self, share: Share, slot: int, sign: int) -> None:
+        size = self.sizes[slot]
+        share.num_bytes += sign * size
+        share.pinned_bytes += sign * size * bool(self.flags[slot] & PINNED)
 
     def _namespace_id(self, namespace: bytes) -> int:
         namespace_id = self._namespace_ids.get(namespace)
         if namespace_id is None:
             namespace_id = self._namespace_ids[namespace] = len(self._namespaces)
             self._namespaces.append(namespace)
+            self._namespace_shares.append(None)
         return namespace_id
 
     def _grow(self, capacity: int) -> None:
@@ -211,3 +280,5 @@ class EntryIndex:
         for column in (self.sizes, self.frequencies, self.last_accesses, self.scores, self.flags, self.namespace_ids):
             column.frombytes(bytes(extra * column.itemsize))
         self.heap.grow(capacity)
+        for share in self.shares.values():
+            share.heap.grow(capacity)

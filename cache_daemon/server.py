@@ -14,12 +14,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvboost.v1 import cache_pb2
 
-from cache_daemon.cache import ChunkCache
+from cache_daemon.cache import NAMESPACE_OWNER_PREFIX, ChunkCache
 from cache_daemon.config import DaemonConfig
 from cache_daemon.errors import StartupError
 from cache_daemon.interceptors import RequestContextInterceptor
 from cache_daemon.metrics import Refusals, start_metrics_server
-from cache_daemon.servicer import NAMESPACE_OWNER_PREFIX, CacheServicer, add_cache_servicer
+from cache_daemon.servicer import CacheServicer, add_cache_servicer
 from cache_daemon.l2.address import parse_l2_address
 from cache_daemon.l2.redis_tier import L2Unavailable, RedisTier
 from cache_daemon.tiered import TieredCache
@@ -73,9 +73,10 @@ def shared_tenancy_secret(cache: TieredCache, local_secret: bytes) -> bytes:
     return secret
 
 
-def open_cache(config: DaemonConfig) -> ChunkCache | TieredCache:
+def open_cache(config: DaemonConfig, tenants_by_token: dict[str, Tenant] | None = None) -> ChunkCache | TieredCache:
     """LMDB, with the L2 tier in front of Redis when --l2 is set (L2 may be down: it is retried)."""
-    cache = ChunkCache.open(config.data_dir, config.initial_map_size, config.max_bytes, config.half_life)
+    cache = ChunkCache.open(config.data_dir, config.initial_map_size, config.max_bytes, config.half_life,
+                            share_budgets(tenants_by_token))
     address = config.l2_address()
     if address is None:
         return cache
@@ -84,6 +85,12 @@ def open_cache(config: DaemonConfig) -> ChunkCache | TieredCache:
     logger.info("L2 tier: %s, writes %s", address.redacted(), config.l2_write)
     return TieredCache(cache, tier, sync_writes=config.l2_write == "sync", queue_bytes=config.l2_queue_bytes,
                        sync_deadline_s=config.l2_sync_timeout_s)
+
+
+def share_budgets(tenants_by_token: dict[str, Tenant] | None) -> dict[str, int]:
+    """Tenant -> max_bytes for the tenants with a share of the budget of their own."""
+    return {tenant.name: tenant.max_bytes for tenant in (tenants_by_token or {}).values()
+            if tenant.max_bytes is not None and not tenant.admin}
 
 
 def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: health.aio.HealthServicer,
@@ -137,7 +144,7 @@ class CacheDaemon:
             except (OSError, ValueError) as error:
                 raise StartupError(f"cannot use --tenants-file {config.tenants_file}: {error}") from error
         try:
-            cache = await asyncio.to_thread(open_cache, config)
+            cache = await asyncio.to_thread(open_cache, config, tenants_by_token)
         except (RuntimeError, OSError, ValueError) as error:
             raise StartupError(f"cannot open {config.data_dir}: {error}") from error
         health_servicer = health.aio.HealthServicer()

@@ -19,7 +19,6 @@ from cache_daemon.tiered import TieredCache
 from cache_daemon.tenancy import PLAIN, KeySpace, Tenancy, Tenant, current_tenant
 
 MAX_KEYS_PER_REQUEST = 65536
-NAMESPACE_OWNER_PREFIX = b"namespace_owner:"  # info DB: + stored namespace -> tenant name
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
@@ -112,14 +111,14 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def _scoped_chunks(self, tenant: Tenant, chunks: list[IncomingChunk]) -> list[IncomingChunk]:
         """The chunks moved into the tenant's space; the owner of each new namespace recorded first
-        (in LMDB too), so Stats can show a tenant its own namespaces after a restart."""
+        (in LMDB too), so Stats shows a tenant its own namespaces after a restart and the chunks
+        count in the tenant's share of the budget."""
         space = self._tenancy.space_of(tenant)
         scoped = [dataclasses.replace(chunk, key=ChunkKey(space.scope(chunk.key)), namespace=space.scope(chunk.namespace),
                                       content_key=space.scope_optional(chunk.content_key)) for chunk in chunks]
         new_owners = self._tenancy.new_namespaces(tenant, (chunk.namespace for chunk in scoped))
         if new_owners:
-            self._cache.store.put_info({NAMESPACE_OWNER_PREFIX + namespace: name.encode()
-                                        for namespace, name in new_owners.items()})
+            self._cache.record_owners(new_owners)
             self._tenancy.record_owners(new_owners)
         return scoped
 
@@ -148,8 +147,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return cache_pb2.L2Stats(**dataclasses.asdict(self._cache.l2_stats()))
 
     def _tenant_stats(self, tenant: Tenant, stats: CacheStats, namespace: bytes) -> cache_pb2.CacheStatsReply:
-        """Only the tenant's own namespaces and totals; daemon-wide counters (hits, evictions, ...)
-        stay 0, since they would show other tenants' traffic."""
+        """Only the tenant's own namespaces and totals, max_bytes its share (the daemon's budget when
+        it has none); daemon-wide counters (hits, evictions, ...) stay 0: they show others' traffic."""
         space = self._tenancy.space_of(tenant)
         namespaces = [
             cache_pb2.NamespaceStats(namespace=space.unscope(stored), entries=usage.num_entries, bytes=usage.num_bytes,

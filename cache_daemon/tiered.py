@@ -165,6 +165,12 @@ class TieredCache:
     def set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> PinResult:
         return self.l1.set_pinned(keys, pinned)
 
+    def record_owners(self, owners) -> None:
+        self.l1.record_owners(owners)
+
+    def share_usage(self, tenant: str) -> tuple[int, int] | None:
+        return self.l1.share_usage(tenant)
+
     def flush_hits(self) -> int:
         return self.l1.flush_hits()
 

@@ -147,7 +147,11 @@ class KVBoostClient:
         mode: str | int | None = None,
         timeout: float | None = None,
     ) -> VerifyReport:
-        """Runs BASELINE against a cached mode (default PREFIX_CACHE) on `prompts` or built-in ones."""
+        """Runs BASELINE against a cached mode (default PREFIX_CACHE) on `prompts` or built-in ones.
+
+        It compares the service's own modes with each other, not with plain transformers: identity with
+        `model.generate` is what the test suite checks (tests/inference_service/test_identity.py).
+        """
         request = inference_pb2.VerifyRequest(
             prompts=list(prompts), max_new_tokens=max_new_tokens or 0, mode=parse_mode(mode)
         )

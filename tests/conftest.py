@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,52 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# -- the fast suite (-m "not slow and not e2e") never loads the real model ---------------------------------
+
+REAL_MODEL_MARKS = ("slow", "e2e")
+
+
+def is_fast(item) -> bool:
+    return not any(mark in item.keywords for mark in REAL_MODEL_MARKS)
+
+
+def pytest_runtest_setup(item):
+    # Before any fixture is set up (conftest hooks run before pytest's own): a session-scoped smollm2 would
+    # otherwise load before a function-scoped guard could see it.
+    if is_fast(item) and "smollm2" in item.fixturenames:
+        pytest.fail(f"{item.nodeid} uses the real SmolLM2 (smollm2 fixture): mark it slow", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def real_model_guard(request, monkeypatch):
+    """In a fast test, any way to the real model's weights fails the test instead of loading them."""
+    if not is_fast(request.node):
+        yield
+        return
+    from inference_service.model import weights
+    from tests import factories
+
+    real_dir = (weights.model_cache_dir() / weights.DEFAULT_MODEL).resolve()
+
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            pytest.fail(f"{request.node.nodeid} loads the real model ({what}) but is not marked slow or e2e",
+                        pytrace=False)
+        return refused
+
+    resolve = weights.resolve_model_path
+
+    def resolve_guarded(name_or_path: str) -> str:
+        if name_or_path and Path(name_or_path).expanduser().resolve() == real_dir:
+            refuse(f"its converted folder {real_dir}")()
+        return resolve(name_or_path)
+
+    monkeypatch.setattr(weights, "prepare_default_model", refuse("prepare_default_model"))
+    monkeypatch.setattr(weights, "resolve_model_path", resolve_guarded)
+    monkeypatch.setattr(factories, "load_smollm2", refuse("load_smollm2"))
+    yield
 
 
 @pytest.fixture(scope="module")

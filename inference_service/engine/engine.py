@@ -29,7 +29,6 @@ from inference_service.kv.repair import MASKABLE_ATTENTION, RepairOptions
 from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_parameters
 from inference_service.model.forward import prefill
 from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
-from inference_service.model.loading import prefer_gqa_attention
 from inference_service.store.protocol import ChunkStore
 
 __all__ = ["Engine", "EngineConfig", "GenerationOutcome", "GenerationParams", "WarmOutcome"]
@@ -42,7 +41,6 @@ class Engine:
 
     def __init__(self, model, tokenizer, config: EngineConfig, store: ChunkStore, model_id: str = "") -> None:
         self.model_id = model_id or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
-        prefer_gqa_attention(model.device)
         geometry = kv_geometry(model.config)
         counters = EngineStats()
         # Rotary parameters for moving stored keys: re-rotating content hits, un-rotating keys before they
@@ -199,7 +197,11 @@ class Engine:
         return WarmOutcome(stored, prompt.num_tokens, self.config.chunk_size, num_tail == 0, num_tail, note)
 
     def verify(self, prompts: list[str], max_new_tokens: int = 32, mode: str = "prefix_cache") -> list[dict]:
-        """BASELINE against `mode` per prompt (the cached mode runs twice, so the second run has hits)."""
+        """BASELINE against `mode` per prompt (the cached mode runs twice, so the second run has hits).
+
+        Compares our own modes with each other (its job); identity with plain transformers `model.generate`
+        is checked by the test suite, never by this.
+        """
         reports = []
         for prompt in prompts or BUILTIN_PROMPTS:
             def run(run_mode: str):

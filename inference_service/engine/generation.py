@@ -57,6 +57,55 @@ def pick_token(logits: torch.Tensor, settings: SamplingSettings, generator: torc
     return sample(logits, settings.temperature, settings.top_k, settings.top_p, generator), logits
 
 
+class RowDecoder:
+    """One request's side of decoding: picks each token from its logits with the request's own sampler,
+    streams its text and says when the request ends. decode_loop drives one; the scheduler drives many.
+    """
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, settings: SamplingSettings, eos_ids: frozenset[int],
+                 max_new_tokens: int, on_token: OnToken | None, should_stop: Callable[[], bool],
+                 after_first_token: Callable[[], None], tokenizer=None, device: torch.device | str = "cpu") -> None:
+        self.detokenizer = detokenizer
+        self.settings = settings
+        self.eos_ids = settings.eos_ids(eos_ids)
+        self.max_new_tokens = max_new_tokens
+        self.on_token = on_token
+        self.should_stop = should_stop
+        self.after_first_token = after_first_token
+        self.tokenizer = tokenizer
+        self.generator = make_generator(settings.seed, device) if settings.temperature > 0 else None
+        self.token_ids: list[int] = []
+        self.first_time = 0.0
+        self.last_time = 0.0
+        self.reason = ""
+
+    def take(self, logits: torch.Tensor) -> torch.Tensor:
+        """Chooses the next token from logits [vocab], streams it, and sets `reason` when the request ends."""
+        token, used_logits = pick_token(logits, self.settings, self.generator, len(self.token_ids), self.eos_ids)
+        token_id = int(token)
+        self.token_ids.append(token_id)
+        self.last_time = time.perf_counter()
+        self.first_time = self.first_time or self.last_time
+        piece = self.detokenizer.add(token_id)
+        if self.on_token is not None:
+            logprobs = () if self.settings.logprobs is None else tuple(
+                token_logprobs(self.tokenizer, used_logits.view(1, -1), [token_id], self.settings.logprobs))
+            self.on_token(TokenEvent(piece, (token_id,), logprobs))
+        if len(self.token_ids) == 1:
+            self.after_first_token()
+        self.reason = finish_reason(token_id, self.detokenizer, self.eos_ids, len(self.token_ids),
+                                    self.max_new_tokens, self.should_stop, self.settings.stop_token_ids)
+        return token
+
+    def finish(self, reason: str = "") -> DecodeResult:
+        """Flushes held-back text; reason overrides the one `take` set (a request stopped from outside)."""
+        rest = self.detokenizer.finish()
+        if rest and self.on_token is not None:
+            self.on_token(TokenEvent(rest, ()))
+        return DecodeResult(self.token_ids, self.detokenizer.text, reason or self.reason, self.first_time,
+                            self.last_time)
+
+
 def decode_loop(
     model,
     cache: DynamicCache,
@@ -77,33 +126,12 @@ def decode_loop(
     with no token ids if text was held back at the end; the pieces concatenate to the output.
     tokenizer: decodes the tokens named in logprobs (needed when settings.logprobs is set).
     """
-    generator = make_generator(settings.seed, first_logits.device) if settings.temperature > 0 else None
-    eos_ids = settings.eos_ids(eos_ids)
-    token_ids: list[int] = []
-    logits = first_logits
-    first_time = 0.0
-    while True:
-        token, used_logits = pick_token(logits, settings, generator, len(token_ids), eos_ids)
-        token_id = int(token)
-        token_ids.append(token_id)
-        now = time.perf_counter()
-        first_time = first_time or now
-        piece = detokenizer.add(token_id)
-        if on_token is not None:
-            logprobs = () if settings.logprobs is None else tuple(
-                token_logprobs(tokenizer, used_logits.view(1, -1), [token_id], settings.logprobs))
-            on_token(TokenEvent(piece, (token_id,), logprobs))
-        if len(token_ids) == 1:
-            after_first_token()
-        reason = finish_reason(token_id, detokenizer, eos_ids, len(token_ids), max_new_tokens, should_stop,
-                               settings.stop_token_ids)
-        if reason:
-            break
-        logits = decode_step(model, cache, token, position + len(token_ids) - 1)
-    rest = detokenizer.finish()
-    if rest and on_token is not None:
-        on_token(TokenEvent(rest, ()))
-    return DecodeResult(token_ids, detokenizer.text, reason, first_time, now)
+    row = RowDecoder(detokenizer, settings, eos_ids, max_new_tokens, on_token, should_stop, after_first_token,
+                     tokenizer, first_logits.device)
+    token = row.take(first_logits)
+    while not row.reason:
+        token = row.take(decode_step(model, cache, token, position + len(row.token_ids) - 1))
+    return row.finish()
 
 
 def finish_reason(token_id: int, detokenizer: IncrementalDetokenizer, eos_ids: frozenset[int],

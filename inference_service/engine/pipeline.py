@@ -157,12 +157,30 @@ def prefill_prompt(parts: EngineParts, prompt: PromptPlan, mode: str, capacity: 
     num_prompt_logprobs: every prompt token's logprob is wanted (with that many alternatives): cached
     K/V give no logits, so the whole prompt runs; its new chunks are still stored (unless baseline).
     """
+    context = assemble_for(parts, prompt, mode, capacity, num_prompt_logprobs)
+    return prefill_assembled(parts, prompt, mode, context, capacity, request_id, repair, need_logits,
+                             num_prompt_logprobs)
+
+
+def assemble_for(parts: EngineParts, prompt: PromptPlan, mode: str, capacity: int,
+                 num_prompt_logprobs: int | None = None) -> AssembledContext:
+    """What the store gives for the prompt in this mode (nothing for baseline or when prompt logprobs are wanted)."""
     if mode == "baseline" or num_prompt_logprobs is not None:
-        context = empty_context()
-    else:
-        context = assemble_context(parts.store, parts.namespace, prompt, parts.geometry, parts.device, parts.dtype,
-                                   capacity, with_content_hits=mode == "chunk_kv_reuse", rope=parts.key_rope)
-    if mode == "chunk_kv_reuse" and context.content_hits and not context.degraded:
+        return empty_context()
+    return assemble_context(parts.store, parts.namespace, prompt, parts.geometry, parts.device, parts.dtype,
+                            capacity, with_content_hits=mode == "chunk_kv_reuse", rope=parts.key_rope)
+
+
+def needs_repair(mode: str, context: AssembledContext) -> bool:
+    """Content hits to re-rotate and repair (in one pass with the missing tokens)."""
+    return mode == "chunk_kv_reuse" and bool(context.content_hits) and not context.degraded
+
+
+def prefill_assembled(parts: EngineParts, prompt: PromptPlan, mode: str, context: AssembledContext, capacity: int,
+                      request_id: str, repair: RepairOptions | None = None, need_logits: bool = True,
+                      num_prompt_logprobs: int | None = None) -> Prefilled:
+    """prefill_prompt after assemble_for: repairs content hits, runs the rest of the prompt in one piece."""
+    if needs_repair(mode, context):
         prefilled = _prefill_with_content_hits(parts, prompt, context, capacity, request_id, repair)
         if prefilled is not None:
             return prefilled
@@ -182,11 +200,11 @@ def prefill_prompt(parts: EngineParts, prompt: PromptPlan, mode: str, capacity: 
             first_logits = all_logits[-1]
             scored = tuple(prompt_logprobs(parts.tokenizer, all_logits, prompt.token_ids, num_prompt_logprobs))
         if mode != "baseline" and not context.degraded:
-            pending = _new_chunks(parts, prompt, context, new_kv, num_cached, buffers, request_id)
+            pending = new_chunks(parts, prompt, context, new_kv, num_cached, buffers, request_id)
     return Prefilled(prompt, context, num_cached, *buffers, cache, first_logits, pending, scored)
 
 
-def _new_chunks(parts: EngineParts, prompt: PromptPlan, context: AssembledContext, new_kv, num_cached: int,
+def new_chunks(parts: EngineParts, prompt: PromptPlan, context: AssembledContext, new_kv, num_cached: int,
                 buffers: tuple[torch.Tensor, torch.Tensor], request_id: str) -> PendingChunks:
     """Every chunk the store did not give, and the tail as a partial chunk (unless it came from the store):
     a later prompt that continues this one reuses it to its last token."""

@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from inference_service.model.attention_scope import engine_attention
 from inference_service.model.kv_buffers import KVGeometry, LayerKV, PreallocatedLayer
 
 
@@ -43,10 +44,10 @@ def allocate_batch(config, geometry: KVGeometry, num_rows: int, capacity: int, p
         keys[:, :, :, :prefix_len].copy_(prefix_keys.unsqueeze(1).expand(-1, num_rows, -1, -1, -1))
         values[:, :, :, :prefix_len].copy_(prefix_values.unsqueeze(1).expand(-1, num_rows, -1, -1, -1))
     mask = torch.ones((num_rows, prefix_len), dtype=torch.long, device=device)
-    return PaddedBatch(keys, values, mask, _batch_cache(config, keys, values, prefix_len), prefix_len, [])
+    return PaddedBatch(keys, values, mask, batch_cache(config, keys, values, prefix_len), prefix_len, [])
 
 
-def _batch_cache(config, keys: torch.Tensor, values: torch.Tensor, num_tokens: int) -> DynamicCache:
+def batch_cache(config, keys: torch.Tensor, values: torch.Tensor, num_tokens: int) -> DynamicCache:
     cache = DynamicCache(config=config)
     for index, layer in enumerate(cache.layers):
         assert type(layer) is DynamicLayer, "padded batches need full-attention layers (see has_sliding_layers)"
@@ -76,8 +77,9 @@ def prefill_suffixes(model, batch: PaddedBatch, suffixes: Sequence[Sequence[int]
         # Real tokens continue from the prefix, as they would in the row's own prompt.
         position_ids[row, num_pads:] = torch.arange(start, start + len(suffix), device=device)
     batch.attention_mask = torch.cat([batch.attention_mask, suffix_mask], dim=1)  # [rows, P + longest]
-    output = model(input_ids=input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
-                   past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
+    with engine_attention(model.device):
+        output = model(input_ids=input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
+                       past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
     end = start + longest
     row_kv = [[(layer.keys[row : row + 1, :, start + pads : end], layer.values[row : row + 1, :, start + pads : end])
                for layer in batch.cache.layers] for row, pads in enumerate(batch.pads)]
@@ -91,12 +93,13 @@ def decode_rows(model, batch: PaddedBatch, token_ids: Sequence[int], positions: 
     num_rows = len(token_ids)
     batch.attention_mask = torch.cat(
         [batch.attention_mask, torch.ones((num_rows, 1), dtype=torch.long, device=device)], dim=1)
-    output = model(
-        input_ids=torch.tensor(token_ids, device=device).view(num_rows, 1),
-        attention_mask=batch.attention_mask,
-        position_ids=torch.tensor(positions, device=device).view(num_rows, 1),
-        past_key_values=batch.cache, use_cache=True,
-    )
+    with engine_attention(model.device):
+        output = model(
+            input_ids=torch.tensor(token_ids, device=device).view(num_rows, 1),
+            attention_mask=batch.attention_mask,
+            position_ids=torch.tensor(positions, device=device).view(num_rows, 1),
+            past_key_values=batch.cache, use_cache=True,
+        )
     return output.logits[:, -1].float()
 
 
@@ -111,4 +114,4 @@ def keep_rows(config, batch: PaddedBatch, slots: Sequence[int]) -> None:
     batch.values = batch.values.index_select(1, index)
     batch.attention_mask = batch.attention_mask.index_select(0, index)
     batch.pads = [batch.pads[slot] for slot in slots]
-    batch.cache = _batch_cache(config, batch.keys, batch.values, length)
+    batch.cache = batch_cache(config, batch.keys, batch.values, length)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,14 +58,3 @@ def load_model(name_or_path: str, device: str | None = None, dtype: str | None =
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model, tokenizer, model_id, path, architecture)
 
-
-def prefer_gqa_attention(device: torch.device) -> None:
-    """On CPU, lets SDPA group query heads itself even when a mask is given (a prefill after a cache hit).
-
-    Without it transformers copies every cached K/V head per query group first (repeat_kv), which is
-    most of the attention cost of a short suffix over a long cached prefix. The result is bit-identical
-    on CPU (tests/inference_service/engine/test_engine.py checks it); CUDA keeps the default, where masked GQA can be slower.
-    An explicit TRANSFORMERS_SDPA_FORCE_GQA in the environment wins.
-    """
-    if device.type == "cpu":
-        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")

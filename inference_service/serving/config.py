@@ -17,6 +17,7 @@ DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_CACHE_ADDR = "127.0.0.1:50052"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULERS = ("continuous", "serial")
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,6 +40,10 @@ class ServiceConfig:
     kv_group_size: int = 0  # 0: the codec's default for the bits (64 at 8 bits, 128 at 4)
     kv_keys_before_rope: bool = False  # at 8 and 4 bits, quantize keys un-rotated (opt-in: see --help)
     max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
+    scheduler: str = "continuous"  # continuous: Generate requests share decode steps; serial: one request at a time
+    max_running_requests: int = 16  # requests decoded together (continuous)
+    max_batch_tokens: int = 65536  # prompt + max_new_tokens summed over running requests (continuous)
+    max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps (continuous)
     max_new_tokens: int = 4096
     max_prompt_tokens: int = 0  # 0: the model's context length
     max_message_bytes: int = 64 << 20  # largest gRPC message received or sent
@@ -71,6 +76,10 @@ class ServiceConfig:
         _require(self.overlap_tokens >= 0, f"--overlap-k must be >= 0, got {self.overlap_tokens}")
         _require(0 <= self.kv_group_size <= 65535, f"--kv-group-size must be in 0..65535, got {self.kv_group_size}")
         _require(self.max_queue > 0, f"--max-queue must be positive, got {self.max_queue}")
+        _require(self.scheduler in SCHEDULERS, f"--scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        _require(self.max_running_requests > 0, f"--max-running-requests must be positive, got {self.max_running_requests}")
+        _require(self.max_batch_tokens > 0, f"--max-batch-tokens must be positive, got {self.max_batch_tokens}")
+        _require(self.max_prefill_tokens > 0, f"--max-prefill-tokens must be positive, got {self.max_prefill_tokens}")
         _require(self.max_new_tokens > 0, f"--max-new-tokens must be positive, got {self.max_new_tokens}")
         _require(self.max_message_bytes >= 1 << 20, f"--max-message-bytes must be at least 1048576, got {self.max_message_bytes}")
         _require(self.max_concurrent_streams >= 0, f"--max-concurrent-streams must be >= 0, got {self.max_concurrent_streams}")
@@ -143,6 +152,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
              "tokens took ~45 ms longer, so it is off by default; models whose RoPE cannot be moved always store "
              "keys as computed (KVBOOST_KV_KEYS_BEFORE_ROPE=1)")
     add("--max-queue", type=int, default=default("MAX_QUEUE", defaults.max_queue), help="requests waiting for the model before RESOURCE_EXHAUSTED (KVBOOST_MAX_QUEUE)")
+    add("--scheduler", choices=SCHEDULERS, default=default("SCHEDULER", defaults.scheduler),
+        help="continuous: Generate requests join and leave one running batch between decode steps; serial: one "
+             "request at a time (KVBOOST_SCHEDULER)")
+    add("--max-running-requests", type=int, default=default("MAX_RUNNING_REQUESTS", defaults.max_running_requests), help="requests decoded together; more wait (KVBOOST_MAX_RUNNING_REQUESTS)")
+    add("--max-batch-tokens", type=int, default=default("MAX_BATCH_TOKENS", defaults.max_batch_tokens), help="prompt + max_new_tokens summed over running requests; a request that does not fit waits (KVBOOST_MAX_BATCH_TOKENS)")
+    add("--max-prefill-tokens", type=int, default=default("MAX_PREFILL_TOKENS", defaults.max_prefill_tokens), help="prompt tokens prefilled for joining requests between two decode steps (KVBOOST_MAX_PREFILL_TOKENS)")
     add("--max-new-tokens", type=int, default=default("MAX_NEW_TOKENS", defaults.max_new_tokens), help="largest max_new_tokens a request may ask for (KVBOOST_MAX_NEW_TOKENS)")
     add("--max-prompt-tokens", type=int, default=default("MAX_PROMPT_TOKENS", defaults.max_prompt_tokens), help="longest prompt accepted; 0 = the model's context (KVBOOST_MAX_PROMPT_TOKENS)")
     add("--max-message-bytes", type=int, default=default("MAX_MESSAGE_BYTES", defaults.max_message_bytes), help="largest gRPC message received or sent, bytes; larger ones get RESOURCE_EXHAUSTED (KVBOOST_MAX_MESSAGE_BYTES)")

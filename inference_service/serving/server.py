@@ -9,6 +9,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from inference_service.engine.scheduler import Scheduler, SchedulerLimits
+from inference_service.model.batch_forward import has_sliding_layers
 from inference_service.serving.config import ServiceConfig
 from inference_service.serving.servicer import InferenceServicer
 from inference_service.serving.worker import ModelWorker
@@ -29,7 +31,9 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class InferenceServer:
     """A grpc.aio.Server with the parts the process drives: the bound port, the engine slot, health."""
 
-    def __init__(self, server: grpc.aio.Server, port: int, servicer: InferenceServicer, health_servicer: Any, store: Any) -> None:
+    def __init__(self, server: grpc.aio.Server, port: int, servicer: InferenceServicer, health_servicer: Any, store: Any,
+                 config: ServiceConfig | None = None) -> None:
+        self.config = config
         self.server = server
         self.port = port
         self.servicer = servicer
@@ -45,6 +49,8 @@ class InferenceServer:
 
     async def set_engine(self, engine: Any) -> None:
         """The model is loaded: requests are served and health turns SERVING."""
+        if self.config is not None:
+            attach_scheduler(self.servicer.worker, self.config, engine)
         self.servicer.engine = engine
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
@@ -85,7 +91,10 @@ def build_server(config: ServiceConfig, engine: Any = None, store: Any = None) -
     if config.max_concurrent_streams:
         options.append(("grpc.max_concurrent_streams", config.max_concurrent_streams))
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    servicer = InferenceServicer(ModelWorker(config.max_queue), config.cache_addr, engine)
+    worker = ModelWorker(config.max_queue)
+    if engine is not None:
+        attach_scheduler(worker, config, engine)
+    servicer = InferenceServicer(worker, config.cache_addr, engine)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -93,4 +102,17 @@ def build_server(config: ServiceConfig, engine: Any = None, store: Any = None) -
     port = bind(server, config.listen, config.tls_cert if config.tls else None, config.tls_key)
     if not config.listens_on_loopback and token is None:
         logger.warning("listening on %s without --auth-token-file: anyone who can reach it can use the model", config.listen)
-    return InferenceServer(server, port, servicer, health_servicer, store)
+    return InferenceServer(server, port, servicer, health_servicer, store, config)
+
+
+def attach_scheduler(worker: ModelWorker, config: ServiceConfig, engine: Any) -> None:
+    """In continuous mode, gives the worker a scheduler over the engine (models with sliding-window layers,
+    whose padded batch would shift the window, and engines without parts stay serial)."""
+    parts = getattr(engine, "parts", None)
+    if config.scheduler != "continuous" or parts is None:
+        return
+    if has_sliding_layers(parts.model.config):
+        logger.warning("the model has sliding-window layers: requests run one at a time (--scheduler serial)")
+        return
+    worker.scheduler = Scheduler(parts, SchedulerLimits(
+        config.max_running_requests, config.max_batch_tokens, config.max_prefill_tokens))

@@ -10,7 +10,8 @@ import grpc
 from inference_service.serving import proto_convert as convert
 from inference_service.errors import InvalidRequest
 from inference_service.serving.error_status import abort_with
-from inference_service.serving.worker import Job, ModelNotLoaded, ModelWorker
+from inference_service.engine.scheduler import StreamRequest
+from inference_service.serving.worker import STREAMING, Job, ModelNotLoaded, ModelWorker
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
 
@@ -27,8 +28,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         arrival = time.perf_counter()
         try:
             params = convert.generation_params(request, arrival)
-            job = self._submit(context, params.request_id, lambda job: self._engine().generate_choices(
-                params, on_token=lambda event: job.emit(convert.token_event(event)), should_stop=job.should_stop))
+            if self.worker.scheduler is not None and params.n == 1:  # joins the running batch
+                job = self._submit(context, params.request_id, lambda job: self._schedule(job, params))
+            else:
+                job = self._submit(context, params.request_id, lambda job: self._engine().generate_choices(
+                    params, on_token=lambda event: job.emit(convert.token_event(event)), should_stop=job.should_stop))
         except Exception as error:
             await abort_with(context, error, request.request_id)
         try:
@@ -107,6 +111,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         except Exception as error:
             await abort_with(context, error, "detokenize")
         return pb.DetokenizeReply(text=text)
+
+    def _schedule(self, job: Job[Any], params: Any) -> object:
+        """On the worker thread: hands the request to the scheduler; the job ends when the request does."""
+        self.worker.scheduler.submit(StreamRequest(
+            params, on_token=lambda event: job.emit(convert.token_event(event)), should_stop=job.should_stop,
+            on_done=lambda outcome, error: job.settle_from_worker(None if outcome is None else [outcome], error)))
+        return STREAMING
 
     def _engine(self) -> Any:
         if self.engine is None:

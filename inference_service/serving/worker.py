@@ -1,4 +1,9 @@
-"""One model worker thread fed by a bounded queue; jobs report back to the asyncio servicer that submitted them."""
+"""One model worker thread fed by a bounded queue; jobs report back to the asyncio servicer that submitted them.
+
+With a scheduler attached (continuous batching) a job may hand its request to the scheduler instead of
+running to the end: the thread then takes every queued job, then lets the scheduler run one step, and
+so on, so requests join the running batch between decode steps.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,12 +11,13 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Generic, TypeVar
+from typing import Any, AsyncIterator, Callable, Generic, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _DONE = object()  # ends a job's update stream
+STREAMING = object()  # a job's run returns this when it handed its request to the scheduler (it finishes later)
 
 
 class QueueFull(Exception):
@@ -81,7 +87,14 @@ class Job(Generic[T]):
         except Exception as error:  # handed to the awaiting coroutine, which maps it to a status
             self.finish(error=error)
             return
-        if self.deadline_passed():
+        if value is not STREAMING:
+            self.settle_from_worker(value, None)
+
+    def settle_from_worker(self, value: T | None, error: BaseException | None) -> None:
+        """Called on the worker thread when the job's work ended (a scheduled request calls it itself)."""
+        if error is not None:
+            self.finish(error=error)
+        elif self.deadline_passed():
             self.finish(error=DeadlineExceeded(f"{self.name} did not finish before its deadline; allow it more time"))
         else:
             self.finish(value=value)
@@ -104,12 +117,28 @@ class Job(Generic[T]):
             logger.debug("%s finished after its event loop closed", self.name)
 
 
+class Stepper(Protocol):
+    """What the worker drives between jobs (engine.scheduler.Scheduler)."""
+
+    num_waiting: int
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> None: ...
+
+    def fail_waiting(self, error: BaseException) -> None: ...
+
+    def fail_all(self, error: BaseException) -> None: ...
+
+
 class ModelWorker:
-    """Runs jobs one at a time on a single thread (the model is not shared across threads)."""
+    """Runs jobs on a single thread (the model is not shared across threads), and the scheduler's steps
+    between them once one is attached."""
 
     def __init__(self, max_queue: int) -> None:
         assert max_queue > 0, f"max_queue must be positive, got {max_queue}"
         self.max_queue = max_queue
+        self.scheduler: Stepper | None = None  # set once the engine is loaded, in continuous mode
         self.num_rejected = 0
         self.num_completed = 0
         self._queue: queue.Queue[Job[Any] | None] = queue.Queue(maxsize=max_queue)
@@ -119,8 +148,8 @@ class ModelWorker:
 
     @property
     def queue_depth(self) -> int:
-        """Jobs waiting for the worker (the one running is not counted)."""
-        return self._queue.qsize()
+        """Jobs waiting for the worker, and requests waiting to join the running batch (running ones not counted)."""
+        return self._queue.qsize() + (self.scheduler.num_waiting if self.scheduler is not None else 0)
 
     def submit(self, run: Callable[[Job[T]], T], timeout_s: float | None = None, name: str = "job") -> Job[T]:
         """Queues `run`; call from the event loop. Raises QueueFull or WorkerStopped."""
@@ -128,6 +157,8 @@ class ModelWorker:
             raise WorkerStopped("the service is shutting down")
         job = Job(run, asyncio.get_running_loop(), timeout_s, name)
         try:
+            if self.queue_depth >= self.max_queue:
+                raise queue.Full
             self._queue.put_nowait(job)
         except queue.Full:
             self.num_rejected += 1
@@ -151,6 +182,25 @@ class ModelWorker:
         self._thread.join(timeout_s)
 
     def _serve(self) -> None:
-        while (job := self._queue.get()) is not None:
+        while True:
+            busy = self.scheduler is not None and self.scheduler.has_work()
+            try:
+                job = self._queue.get_nowait() if busy else self._queue.get()
+            except queue.Empty:  # nothing new arrived: one step for the running batch
+                self._step()
+                continue
+            if job is None:
+                break
             job.execute()
             self.num_completed += 1
+        if self.scheduler is not None:  # shutting down: running requests finish, waiting ones fail
+            self.scheduler.fail_waiting(WorkerStopped("the service shut down before this request started"))
+            while self.scheduler.has_work():
+                self._step()
+
+    def _step(self) -> None:
+        try:
+            self.scheduler.step()
+        except Exception as error:  # a failed step must not end the thread that serves every request
+            logger.exception("scheduler step failed; its requests fail")
+            self.scheduler.fail_all(error)

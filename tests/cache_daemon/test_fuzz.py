@@ -107,9 +107,9 @@ def data(piece: bytes) -> cache_pb2.ChunkFrame:
 
 
 @st.composite
-def chunk_frames(draw) -> list[cache_pb2.ChunkFrame]:
-    """One chunk's frames, well formed or with one defect: a size lie, a checksum lie, a bad digest,
-    a frame over the 1 MiB limit, a truncated or an over-long body."""
+def chunk_frames(draw) -> tuple[str, bytes, list[cache_pb2.ChunkFrame]]:
+    """(defect, key, frames): one chunk's frames, well formed ("none") or with one defect: a size lie, a checksum
+    lie, a bad digest, a frame over the 1 MiB limit, a truncated or an over-long body, an empty frame."""
     blob = draw(st.binary(min_size=0, max_size=3000))
     key = draw(st.binary(min_size=32, max_size=32))
     namespace = draw(st.binary(min_size=32, max_size=32))
@@ -134,7 +134,9 @@ def chunk_frames(draw) -> list[cache_pb2.ChunkFrame]:
     elif defect == "big_frame":
         big = bytes(FRAME_LIMIT + draw(st.integers(1, 100)))
         size, checksum, pieces = len(big), zlib.crc32(big), [big]
-    elif defect == "truncated" and pieces:
+    elif defect == "truncated":
+        if not pieces:  # an empty body has nothing to cut: lie about its size instead
+            size = 1
         pieces = pieces[:-1]
     elif defect == "extra_data":
         pieces = pieces + [draw(st.binary(min_size=1, max_size=100))]
@@ -142,21 +144,38 @@ def chunk_frames(draw) -> list[cache_pb2.ChunkFrame]:
     frames += [data(piece) for piece in pieces]
     if defect == "empty_frame":
         frames.append(cache_pb2.ChunkFrame())
-    return frames
+    return defect, key, frames
+
+
+def present(stub, keys: list[bytes]) -> set[bytes]:
+    keys = [key for key in keys if len(key) == 32]
+    return {chunk.meta.key for chunk in fetch_chunks(stub, keys, timeout=30) if chunk.found} if keys else set()
 
 
 @FUZZ_SETTINGS
 @given(chunks=st.lists(chunk_frames(), min_size=0, max_size=4), shuffle=st.randoms(use_true_random=False),
        reorder=st.sampled_from(["keep", "shuffle", "data_first", "drop_header"]))
 def test_store(stub, chunks, shuffle, reorder) -> None:
-    frames = [frame for chunk in chunks for frame in chunk]
+    """A Store with any defect gets a non-OK status and stores none of its chunks; a clean one stores all."""
+    frames = [frame for _, _, chunk in chunks for frame in chunk]
     if reorder == "shuffle":
         shuffle.shuffle(frames)
     elif reorder == "data_first":
         frames = [data(b"data before any header")] + frames
     elif reorder == "drop_header" and frames:
         frames = frames[1:]
-    call("Store", stub.Store, iter(frames))
+    keys = [key for _, key, _ in chunks]
+    before = present(stub, keys)
+
+    code = call("Store", stub.Store, iter(frames))
+
+    defective = any(defect != "none" for defect, _, _ in chunks) or reorder in ("data_first", "drop_header") and frames
+    if reorder == "keep" or reorder == "data_first":
+        assert (code != grpc.StatusCode.OK) == bool(defective), f"{code} for defects {[d for d, _, _ in chunks]}"
+    if code != grpc.StatusCode.OK:
+        assert present(stub, keys) == before, "a refused Store left some of its chunks behind"
+    elif not defective and reorder == "keep":
+        assert present(stub, keys) == {key for key in keys}
 
 
 @FUZZ_SETTINGS

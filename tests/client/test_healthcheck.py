@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -37,23 +36,31 @@ def test_wait_follows_a_server_that_starts_late_and_turns_serving() -> None:
     servicer.set("", NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
+    polls: list[int] = []
+    turn_serving = threading.Timer(0.3, servicer.set, ("", SERVING))
 
-    def start_then_serve() -> None:
-        server.start()
-        servicer.set("", SERVING)
+    def is_alive() -> bool:
+        # The server starts only once the wait has begun, and the waiter gets three polls (one Watch each,
+        # at most a second apiece): following the Watch stream needs one or two; sleeping out the deadline, 20.
+        polls.append(1)
+        if len(polls) == 1:
+            server.start()
+            turn_serving.start()
+        return len(polls) <= 3
 
-    starter = threading.Timer(0.5, start_then_serve)
-    starter.start()
     try:
-        begun = time.monotonic()
-        assert healthcheck.wait_until_serving(f"127.0.0.1:{port}", deadline_s=20) == "SERVING"
-        assert time.monotonic() - begun < 5
+        assert healthcheck.wait_until_serving(f"127.0.0.1:{port}", deadline_s=20, is_alive=is_alive) == "SERVING"
     finally:
-        starter.join()
+        turn_serving.join()
         server.stop(grace=None)
 
 
 def test_wait_gives_up_when_the_process_is_gone() -> None:
-    begun = time.monotonic()
-    status = healthcheck.wait_until_serving(f"127.0.0.1:{pick_free_port()}", deadline_s=30, is_alive=lambda: False)
-    assert status == "UNREACHABLE" and time.monotonic() - begun < 1
+    polls: list[int] = []
+
+    def is_alive() -> bool:
+        polls.append(1)
+        return False
+
+    status = healthcheck.wait_until_serving(f"127.0.0.1:{pick_free_port()}", deadline_s=30, is_alive=is_alive)
+    assert status == "UNREACHABLE" and len(polls) == 1  # asked once, before any call: no wait for the deadline

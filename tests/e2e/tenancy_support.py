@@ -9,15 +9,18 @@ from pathlib import Path
 TOKENS = {"alice": "alice-0f3c9a7d-token", "bob": "bob-8e21b4c6-token", "ops": "ops-5d7a0e93-token"}
 
 
-def write_tenants_file(folder: Path, tokens: dict[str, str] = TOKENS) -> Path:
-    """alice and bob are tenants (bob's token in a token file), ops is the admin."""
+def write_tenants_file(folder: Path, tokens: dict[str, str] = TOKENS, budgets: dict[str, int] | None = None) -> Path:
+    """alice and bob are tenants (bob's token in a token file), ops is the admin; budgets: tenant -> max_bytes."""
     (folder / "bob.token").write_text(tokens["bob"] + "\n")
     path = folder / "tenants.json"
-    path.write_text(json.dumps({"tenants": {
+    tenants = {
         "alice": {"token": tokens["alice"]},
         "bob": {"token_file": "bob.token"},
         "ops": {"token": tokens["ops"], "admin": True},
-    }}))
+    }
+    for name, max_bytes in (budgets or {}).items():
+        tenants[name]["max_bytes"] = max_bytes
+    path.write_text(json.dumps({"tenants": tenants}))
     return path
 
 

@@ -6,7 +6,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -14,101 +13,141 @@ import pytest
 from kvboost.v1 import cache_pb2
 
 from tests.conftest import pick_free_port
-from tests.daemon_support import cache_stub, fetch_chunks, make_chunk, rpc_error, store_chunks
+from tests.daemon_support import cache_stub, fetch_chunks, make_chunk, rpc_error, store_chunks, store_frames
 from tests.e2e.daemon_process import REPO_ROOT, start_daemon
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 KILL_ROUNDS = 20          # kill -9 rounds (issue 7); each round is about 1-1.5 s
 WRITERS = 8               # concurrent Store streams per round
+HELD_WRITERS = 4          # of them, writers whose stream is held open, mid-call, until the kill
 CHUNKS_PER_STORE = 3      # chunks per Store call (one write transaction each)
-BURST_S = (0.15, 0.45)    # the kill lands this long after the burst starts (seeded random)
+INTERRUPTED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                     grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
 class Writer(threading.Thread):
-    """Stores batches of fresh chunks until the daemon dies; remembers what Store acknowledged."""
+    """Stores batches of fresh chunks (one Store call each) until the daemon dies; remembers each call and
+    whether Store acknowledged it, and any failure of the thread itself (an assert here only warns under pytest).
 
-    def __init__(self, address: str, label: str) -> None:
+    A held writer acknowledges one call, then sends the next one's first chunk and part of its second and
+    holds that stream open until `release`: its open, unfinished call is certain when the kill lands.
+    A free writer keeps storing, so its kill lands anywhere (mid-frame, mid-commit, between calls).
+    """
+
+    def __init__(self, address: str, label: str, held: bool, release: threading.Event) -> None:
         super().__init__(daemon=True)
-        self.address, self.label = address, label
-        self.acknowledged: list = []
-        self.attempted: list = []
+        self.address, self.label, self.held, self.release = address, label, held, release
+        self.calls: list[tuple[list, bool]] = []  # (chunks of one Store call, acknowledged)
         self.errors: list[grpc.StatusCode] = []
+        self.failures: list[str] = []
+        # A Store stream is open with part of its call sent (held: at the hold point of its second call).
+        self.stream_open = threading.Event()
 
     def run(self) -> None:
+        try:
+            self._store_until_the_daemon_dies()
+        except BaseException as error:  # collected and asserted by the test
+            self.failures.append(f"{self.label}: {error!r}")
+        finally:
+            self.stream_open.set()  # never leave the test waiting on a writer that ended
+
+    def _frames(self, batch: list, hold: bool):
+        frames = store_frames(batch)
+        for index, frame in enumerate(frames):
+            yield frame
+            if index == 0 and not self.held:
+                self.stream_open.set()
+            # Hold after the first whole chunk and the header plus one data frame of the second one.
+            if hold and index == 1 + len(store_frames(batch[:1])):
+                self.stream_open.set()
+                if not self.release.wait(60):
+                    raise AssertionError("the held stream was never released")
+
+    def _store_until_the_daemon_dies(self) -> None:
         rng = random.Random(self.label)
         with cache_stub(self.address) as stub:
             for batch_index in range(10_000):
                 # Sizes up to 2.5 MiB: a chunk spans several 1 MiB frames, so the kill often lands mid-chunk.
-                batch = [make_chunk(f"{self.label} {batch_index} {i}", rng.randrange(1_000, 2_600_000))
+                batch = [make_chunk(f"{self.label} {batch_index} {i}", rng.randrange(1_100_000, 2_600_000)
+                                    if self.held else rng.randrange(1_000, 2_600_000))
                          for i in range(CHUNKS_PER_STORE)]
-                self.attempted.extend(batch)
+                self.calls.append((batch, False))
                 try:
-                    reply = store_chunks(stub, batch, timeout=10)
+                    reply = stub.Store(self._frames(batch, hold=self.held and batch_index == 1), timeout=30)
                 except grpc.RpcError as error:
                     self.errors.append(error.code())
                     return
-                assert reply.stored + reply.already_present == len(batch)
-                self.acknowledged.extend(batch)
+                if reply.stored + reply.already_present != len(batch):
+                    raise AssertionError(f"Store acknowledged {reply} for {len(batch)} chunks")
+                self.calls[-1] = (batch, True)
 
 
-def verify(address: str, acknowledged: list, unacknowledged: list) -> None:
-    """Every acknowledged chunk is found and bit-exact; an unacknowledged one is absent or whole."""
+def verify(address: str, calls: list[tuple[list, bool, bool]]) -> int:
+    """Every acknowledged chunk is found and bit-exact. Of an unacknowledged call nothing is left, or (its commit
+    done, the kill before the reply) all of it; a held call, killed mid-stream, left nothing. Returns the
+    number of unacknowledged calls found whole."""
+    whole = 0
     with cache_stub(address) as stub:
-        for start in range(0, len(acknowledged), 64):
-            part = acknowledged[start:start + 64]
-            fetched = fetch_chunks(stub, [chunk.key for chunk in part], timeout=30)  # checks size + CRC
-            missing = [chunk.key.hex()[:16] for chunk, got in zip(part, fetched) if not got.found]
-            assert not missing, f"acknowledged chunks lost after kill -9: {missing}"
-            assert all(got.blob == chunk.blob for chunk, got in zip(part, fetched)), "acknowledged blob changed"
-        for start in range(0, len(unacknowledged), 64):
-            part = unacknowledged[start:start + 64]
-            for chunk, got in zip(part, fetch_chunks(stub, [chunk.key for chunk in part], timeout=30)):
-                assert not got.found or got.blob == chunk.blob, "a half-written chunk is served"
+        for batch, acknowledged, held in calls:
+            fetched = fetch_chunks(stub, [chunk.key for chunk in batch], timeout=30)  # checks size + CRC
+            found = [got.found for got in fetched]
+            assert all(got.blob == chunk.blob for chunk, got in zip(batch, fetched) if got.found), "a blob changed"
+            if acknowledged:
+                assert all(found), f"acknowledged chunks lost after kill -9: {batch[0].key.hex()[:16]}, {found}"
+            elif held:
+                assert not any(found), f"a Store interrupted mid-stream left chunks of its call: {found}"
+            else:
+                assert found in ([False] * len(batch), [True] * len(batch)), f"part of one Store call kept: {found}"
+                whole += all(found)
         stats = stub.Stats(cache_pb2.CacheStatsRequest(), timeout=10)
         assert stats.corrupted == 0, "the daemon found corrupted blobs"
         assert stats.bytes <= stats.max_bytes
+    return whole
 
 
 def test_kill_9_during_concurrent_store_bursts_loses_nothing_acknowledged(tmp_path: Path) -> None:
     data_dir = tmp_path / "lmdb"
-    rng = random.Random(20)
-    acknowledged: list = []
-    unacknowledged: list = []
-    rounds_with_interrupted_streams = 0
+    calls: list[tuple[list, bool, bool]] = []  # (chunks, acknowledged, held open at the kill)
     for round_index in range(KILL_ROUNDS):
         daemon = start_daemon(data_dir, pick_free_port(), "--max-bytes", "4G")
+        release = threading.Event()
         try:
-            verify(daemon.address, acknowledged, unacknowledged)
-            writers = [Writer(daemon.address, f"round {round_index} writer {w}") for w in range(WRITERS)]
+            verify(daemon.address, calls)
+            writers = [Writer(daemon.address, f"round {round_index} writer {w}", w < HELD_WRITERS, release)
+                       for w in range(WRITERS)]
             for writer in writers:
                 writer.start()
-            time.sleep(rng.uniform(*BURST_S))  # the burst runs; the point is to kill it mid-flight
+            # Kill once every writer has a stream open with part of a call sent (the held ones stay so).
+            for writer in writers:
+                assert writer.stream_open.wait(60), f"{writer.label} never opened a Store stream"
         finally:
             daemon.kill()
+            release.set()
         for writer in writers:
-            writer.join(timeout=30)
+            writer.join(timeout=60)
             assert not writer.is_alive()
-            assert set(writer.errors) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                                          grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
-                                          grpc.StatusCode.UNKNOWN}, writer.errors
-            acknowledged.extend(writer.acknowledged)
-            acked_keys = {chunk.key for chunk in writer.acknowledged}
-            unacknowledged.extend(chunk for chunk in writer.attempted if chunk.key not in acked_keys)
-        rounds_with_interrupted_streams += any(writer.errors for writer in writers)
+            assert writer.failures == [], writer.failures
+            assert set(writer.errors) <= INTERRUPTED_CODES, writer.errors
+            calls.extend((batch, acknowledged, writer.held and index == 1) for index, (batch, acknowledged)
+                         in enumerate(writer.calls))
+        held_interrupted = [writer for writer in writers[:HELD_WRITERS] if writer.errors and not writer.calls[1][1]]
+        assert len(held_interrupted) == HELD_WRITERS, "every held stream must have been cut by the kill"
     daemon = start_daemon(data_dir, pick_free_port(), "--max-bytes", "4G")
     try:
-        verify(daemon.address, acknowledged, unacknowledged)
+        whole = verify(daemon.address, calls)
     finally:
         daemon.terminate()
+    acknowledged = sum(len(batch) for batch, done, _ in calls if done)
+    interrupted = [batch for batch, done, _ in calls if not done]
     assert acknowledged, "no Store was acknowledged: the bursts were too short to test anything"
-    assert rounds_with_interrupted_streams >= KILL_ROUNDS // 2, "kill -9 rarely hit an open Store stream"
-    print(f"\n{KILL_ROUNDS} kill -9 rounds survived: {len(acknowledged)} acknowledged chunks all present and "
-          f"checksum-valid, {len(unacknowledged)} interrupted chunks never served half-written, "
-          f"{rounds_with_interrupted_streams} rounds killed open Store streams, 0 lost")
+    print(f"\n{KILL_ROUNDS} kill -9 rounds survived: {acknowledged} acknowledged chunks all present and "
+          f"checksum-valid; of {len(interrupted)} interrupted Store calls {len(interrupted) - whole} left nothing "
+          f"and {whole} were committed whole before the reply was lost, none partly; "
+          f"{KILL_ROUNDS * HELD_WRITERS} of them cut mid-stream; 0 lost")
 
 
-def _make_read_only(folder: Path) -> bool:
+def _refuse_writes(folder: Path) -> bool:
     """chmod 0555; as root (which ignores modes) the immutable attribute instead. False if neither holds."""
     folder.chmod(0o555)
     if _is_read_only(folder):
@@ -127,24 +166,42 @@ def _is_read_only(folder: Path) -> bool:
     return False
 
 
-def test_read_only_data_dir_fails_at_start_with_a_clear_message(tmp_path: Path) -> None:
-    data_dir = tmp_path / "read-only"
-    data_dir.mkdir()
-    if not _make_read_only(data_dir):
-        pytest.skip("cannot make a directory read-only here (root without chattr)")
-    try:
-        result = subprocess.run([sys.executable, "-m", "cache_daemon", "--data-dir", str(data_dir),
-                                 "--listen", f"127.0.0.1:{pick_free_port()}"],
-                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
-                                env={k: v for k, v in os.environ.items() if not k.startswith("KVBOOST_")})
-    finally:
-        subprocess.run(["chattr", "-i", str(data_dir)], capture_output=True)
-        data_dir.chmod(0o755)
+def _start_daemon_on(data_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cache_daemon", "--data-dir", str(data_dir),
+                           "--listen", f"127.0.0.1:{pick_free_port()}"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("KVBOOST_")})
+
+
+def _assert_documented_refusal(result: subprocess.CompletedProcess, data_dir: Path) -> None:
+    """docs/operations.md: the daemon exits 1 at start with "cannot open DIR: ..."."""
     output = result.stdout + result.stderr
-    assert result.returncode != 0, output
-    assert str(data_dir) in output, output
-    assert any(word in output.lower() for word in ("read-only", "permission", "not permitted", "cannot open")), output
+    assert result.returncode == 1, output
+    assert f"cannot open {data_dir}" in output, output
     assert "Traceback" not in output, f"a clear message, not a traceback:\n{output}"
+
+
+@pytest.mark.parametrize("layout", ["read_only_dir", "file_in_its_place", "dir_under_a_file"])
+def test_an_unwritable_data_dir_fails_at_start_with_the_documented_message(tmp_path: Path, layout: str) -> None:
+    if layout == "read_only_dir":
+        data_dir = tmp_path / "read-only"
+        data_dir.mkdir()
+        if not _refuse_writes(data_dir):
+            # Root without chattr: the two layouts below refuse writes for root too and still run.
+            pytest.skip("cannot make a directory read-only here (root without chattr); other layouts cover it")
+    elif layout == "file_in_its_place":
+        data_dir = tmp_path / "not-a-dir"
+        data_dir.write_text("a regular file where the data dir should be")
+    else:
+        (tmp_path / "a-file").write_text("")
+        data_dir = tmp_path / "a-file" / "lmdb"  # no directory can be made under a regular file
+    try:
+        result = _start_daemon_on(data_dir)
+    finally:
+        if layout == "read_only_dir":
+            subprocess.run(["chattr", "-i", str(data_dir)], capture_output=True)
+            data_dir.chmod(0o755)
+    _assert_documented_refusal(result, data_dir)
 
 
 def test_full_budget_and_tiny_map_give_resource_exhausted_and_keep_serving(tmp_path: Path) -> None:

@@ -69,10 +69,12 @@ def stack(tmp_path_factory) -> Stack:
     daemon = start_daemon(folder / "lmdb", pick_free_port())
     try:
         with ExitStack() as stack:
-            # --max-queue 1: one request waits for the model, the next gets RESOURCE_EXHAUSTED (429).
+            # --max-running-requests 1 --max-queue 1: one request runs, one waits to join the running batch, the
+            # next gets RESOURCE_EXHAUSTED (429).
             service = stack.enter_context(running_service(
                 str(model_dir), daemon.address, pick_free_port(), folder / "service.log", "--chunk-size",
-                str(CHUNK_SIZE), "--max-queue", "1", "--auth-token-file", str(folder / "token")))
+                str(CHUNK_SIZE), "--max-queue", "1", "--max-running-requests", "1",
+                "--auth-token-file", str(folder / "token")))
             gateways = stack.enter_context(running_gateways(
                 (service.address, pick_free_port(), folder / "main.log", "--token-file", str(folder / "token")),
                 (service.address, pick_free_port(), folder / "wrong.log", "--token", "wrong"),

@@ -49,12 +49,15 @@ def test_daemon_killed_mid_stream_then_restarted(tmp_path) -> None:
             assert result.cached_tokens == len(SHARED_TEXT)  # its lookup ran before the kill
             assert result.generated_tokens == len(first.token_ids) + sum(len(e.token_ids) for e in rest)
 
-            # With the daemon gone the next request runs without the cache, promptly, and says so.
-            started = time.monotonic()
+            # With the daemon gone the next request runs without the cache and says so. Promptly: the dead daemon
+            # is noticed by a refused connection (UNAVAILABLE), not by waiting out a deadline, and only once;
+            # while degraded, calls fail before any network round trip (test_grpc_store.py checks that part).
             _, degraded = generate(stub, SHARED_TEXT + " Q?", max_new_tokens=4, mode=pb.PREFIX_CACHE)
-            assert time.monotonic() - started < 10
             assert degraded.degraded and degraded.cached_tokens == 0 and degraded.generated_tokens == 4
             assert stub.Stats(pb.ServiceStatsRequest(), timeout=5).degraded
+            noticed = [line for line in service.log().splitlines() if f"cache daemon at {daemon_addr} unreachable" in line]
+            assert len(noticed) == 1 and "UNAVAILABLE" in noticed[0], service.log()
+            assert "DEADLINE_EXCEEDED" not in service.log()
 
             # The daemon comes back on its port with its data: the service reconnects by itself and hits.
             daemon = start_daemon(tmp_path / "lmdb", daemon_port)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
+
+from inference_service.engine.prompts import tokenize_prompt
 
 from inference_service.model.weights import DEFAULT_MODEL
 from kvboost.v1 import inference_pb2 as pb
@@ -24,8 +27,19 @@ SYSTEM_PROMPT = "\n".join(
 QUESTION = "\nQuestion: when does the ferry to the lighthouse leave?\nAnswer:"
 
 
+def plain_generate(smollm2, prompt: str, max_new_tokens: int) -> list[int]:
+    """Plain transformers greedy generation in this process, the same weights the service loads."""
+    model, tokenizer, _ = smollm2
+    token_ids = tokenize_prompt(tokenizer, prompt)[0]
+    input_ids = torch.tensor([token_ids])
+    with torch.inference_mode():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=max_new_tokens)
+    return output[0, len(token_ids):].tolist()
+
+
 @pytest.mark.slow
-def test_warmed_system_prompt_is_reused_and_survives_restarts(tmp_path) -> None:
+def test_warmed_system_prompt_is_reused_and_survives_restarts(tmp_path, smollm2) -> None:
     daemon_port, service_port = pick_free_port(), pick_free_port()
     daemon_addr = f"127.0.0.1:{daemon_port}"
 
@@ -53,6 +67,8 @@ def test_warmed_system_prompt_is_reused_and_survives_restarts(tmp_path) -> None:
         # The first request's write-back (its own tail, question included) survived both restarts too.
         assert after_restart.cached_tokens == reused.prompt_tokens - 1
         assert after_restart.kv_reuse_ratio > 0.9
+        # Both answers, from cached K/V, are what plain transformers generates for the whole prompt.
+        assert list(reused.output_token_ids) == plain_generate(smollm2, SYSTEM_PROMPT + QUESTION, 8)
         assert list(after_restart.output_token_ids) == list(reused.output_token_ids)
     finally:
         if daemon.process.poll() is None:

@@ -164,3 +164,50 @@ def test_tenants_file_and_single_token_exclude_each_other(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="exclude each other"):
         start_daemon(tmp_path / "lmdb", pick_free_port(), "--tenants-file", str(write_tenants_file(tmp_path)),
                      "--auth-token-file", str(token_file), timeout_s=20)
+
+
+def test_bob_filling_his_share_never_evicts_alices_chunks_before_or_after_a_restart(tmp_path) -> None:
+    # Without shares, bob's 60 kB would push alice's 30 kB out of the 60 kB budget (hers are older).
+    data_dir, port, metrics_port = tmp_path / "lmdb", pick_free_port(), pick_free_port()
+    tenants_file = write_tenants_file(tmp_path, budgets={"bob": 20_000})
+    flags = ("--tenants-file", str(tenants_file), "--max-bytes", "60000", "--metrics-port", str(metrics_port))
+    alice_chunks = [make_chunk(f"alice share {index}", 3000, namespace=NAMESPACE) for index in range(10)]
+    bob_chunks = [make_chunk(f"bob share {index}", 3000, namespace=NAMESPACE) for index in range(40)]
+
+    def alice_keeps_everything(stub) -> None:
+        fetched = fetch_chunks(stub, [chunk.key for chunk in alice_chunks], metadata=ALICE)
+        assert [chunk.blob for chunk in fetched] == [chunk.blob for chunk in alice_chunks]
+
+    def bob_stays_inside_his_share(stub) -> None:
+        stats = stub.Stats(cache_pb2.CacheStatsRequest(), metadata=BOB, timeout=5)
+        assert (stats.bytes, stats.max_bytes) == (18_000, 20_000), "six 3000-byte chunks fit in 20 kB"
+        assert metric_value(scrape(metrics_port), "kvboost_cache_tenant_bytes", tenant="bob") == 18_000
+
+    daemon = start_daemon(data_dir, port, *flags)
+    try:
+        with grpc.insecure_channel(daemon.address) as channel:
+            stub = cache_pb2_grpc.CacheServiceStub(channel)
+            assert store_chunks(stub, alice_chunks, metadata=ALICE).stored == 10
+            for start in range(0, 20, 4):
+                assert store_chunks(stub, bob_chunks[start:start + 4], metadata=BOB).stored == 4
+            alice_keeps_everything(stub)
+            bob_stays_inside_his_share(stub)
+            alice_stats = stub.Stats(cache_pb2.CacheStatsRequest(), metadata=ALICE, timeout=5)
+            assert (alice_stats.bytes, alice_stats.max_bytes) == (30_000, 60_000), "no share: the daemon's budget"
+            # Bob keeps his newest chunks: the least recently used of his own went first (ties within one
+            # Store go by key, so which 2 of the 4 before the last Store stay is the keys' order).
+            held = [chunk.found for chunk in fetch_chunks(stub, [c.key for c in bob_chunks[:20]], metadata=BOB)]
+            assert held[16:] == [True] * 4 and sum(held[12:16]) == 2 and not any(held[:12])
+    finally:
+        daemon.terminate()
+    daemon = start_daemon(data_dir, port, *flags)
+    try:
+        with grpc.insecure_channel(daemon.address) as channel:
+            stub = cache_pb2_grpc.CacheServiceStub(channel)
+            bob_stays_inside_his_share(stub)  # his share's usage is rebuilt from LMDB at open
+            for start in range(20, 40, 5):
+                store_chunks(stub, bob_chunks[start:start + 5], metadata=BOB)
+            alice_keeps_everything(stub)
+            bob_stays_inside_his_share(stub)
+    finally:
+        daemon.terminate()

@@ -114,7 +114,9 @@ class InferenceServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def VerifyCorrectness(self, request, context):
-        """Runs BASELINE against a cached mode on given (or built-in) prompts.
+        """Runs BASELINE against a cached mode on given (or built-in) prompts: a self-check of this service's modes
+        against each other (our baseline path, not plain transformers). Identity with plain transformers
+        model.generate is what the test suite checks (tests/inference_service/test_identity.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -298,6 +298,7 @@ SMOL_QUESTIONS = ["Which drill for concrete?",
                   "How do I fix a dripping kitchen tap?"]
 
 
+@pytest.mark.slow
 def test_smollm2_chat_batch_is_token_identical_uncached_cached_and_baseline(smollm2):
     model, tokenizer, _ = smollm2
     engine = make_engine(model, tokenizer, chunk_size=16)

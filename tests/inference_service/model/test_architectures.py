@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pytest
 from transformers import (
-    BloomConfig, FalconConfig, GPT2Config, GPTNeoXConfig, Gemma2Config, LlamaConfig, MistralConfig, MptConfig,
-    Phi3Config, Qwen2Config, Qwen3Config, T5Config,
+    BioGptConfig, BloomConfig, FalconConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, Gemma2Config,
+    LlamaConfig, MistralConfig, MptConfig, OPTConfig, PersimmonConfig, Phi3Config, PhiConfig, Qwen2Config,
+    Qwen3Config, StableLmConfig, T5Config,
 )
 
-from inference_service.model.architectures import check_architecture, inspect_architecture
+from inference_service.model.architectures import REFUSED_MODEL_TYPES, check_architecture, inspect_architecture
 from inference_service.errors import UnsupportedArchitecture
 
 
@@ -23,12 +24,34 @@ def test_rope_decoders_are_supported(config_class):
     (MptConfig, "ALiBi"),
     (FalconConfig, "ALiBi"),
     (GPTNeoXConfig, "partial rotary"),
+    (OPTConfig, "learned absolute position"),
+    (GPTBigCodeConfig, "learned absolute position"),
+    (BioGptConfig, "learned absolute position"),
+    (GPTJConfig, "partial rotary"),
+    (PhiConfig, "partial rotary"),
+    (StableLmConfig, "partial rotary"),
+    (PersimmonConfig, "partial rotary"),
     (T5Config, "encoder-decoder"),
 ])
-def test_refused_architectures_name_the_reason(config_class, reason):
+def test_refused_architectures_name_the_reason(config_class, reason, tmp_path):
     with pytest.raises(UnsupportedArchitecture, match=reason) as raised:
         check_architecture(config_class())
     assert "--no-strict" in str(raised.value)
+    if config_class is T5Config:
+        return
+    # The same config as a checkpoint directory (config only, no weights) is refused by load_model too.
+    from inference_service.model.loading import load_model
+
+    config_class(num_hidden_layers=1, hidden_size=8, num_attention_heads=2).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitecture, match=reason):
+        load_model(str(tmp_path))
+
+
+def test_every_refused_type_is_tested():
+    tested = {config_class.model_type for config_class in (
+        GPT2Config, BloomConfig, MptConfig, FalconConfig, GPTNeoXConfig, OPTConfig, GPTBigCodeConfig, BioGptConfig,
+        GPTJConfig, PhiConfig, StableLmConfig, PersimmonConfig)}
+    assert tested == set(REFUSED_MODEL_TYPES)
 
 
 def test_not_strict_returns_the_refusal_instead_of_raising():

@@ -23,10 +23,10 @@ MAX_PROMPT_TOKENS = 256  # the server's --max-prompt-tokens: longer prompts are 
 DOCUMENTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 FUZZ_SETTINGS = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-# Defined enum values only: an undefined Mode or RecomputeStrategy (e.g. 7) is INTERNAL today, not INVALID_ARGUMENT
-# (convert.mode_name / strategy_name raise ValueError); add 7 and 9 here once that is fixed.
-MODES = [0, 1, 2, 3]
-STRATEGIES = [0, 1, 2, 3]
+# Defined enum values and undefined ones (proto3 enums are open: a client may send any int32): an undefined
+# Mode or RecomputeStrategy must get INVALID_ARGUMENT, never INTERNAL.
+MODES = [0, 1, 2, 3, 4, 7, 2**31 - 1, -1]
+STRATEGIES = [0, 1, 2, 3, 4, 9, 2**31 - 1, -1]
 REFERENCE = dict(prompt="The harbour ferry leaves at six. " * 2, max_new_tokens=8, mode=pb.PREFIX_CACHE)
 
 seen_codes: dict[str, set[grpc.StatusCode]] = {}
@@ -143,10 +143,11 @@ def test_warm(stub, text, messages, content_addressed, pin) -> None:
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(prompts=st.lists(texts, max_size=2), max_new_tokens=st.sampled_from([0, 1, 3, MAX_NEW_TOKENS + 1, 2**32 - 1]))
-def test_verify(stub, prompts, max_new_tokens) -> None:
+@given(prompts=st.lists(texts, max_size=2), max_new_tokens=st.sampled_from([0, 1, 3, MAX_NEW_TOKENS + 1, 2**32 - 1]),
+       mode=st.sampled_from(MODES))
+def test_verify(stub, prompts, max_new_tokens, mode) -> None:
     call("VerifyCorrectness", lambda: stub.VerifyCorrectness(
-        pb.VerifyRequest(prompts=prompts, max_new_tokens=max_new_tokens), timeout=60))
+        pb.VerifyRequest(prompts=prompts, max_new_tokens=max_new_tokens, mode=mode), timeout=60))
 
 
 @pytest.mark.parametrize("fields", [
@@ -159,6 +160,9 @@ def test_verify(stub, prompts, max_new_tokens) -> None:
     dict(prompt="hi", top_p=1.5),
     dict(prompt="hi", max_new_tokens=MAX_NEW_TOKENS + 1),
     dict(prompt="z" * (MAX_PROMPT_TOKENS + 1)),
+    dict(prompt="hi", mode=7),
+    dict(prompt="hi", mode=-1),
+    dict(prompt="hi", recompute_strategy=9),
 ])
 def test_known_bad_requests_are_invalid_argument(stub, fields) -> None:
     with pytest.raises(grpc.RpcError) as raised:

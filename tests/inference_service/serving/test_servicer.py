@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference_service.store.memory import InMemoryStore
 from inference_service.serving.config import ServiceConfig
+from inference_service.engine import scheduler as scheduler_module
 from inference_service.engine.engine import Engine, EngineConfig
 from inference_service.serving.server import CACHE_HEALTH_NAME, SERVICE_NAME, build_server
 from kvboost.v1 import inference_pb2 as pb
@@ -71,15 +72,21 @@ async def wait_until(condition, timeout_s: float = 10.0, what: str = "condition"
         await asyncio.sleep(0.02)
 
 
-def record_outcomes(engine) -> list:
-    """Wraps engine.generate_choices so the test sees each outcome the engine returned."""
-    outcomes, original = [], engine.generate_choices
+def record_outcomes(engine, monkeypatch) -> list:
+    """Wraps engine.generate_choices (serial) and the scheduler's record_outcome (continuous) so the test
+    sees each outcome the engine produced."""
+    outcomes, original, original_record = [], engine.generate_choices, scheduler_module.record_outcome
 
     def recording(*args, **kwargs):
         outcomes.extend(original(*args, **kwargs))
         return outcomes[-1:]
 
-    engine.generate_choices = recording
+    def recording_outcome(*args, **kwargs):
+        outcomes.append(original_record(*args, **kwargs))
+        return outcomes[-1]
+
+    monkeypatch.setattr(engine, "generate_choices", recording)
+    monkeypatch.setattr(scheduler_module, "record_outcome", recording_outcome)
     return outcomes
 
 
@@ -174,11 +181,12 @@ def test_a_full_queue_is_resource_exhausted_and_counted(engine) -> None:
     assert queued_result.generated_tokens == 2
 
 
-def test_client_cancellation_stops_generation(engine) -> None:
-    outcomes = record_outcomes(engine)
+@pytest.mark.parametrize("scheduler", ["continuous", "serial"])
+def test_client_cancellation_stops_generation(engine, monkeypatch, scheduler) -> None:
+    outcomes = record_outcomes(engine, monkeypatch)
 
     async def scenario():
-        async with serving(engine) as (_, stub, _health):
+        async with serving(engine, scheduler=scheduler) as (_, stub, _health):
             call = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=MAX_NEW_TOKENS_LIMIT - len(PROMPT)))
             first = await call.read()
             call.cancel()
@@ -191,11 +199,12 @@ def test_client_cancellation_stops_generation(engine) -> None:
     assert outcomes[0].generated_tokens < MAX_NEW_TOKENS_LIMIT - len(PROMPT)
 
 
-def test_a_passed_deadline_stops_generation(engine) -> None:
-    outcomes = record_outcomes(engine)
+@pytest.mark.parametrize("scheduler", ["continuous", "serial"])
+def test_a_passed_deadline_stops_generation(engine, monkeypatch, scheduler) -> None:
+    outcomes = record_outcomes(engine, monkeypatch)
 
     async def scenario():
-        async with serving(engine) as (_, stub, _health):
+        async with serving(engine, scheduler=scheduler) as (_, stub, _health):
             request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=MAX_NEW_TOKENS_LIMIT - len(PROMPT))
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 async for _ in stub.Generate(request, timeout=0.3):
@@ -355,3 +364,59 @@ def test_bearer_token_guards_every_rpc_but_health(engine, tmp_path) -> None:
     assert good.chunk_size == CHUNK_SIZE
     assert events[-1].result.generated_tokens == 2
     assert health == SERVING
+
+
+# --- continuous batching -----------------------------------------------------------------------------
+
+def test_concurrent_streams_share_the_running_batch_and_match_generate_alone(engine, tiny_llama) -> None:
+    from inference_service.engine.prompts import tokenize_prompt
+    from tests.inference_service.engine.test_batch import reference_ids
+
+    model, tokenizer = tiny_llama
+    prompts = [PROMPT + f"Question {index}?" * (index + 1) for index in range(5)] + ["Other prompt."]
+    steps_before = []
+
+    async def scenario():
+        async with serving(engine, max_queue=16) as (server, stub, _health):
+            scheduler = server.servicer.worker.scheduler
+            steps_before.append(scheduler.num_steps)
+            calls = [generate(stub, prompt=prompt, max_new_tokens=10 + index, mode=pb.PREFIX_CACHE)
+                     for index, prompt in enumerate(prompts)]
+            results = [events[-1].result for events in await asyncio.gather(*calls)]
+            return results, scheduler.num_steps - steps_before[0]
+
+    results, num_steps = run(scenario())
+    for index, (prompt, result) in enumerate(zip(prompts, results)):
+        assert list(result.output_token_ids) == reference_ids(model, tokenize_prompt(tokenizer, prompt)[0], 10 + index)
+    assert num_steps < sum(result.generated_tokens for result in results), "requests decoded together"
+
+
+def test_requests_waiting_to_join_count_against_the_queue(engine) -> None:
+    from tests.inference_service.engine.test_scheduler import Tracked
+
+    started, release = threading.Event(), threading.Event()
+    waiting = [Tracked(PROMPT, 3), Tracked(PROMPT, 3)]
+
+    def hold_the_model(job):
+        started.set()
+        release.wait(30)
+
+    async def scenario():
+        async with serving(engine, max_queue=3) as (server, stub, _health):
+            worker = server.servicer.worker
+            running = worker.submit(hold_the_model)
+            await asyncio.to_thread(started.wait, 10)
+            for item in waiting:  # two requests waiting for room in the running batch
+                worker.scheduler.submit(item.request)
+            queued = asyncio.create_task(generate(stub, prompt="queued", max_new_tokens=2))
+            await wait_until(lambda: worker.queue_depth == 3, what="the queued request")
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await generate(stub, prompt="refused", max_new_tokens=2)
+            release.set()
+            await running.result()
+            await queued
+            await wait_until(lambda: all(item.done for item in waiting), what="the waiting requests")
+            return raised.value
+
+    assert run(scenario()).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [item.outcome.generated_tokens for item in waiting] == [3, 3]

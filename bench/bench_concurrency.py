@@ -1,0 +1,146 @@
+"""One-at-a-time vs continuous batching under concurrent clients, in one run, on the shared system-prompt workload.
+
+One cache daemon and two inference services (--scheduler serial and --scheduler continuous) on loopback; at
+each concurrency level both services get the same bench/load.py load in turn (each level warms the system
+prompt first). Reported per row: requests/s, output tokens/s, p50/p99 TTFT (client side), p50 time per output
+token, errors, the daemon's budget and RSS. Writes a plot of throughput and p99 TTFT vs concurrency.
+
+    flock /tmp/kvboost-bench.lock python bench/bench_concurrency.py                 # SmolLM2, 1 4 8 16, 20 s
+    flock /tmp/kvboost-bench.lock python bench/bench_concurrency.py --model tiny --levels 1 4 --duration 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.load import SYSTEM_PROMPT, Report, rss_bytes, run_load  # noqa: E402
+from bench.plotting import pyplot  # noqa: E402
+
+SCHEDULERS = ("serial", "continuous")
+
+
+def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str, max_queue: int,
+                   work_dir: Path) -> tuple[dict[str, str], str, int]:
+    """The daemon and one service per scheduler; ({scheduler: address}, daemon address, daemon pid)."""
+    from tests.conftest import pick_free_port
+    from tests.e2e.daemon_process import start_daemon
+    from tests.e2e.service_process import start_service
+
+    if model == "tiny":
+        from tests.e2e.stack_process import save_tiny_model
+        model = str(save_tiny_model(work_dir / "tiny-model"))
+    daemon = start_daemon(work_dir / "lmdb", pick_free_port(), "--max-bytes", max_bytes)
+    stack.callback(lambda: daemon.process.poll() is None and daemon.terminate())
+    addresses = {}
+    for scheduler in SCHEDULERS:
+        service = start_service(model, daemon.address, pick_free_port(), work_dir / f"service-{scheduler}.log",
+                                "--chunk-size", str(chunk_size), "--max-queue", str(max_queue),
+                                "--scheduler", scheduler, timeout_s=300)
+        stack.callback(lambda service=service: service.process.poll() is None and service.terminate())
+        addresses[scheduler] = service.address
+    return addresses, daemon.address, daemon.process.pid
+
+
+def warm_system_prompt(address: str) -> None:
+    import grpc
+    from kvboost.v1 import inference_pb2 as pb
+    from kvboost.v1 import inference_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        result = inference_pb2_grpc.InferenceServiceStub(channel).Warm(pb.WarmRequest(text=SYSTEM_PROMPT), timeout=300)
+    print(f"warmed the system prompt: {result.token_count} tokens, {result.chunks_stored} chunks stored", flush=True)
+
+
+def format_row(scheduler: str, report: Report) -> str:
+    return (f"{scheduler:<10} {report.clients:>3} clients: {report.requests_per_s:6.2f} req/s, "
+            f"{report.output_tokens_per_s:7.1f} out tok/s, TTFT p50 {report.ttft_ms_p50:8.1f} ms "
+            f"p99 {report.ttft_ms_p99:8.1f} ms, TPOT p50 {report.time_per_output_token_ms_p50:6.1f} ms, "
+            f"errors {report.errors}, rejected {report.rejected}, "
+            f"budget {'EXCEEDED' if report.budget_exceeded else 'respected'}")
+
+
+def write_plot(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(10, 4.2))
+    for scheduler in SCHEDULERS:
+        points = [row for row in rows if row["scheduler"] == scheduler]
+        levels = [row["clients"] for row in points]
+        throughput.plot(levels, [row["output_tokens_per_s"] for row in points], marker="o", label=scheduler)
+        ttft.plot(levels, [row["ttft_ms_p99"] / 1000 for row in points], marker="o", label=scheduler)
+    throughput.set_xlabel("concurrent clients")
+    throughput.set_ylabel("output tokens/s")
+    ttft.set_xlabel("concurrent clients")
+    ttft.set_ylabel("p99 TTFT (s)")
+    ttft.set_yscale("log")
+    for axis in (throughput, ttft):
+        axis.legend(fontsize=8)
+    figure.suptitle("SmolLM2-135M, CPU fp32, shared system prompt: one-at-a-time vs continuous batching")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="'tiny': the random 2-layer test Llama")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16], help="concurrent clients")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of load per level and scheduler")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--max-bytes", default="256M", help="daemon budget")
+    parser.add_argument("--max-queue", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads of each service (OMP_NUM_THREADS); 1 keeps a shared 2-core machine "
+                             "from stalling batched matmuls on busy cores")
+    parser.add_argument("--no-warm", action="store_true",
+                        help="do not Warm the system prompt first (then every request also prefills its tail)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs", help="folder for concurrency.png and .json")
+    args = parser.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the services inherit it; torch sizes its pool by it
+    rows, failed = [], False
+    with ExitStack() as stack:
+        work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-concurrency-")))
+        addresses, daemon_address, daemon_pid = start_services(
+            stack, args.model, args.chunk_size, args.max_bytes, args.max_queue, work_dir)
+        if not args.no_warm:  # as a deployment would: the shared system prompt, its partial last chunk included
+            warm_system_prompt(addresses["continuous"])
+        for scheduler in SCHEDULERS:  # each service's first forward
+            run_load(addresses[scheduler], 1, 0.1, args.max_new_tokens)
+        rss_start = rss_bytes(daemon_pid)
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, {args.duration:.0f} s per row, "
+              f"max_new_tokens {args.max_new_tokens}, {args.threads} torch thread(s) per service, system prompt "
+              f"{'not ' if args.no_warm else ''}warmed", flush=True)
+        for clients in args.levels:
+            for scheduler in SCHEDULERS:
+                report = run_load(addresses[scheduler], clients, args.duration, args.max_new_tokens,
+                                  daemon_address, daemon_pid)
+                print(format_row(scheduler, report), flush=True)
+                rows.append({"scheduler": scheduler, **asdict(report)})
+                failed |= report.errors > 0 or report.budget_exceeded
+        rss_end = rss_bytes(daemon_pid)
+    for clients in args.levels:
+        serial, continuous = (next(r for r in rows if r["clients"] == clients and r["scheduler"] == s)
+                              for s in SCHEDULERS)
+        ratio = continuous["output_tokens_per_s"] / serial["output_tokens_per_s"] if serial["output_tokens_per_s"] else 0
+        print(f"{clients:>3} clients: continuous / one-at-a-time output tok/s = {ratio:.2f}x")
+    mib = (lambda value: "n/a" if value is None else f"{value / (1 << 20):.1f} MiB")
+    print(f"daemon RSS {mib(rss_start)} -> {mib(rss_end)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "concurrency.json").write_text(json.dumps(rows, indent=2))
+    write_plot(rows, args.out / "concurrency.png")
+    print(f"wrote {args.out / 'concurrency.png'} and concurrency.json")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -139,7 +139,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--tenants-file", type=Path, default=env("KVBOOST_TENANTS_FILE"),
                         help="JSON file of tenants, each with its bearer token (or token file), an optional admin "
                              "role and max_bytes: each tenant reaches only its own keys; excludes "
-                             "--auth-token-file (see "Tenants" in docs/cache_daemon.md) [KVBOOST_TENANTS_FILE]")
+                             "--auth-token-file (see 'Tenants' in docs/cache_daemon.md) [KVBOOST_TENANTS_FILE]")
     parser.add_argument("--tls-cert", type=Path, default=env("KVBOOST_TLS_CERT"),
                         help="PEM certificate chain; serve TLS (with --tls-key) [KVBOOST_TLS_CERT]")
     parser.add_argument("--tls-key", type=Path, default=env("KVBOOST_TLS_KEY"),

@@ -47,10 +47,12 @@ def start_tier_daemons(stack: ExitStack, workdir: Path, redis_url: str) -> dict[
     return addresses
 
 
-def engine_over(stack: ExitStack, name: str, loaded, config: EngineConfig, address: str) -> EnginePath:
+def engine_over(stack: ExitStack, name: str, loaded, config: EngineConfig, address: str,
+                lookup_timeout_s: float) -> EnginePath:
     # A Lookup that hits L2 moves the blobs into LMDB before it answers: its deadline (the service's
-    # --cache-timeout, 1 s by default) must cover that transfer, ~70 MB here on a loaded 2-core machine.
-    options = GrpcStoreOptions(address=address, rpc_timeout_s=10.0, fetch_timeout_s=60.0, store_timeout_s=60.0)
+    # --cache-timeout, 1 s by default) must cover that transfer, ~70 MB here in fp32.
+    options = GrpcStoreOptions(address=address, rpc_timeout_s=lookup_timeout_s, fetch_timeout_s=60.0,
+                               store_timeout_s=60.0)
     remote = GrpcChunkStore(options)
     stack.callback(remote.close)
     assert remote.check(), f"cache daemon at {address} does not answer"
@@ -95,11 +97,14 @@ def measure(paths: dict[str, EnginePath], stub_a, context: str, runs: int) -> di
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--length", type=int, default=1600, help="prompt tokens")
     parser.add_argument("--runs", type=int, default=5, help="requests per path (medians; at least 5)")
     parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--lookup-timeout", type=float, default=10.0,
+                        help="seconds for a Lookup (the service's --cache-timeout, 1 s by default): an L2 hit's "
+                             "Lookup promotes the blobs into LMDB before it answers")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     assert args.runs >= 5, "medians need at least 5 runs"
@@ -112,9 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-tiers-")))
         redis = stack.enter_context(redis_node(workdir / "redis"))
         addresses = start_tier_daemons(stack, workdir, redis.url)
-        paths = {"L1 hit, no L2": engine_over(stack, "L1 hit, no L2", loaded, config, addresses["P"]),
-                 "L1 hit, L2 on": engine_over(stack, "L1 hit, L2 on", loaded, config, addresses["A"]),
-                 "L2 hit": engine_over(stack, "L2 hit", loaded, config, addresses["B"])}
+        paths = {name: engine_over(stack, name, loaded, config, addresses[daemon], args.lookup_timeout)
+                 for name, daemon in (("L1 hit, no L2", "P"), ("L1 hit, L2 on", "A"), ("L2 hit", "B"))}
         paths["warm on A"] = paths["L1 hit, L2 on"]
         stub_a = stack.enter_context(cache_stub(addresses["A"]))
         context = build_context(loaded.tokenizer, context_length(args.length, args.chunk_size, aligned=False))

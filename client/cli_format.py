@@ -35,6 +35,8 @@ def cache_stats_text(stats: CacheStats) -> str:
         rows = [("namespace", "entries", "bytes", "pinned")]
         rows += [(ns.namespace, str(ns.entries), str(ns.bytes), str(ns.pinned)) for ns in stats.namespaces]
         text += "\n\n" + table(rows)
+    if stats.l2 is not None:
+        text += "\n\nL2 tier\n" + key_value_lines(stats.l2.to_dict())
     return text
 
 

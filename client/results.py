@@ -48,7 +48,7 @@ class _FromProto:
     """Builds a frozen dataclass from a proto message of the same shape."""
 
     __slots__ = ()
-    # field name -> result type of each repeated nested message field
+    # field name -> result type of each nested message field (repeated or singular)
     _nested: ClassVar[dict[str, type]] = {}
 
     @classmethod
@@ -60,8 +60,10 @@ class _FromProto:
         kwargs = {}
         for field in fields(cls):
             value = values[field.name]
-            if field.name in cls._nested:
+            if field.name in cls._nested and isinstance(value, list):
                 value = tuple(cls._nested[field.name].from_dict(item) for item in value)
+            elif field.name in cls._nested and value is not None:
+                value = cls._nested[field.name].from_dict(value)
             elif isinstance(value, list):
                 value = tuple(value)
             kwargs[field.name] = value
@@ -164,8 +166,21 @@ class NamespaceStats(_FromProto):
 
 
 @dataclass(slots=True, frozen=True)
+class L2Stats(_FromProto):
+    url: str  # password removed
+    degraded: bool
+    hits: int
+    misses: int
+    writes: int
+    dropped_writes: int
+    corrupted: int
+    errors: int
+    queued_writes: int
+
+
+@dataclass(slots=True, frozen=True)
 class CacheStats(_FromProto):
-    _nested: ClassVar[dict[str, type]] = {"namespaces": NamespaceStats}
+    _nested: ClassVar[dict[str, type]] = {"namespaces": NamespaceStats, "l2": L2Stats}
 
     entries: int
     bytes: int
@@ -178,6 +193,7 @@ class CacheStats(_FromProto):
     bytes_written: int
     map_size: int
     namespaces: tuple[NamespaceStats, ...]
+    l2: L2Stats | None  # None when the daemon runs without --l2
 
 
 @dataclass(slots=True, frozen=True)

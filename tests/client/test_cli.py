@@ -229,3 +229,15 @@ def test_console_entry_point_exit_code_in_a_real_process() -> None:
                                capture_output=True, text=True, timeout=60)
     assert completed.returncode == 1
     assert completed.stderr.startswith(f"kvboost: error: cannot reach {address} (Stats): ")
+
+
+def test_cache_stats_text_shows_the_l2_tier_when_there_is_one() -> None:
+    from client import cli_format
+    from client.results import CacheStats
+
+    plain = cli_format.cache_stats_text(CacheStats.from_proto(cache_pb2.CacheStatsReply(entries=1)))
+    assert "L2 tier" not in plain
+    tiered = cli_format.cache_stats_text(CacheStats.from_proto(cache_pb2.CacheStatsReply(
+        entries=1, l2=cache_pb2.L2Stats(url="redis://127.0.0.1:6379", degraded=True, dropped_writes=4))))
+    assert "L2 tier" in tiered and "redis://127.0.0.1:6379" in tiered
+    assert any(line.split() == ["dropped_writes", "4"] for line in tiered.splitlines())

@@ -54,6 +54,7 @@ def client(inference):
     (results.ModelInfo, inference_pb2.ModelInfoReply),
     (results.CacheStats, cache_pb2.CacheStatsReply),
     (results.NamespaceStats, cache_pb2.NamespaceStats),
+    (results.L2Stats, cache_pb2.L2Stats),
     (results.DeleteResult, cache_pb2.DeleteReply),
     (results.PinResult, cache_pb2.PinReply),
 ])
@@ -267,3 +268,14 @@ def test_unavailable_from_a_live_server_is_not_called_unreachable() -> None:
         with pytest.raises(UnavailableError) as caught:
             client.stats()
     assert str(caught.value) == f"Stats on {address} failed: UNAVAILABLE: the model is still loading"
+
+
+def test_cache_stats_carry_the_l2_tier_only_when_the_daemon_has_one() -> None:
+    without = results.CacheStats.from_proto(cache_pb2.CacheStatsReply(entries=3))
+    assert without.l2 is None
+    reply = cache_pb2.CacheStatsReply(entries=3, l2=cache_pb2.L2Stats(url="redis://127.0.0.1:6379", degraded=True,
+                                                                      hits=5, dropped_writes=2))
+    stats = results.CacheStats.from_proto(reply)
+    assert stats.l2 == results.L2Stats(url="redis://127.0.0.1:6379", degraded=True, hits=5, misses=0, writes=0,
+                                       dropped_writes=2, corrupted=0, errors=0, queued_writes=0)
+    assert stats.to_dict()["l2"]["dropped_writes"] == 2

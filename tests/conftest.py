@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,13 @@ def pick_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_for(condition, what: str = "the condition", timeout_s: float = 20.0, interval_s: float = 0.05):
+    """Polls `condition` until it returns something truthy, and returns that; fails the test naming `what`
+    when `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(interval_s)
+    return value

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import lmdb
@@ -10,7 +9,7 @@ import pytest
 from kvboost.v1 import cache_pb2
 
 from cache_daemon.store import BLOBS_DB
-from tests.conftest import pick_free_port
+from tests.conftest import pick_free_port, wait_for
 from tests.daemon_support import NAMESPACE, cache_stub, fetch_chunks, make_chunk, store_chunks
 from tests.e2e.daemon_process import start_daemon
 
@@ -38,14 +37,6 @@ def fetch_state(address: str, chunks) -> list[tuple[bytes, cache_pb2.ChunkMeta]]
         fetched = fetch_chunks(stub, [chunk.key for chunk in chunks])
     assert all(chunk.found for chunk in fetched), "a committed chunk is missing"
     return [(chunk.blob, chunk.meta) for chunk in fetched]
-
-
-def wait_for(condition, timeout_s: float = 20.0, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"condition not met within {timeout_s}s"
-        time.sleep(interval_s)
-    return result
 
 
 def store_in_batches(address: str, chunks, batch: int = 10) -> None:

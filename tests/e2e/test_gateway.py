@@ -7,7 +7,6 @@ import json
 import re
 import socket
 import threading
-import time
 import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import pytest
 
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
-from tests.conftest import pick_free_port
+from tests.conftest import pick_free_port, wait_for
 from tests.e2e.daemon_process import start_daemon
 from tests.e2e.gateway_process import GatewayProcess, running_gateways
 from tests.e2e.service_process import ServiceProcess, running_service
@@ -92,14 +91,6 @@ def unique(text: str) -> str:
     return f"[{uuid.uuid4().hex}] {text}"
 
 
-def wait_for(condition, what: str, timeout_s: float = WAIT_S):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
-
-
 def sse(lines) -> list:
     return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
 
@@ -158,7 +149,7 @@ def test_second_call_of_a_shared_prefix_shows_cached_tokens(stack):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     # The first call's chunks are written back in the background: wait until a second question hits them.
     second = wait_for(lambda: (reply := ask("And the last one?")).usage.prompt_tokens_details.cached_tokens and reply,
-                      "the shared prefix to be cached")
+                      "the shared prefix to be cached", timeout_s=WAIT_S)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached % CHUNK_SIZE == 0 and cached >= len(system["content"]) // CHUNK_SIZE * CHUNK_SIZE - CHUNK_SIZE
 
@@ -314,7 +305,7 @@ def test_full_queue_is_429_with_retry_after_and_closed_streams_stop_the_model(st
 
             queued = threading.Thread(target=wait_in_queue)
             queued.start()
-            wait_for(lambda: stack.queue_depth() == 1, "the second request to wait in the service's queue")
+            wait_for(lambda: stack.queue_depth() == 1, "the second request to wait in the service's queue", timeout_s=WAIT_S)
             refused = http.post(f"{stack.main.base_url}/v1/completions",
                                 json={"model": stack.model, "prompt": "third", "max_tokens": 2})
             assert refused.status_code == 429 and float(refused.headers["retry-after"]) >= 0
@@ -322,7 +313,7 @@ def test_full_queue_is_429_with_retry_after_and_closed_streams_stop_the_model(st
             with pytest.raises(openai.RateLimitError):
                 stack.client().completions.create(model=stack.model, prompt="fourth", max_tokens=2)
         # Leaving the stream closed the connection: the service stops decoding it, the queued one runs.
-    wait_for(lambda: service_logged_cancel(stack, running_id), "the service to cancel the abandoned stream")
+    wait_for(lambda: service_logged_cancel(stack, running_id), "the service to cancel the abandoned stream", timeout_s=WAIT_S)
     queued.join(timeout=WAIT_S)
     assert waiting["reply"].status_code == 200
 
@@ -342,8 +333,8 @@ def test_a_non_streaming_client_that_leaves_cancels_the_generation(stack):
     with socket.create_connection((host, int(port))) as connection:
         connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
                            + f"X-Request-Id: {request_id}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
-        wait_for(lambda: first_tokens_seen() > before, "the model to start on the request")
+        wait_for(lambda: first_tokens_seen() > before, "the model to start on the request", timeout_s=WAIT_S)
     # The socket is closed: the gateway cancels the gRPC call and the service stops at its next step.
-    wait_for(lambda: service_logged_cancel(stack, request_id), "the service to cancel the abandoned request")
+    wait_for(lambda: service_logged_cancel(stack, request_id), "the service to cancel the abandoned request", timeout_s=WAIT_S)
     aborted = httpx.get(f"{stack.main.base_url}/metrics").text
     assert re.search(r'kvboost_gateway_aborted_requests_total\{endpoint="/v1/completions"\} [1-9]', aborted)

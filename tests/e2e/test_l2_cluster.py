@@ -3,12 +3,11 @@ killed with -9 in the middle of a load (no failed Lookup, no acknowledged chunk 
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 from kvboost.v1 import cache_pb2
 
-from tests.conftest import pick_free_port
+from tests.conftest import pick_free_port, wait_for
 from tests.daemon_support import NAMESPACE, cache_stub, digest, make_chunk, store_chunks
 from tests.e2e.daemon_process import start_daemon
 from tests.redis_support import redis_cluster, requires_redis
@@ -66,14 +65,18 @@ def test_primary_killed_mid_load_loses_no_acknowledged_chunk_and_fails_no_lookup
         host_a = start_daemon(tmp_path / "a", pick_free_port(), "--l2", cluster.url, "--l2-write", "sync", *L2_FLAGS)
         try:
             with cache_stub(host_a.address) as stub_a, Load(stub_a) as load:
-                time.sleep(2)
-                before_kill = len(load.acknowledged)
+                before_kill = wait_for(lambda: len(load.acknowledged) >= 10 and len(load.acknowledged),
+                                       "the load to get chunks acknowledged")
                 victim = cluster.primaries()[0]
                 victim.kill()  # kill -9 of a primary; its replica takes over after the node timeout
-                time.sleep(4)
+                wait_for(lambda: len(cluster.primaries()) == 3, "a replica to be promoted", timeout_s=30.0)
+                wait_for(lambda: len(load.acknowledged) >= before_kill + 10, "the load to go on through the failover",
+                         timeout_s=60.0)
                 victim.start()  # it rejoins as a replica, so WAIT 1 holds again on that shard
                 cluster.wait_ok()
-                time.sleep(2)
+                rejoined = len(load.acknowledged)
+                wait_for(lambda: len(load.acknowledged) >= rejoined + 10, "stores after the old primary rejoined",
+                         timeout_s=60.0)
             assert before_kill > 0 and len(load.acknowledged) > before_kill
             assert load.lookup_errors == [] and load.num_lookups > 0
             a_stats = stub_a_stats(host_a.address)

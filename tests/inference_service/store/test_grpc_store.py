@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 import zlib
 from concurrent import futures
 from contextlib import contextmanager
@@ -16,7 +15,7 @@ from inference_service.store.grpc_store import (
 )
 from inference_service.store.protocol import StoreUnavailable, StoreItem
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
-from tests.conftest import pick_free_port
+from tests.conftest import pick_free_port, wait_for
 
 NAMESPACE = b"\x01" * 32
 
@@ -27,13 +26,6 @@ def make_key(index: int) -> bytes:
 
 def make_item(index: int, blob: bytes = b"", content_key: bytes | None = None) -> StoreItem:
     return StoreItem(make_key(index), NAMESPACE, content_key, num_tokens=4, blob=blob or bytes([index]) * 100)
-
-
-def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class FakeCacheService(cache_pb2_grpc.CacheServiceServicer):
@@ -225,7 +217,7 @@ def test_bearer_token_is_sent_and_a_wrong_one_degrades() -> None:
             assert cache.degraded
             # Reconnect probes go through auth too: they keep failing, so the flag does not flap.
             refused = service.num_lookups
-            wait_until(lambda: service.num_lookups >= refused + 3, what="three reconnect probes")
+            wait_for(lambda: service.num_lookups >= refused + 3, "three reconnect probes", timeout_s=10.0, interval_s=0.02)
             assert cache.degraded
 
 
@@ -259,7 +251,7 @@ def test_a_dead_daemon_degrades_fast_and_reconnect_restores_the_cache(service) -
         assert stub_calls == []
         # The daemon comes up on that port: the background probe clears the flag by itself.
         with running_daemon(service, port):
-            wait_until(lambda: not cache.degraded, what="reconnect")
+            wait_for(lambda: not cache.degraded, "reconnect", timeout_s=10.0, interval_s=0.02)
             assert cache.store([make_item(1)]) == 1
             assert cache.lookup(NAMESPACE, [make_key(1)]).prefix_run == 1
         # It goes away again: the next call degrades, and the one after fails fast.

@@ -15,6 +15,7 @@ from inference_service.engine.pipeline import (
     EngineParts, generate_one, plan_request, plan_segments, repair_options, salted,
 )
 from inference_service.engine.prompts import PromptPlan, tokenize_document, tokenize_messages, tokenize_prompt
+from inference_service.engine.scheduler import OnDone, StreamRequest
 from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.engine.verification import (
     BUILTIN_PROMPTS, first_token_cosine, first_token_kl, matching_prefix_tokens,
@@ -98,7 +99,7 @@ class Engine:
 
     def generate_choices(self, params: GenerationParams, on_token: OnToken | None = None,
                          should_stop: Callable[[], bool] = lambda: False) -> list[GenerationOutcome]:
-        """params.n completions of one prompt (one prefill, rows decoded together), in index order.
+        """params.n completions of one prompt (one prefill, n rows decoded together), in index order.
 
         Raises:
             InvalidRequest, PromptTooLong: as generate().
@@ -135,13 +136,18 @@ class Engine:
 
     def generate_batch(self, params_list: Sequence[GenerationParams], should_stop: Callable[[], bool] = lambda: False,
                        pad_token_id: int | None = None) -> list[GenerationOutcome]:
-        """Prompts that share a prefix, run as padded batches (see batch.generate_batch); input order kept."""
+        """Prompts run together, their common leading chunks prefilled once (see batch.generate_batch); input order kept."""
         return batch.generate_batch(self.parts, params_list, should_stop, pad_token_id)
 
     def generate_many(self, params_list: Sequence[GenerationParams], should_stop: Callable[[], bool] = lambda: False,
                       pad_token_id: int | None = None) -> list[GenerationOutcome]:
-        """Prompts grouped by shared prefix, each group run as generate_batch does; input order kept."""
+        """Prompts grouped by first chunk, each group's common leading chunks prefilled once; input order kept."""
         return batch.generate_many(self.parts, params_list, should_stop, pad_token_id)
+
+    def batch_requests(self, params_list: Sequence[GenerationParams], by_first_chunk: bool,
+                       should_stop: Callable[[], bool], on_done: OnDone) -> list[StreamRequest]:
+        """A batch call's requests for the service's scheduler (see batch.batch_requests); raises as generate_batch."""
+        return batch.batch_requests(self.parts, params_list, by_first_chunk, should_stop, on_done)
 
     def plan_request(self, params: GenerationParams) -> tuple[str, PromptPlan, int]:
         """(mode, planned prompt, capped max_new_tokens); see pipeline.plan_request."""

@@ -64,7 +64,8 @@ class RowDecoder:
 
     def __init__(self, detokenizer: IncrementalDetokenizer, settings: SamplingSettings, eos_ids: frozenset[int],
                  max_new_tokens: int, on_token: OnToken | None, should_stop: Callable[[], bool],
-                 after_first_token: Callable[[], None], tokenizer=None, device: torch.device | str = "cpu") -> None:
+                 after_first_token: Callable[[], None], tokenizer=None, device: torch.device | str = "cpu",
+                 index: int = 0) -> None:
         self.detokenizer = detokenizer
         self.settings = settings
         self.eos_ids = settings.eos_ids(eos_ids)
@@ -73,6 +74,7 @@ class RowDecoder:
         self.should_stop = should_stop
         self.after_first_token = after_first_token
         self.tokenizer = tokenizer
+        self.index = index  # which of the request's completions: its events carry it
         self.generator = make_generator(settings.seed, device) if settings.temperature > 0 else None
         self.token_ids: list[int] = []
         self.first_time = 0.0
@@ -90,7 +92,7 @@ class RowDecoder:
         if self.on_token is not None:
             logprobs = () if self.settings.logprobs is None else tuple(
                 token_logprobs(self.tokenizer, used_logits.view(1, -1), [token_id], self.settings.logprobs))
-            self.on_token(TokenEvent(piece, (token_id,), logprobs))
+            self.on_token(TokenEvent(piece, (token_id,), logprobs, self.index))
         if len(self.token_ids) == 1:
             self.after_first_token()
         self.reason = finish_reason(token_id, self.detokenizer, self.eos_ids, len(self.token_ids),
@@ -101,7 +103,7 @@ class RowDecoder:
         """Flushes held-back text; reason overrides the one `take` set (a request stopped from outside)."""
         rest = self.detokenizer.finish()
         if rest and self.on_token is not None:
-            self.on_token(TokenEvent(rest, ()))
+            self.on_token(TokenEvent(rest, (), index=self.index))
         return DecodeResult(self.token_ids, self.detokenizer.text, reason or self.reason, self.first_time,
                             self.last_time)
 

@@ -1,6 +1,7 @@
 """Encodes new full chunks and stores them on one background thread, off the request's critical path."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -38,6 +39,18 @@ class PendingChunks:
         assert len(self.chunks) == len(self.prefix_keys) == len(self.content_keys), "one key of each kind per chunk"
         assert self.head_kv is not None or all(chunk.start >= self.kv_start for chunk in self.chunks), (
             "every chunk lies in the prefill's tokens, or the head K/V holds its start")
+
+    def without(self, stored: set[bytes]) -> PendingChunks | None:
+        """These chunks minus those whose prefix key is in `stored` (None when none is left); adds the rest to it."""
+        keep = [index for index, key in enumerate(self.prefix_keys) if key not in stored]
+        stored.update(self.prefix_keys)
+        if not keep:
+            return None
+        if len(keep) == len(self.chunks):
+            return self
+        return dataclasses.replace(self, chunks=tuple(self.chunks[i] for i in keep),
+                                   prefix_keys=tuple(self.prefix_keys[i] for i in keep),
+                                   content_keys=tuple(self.content_keys[i] for i in keep))
 
     def chunk_kv(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [layers, kv_heads, chunk length, head_dim] of one of the chunks."""

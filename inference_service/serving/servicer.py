@@ -28,8 +28,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         arrival = time.perf_counter()
         try:
             params = convert.generation_params(request, arrival)
-            if self.worker.scheduler is not None and params.n == 1:  # joins the running batch
-                job = self._submit(context, params.request_id, lambda job: self._schedule(job, params))
+            if self.worker.scheduler is not None:  # joins the running batch (n completions as n rows)
+                job = self._submit(context, params.request_id, lambda job: self._schedule(job, lambda on_done: [
+                    StreamRequest(params, on_token=lambda event: job.emit(convert.token_event(event)),
+                                  should_stop=job.should_stop, on_done=on_done)]))
             else:
                 job = self._submit(context, params.request_id, lambda job: self._engine().generate_choices(
                     params, on_token=lambda event: job.emit(convert.token_event(event)), should_stop=job.should_stop))
@@ -47,20 +49,27 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             yield convert.final_event(outcome)
 
     async def GenerateBatch(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext) -> pb.GenerateBatchReply:
-        return await self._batch(request, context, "GenerateBatch", lambda engine: engine.generate_batch)
+        return await self._batch(request, context, "GenerateBatch", by_first_chunk=False)
 
     async def GenerateMany(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext) -> pb.GenerateBatchReply:
-        return await self._batch(request, context, "GenerateMany", lambda engine: engine.generate_many)
+        return await self._batch(request, context, "GenerateMany", by_first_chunk=True)
 
     async def _batch(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext, name: str,
-                     run: Callable[..., list[Any]]) -> pb.GenerateBatchReply:
-        """The whole batch is one job on the model worker (one padded batch per group of shared prefix)."""
+                     by_first_chunk: bool) -> pb.GenerateBatchReply:
+        """The call's requests join the running batch (its shared prefix prefilled once); without a scheduler
+        the whole call is one job on the model worker."""
         arrival = time.perf_counter()
         try:
             batch = convert.batch_params(request, arrival)
             if not batch:
                 raise InvalidRequest(f"{name} needs at least one request in `requests`")
-            outcomes = await self._run(context, name, lambda job: run(self._engine())(batch, should_stop=job.should_stop))
+            if self.worker.scheduler is not None:
+                run = lambda job: self._schedule(job, lambda on_done: self._engine().batch_requests(
+                    batch, by_first_chunk, job.should_stop, on_done))
+            else:
+                method = self._engine().generate_many if by_first_chunk else self._engine().generate_batch
+                run = lambda job: method(batch, should_stop=job.should_stop)
+            outcomes = await self._run(context, name, run)
         except Exception as error:
             await abort_with(context, error, name)
         return pb.GenerateBatchReply(results=[convert.generation_result(outcome) for outcome in outcomes])
@@ -112,11 +121,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             await abort_with(context, error, "detokenize")
         return pb.DetokenizeReply(text=text)
 
-    def _schedule(self, job: Job[Any], params: Any) -> object:
-        """On the worker thread: hands the request to the scheduler; the job ends when the request does."""
-        self.worker.scheduler.submit(StreamRequest(
-            params, on_token=lambda event: job.emit(convert.token_event(event)), should_stop=job.should_stop,
-            on_done=lambda outcome, error: job.settle_from_worker(None if outcome is None else [outcome], error)))
+    def _schedule(self, job: Job[Any], requests_for: Callable[[Callable[..., None]], list[StreamRequest]]) -> object:
+        """On the worker thread: hands the requests to the scheduler; the job ends when they report through on_done."""
+        for stream_request in requests_for(job.settle_from_worker):
+            self.worker.scheduler.submit(stream_request)
         return STREAMING
 
     def _engine(self) -> Any:

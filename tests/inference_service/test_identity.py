@@ -133,8 +133,8 @@ def test_continuous_batching_is_token_identical_to_generate(smollm2, daemon_cach
         pending = list(enumerate(references))
         while pending or scheduler.has_work():
             for index, (case, _, _) in pending[:2]:
-                def done(outcome, error, index=index):
-                    results[index] = error or outcome
+                def done(outcomes, error, index=index):
+                    results[index] = error or outcomes[0]
                 scheduler.submit(StreamRequest(GenerationParams(**case, max_new_tokens=MAX_NEW_TOKENS,
                                                                 mode="prefix_cache"), None, lambda: False, done))
             pending = pending[2:]

@@ -139,9 +139,9 @@ def test_cancellation_stops_every_row(tiny_llama):
     prompts = [SYSTEM + q for q in QUESTIONS]
     calls = []
 
-    def stop_after_three_tokens() -> bool:  # polled once before starting, then once per row and token
+    def stop_after_three_tokens() -> bool:  # polled once per row before it starts, then once per row and token
         calls.append(1)
-        return len(calls) > 1 + 3 * len(prompts)
+        return len(calls) > len(prompts) + 3 * len(prompts)
 
     before_start = engine.generate_batch(params(prompts), should_stop=lambda: True)
     midway = engine.generate_batch(params(prompts, max_new_tokens=50), should_stop=stop_after_three_tokens)
@@ -211,38 +211,41 @@ def test_sampling_rows_keep_their_own_seeded_stream(tiny_llama):
     assert ids_of(alongside_two[1:]) == prompt_references(model, tokenizer, prompts[1:], 10)
 
 
-def test_incompatible_rows_run_alone_through_the_engine(tiny_llama, monkeypatch):
+def test_a_row_of_another_mode_keeps_it_and_the_others_share_one_fetch(tiny_llama):
     model, tokenizer = tiny_llama
-    engine = make_engine(model, tokenizer)
-    alone = []
-    original = batch_module.generate_one
-    monkeypatch.setattr(batch_module, "generate_one", lambda parts, p, **kwargs: alone.append(p.request_id) or original(parts, p, **kwargs))
+    cache = CountingCache()
+    engine = make_engine(model, tokenizer, cache=cache)
+    engine.warm(SYSTEM)
     prompts = [SYSTEM + q for q in QUESTIONS]
     requests = params(prompts[:2]) + [GenerationParams(prompt=prompts[2], mode="baseline", max_new_tokens=10,
                                                        request_id="r2")]
 
     outcomes = engine.generate_batch(requests)
 
-    assert alone == ["r2"]  # the odd mode out; the two prefix_cache rows ran as one batch
     assert [o.mode for o in outcomes] == ["prefix_cache", "prefix_cache", "baseline"]
+    assert [o.cached_tokens for o in outcomes] == [88, 88, 0]
+    assert len(cache.fetches) == 1  # the two prefix_cache rows' shared chunks; the baseline row reads nothing
     assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 10)
 
 
-def test_content_hits_send_a_chunk_kv_reuse_row_to_the_engine(tiny_llama, monkeypatch):
+def test_a_row_with_content_hits_is_repaired_on_its_own_and_the_others_share(tiny_llama):
     model, tokenizer = tiny_llama
-    engine = make_engine(model, tokenizer)
-    document = "Pack my box with five dozen liquor jugs!!"  # 41 bytes: 5 chunks of 8
+    cache = CountingCache()
+    engine = make_engine(model, tokenizer, cache=cache)
+    document = "Pack my box with five dozen liquor jugs!!"  # 41 bytes: 5 chunks of 8 and a tail
     engine.warm(document, content_addressed=True)
-    alone = []
-    original = batch_module.generate_one
-    monkeypatch.setattr(batch_module, "generate_one", lambda parts, p, **kwargs: alone.append(p.request_id) or original(parts, p, **kwargs))
     requests = [GenerationParams(segments=(SYSTEM[:16], document, "Why?"), mode="chunk_kv_reuse", request_id="doc")]
     requests += params([SYSTEM + q for q in QUESTIONS[:2]], "chunk_kv_reuse")
 
     outcomes = engine.generate_batch(requests)
 
-    assert alone == ["doc"]  # the two rows without content hits ran as one batch
     assert [o.request_id for o in outcomes] == ["doc", "r0", "r1"]
+    # The document row found its chunks by content and repaired them (per prompt); the other two share a
+    # prefix the store does not hold, computed once for both.
+    assert (outcomes[0].cached_tokens, outcomes[0].recomputed_tokens > 0) == (41, True)
+    assert [o.cached_tokens for o in outcomes[1:]] == [0, 0]
+    assert len(cache.fetches) == 1  # the document row's content hits
+    assert ids_of(outcomes[1:]) == prompt_references(model, tokenizer, [SYSTEM + q for q in QUESTIONS[:2]], 10)
 
 
 def test_a_sliding_window_model_runs_every_row_alone(monkeypatch):
@@ -333,31 +336,47 @@ def test_smollm2_chat_batch_is_token_identical_uncached_cached_and_baseline(smol
 
 # -- through the gRPC servicer ------------------------------------------------------------------------
 
-def test_generate_batch_and_many_over_grpc_run_as_one_job(tiny_llama, monkeypatch):
+def _batch_request(prompts):
+    from kvboost.v1 import inference_pb2 as pb
+
+    return pb.GenerateBatchRequest(requests=[
+        pb.GenerateRequest(prompt=p, max_new_tokens=10, mode=pb.PREFIX_CACHE, request_id=f"r{i}")
+        for i, p in enumerate(prompts)])
+
+
+def test_generate_batch_and_many_over_grpc_join_the_running_batch_beside_a_stream(tiny_llama):
+    """Continuous mode: the calls' rows go to the service's one scheduler, beside a Generate stream already
+    decoding there; GenerateMany's rows with a common first chunk name one shared prefix."""
     from kvboost.v1 import inference_pb2 as pb
     from tests.inference_service.serving.test_servicer import run, serving
 
     model, tokenizer = tiny_llama
     engine = make_engine(model, tokenizer)  # chunk 8, as the servicer tests' server config
-    alone = []
-    original = batch_module.generate_one
-    monkeypatch.setattr(batch_module, "generate_one", lambda parts, p, **kwargs: alone.append(p.request_id) or original(parts, p, **kwargs))
     prompts = [SYSTEM + q for q in QUESTIONS] + ["short one"]
-    request = pb.GenerateBatchRequest(requests=[
-        pb.GenerateRequest(prompt=p, max_new_tokens=10, mode=pb.PREFIX_CACHE, request_id=f"r{i}")
-        for i, p in enumerate(prompts)])
+    stream_prompt = "A stream that is decoding while the batches arrive."
 
     async def scenario():
-        async with serving(engine) as (server, stub, _health):
-            worker, jobs = server.servicer.worker, []
-            submit = worker.submit
-            worker.submit = lambda run_job, **kwargs: jobs.append(kwargs.get("name")) or submit(run_job, **kwargs)
-            batch = await stub.GenerateBatch(request, timeout=60)
-            many = await stub.GenerateMany(request, timeout=60)
-            return batch, many, jobs
+        async with serving(engine, scheduler="continuous") as (server, stub, _health):
+            scheduler = server.servicer.worker.scheduler
+            submitted, running = [], []
+            submit, step = scheduler.submit, scheduler.step
+            scheduler.submit = lambda request: submitted.append((request.params.request_id,
+                                                                 request.shared is not None)) or submit(request)
+            scheduler.step = lambda: step() or running.append(scheduler.num_running)
+            stream = stub.Generate(pb.GenerateRequest(prompt=stream_prompt, max_new_tokens=150, request_id="stream"),
+                                   timeout=60)
+            streamed = []
+            async for event in stream:  # decoding has started
+                streamed += list(event.token_ids)
+                break
+            batch = await stub.GenerateBatch(_batch_request(prompts), timeout=60)
+            many = await stub.GenerateMany(_batch_request(prompts), timeout=60)
+            async for event in stream:
+                streamed += list(event.token_ids)
+            return batch, many, submitted, max(running), streamed
 
     try:
-        batch, many, jobs = run(scenario())
+        batch, many, submitted, most_running, streamed = run(scenario())
     finally:
         engine.close()
     expected = prompt_references(model, tokenizer, prompts, 10)
@@ -365,9 +384,40 @@ def test_generate_batch_and_many_over_grpc_run_as_one_job(tiny_llama, monkeypatc
         assert [r.request_id for r in reply.results] == ["r0", "r1", "r2", "r3"]
         assert [list(r.output_token_ids) for r in reply.results] == expected
         assert all(r.mode == pb.PREFIX_CACHE and r.finish_reason == "length" for r in reply.results)
-    assert jobs == ["GenerateBatch", "GenerateMany"]  # one worker job per call
-    # GenerateBatch pads all four rows into one batch; GenerateMany puts the short prompt in a group of one.
-    assert alone == ["r3"]
+    # GenerateBatch's prompts share no whole chunk ("short one" differs at once); GenerateMany groups the
+    # three with the same first chunk under one shared prefix and leaves the short prompt alone.
+    rows = [(f"r{i}", False) for i in range(4)] + [("r0", True), ("r1", True), ("r2", True), ("r3", False)]
+    assert submitted == [("stream", False)] + rows
+    assert most_running >= 5  # the stream and a call's four rows decoded in the same steps
+    assert streamed == reference_ids(model, tokenize_prompt(tokenizer, stream_prompt)[0], 150)
+
+
+def test_generate_batch_and_many_over_grpc_run_as_one_job_without_a_scheduler(tiny_llama):
+    from kvboost.v1 import inference_pb2 as pb
+    from tests.inference_service.serving.test_servicer import run, serving
+
+    model, tokenizer = tiny_llama
+    engine = make_engine(model, tokenizer)
+    prompts = [SYSTEM + q for q in QUESTIONS] + ["short one"]
+
+    async def scenario():
+        async with serving(engine, scheduler="serial") as (server, stub, _health):
+            worker, jobs = server.servicer.worker, []
+            submit = worker.submit
+            worker.submit = lambda run_job, **kwargs: jobs.append(kwargs.get("name")) or submit(run_job, **kwargs)
+            batch = await stub.GenerateBatch(_batch_request(prompts), timeout=60)
+            many = await stub.GenerateMany(_batch_request(prompts), timeout=60)
+            return batch, many, jobs, worker.scheduler
+
+    try:
+        batch, many, jobs, scheduler = run(scenario())
+    finally:
+        engine.close()
+    expected = prompt_references(model, tokenizer, prompts, 10)
+    for reply in (batch, many):
+        assert [list(r.output_token_ids) for r in reply.results] == expected
+        assert all(r.mode == pb.PREFIX_CACHE and r.finish_reason == "length" for r in reply.results)
+    assert scheduler is None and jobs == ["GenerateBatch", "GenerateMany"]  # one worker job per call
 
 
 def test_an_empty_batch_over_grpc_is_invalid_argument(tiny_llama):

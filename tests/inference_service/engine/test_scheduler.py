@@ -52,9 +52,10 @@ class Tracked:
     def _should_stop(self) -> bool:
         return self.stop_after is not None and len(self.token_ids) >= self.stop_after
 
-    def _on_done(self, outcome, error) -> None:
+    def _on_done(self, outcomes, error) -> None:
         assert self.outcome is None and self.error is None, "on_done is called once"
-        self.outcome, self.error = outcome, error
+        assert (outcomes is None) != (error is None), "outcomes or an error"
+        self.outcome, self.error = None if outcomes is None else outcomes[0], error
 
     @property
     def done(self) -> bool:

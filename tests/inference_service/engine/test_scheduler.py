@@ -38,7 +38,9 @@ class Tracked:
     def __init__(self, prompt: str, max_new_tokens: int = 12, mode: str = "prefix_cache", **fields) -> None:
         self.pieces: list[str] = []
         self.token_ids: list[int] = []
+        self.indexed_ids: dict[int, list[int]] = {}  # streamed token ids per completion index
         self.outcome = None
+        self.outcomes = None
         self.error = None
         self.stop_after: int | None = None  # cancel once this many tokens streamed
         self.params = GenerationParams(prompt=prompt, max_new_tokens=max_new_tokens, mode=mode,
@@ -48,6 +50,7 @@ class Tracked:
     def _on_token(self, event) -> None:
         self.pieces.append(event.text)
         self.token_ids += list(event.token_ids)
+        self.indexed_ids.setdefault(event.index, []).extend(event.token_ids)
 
     def _should_stop(self) -> bool:
         return self.stop_after is not None and len(self.token_ids) >= self.stop_after
@@ -55,7 +58,8 @@ class Tracked:
     def _on_done(self, outcomes, error) -> None:
         assert self.outcome is None and self.error is None, "on_done is called once"
         assert (outcomes is None) != (error is None), "outcomes or an error"
-        self.outcome, self.error = None if outcomes is None else outcomes[0], error
+        self.outcomes, self.error = outcomes, error
+        self.outcome = None if outcomes is None else outcomes[0]
 
     @property
     def done(self) -> bool:
@@ -200,3 +204,88 @@ def test_a_long_prefill_runs_in_pieces_between_decode_steps_and_is_written_back(
     run_until_done(scheduler, [again], {0: [again]})
     assert again.outcome.cached_tokens == long.outcome.prompt_tokens - 1, "every chunk of the pieces was stored"
     assert again.outcome.output_token_ids == long.outcome.output_token_ids
+
+
+def test_requests_that_join_in_one_step_are_prefilled_in_one_forward(tiny_model, monkeypatch):
+    from inference_service.engine import chunked_prefill
+
+    model, tokenizer = tiny_model
+    scheduler = make_scheduler(model, tokenizer)
+    first = Tracked(SYSTEM + QUESTIONS[0], 4)
+    run_until_done(scheduler, [first], {0: [first]})
+    scheduler.parts.writeback.flush()  # SYSTEM's chunks are cached now: the next four start at different lengths
+    together, original = [], chunked_prefill.prefill_rows
+    monkeypatch.setattr(chunked_prefill, "prefill_rows", lambda model, rows, pad=0: together.append(
+        [(row.start, len(row.token_ids)) for row in rows]) or original(model, rows, pad))
+    tracked = [Tracked(SYSTEM + QUESTIONS[1], 10), Tracked("Something else entirely.", 10),
+               Tracked(SYSTEM + QUESTIONS[0], 10), Tracked(SYSTEM + QUESTIONS[4], 10, mode="baseline")]
+    for item in tracked:
+        scheduler.submit(item.request)
+    scheduler.step()
+    assert scheduler.num_running == 4, "all four joined in the first step"
+    lengths = [len(tokenize_prompt(tokenizer, item.params.prompt)[0]) for item in tracked]
+    # One forward for the four: 88 cached whole chunks, nothing, all but the last token, baseline.
+    assert together == [[(88, lengths[0] - 88), (0, lengths[1]), (lengths[2] - 1, 1), (0, lengths[3])]]
+    run_until_done(scheduler, tracked)
+    for item in tracked:
+        assert item.outcome.output_token_ids == expected(model, tokenizer, item.params.prompt, 10)
+
+
+def test_a_request_with_n_choices_decodes_as_n_rows_beside_others(tiny_model):
+    model, tokenizer = tiny_model
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=8), InMemoryStore(), model_id="scheduler-test")
+    sampled = dict(temperature=0.9, top_k=20, seed=7)
+    alone = engine.generate_choices(GenerationParams(prompt=SYSTEM, max_new_tokens=12, n=3, mode="baseline", **sampled))
+    scheduler = Scheduler(engine.parts)
+    plain = Tracked(SYSTEM + QUESTIONS[1], 10)
+    choices = Tracked(SYSTEM, 12, mode="baseline", n=3, **sampled)
+    greedy = Tracked(SYSTEM + QUESTIONS[2], 10, n=2)
+    running = run_until_done(scheduler, [plain, choices, greedy], {0: [plain], 1: [choices], 3: [greedy]})
+    assert max(running) == 6, "1 + 3 + 2 rows decoded together"
+    assert [o.index for o in choices.outcomes] == [0, 1, 2]
+    assert [o.output_token_ids for o in choices.outcomes] == [o.output_token_ids for o in alone], \
+        "each choice's seeded stream is its own, whatever runs beside it"
+    assert len({tuple(o.output_token_ids) for o in choices.outcomes}) > 1, "seed + index: the choices differ"
+    assert {i: ids for i, ids in choices.indexed_ids.items()} == {o.index: o.output_token_ids for o in choices.outcomes}
+    reference = expected(model, tokenizer, greedy.params.prompt, 10)
+    assert [o.output_token_ids for o in greedy.outcomes] == [reference, reference]
+    assert plain.outcome.output_token_ids == expected(model, tokenizer, plain.params.prompt, 10)
+    stats = engine.stats()
+    assert stats["requests"] == 1 + 3, "a request with n choices counts once (the n = 3 alone, then three here)"
+
+
+def test_a_batch_calls_shared_prefix_runs_once_in_pieces_while_others_decode(tiny_model, monkeypatch):
+    from inference_service.engine import batch, chunked_prefill
+
+    model, tokenizer = tiny_model
+    scheduler = make_scheduler(model, tokenizer, max_prefill_tokens=16)
+    decoding = Tracked("short", 40)
+    scheduler.submit(decoding.request)
+    scheduler.step()
+    run_tokens = []  # prompt tokens that went through the model from here on
+    prefill, prefill_rows = chunked_prefill.prefill, chunked_prefill.prefill_rows
+    monkeypatch.setattr(chunked_prefill, "prefill", lambda model, cache, ids, start: run_tokens.append(
+        len(ids)) or prefill(model, cache, ids, start))
+    monkeypatch.setattr(chunked_prefill, "prefill_rows", lambda model, rows, pad=0: run_tokens.extend(
+        len(row.token_ids) for row in rows) or prefill_rows(model, rows, pad))
+    prompts = [SYSTEM + question for question in QUESTIONS[:3]]
+    ended = []
+    requests = batch.batch_requests(
+        scheduler.parts, [GenerationParams(prompt=p, max_new_tokens=8, mode="prefix_cache", request_id=f"r{i}")
+                          for i, p in enumerate(prompts)], False, lambda: False,
+        lambda outcomes, error: ended.append((outcomes, error)))
+    for request in requests:
+        scheduler.submit(request)
+    tokens_per_step = []
+    while not ended:
+        before = len(decoding.token_ids)
+        scheduler.step()
+        tokens_per_step.append(len(decoding.token_ids) - before)
+    (outcomes, error), = ended
+    assert error is None
+    lengths = [len(tokenize_prompt(tokenizer, p)[0]) for p in prompts]
+    assert sum(run_tokens) == 88 + sum(n - 88 for n in lengths), "the 88 shared tokens ran once for the three"
+    assert max(run_tokens) <= 16, "in pieces of the step's budget"
+    assert all(count == 1 for count in tokens_per_step[:88 // 16]), "`short` decoded on every step meanwhile"
+    assert [o.output_token_ids for o in outcomes] == [expected(model, tokenizer, p, 8) for p in prompts]
+    assert [o.cached_tokens for o in outcomes] == [0, 0, 0], "nothing came from the store"

@@ -27,6 +27,9 @@ from bench.load import SYSTEM_PROMPT, Report, rss_bytes, run_load  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 
 SCHEDULERS = ("serial", "continuous")
+# The daemon's resident memory, split: its heap (what would leak) and the LMDB file pages it has mapped in
+# (they grow with the pages read and written, and are the kernel's to drop under memory pressure).
+RSS_FIELDS = {"VmRSS": "all", "RssAnon": "anonymous", "RssFile": "mapped LMDB file pages"}
 
 
 def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str, max_queue: int,
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             warm_system_prompt(addresses["continuous"])
         for scheduler in SCHEDULERS:  # each service's first forward
             run_load(addresses[scheduler], 1, 0.1, args.max_new_tokens)
-        rss_start = rss_bytes(daemon_pid)
+        rss_start = {field: rss_bytes(daemon_pid, field) for field in RSS_FIELDS}
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, {args.duration:.0f} s per row, "
               f"max_new_tokens {args.max_new_tokens}, {args.threads} torch thread(s) per service, system prompt "
               f"{'not ' if args.no_warm else ''}warmed", flush=True)
@@ -126,14 +129,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_row(scheduler, report), flush=True)
                 rows.append({"scheduler": scheduler, **asdict(report)})
                 failed |= report.errors > 0 or report.budget_exceeded
-        rss_end = rss_bytes(daemon_pid)
+        rss_end = {field: rss_bytes(daemon_pid, field) for field in RSS_FIELDS}
     for clients in args.levels:
         serial, continuous = (next(r for r in rows if r["clients"] == clients and r["scheduler"] == s)
                               for s in SCHEDULERS)
         ratio = continuous["output_tokens_per_s"] / serial["output_tokens_per_s"] if serial["output_tokens_per_s"] else 0
         print(f"{clients:>3} clients: continuous / one-at-a-time output tok/s = {ratio:.2f}x")
     mib = (lambda value: "n/a" if value is None else f"{value / (1 << 20):.1f} MiB")
-    print(f"daemon RSS {mib(rss_start)} -> {mib(rss_end)}")
+    print("daemon RSS " + ", ".join(f"{RSS_FIELDS[field]} {mib(rss_start[field])} -> {mib(rss_end[field])}"
+                                    for field in RSS_FIELDS))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "concurrency.json").write_text(json.dumps(rows, indent=2))
     write_plot(rows, args.out / "concurrency.png")

@@ -63,6 +63,8 @@ class Report:
     time_per_output_token_ms_p50: float = 0.0  # server-side decode time per token after the first
     daemon_rss_before_bytes: int | None = None
     daemon_rss_after_bytes: int | None = None
+    daemon_anon_rss_before_bytes: int | None = None  # RssAnon: the daemon's own heap
+    daemon_anon_rss_after_bytes: int | None = None
     lmdb_bytes_before: int | None = None
     lmdb_bytes_after: int | None = None
     budget_bytes: int | None = None
@@ -90,12 +92,14 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
-def rss_bytes(pid: int | None) -> int | None:
+def rss_bytes(pid: int | None, field: str = "VmRSS") -> int | None:
+    """A process's resident memory from /proc: VmRSS (all of it), RssAnon (its heap: what would leak) or
+    RssFile (mapped file pages, for the daemon LMDB's pages it read or wrote: the kernel's to drop)."""
     if pid is None:
         return None
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -196,6 +200,7 @@ def run_load(address: str, clients: int, duration_s: float, max_new_tokens: int 
     require_loopback(address)
     report = Report(clients=clients, duration_s=duration_s)
     report.daemon_rss_before_bytes = rss_bytes(daemon_pid)
+    report.daemon_anon_rss_before_bytes = rss_bytes(daemon_pid, "RssAnon")
     report.lmdb_bytes_before = dir_bytes(data_dir)
     monitor = None
     if daemon_address:
@@ -231,6 +236,7 @@ def run_load(address: str, clients: int, duration_s: float, max_new_tokens: int 
     report.time_per_output_token_ms_p50 = percentile(
         [value for worker in workers for value in worker.time_per_output_token_ms], 0.5)
     report.daemon_rss_after_bytes = rss_bytes(daemon_pid)
+    report.daemon_anon_rss_after_bytes = rss_bytes(daemon_pid, "RssAnon")
     report.lmdb_bytes_after = dir_bytes(data_dir)
     return report
 
@@ -245,7 +251,8 @@ def format_report(report: Report) -> str:
         f"TTFT client p50 {report.ttft_ms_p50:.1f} ms, p99 {report.ttft_ms_p99:.1f} ms; "
         f"server p50 {report.server_ttft_ms_p50:.1f} ms, p99 {report.server_ttft_ms_p99:.1f} ms; "
         f"mean kv_reuse_ratio {report.mean_kv_reuse_ratio:.2f}",
-        f"daemon RSS {mib(report.daemon_rss_before_bytes)} -> {mib(report.daemon_rss_after_bytes)}; "
+        f"daemon RSS {mib(report.daemon_rss_before_bytes)} -> {mib(report.daemon_rss_after_bytes)} (anonymous "
+        f"{mib(report.daemon_anon_rss_before_bytes)} -> {mib(report.daemon_anon_rss_after_bytes)}); "
         f"LMDB dir {mib(report.lmdb_bytes_before)} -> {mib(report.lmdb_bytes_after)}",
         f"budget: max stored {mib(report.max_stored_bytes_seen)} of {mib(report.budget_bytes)} over "
         f"{report.budget_samples} samples: {'EXCEEDED' if report.budget_exceeded else 'respected'}",

@@ -141,6 +141,7 @@ class Scheduler:
     waiting: deque = field(default_factory=deque)
     rows: dict = field(default_factory=dict)  # slot -> RunningRow
     prefilling: list = field(default_factory=list)  # (StreamRequest or SharedPrefix, ChunkedPrefill), oldest first
+    joining: list = field(default_factory=list)  # RunningRows that picked their first token this step
     num_steps: int = 0
 
     def __post_init__(self) -> None:
@@ -158,12 +159,13 @@ class Scheduler:
 
     @property
     def num_rows_in_use(self) -> int:
-        return len(self.rows) + sum(owner.params.n for owner in self._prefilling_requests())
+        return len(self.rows) + len(self.joining) + sum(owner.params.n for owner in self._prefilling_requests())
 
     @property
     def num_reserved_tokens(self) -> int:
         """Prompt + max_new_tokens of every row running or prefilling."""
-        return (sum(row.request.num_reserved_tokens // row.request.params.n for row in self.rows.values())
+        return (sum(row.request.num_reserved_tokens // row.request.params.n
+                    for row in list(self.rows.values()) + self.joining)
                 + sum(request.num_reserved_tokens for request in self._prefilling_requests()))
 
     def submit(self, request: StreamRequest) -> None:
@@ -189,9 +191,9 @@ class Scheduler:
     def fail_all(self, error: BaseException) -> None:
         """Ends every request with `error` and starts over with an empty batch (after a failed step)."""
         self.fail_waiting(error)
-        requests = {id(row.request): row.request for row in self.rows.values()}
+        requests = {id(row.request): row.request for row in list(self.rows.values()) + self.joining}
         requests.update((id(request), request) for request in self._prefilling_requests())
-        self.rows, self.prefilling = {}, []
+        self.rows, self.prefilling, self.joining = {}, [], []
         for request in requests.values():
             request.on_done(None, error)
         self.batch = RunningBatch(self.parts.model.config, self.parts.geometry, self.parts.device, self.parts.dtype)
@@ -252,6 +254,8 @@ class Scheduler:
             budget = self._plan_piece(item, budget, ending)
         if ending:
             self._run_together(ending)
+        if self.joining:
+            self._place_joining()
 
     def _start_shared(self, shared: SharedPrefix, budget: int, ending: list) -> int:
         if shared.prefill is None and shared.error is None:
@@ -330,11 +334,18 @@ class Scheduler:
             row.next_position = length
             if decoder.reason:
                 self._finish(row)
-                continue
-            slot = self.batch.add(prefilled.key_buffer[:, :, :length], prefilled.value_buffer[:, :, :length])
+            else:
+                self.joining.append(row)
+
+    def _place_joining(self) -> None:
+        """The rows that joined this step enter the batch together (it moves at most once for all of them)."""
+        rows, self.joining = self.joining, []
+        slots = self.batch.add([(row.prefilled.key_buffer[:, :, : row.next_position],
+                                 row.prefilled.value_buffer[:, :, : row.next_position]) for row in rows])
+        for slot, row in zip(slots, rows):
             self.rows[slot] = row
-        # The batch holds the rows' K/V now; the write-back keeps its own views until it has stored them.
-        prefilled.key_buffer = prefilled.value_buffer = prefilled.cache = None
+        for row in rows:  # the batch holds their K/V now; the write-back keeps its own views until stored
+            row.prefilled.key_buffer = row.prefilled.value_buffer = row.prefilled.cache = None
 
     def _write_back(self, request: StreamRequest, pending: PendingChunks | None) -> None:
         if request.shared is None:

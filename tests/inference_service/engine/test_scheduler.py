@@ -130,7 +130,7 @@ def test_a_cancelled_request_leaves_mid_decode_and_the_others_are_unchanged(tiny
     assert tracked[1].outcome.generated_tokens == 4
     for item in (tracked[0], tracked[2]):
         assert item.outcome.output_token_ids == expected(model, tokenizer, item.params.prompt, 16)
-    assert scheduler.num_running == 0 and scheduler.batch.keys is None, "the finished batch is dropped"
+    assert scheduler.num_running == 0 and scheduler.batch.num_live == 0, "no row is left in the batch"
 
 
 def test_stop_strings_and_sampling_stay_per_request(tiny_model):

@@ -34,11 +34,12 @@ from inference_service.model.running_batch import RunningBatch
 
 logger = logging.getLogger(__name__)
 
-# Prompt tokens per batched prefill forward. On a CPU a forward is compute-bound from about this many tokens
-# on (a 20-token question after a cached 737-token prompt, SmolLM2 fp32, 2 threads: 13.5 ms per token alone,
-# 8.4 in a forward of 80, 6.3 in one of 320), so larger forwards save little, while every request in a
-# forward waits for all of it before its first token.
+# Prompt tokens per batched prefill forward, by default. On a CPU a forward is compute-bound from about
+# this many tokens on (a 20-token question after a cached 737-token prompt, SmolLM2 fp32, 2 threads: 13.5 ms
+# per token alone, 8.4 in a forward of 80, 6.3 in one of 320), so larger forwards save little, while every
+# request in a forward waits for all of it before its first token.
 FORWARD_TOKENS = 128
+UNBOUNDED = 1 << 40
 
 # on_done(outcomes, error): once per request, with its n outcomes in index order, or None and the error.
 OnDone = Callable[[list[GenerationOutcome] | None, BaseException | None], None]
@@ -49,11 +50,13 @@ class SchedulerLimits:
     max_running_requests: int = 16  # rows decoded together (a request with n completions takes n)
     max_batch_tokens: int = 65536  # prompt + max_new_tokens summed over running rows (a lone request always runs)
     max_prefill_tokens: int = 512  # prompt tokens prefilled per step before the running rows decode again
+    max_forward_tokens: int = FORWARD_TOKENS  # prompt tokens of the joining requests batched in one forward
 
     def __post_init__(self) -> None:
         assert self.max_running_requests > 0, f"max_running_requests must be positive, got {self.max_running_requests}"
         assert self.max_batch_tokens > 0, f"max_batch_tokens must be positive, got {self.max_batch_tokens}"
         assert self.max_prefill_tokens > 0, f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}"
+        assert self.max_forward_tokens > 0, f"max_forward_tokens must be positive, got {self.max_forward_tokens}"
 
 
 @dataclass(slots=True)
@@ -296,12 +299,12 @@ class Scheduler:
         return budget - num_run
 
     def _run_together(self, items: list[tuple[object, ChunkedPrefill]]) -> None:
-        """Runs the set-aside prefills in forwards of about FORWARD_TOKENS tokens; each group's requests pick
-        their first token (and stream it) as soon as their forward is done."""
+        """Runs the set-aside prefills in forwards of about max_forward_tokens tokens; each group's requests
+        pick their first token (and stream it) as soon as their forward is done."""
         group: list[tuple[object, ChunkedPrefill]] = []
         num_tokens = 0
         for item in items:
-            if group and num_tokens + item[1].num_remaining > FORWARD_TOKENS:
+            if group and num_tokens + item[1].num_remaining > self.limits.max_forward_tokens:
                 self._run_group(group)
                 group, num_tokens = [], 0
             group.append(item)
@@ -416,10 +419,14 @@ def run_to_completion(parts: EngineParts, requests_for: Callable[[OnDone], Seque
     """Runs requests on a scheduler of their own until they have ended (a call outside the service's worker:
     the engine's batch and n > 1 calls); requests_for(on_done) makes them, reporting once through on_done.
 
+    No other request's decoding waits on these: their whole prefill runs in the first step, in one forward
+    (16 rows at a time, as many as the service's default batch).
+
     Returns the outcomes reported; raises the error reported, or that of a failed step (which fails every request).
     """
     ended: list[tuple[list[GenerationOutcome] | None, BaseException | None]] = []
-    scheduler = Scheduler(parts, pad_token_id=pad_token_id)
+    scheduler = Scheduler(parts, SchedulerLimits(max_batch_tokens=UNBOUNDED, max_prefill_tokens=UNBOUNDED,
+                                                 max_forward_tokens=UNBOUNDED), pad_token_id)
     for request in requests_for(lambda outcomes, error: ended.append((outcomes, error))):
         scheduler.submit(request)
     while scheduler.has_work():

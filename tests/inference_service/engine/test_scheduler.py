@@ -240,7 +240,7 @@ def test_joining_prefills_split_into_forwards_of_about_forward_tokens(tiny_model
     together, original = [], chunked_prefill.prefill_rows
     monkeypatch.setattr(chunked_prefill, "prefill_rows", lambda model, rows, pad=0: together.append(
         [len(row.token_ids) for row in rows]) or original(model, rows, pad))
-    prompts = [letter * (FORWARD_TOKENS // 2 - 4) for letter in "abc"]  # two fit in one forward, not three
+    prompts = [letter * (FORWARD_TOKENS // 2 - 4) for letter in "abc"]  # by default two fit in one forward
     tracked = [Tracked(prompt, 6) for prompt in prompts]
     alone, plain = [], chunked_prefill.prefill
     monkeypatch.setattr(chunked_prefill, "prefill", lambda *args: alone.append(1) or plain(*args))

@@ -5,7 +5,8 @@ large pinned chunks once (a cached system prompt's K/V), then runs `--calls` ite
 `--threads` client threads, each iteration what one inference request does: Lookup the large
 chunks, Fetch them all over the gRPC stream, Store one new small chunk under a new key. After
 every `--round` iterations it prints the daemon's RssAnon (its own heap: where a leak shows) and
-RssFile (LMDB pages the kernel maps in for it: bounded by the file and the kernel's to drop), and
+RssFile (LMDB pages the kernel maps in for it: bounded by the file and the kernel's to drop), read
+while the clients pause so no call is in flight (what is resident then is retained), and
 at the end a verdict: the least-squares slope of RssAnon over the second half of the rounds, in
 MiB per 1000 calls, "plateau" when it is below --plateau-mib.
 
@@ -21,6 +22,9 @@ import argparse
 import hashlib
 import os
 import random
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -67,13 +71,13 @@ def rss_kib(pid: int) -> dict[str, int]:
     return fields
 
 
-def slope_per_1000(calls: list[int], values: list[float]) -> float:
-    """Least-squares slope of values over calls, per 1000 calls."""
+def linear_fit(calls: list[int], values: list[float]) -> tuple[float, float]:
+    """Least-squares slope of values over calls, per 1000 calls, and the residuals' standard deviation."""
     mean_x, mean_y = sum(calls) / len(calls), sum(values) / len(values)
     spread = sum((x - mean_x) ** 2 for x in calls)
-    if spread == 0:
-        return 0.0
-    return 1000 * sum((x - mean_x) * (y - mean_y) for x, y in zip(calls, values)) / spread
+    slope = 0.0 if spread == 0 else sum((x - mean_x) * (y - mean_y) for x, y in zip(calls, values)) / spread
+    residuals = [y - mean_y - slope * (x - mean_x) for x, y in zip(calls, values)]
+    return 1000 * slope, (sum(r * r for r in residuals) / len(residuals)) ** 0.5
 
 
 @dataclass
@@ -81,6 +85,7 @@ class Progress:
     """Iterations handed out and finished, shared by the client threads."""
 
     total: int
+    limit: int = 0  # iterations handed out up to here; the main thread raises it round by round
     next_number: int = 0
     num_done: int = 0
     num_bytes_fetched: int = 0
@@ -91,11 +96,19 @@ class Progress:
         self.round_done = threading.Condition(self.lock)
 
     def take(self) -> int | None:
+        """The next iteration's number, once the round allows it; None when all are handed out."""
         with self.lock:
+            self.round_done.wait_for(lambda: self.next_number < self.limit or self.next_number >= self.total
+                                     or self.error is not None)
             if self.next_number >= self.total or self.error is not None:
                 return None
             self.next_number += 1
             return self.next_number - 1
+
+    def open_round(self, limit: int) -> None:
+        with self.lock:
+            self.limit = limit
+            self.round_done.notify_all()
 
     def finish(self, num_bytes: int) -> None:
         with self.lock:
@@ -162,10 +175,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=3000, help="iterations in all (default 3000)")
     parser.add_argument("--round", type=int, default=250,
                         help="iterations between two RSS readings; one output line each (default 250)")
+    parser.add_argument("--settle", type=float, default=0.5,
+                        help="seconds the clients pause at the end of each round before RSS is read, so no call "
+                             "is in flight (default 0.5)")
     parser.add_argument("--max-bytes", type=parse_size, default=parse_size("256M"),
                         help="the daemon's --max-bytes; small enough that the Stores evict (default 256M)")
     parser.add_argument("--daemon-env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment variable for the daemon process, e.g. MALLOC_ARENA_MAX=2 (repeatable)")
+    parser.add_argument("--malloc-report", action="store_true",
+                        help="at the end, attach gdb to the daemon and call glibc's malloc_stats() (bytes its arenas "
+                             "hold from the system vs bytes in use: the gap is freed memory the allocator keeps) "
+                             "and then malloc_trim(0), and print RssAnon after the trim (needs gdb and ptrace)")
     parser.add_argument("--plateau-mib", type=float, default=1.0,
                         help="verdict 'plateau' when RssAnon grows less than this many MiB per 1000 calls over "
                              "the second half of the rounds (default 1.0)")
@@ -199,6 +219,8 @@ def main(argv=None) -> None:
                 print(f"{0:>6} {start['RssAnon'] / 1024:>12.1f} {start['RssFile'] / 1024:>12.1f} {0:>11.2f} "
                       f"{0:>7.1f}", flush=True)
                 calls, anon = run_rounds(args, stub, hot_keys, store_blob, pid)
+                if args.malloc_report:
+                    print_malloc_report(daemon, pid)
         finally:
             daemon.terminate()
     print_verdict(args, calls, anon, start["RssAnon"] / 1024)
@@ -214,7 +236,9 @@ def run_rounds(args, stub, hot_keys, store_blob, pid) -> tuple[list[int], list[f
     calls: list[int] = []
     anon: list[float] = []
     for target in range(args.round, args.calls + args.round, args.round):
+        progress.open_round(min(target, args.calls))
         wait_for(progress, min(target, args.calls))
+        time.sleep(args.settle)  # no call in flight: what stays is retained, not buffers of live streams
         sample = rss_kib(pid)
         calls.append(progress.num_done)
         anon.append(sample["RssAnon"] / 1024)
@@ -225,14 +249,51 @@ def run_rounds(args, stub, hot_keys, store_blob, pid) -> tuple[list[int], list[f
     return calls, anon
 
 
+def gdb_call(pid: int, expression: str) -> None:
+    """Runs `call expression` inside the process through gdb (the process is stopped meanwhile)."""
+    subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", f"call {expression}"], check=True, timeout=120,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def print_malloc_report(daemon, pid: int) -> None:
+    """glibc's own account of the daemon's heap (written to the daemon's stderr, so its log), then a trim."""
+    if shutil.which("gdb") is None:
+        print("malloc report: gdb is not installed")
+        return
+    log_start = len(daemon.log())
+    gdb_call(pid, "(void) malloc_stats()")
+    time.sleep(0.5)
+    report = daemon.log()[log_start:]
+    arenas = re.findall(r"Arena \d+:\nsystem bytes\s+=\s+(\d+)\nin use bytes\s+=\s+(\d+)", report)
+    total = re.search(r"Total \(incl. mmap\):\nsystem bytes\s+=\s+(\d+)\nin use bytes\s+=\s+(\d+)", report)
+    if total is None:
+        print(f"malloc report: no malloc_stats() output in the daemon's log")
+        return
+    system, in_use = (int(value) / MIB for value in total.groups())
+    print(f"malloc_stats: {len(arenas)} arenas; system {system:.1f} MiB, in use {in_use:.1f} MiB, "
+          f"free but kept {system - in_use:.1f} MiB; per arena (system/in use MiB): "
+          + " ".join(f"{int(a) / MIB:.0f}/{int(b) / MIB:.0f}" for a, b in arenas))
+    before = rss_kib(pid)["RssAnon"] / 1024
+    gdb_call(pid, "(int) malloc_trim(0)")
+    after = rss_kib(pid)["RssAnon"] / 1024
+    print(f"malloc_trim(0): RssAnon {before:.1f} -> {after:.1f} MiB")
+
+
 def print_verdict(args, calls: list[int], anon: list[float], start_anon: float) -> None:
+    """Growth: the second half's slope is at least --plateau-mib per 1000 calls and its rise over that
+    half stands out of the noise (twice the residuals' deviation); a plateau otherwise."""
     half = len(calls) // 2
     tail_calls, tail_anon = calls[half:], anon[half:]
-    slope = slope_per_1000(tail_calls, tail_anon) if len(tail_calls) > 1 else float("nan")
-    verdict = "plateau" if abs(slope) < args.plateau_mib else "growth"
+    if len(tail_calls) < 2:
+        print("verdict: too few rounds for a verdict (use --calls at least 4 x --round)")
+        return
+    slope, noise = linear_fit(tail_calls, tail_anon)
+    rise = slope * (tail_calls[-1] - tail_calls[0]) / 1000
+    verdict = "growth" if slope >= args.plateau_mib and rise > 2 * noise else "plateau"
     print(f"verdict: {verdict}: RssAnon {start_anon:.1f} -> max {max(anon):.1f} -> last {anon[-1]:.1f} MiB; "
-          f"slope over calls {tail_calls[0]}..{tail_calls[-1]}: {slope:+.2f} MiB per 1000 calls "
-          f"(plateau below {args.plateau_mib} MiB)")
+          f"over calls {tail_calls[0]}..{tail_calls[-1]} mean {sum(tail_anon) / len(tail_anon):.1f} MiB, slope "
+          f"{slope:+.2f} MiB per 1000 calls, noise +-{noise:.1f} MiB (growth: slope >= {args.plateau_mib} "
+          f"and a rise above twice the noise)")
 
 
 if __name__ == "__main__":

@@ -1,68 +1,66 @@
-"""A real daemon process gives the heap memory of finished Fetches back to the OS (cache_daemon.allocator)."""
+"""Freed heap memory goes back to the OS: cache_daemon.allocator.trim_heap, run by the daemon periodically."""
 from __future__ import annotations
 
-import threading
-import time
-from pathlib import Path
+import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
-from kvboost.v1 import cache_pb2
 
-from tests.conftest import pick_free_port, wait_for
-from tests.daemon_support import cache_stub, fetch_chunks, make_chunk, store_chunks
-from tests.e2e.daemon_process import start_daemon
+from cache_daemon import server
+from tests.conftest import wait_for
+from tests.daemon_support import running_daemon
 
-pytestmark = pytest.mark.e2e
+# In a fresh interpreter: 8 threads each allocate and free 20 x 1 MiB blocks, 10 times, keeping a small
+# malloc block (700 bytes, above pymalloc's limit) after each batch, as concurrent Fetches leave their
+# arenas; RssAnon is read after the frees and again after trim_heap().
+_FRAGMENT_THEN_TRIM = textwrap.dedent("""
+    import json, threading
+    from cache_daemon.allocator import trim_heap
 
-CHUNK_BYTES = 4 << 20
-NUM_THREADS = 8
-FETCHES_PER_THREAD = 6
-# Retained free memory after the load, beyond what the daemon held before it. Without trimming the
-# daemon keeps ~100 MiB here (freed 1 MiB Fetch frames in per-thread malloc arenas).
-MAX_RETAINED_MIB = 24
+    def rss_anon_mib():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
 
+    kept = []
+    def fragment():
+        for _ in range(10):
+            blocks = [bytes(1 << 20) for _ in range(20)]
+            kept.append(bytes(700))
+            del blocks
 
-def rss_anon_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no RssAnon in /proc status")
-
-
-def fetch_concurrently(address: str, keys: list[bytes]) -> None:
-    """NUM_THREADS clients on one channel, each Fetching every key FETCHES_PER_THREAD times."""
-    errors: list[BaseException] = []
-
-    def client(stub) -> None:
-        try:
-            for _ in range(FETCHES_PER_THREAD):
-                fetched = fetch_chunks(stub, keys)
-                assert all(chunk.found for chunk in fetched), "a stored chunk was not found"
-        except BaseException as error:
-            errors.append(error)
-
-    with cache_stub(address) as stub:
-        threads = [threading.Thread(target=client, args=(stub,)) for _ in range(NUM_THREADS)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    assert not errors, errors
+    start = rss_anon_mib()
+    threads = [threading.Thread(target=fragment) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    freed = rss_anon_mib()
+    trim_heap()
+    print(json.dumps({"start": start, "freed": freed, "trimmed": rss_anon_mib()}))
+""")
 
 
-def test_heap_freed_by_concurrent_fetches_goes_back_to_the_os(tmp_path) -> None:
-    chunks = [make_chunk(f"big {number}", CHUNK_BYTES) for number in range(3)]
-    daemon = start_daemon(tmp_path / "lmdb", pick_free_port(), "--heap-trim-interval", "0.2",
-                          "--log-level", "WARNING")
-    try:
-        with cache_stub(daemon.address) as stub:
-            store_chunks(stub, chunks)
-            fetch_chunks(stub, [chunk.key for chunk in chunks])  # one Fetch warms up code paths and buffers
-        time.sleep(0.5)
-        before = rss_anon_mib(daemon.process.pid)
-        fetch_concurrently(daemon.address, [chunk.key for chunk in chunks])
-        # Trimmed within a few trim intervals of the load's end; fails with the RSS it kept otherwise.
-        wait_for(lambda: rss_anon_mib(daemon.process.pid) - before < MAX_RETAINED_MIB,
-                 f"RssAnon back within {MAX_RETAINED_MIB} MiB of {before:.1f} MiB", timeout_s=5.0)
-    finally:
-        daemon.terminate()
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RssAnon is read from /proc (Linux)")
+def test_trim_heap_returns_freed_blocks_that_free_alone_keeps() -> None:
+    completed = subprocess.run([sys.executable, "-c", _FRAGMENT_THEN_TRIM], capture_output=True, text=True,
+                               timeout=60, check=True)
+    rss = json.loads(completed.stdout)
+    kept_by_free = rss["freed"] - rss["start"]
+    # glibc keeps most of the 1 MiB blocks in its arenas after free(); if it ever stops doing so this
+    # test has nothing to show and says so.
+    assert kept_by_free > 40, f"free() alone kept only {kept_by_free:.1f} MiB: nothing left to trim ({rss})"
+    assert rss["trimmed"] - rss["start"] < 0.25 * kept_by_free, f"trim_heap gave too little back: {rss}"
+
+
+def test_the_daemon_trims_every_interval_and_stops_with_it(tmp_path, monkeypatch) -> None:
+    calls: list[None] = []
+    monkeypatch.setattr(server, "trim_heap", lambda: calls.append(None))
+    with running_daemon(tmp_path / "lmdb", heap_trim_interval_s=0.05):
+        wait_for(lambda: len(calls) >= 3, "three heap trims")
+    num_at_stop = len(calls)
+    with running_daemon(tmp_path / "lmdb", heap_trim_interval_s=0):
+        pass
+    assert len(calls) == num_at_stop, "a stopped daemon, or one with --heap-trim-interval 0, trims nothing"

@@ -284,8 +284,9 @@ def print_verdict(args, calls: list[int], anon: list[float], start_anon: float) 
     half stands out of the noise (twice the residuals' deviation); a plateau otherwise."""
     half = len(calls) // 2
     tail_calls, tail_anon = calls[half:], anon[half:]
-    if len(tail_calls) < 2:
-        print("verdict: too few rounds for a verdict (use --calls at least 4 x --round)")
+    if len(tail_calls) < 3:
+        print(f"verdict: none: RssAnon {start_anon:.1f} -> max {max(anon):.1f} -> last {anon[-1]:.1f} MiB; too few "
+              "rounds to tell growth from noise (give --calls at least 6 x --round)")
         return
     slope, noise = linear_fit(tail_calls, tail_anon)
     rise = slope * (tail_calls[-1] - tail_calls[0]) / 1000

@@ -55,15 +55,17 @@ def prefill_rows(model, rows: Sequence[PrefillRow], pad_token_id: int = 0) -> to
     longest_cached = max(row.start for row in rows)
     longest = max(len(row.token_ids) for row in rows)
     width = longest_cached + longest
-    # Zero-filled, so the columns no row reads hold finite values (a masked column still enters the product).
     shape = (num_layers, num_rows, num_kv_heads, width, head_dim)
-    keys = torch.zeros(shape, dtype=first.dtype, device=first.device)
-    values = torch.zeros(shape, dtype=first.dtype, device=first.device)
+    keys = torch.empty(shape, dtype=first.dtype, device=first.device)
+    values = torch.empty(shape, dtype=first.dtype, device=first.device)
     mask = torch.zeros((num_rows, width), dtype=torch.long, device=first.device)
     input_ids = torch.full((num_rows, longest), pad_token_id, dtype=torch.long, device=first.device)
     positions = torch.zeros((num_rows, longest), dtype=torch.long, device=first.device)
     for index, row in enumerate(rows):
         begin = longest_cached - row.start
+        # The columns before the row are masked, but a masked column still enters the product: zeros, not NaN.
+        keys[:, index, :, :begin].zero_()
+        values[:, index, :, :begin].zero_()
         keys[:, index, :, begin:longest_cached].copy_(row.keys[:, :, : row.start])
         values[:, index, :, begin:longest_cached].copy_(row.values[:, :, : row.start])
         mask[index, begin:longest_cached] = 1

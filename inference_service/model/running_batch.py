@@ -26,7 +26,7 @@ class RunningBatch:
     geometry: KVGeometry
     device: torch.device
     dtype: torch.dtype
-    # keys, values: [layers, slots, kv_heads, capacity, head_dim]; zero-filled, so unread columns are finite.
+    # keys, values: [layers, slots, kv_heads, capacity, head_dim]; a live row's columns are all finite.
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None  # [slots, length] int64
@@ -44,24 +44,36 @@ class RunningBatch:
         return sum(self.live)
 
     @torch.inference_mode()
-    def add(self, row_keys: torch.Tensor, row_values: torch.Tensor) -> int:
-        """Places a prefilled row (row_*: [layers, kv_heads, n, head_dim]) and returns its slot."""
-        num_tokens = row_keys.shape[2]
-        if self.keys is None:
-            self._allocate(1, max(2 * num_tokens, 64), num_tokens)
-        elif num_tokens > self.length:
-            self._relayout(self.num_slots, shift=num_tokens - self.length)
-        slot = next((index for index, live in enumerate(self.live) if not live), None)
-        if slot is None:
-            slot = self.num_slots
-            self._relayout(max(2 * self.num_slots, 1), shift=0)
-        begin = self.length - num_tokens
-        self.keys[:, slot, :, begin : self.length].copy_(row_keys)
-        self.values[:, slot, :, begin : self.length].copy_(row_values)
-        self.attention_mask[slot].zero_()
-        self.attention_mask[slot, begin:] = 1
-        self.starts[slot], self.live[slot] = begin, True
-        return slot
+    def add(self, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+        """Places prefilled rows (each keys, values: [layers, kv_heads, n, head_dim]); returns their slots.
+
+        The rows that join in one step move the batch at most once (more slots, a longer common length).
+        An empty batch starts over in the buffers it has when they hold the rows: no new allocation.
+        """
+        longest = max(row_keys.shape[2] for row_keys, _ in rows)
+        if self.num_live == 0:
+            if (self.keys is None or self.keys.shape[1] < len(rows) or self.keys.shape[3] < longest + 1):
+                self._allocate(max(len(rows), self.num_slots), max(2 * longest, 64), longest)
+            else:
+                self._restart(longest)
+        else:
+            num_slots = self.num_slots
+            if self.num_live + len(rows) > num_slots:
+                num_slots = max(2 * num_slots, self.num_live + len(rows))
+            if longest > self.length or num_slots > self.num_slots:
+                self._relayout(num_slots, shift=max(0, longest - self.length))
+        free = [slot for slot, live in enumerate(self.live) if not live]
+        for slot, (row_keys, row_values) in zip(free, rows):
+            begin = self.length - row_keys.shape[2]
+            # Columns before the row are masked, but still enter the product: they must be finite.
+            self.keys[:, slot, :, :begin].zero_()
+            self.values[:, slot, :, :begin].zero_()
+            self.keys[:, slot, :, begin : self.length].copy_(row_keys)
+            self.values[:, slot, :, begin : self.length].copy_(row_values)
+            self.attention_mask[slot].zero_()
+            self.attention_mask[slot, begin:] = 1
+            self.starts[slot], self.live[slot] = begin, True
+        return free[: len(rows)]
 
     def release(self, slot: int) -> None:
         """The row in `slot` finished; its slot is reused by a later row or dropped at compaction."""
@@ -94,9 +106,7 @@ class RunningBatch:
         if self.keys is None:
             return {}
         live_slots = [slot for slot, live in enumerate(self.live) if live]
-        if not live_slots:
-            self.keys = self.values = self.attention_mask = self.cache = None
-            self.length, self.starts, self.live = 0, [], []
+        if not live_slots:  # the buffers stay for the next rows (an allocation of this size is slow to fault in)
             return {}
         unread = min(self.starts[slot] for slot in live_slots)
         if len(live_slots) * 2 > self.num_slots and unread * 2 < self.length:
@@ -115,9 +125,16 @@ class RunningBatch:
         return {old: new for new, old in enumerate(live_slots)}
 
     def _allocate(self, num_slots: int, capacity: int, length: int) -> None:
+        """Uninitialized buffers: a slot's columns are zeroed or written before a live row reads them (a free
+        slot decodes whatever it holds; its output is never read and rows never mix)."""
         shape = (self.geometry.num_layers, num_slots, self.geometry.num_kv_heads, capacity, self.geometry.head_dim)
-        self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.keys = torch.empty(shape, device=self.device, dtype=self.dtype)
+        self.values = torch.empty(shape, device=self.device, dtype=self.dtype)
+        self._restart(length)
+
+    def _restart(self, length: int) -> None:
+        """No row in the buffers; the next ones end at column `length`."""
+        num_slots = self.keys.shape[1]
         self.attention_mask = torch.zeros((num_slots, length), dtype=torch.long, device=self.device)
         self.cache = batch_cache(self.config, self.keys, self.values, length)
         self.length = length
@@ -130,6 +147,8 @@ class RunningBatch:
         length = old_length + shift
         self._allocate(num_slots, max(capacity or 0, old_keys.shape[3] + shift, length + 1), length)
         count = old_keys.shape[1]
+        self.keys[:, :count, :, :shift].zero_()
+        self.values[:, :count, :, :shift].zero_()
         self.keys[:, :count, :, shift:length].copy_(old_keys[:, :, :, :old_length])
         self.values[:, :count, :, shift:length].copy_(old_values[:, :, :, :old_length])
         self.attention_mask[:count, shift:] = old_mask

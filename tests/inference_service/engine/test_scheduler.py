@@ -130,7 +130,7 @@ def test_a_cancelled_request_leaves_mid_decode_and_the_others_are_unchanged(tiny
     assert tracked[1].outcome.generated_tokens == 4
     for item in (tracked[0], tracked[2]):
         assert item.outcome.output_token_ids == expected(model, tokenizer, item.params.prompt, 16)
-    assert scheduler.num_running == 0 and scheduler.batch.keys is None, "the finished batch is dropped"
+    assert scheduler.num_running == 0 and scheduler.batch.num_live == 0, "no row is left in the batch"
 
 
 def test_stop_strings_and_sampling_stay_per_request(tiny_model):
@@ -218,7 +218,7 @@ def test_requests_that_join_in_one_step_are_prefilled_in_one_forward(tiny_model,
     monkeypatch.setattr(chunked_prefill, "prefill_rows", lambda model, rows, pad=0: together.append(
         [(row.start, len(row.token_ids)) for row in rows]) or original(model, rows, pad))
     tracked = [Tracked(SYSTEM + QUESTIONS[1], 10), Tracked("Something else entirely.", 10),
-               Tracked(SYSTEM + QUESTIONS[0], 10), Tracked(SYSTEM + QUESTIONS[4], 10, mode="baseline")]
+               Tracked(SYSTEM + QUESTIONS[0], 10), Tracked(QUESTIONS[3], 10, mode="baseline")]
     for item in tracked:
         scheduler.submit(item.request)
     scheduler.step()
@@ -229,6 +229,34 @@ def test_requests_that_join_in_one_step_are_prefilled_in_one_forward(tiny_model,
     run_until_done(scheduler, tracked)
     for item in tracked:
         assert item.outcome.output_token_ids == expected(model, tokenizer, item.params.prompt, 10)
+
+
+def test_joining_prefills_split_into_forwards_of_about_forward_tokens(tiny_model, monkeypatch):
+    from inference_service.engine import chunked_prefill
+    from inference_service.engine.scheduler import FORWARD_TOKENS
+
+    model, tokenizer = tiny_model
+    scheduler = make_scheduler(model, tokenizer)
+    together, original = [], chunked_prefill.prefill_rows
+    monkeypatch.setattr(chunked_prefill, "prefill_rows", lambda model, rows, pad=0: together.append(
+        [len(row.token_ids) for row in rows]) or original(model, rows, pad))
+    prompts = [letter * (FORWARD_TOKENS // 2 - 4) for letter in "abc"]  # two fit in one forward, not three
+    tracked = [Tracked(prompt, 6) for prompt in prompts]
+    alone, plain = [], chunked_prefill.prefill
+    monkeypatch.setattr(chunked_prefill, "prefill", lambda *args: alone.append(1) or plain(*args))
+    first_tokens = []  # at each request's first token: how many prefills had run alone by then
+    for item in tracked:
+        scheduler.submit(item.request)
+    original_join = scheduler._join
+    scheduler._join = lambda request, prefilled: first_tokens.append(len(alone)) or original_join(request, prefilled)
+    scheduler.step()
+    lengths = [len(tokenize_prompt(tokenizer, prompt)[0]) for prompt in prompts]
+    assert together == [lengths[:2]], "the first two in one forward; the third alone (the plain prefill)"
+    assert first_tokens == [0, 0, 1], "the first two picked their first token before the third one's forward"
+    assert scheduler.num_running == 3
+    run_until_done(scheduler, tracked)
+    for item, prompt in zip(tracked, prompts):
+        assert item.outcome.output_token_ids == expected(model, tokenizer, prompt, 6)
 
 
 def test_a_request_with_n_choices_decodes_as_n_rows_beside_others(tiny_model):

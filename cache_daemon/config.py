@@ -33,6 +33,7 @@ class DaemonConfig:
     tls_key: Path | None = None
     half_life_s: float = 3600.0  # frequencies halve after this long without hits; 0 = never decay
     flush_interval_s: float = 1.0  # hits reach LMDB at most this late (write-behind)
+    heap_trim_interval_s: float = 1.0  # freed heap memory goes back to the OS this often (malloc_trim); 0 = never
     shutdown_grace_s: float = 10.0  # in-flight RPCs get this long on SIGTERM
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # largest gRPC message received or sent
     max_concurrent_streams: int = 0  # RPCs in flight per client connection (more wait); 0 = gRPC's default
@@ -55,6 +56,8 @@ class DaemonConfig:
                  "--auth-token-file (one trusted caller) and --tenants-file (many tenants) exclude each other")
         _require(self.half_life_s >= 0, f"--half-life must be >= 0, got {self.half_life_s}")
         _require(self.flush_interval_s > 0, f"--flush-interval must be positive, got {self.flush_interval_s}")
+        _require(self.heap_trim_interval_s >= 0,
+                 f"--heap-trim-interval must be >= 0, got {self.heap_trim_interval_s}")
         _require(self.shutdown_grace_s >= 0, f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
         _require(self.max_message_bytes >= MIN_MAX_MESSAGE_BYTES, f"--max-message-bytes must be at least 2M "
                  f"(data frames are 1 MiB), got {self.max_message_bytes}")
@@ -149,6 +152,10 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                              "[KVBOOST_FREQUENCY_HALF_LIFE]")
     parser.add_argument("--flush-interval", type=float, default=env("KVBOOST_FLUSH_INTERVAL", "1.0"),
                         help="seconds between write-behind flushes of hit counts [KVBOOST_FLUSH_INTERVAL]")
+    parser.add_argument("--heap-trim-interval", type=float, default=env("KVBOOST_HEAP_TRIM_INTERVAL", "1.0"),
+                        help="seconds between returns of freed heap memory to the OS (glibc malloc_trim; without "
+                             "them RssAnon keeps the peak of concurrent Fetch buffers), 0 = never "
+                             "[KVBOOST_HEAP_TRIM_INTERVAL]")
     parser.add_argument("--shutdown-grace", type=float, default=env("KVBOOST_SHUTDOWN_GRACE", "10"),
                         help="seconds in-flight RPCs get to finish on SIGTERM [KVBOOST_SHUTDOWN_GRACE]")
     parser.add_argument("--max-message-bytes", type=parse_size,
@@ -195,6 +202,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             map_size=args.map_size, metrics_port=args.metrics_port,
             auth_token_file=args.auth_token_file, tenants_file=args.tenants_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
             half_life_s=args.half_life, flush_interval_s=args.flush_interval,
+            heap_trim_interval_s=args.heap_trim_interval,
             shutdown_grace_s=args.shutdown_grace, max_message_bytes=args.max_message_bytes,
             max_concurrent_streams=args.max_concurrent_streams, log_level=args.log_level,
             l2=args.l2, l2_password_file=args.l2_password_file, l2_write=args.l2_write,

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvboost.v1 import cache_pb2
 
+from cache_daemon.allocator import trim_heap
 from cache_daemon.cache import NAMESPACE_OWNER_PREFIX, ChunkCache
 from cache_daemon.config import DaemonConfig
 from cache_daemon.errors import StartupError
@@ -130,6 +131,7 @@ class CacheDaemon:
         self._health = health_servicer
         self._stop_metrics: Callable[[], None] | None = None
         self._flusher: asyncio.Task | None = None
+        self._heap_trimmer: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -166,6 +168,8 @@ class CacheDaemon:
             logger.info("tenancy on: %s", ", ".join(f"{tenant.name}{' (admin)' if tenant.admin else ''}"
                                                     for tenant in tenancy.tenants.values()))
         daemon._flusher = asyncio.create_task(_flush_periodically(cache, config.flush_interval_s))
+        if config.heap_trim_interval_s:
+            daemon._heap_trimmer = asyncio.create_task(_trim_heap_periodically(config.heap_trim_interval_s))
         stats = cache.stats()
         logger.info("serving %s on %s: %d chunks, %d of %d bytes, LMDB map %d bytes in %s", SERVICE_NAME,
                     daemon.address, stats.num_entries, stats.num_bytes, stats.max_bytes, stats.map_size,
@@ -176,10 +180,11 @@ class CacheDaemon:
         """Stop accepting, let in-flight RPCs finish, flush frequencies, sync and close LMDB."""
         await self._health.enter_graceful_shutdown()
         await self.server.stop(self.config.shutdown_grace_s)
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+        for task in (self._flusher, self._heap_trimmer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._stop_metrics is not None:
             self._stop_metrics()
         await asyncio.to_thread(self.cache.close)
@@ -194,6 +199,14 @@ async def _flush_periodically(cache: ChunkCache, interval_s: float) -> None:
             await asyncio.to_thread(cache.store.clear_stale_readers)
         except Exception:
             logger.exception("flushing hit counts failed; they are retried at the next flush")
+
+
+async def _trim_heap_periodically(interval_s: float) -> None:
+    """In a thread: malloc_trim walks every arena and locks each in turn (about 15 ms when it gives back
+    140 MiB, 0.1 ms when nothing is free)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        await asyncio.to_thread(trim_heap)
 
 
 def log_config(config: DaemonConfig) -> None:

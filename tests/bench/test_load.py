@@ -16,12 +16,13 @@ def test_the_report_prints_ttft_percentiles_errors_rejections_rss_and_lmdb_size_
     report = Report(clients=16, duration_s=60, requests=480, errors=0, rejected=7, ttft_ms_p50=120.0,
                     ttft_ms_p99=900.5, server_ttft_ms_p50=100.0, server_ttft_ms_p99=850.0, mean_kv_reuse_ratio=0.9,
                     requests_per_s=8.0, daemon_rss_before_bytes=100 << 20, daemon_rss_after_bytes=120 << 20,
+                    daemon_anon_rss_before_bytes=60 << 20, daemon_anon_rss_after_bytes=61 << 20,
                     lmdb_bytes_before=1 << 20, lmdb_bytes_after=3 << 20, budget_bytes=256 << 20,
                     max_stored_bytes_seen=2 << 20, budget_samples=240)
     assert format_report(report).splitlines() == [
         "load: 16 clients x 60 s: 480 requests (8.00/s), errors 0, RESOURCE_EXHAUSTED rejections 7",
         "TTFT client p50 120.0 ms, p99 900.5 ms; server p50 100.0 ms, p99 850.0 ms; mean kv_reuse_ratio 0.90",
-        "daemon RSS 100.0 MiB -> 120.0 MiB; LMDB dir 1.0 MiB -> 3.0 MiB",
+        "daemon RSS 100.0 MiB -> 120.0 MiB (anonymous 60.0 MiB -> 61.0 MiB); LMDB dir 1.0 MiB -> 3.0 MiB",
         "budget: max stored 2.0 MiB of 256.0 MiB over 240 samples: respected",
     ]
 

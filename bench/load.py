@@ -16,6 +16,7 @@ Loopback only: any other address is refused.
 from __future__ import annotations
 
 import argparse
+import itertools
 import ipaddress
 import json
 import os
@@ -36,6 +37,7 @@ from kvboost.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 from kvboost.v1 import inference_pb2 as pb  # noqa: E402
 from kvboost.v1 import inference_pb2_grpc  # noqa: E402
 
+_RUN_NUMBERS = itertools.count(1)
 _ROUTES = ["north pier", "old town", "lighthouse", "fish market", "island camp", "university"]
 SYSTEM_PROMPT = "\n".join(
     ["You are the help desk of the Harbour Town ferry service. Answer in one short sentence."]
@@ -113,9 +115,10 @@ def dir_bytes(folder: Path | None) -> int | None:
 
 
 class Client(threading.Thread):
-    def __init__(self, address: str, index: int, deadline: float, max_new_tokens: int, timeout_s: float) -> None:
+    def __init__(self, address: str, index: int, deadline: float, max_new_tokens: int, timeout_s: float,
+                 run_tag: str = "") -> None:
         super().__init__(daemon=True)
-        self.address, self.index, self.deadline = address, index, deadline
+        self.address, self.index, self.deadline, self.run_tag = address, index, deadline, run_tag
         self.max_new_tokens, self.timeout_s = max_new_tokens, timeout_s
         self.ttft_ms: list[float] = []
         self.server_ttft_ms: list[float] = []
@@ -130,7 +133,7 @@ class Client(threading.Thread):
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
             request_index = 0
             while time.monotonic() < self.deadline:
-                question = f"\nQuestion {self.index}.{request_index}: when does the ferry to the " \
+                question = f"\nQuestion {self.run_tag}{self.index}.{request_index}: when does the ferry to the " \
                            f"{_ROUTES[(self.index + request_index) % len(_ROUTES)]} leave?\nAnswer:"
                 request_index += 1
                 self._one(stub, SYSTEM_PROMPT + question)
@@ -209,7 +212,10 @@ def run_load(address: str, clients: int, duration_s: float, max_new_tokens: int 
         monitor.start()
     started = time.monotonic()
     deadline = started + duration_s
-    workers = [Client(address, index, deadline, max_new_tokens, request_timeout_s) for index in range(clients)]
+    # Questions never repeat across runs: a later run (another scheduler, in a comparison) against the same
+    # daemon would otherwise find the earlier run's questions cached and skip their prefill.
+    run_tag = f"{next(_RUN_NUMBERS)}-"
+    workers = [Client(address, index, deadline, max_new_tokens, request_timeout_s, run_tag) for index in range(clients)]
     for worker in workers:
         worker.start()
     for worker in workers:

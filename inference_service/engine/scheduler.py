@@ -231,7 +231,7 @@ class Scheduler:
             except Exception as error:  # bad request: only this one fails
                 self.waiting.popleft().on_done(None, error)
                 continue
-            if self.rows or self.prefilling:
+            if self.rows or self.prefilling or self.joining:
                 over_tokens = self.num_reserved_tokens + request.num_reserved_tokens > self.limits.max_batch_tokens
                 over_rows = self.num_rows_in_use + request.params.n > self.limits.max_running_requests
                 if over_tokens or over_rows:

@@ -170,6 +170,17 @@ def test_limits_bound_the_running_batch_and_the_rest_wait(tiny_model):
     assert max(run_until_done(scheduler, tracked, {0: tracked})) == 1
 
 
+def test_rows_that_joined_this_step_count_towards_the_limit(tiny_model):
+    """A whole prefill (prompt logprobs) joins in the middle of admission; the next request must still wait."""
+    model, tokenizer = tiny_model
+    scheduler = make_scheduler(model, tokenizer, max_running_requests=1)
+    tracked = [Tracked(SYSTEM + question, 6, prompt_logprobs=1) for question in QUESTIONS[:2]]
+    running = run_until_done(scheduler, tracked, {0: tracked})
+    assert max(running) == 1
+    for item in tracked:
+        assert item.outcome.output_token_ids == expected(model, tokenizer, item.params.prompt, 6)
+
+
 def test_a_bad_request_fails_alone(tiny_model):
     model, tokenizer = tiny_model
     scheduler = make_scheduler(model, tokenizer)

@@ -69,6 +69,8 @@ bench: setup model
 	$(PY) bench/load.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_gateway.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_tiers.py
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_concurrency.py
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_batch_costs.py
 
 clean: down
 	rm -rf $(VENV) .run .pytest_cache .hypothesis build *.egg-info

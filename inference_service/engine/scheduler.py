@@ -35,9 +35,9 @@ from inference_service.model.running_batch import RunningBatch
 logger = logging.getLogger(__name__)
 
 # Prompt tokens per batched prefill forward, by default. On a CPU a forward is compute-bound from about
-# this many tokens on (a 20-token question after a cached 737-token prompt, SmolLM2 fp32, 2 threads: 13.5 ms
-# per token alone, 8.4 in a forward of 80, 6.3 in one of 320), so larger forwards save little, while every
-# request in a forward waits for all of it before its first token.
+# this many tokens on (a 20-token question after a cached 737-token prompt, SmolLM2 fp32, 2 threads: 13.2 ms
+# per token alone, 7.7 four in one forward, 6.8 sixteen in one: bench/bench_batch_costs.py), so larger
+# forwards save little, while every request in a forward waits for all of it before its first token.
 FORWARD_TOKENS = 128
 UNBOUNDED = 1 << 40
 

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from inference_service.model.batch_forward import PrefillRow, prefill_rows
     from inference_service.model.forward import prefill
     from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
-    from inference_service.model.running_batch import RunningBatch
+    from inference_service.model.slot_buffers import SlotBuffers
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -71,12 +71,16 @@ def main(argv: list[str] | None = None) -> int:
 
     one_row = 0.0  # ms per token of a lone row, once measured
     for num_rows in args.rows:
-        batch = RunningBatch(model.config, geometry, model.device, model.dtype)
-        batch.add([(keys[:, :, :context], values[:, :, :context])] * num_rows)
+        slots = SlotBuffers(model.config, geometry, num_rows, context + 4 * args.repeats + 8, model.device, model.dtype)
+        for slot in range(num_rows):  # each row's K/V in its slot, as the engine's K/V owner holds them
+            slot_keys, slot_values = slots.views(slot)
+            slot_keys[:, :, :context].copy_(keys[:, :, :context])
+            slot_values[:, :, :context].copy_(values[:, :, :context])
+            slots.written(slot, context)
         position = [context]
 
         def step() -> None:
-            batch.decode(model, [tokens[0]] * num_rows, [position[0]] * num_rows)
+            slots.decode(model, {slot: (tokens[0], position[0]) for slot in range(num_rows)})
             position[0] += 1
 
         step()  # first call: buffers and kernels warm

@@ -139,6 +139,10 @@ class ServiceStats(_FromProto):
     cache_address: str
     queue_depth: int
     mean_ttft_ms: float
+    running_rows: int = 0  # the step loop: rows decoding, requests waiting, K/V reserved and its budget
+    waiting_requests: int = 0
+    kv_bytes_in_use: int = 0
+    kv_budget_bytes: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -59,6 +59,10 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
         overlap_tokens=config.overlap_tokens,
         kv_group_size=config.kv_group_size,
         kv_keys_before_rope=config.kv_keys_before_rope,
+        max_running_requests=config.max_running_requests,
+        kv_cache_bytes=config.kv_cache_bytes,
+        max_prefill_tokens=config.max_prefill_tokens,
+        max_queue=config.max_queue,
     )
     if isinstance(store, (GrpcChunkStore, ColocatedStore)) and store.check():
         logger.info("cache daemon at %s answers", store.address)

@@ -21,3 +21,19 @@ class PromptTooLong(EngineError):
 
 class UnsupportedArchitecture(EngineError):
     """The model's architecture cannot reuse K/V chunks correctly (FAILED_PRECONDITION at start-up)."""
+
+
+class QueueFull(EngineError):
+    """Every place in the engine's queue is taken (RESOURCE_EXHAUSTED: retry later)."""
+
+
+class EngineStopped(EngineError):
+    """The engine is shutting down and takes no more requests (UNAVAILABLE)."""
+
+
+class EngineFatal(EngineError):
+    """The device is unusable (a failed CUDA context): the process must restart (UNAVAILABLE)."""
+
+
+class RequestCancelled(EngineError):
+    """The caller cancelled the request, or its deadline passed, before it produced anything (CANCELLED)."""

@@ -14,7 +14,6 @@ from inference_service.kv.blobs import decode_hit, place_hit_
 from inference_service.engine.prompts import PromptPlan
 from inference_service.kv.chunking import Chunk
 from inference_service.kv.rope import RopeParams
-from inference_service.model.kv_buffers import KVGeometry, allocate_kv
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +57,12 @@ def assemble_context(
     store: ChunkStore,
     namespace: bytes,
     prompt: PromptPlan,
-    geometry: KVGeometry,
-    device: torch.device,
-    dtype: torch.dtype,
-    capacity: int,
+    buffers: tuple[torch.Tensor, torch.Tensor],
     with_content_hits: bool,
     rope: RopeParams | None = None,
 ) -> AssembledContext:
-    """Everything the store can give for this prompt, in buffers with room for `capacity` tokens.
+    """Everything the store can give for this prompt, placed into `buffers` (the request's slot: keys, values
+    [layers, kv_heads, capacity, head_dim]).
 
     Never raises for store trouble: an unreachable store gives an empty, degraded context; a bad or
     missing blob ends the reused run there. rope: rotates keys stored un-rotated into place (such blobs
@@ -81,8 +78,7 @@ def assemble_context(
         return empty_context(degraded=True)
     if lookup.prefix_run == 0 and partial is None:
         return AssembledContext(None, None, content_hits=lookup.content_hits)
-    context = fetch_prefix_run(store, prompt, lookup.prefix_run, allocate_kv(geometry, capacity, device, dtype), rope,
-                               partial)
+    context = fetch_prefix_run(store, prompt, lookup.prefix_run, buffers, rope, partial)
     context.content_hits = lookup.content_hits
     return context
 

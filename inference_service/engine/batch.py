@@ -1,74 +1,53 @@
-"""Batch calls (GenerateBatch, GenerateMany): their requests run on the continuous-batching scheduler.
+"""Batch calls (GenerateBatch, GenerateMany): their requests run as sequences of the one step loop.
 
-A call's requests that share leading whole chunks name one SharedPrefix, so those chunks are fetched
-from the store (the rest computed) once for all of them; each request then prefills its own suffix (the
-suffixes that fit one step together in one forward) and decodes as a row of the running batch. Requests
-of a call keep their own mode; baseline requests and CHUNK_KV_REUSE requests with content hits (repair
-is per prompt) share nothing. Models with sliding-window layers cannot run in a padded batch: their
-requests run one after another through pipeline.generate_one.
+A call's requests that share leading whole chunks share one prefill of them: the first of them (the source)
+looks them up and computes what is missing; the others (followers) copy those K/V from its slot instead of
+their own lookup, then prefill their own suffix (short suffixes together in one forward). Requests of a call
+keep their own mode; baseline requests and CHUNK_KV_REUSE requests with content hits (repair is per prompt)
+share nothing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence as Seq
 
-from inference_service.engine.pipeline import EngineParts, ShouldStop, generate_one, plan_request
+from inference_service.engine.planning import EngineParts, ShouldStop, plan_request
 from inference_service.engine.prompts import PromptPlan
-from inference_service.engine.scheduler import OnDone, SharedPrefix, StreamRequest, run_to_completion
+from inference_service.engine.sequence import OnDone, Sequence
 from inference_service.engine.types import GenerationOutcome, GenerationParams
 from inference_service.errors import InvalidRequest, PromptTooLong
-from inference_service.model.batch_forward import has_sliding_layers
 from inference_service.store.protocol import StoreUnavailable
 
 
-def generate_batch(parts: EngineParts, params_list: Sequence[GenerationParams], should_stop: ShouldStop = lambda: False,
-                   pad_token_id: int | None = None) -> list[GenerationOutcome]:
-    """Runs the prompts together, their common leading chunks prefilled once; input order kept.
-
-    Raises:
-        InvalidRequest: no requests, or one the server does not accept (nothing runs then).
-        PromptTooLong: a prompt with more tokens than max_prompt_tokens.
-    """
-    return _run(parts, params_list, False, should_stop, pad_token_id)
-
-
-def generate_many(parts: EngineParts, params_list: Sequence[GenerationParams], should_stop: ShouldStop = lambda: False,
-                  pad_token_id: int | None = None) -> list[GenerationOutcome]:
-    """generate_batch for unrelated prompts: they are grouped by mode and first chunk (prefix key), and each
-    group's common leading chunks are prefilled once; input order kept.
-
-    Raises:
-        InvalidRequest, PromptTooLong: as generate_batch.
-    """
-    return _run(parts, params_list, True, should_stop, pad_token_id)
-
-
-def batch_requests(parts: EngineParts, params_list: Sequence[GenerationParams], by_first_chunk: bool,
-                   should_stop: ShouldStop, on_done: OnDone) -> list[StreamRequest]:
-    """The call's requests for a scheduler, planned and grouped; on_done(outcomes in input order, None) once
-    all have ended, or on_done(None, error) at the first failure (the others then stop).
+def batch_sequences(parts: EngineParts, params_list: Seq[GenerationParams], by_first_chunk: bool,
+                    should_stop: ShouldStop, on_done: OnDone) -> list[Sequence]:
+    """The call's requests as sequences, planned and grouped; on_done(outcomes in input order, None) once all have
+    ended, or on_done(None, error) at the first failure (the others then stop).
 
     by_first_chunk: GenerateMany's grouping (mode and first chunk); otherwise GenerateBatch's (mode).
 
     Raises:
-        InvalidRequest, PromptTooLong: as generate_batch (raised before anything is queued).
+        InvalidRequest, PromptTooLong: a request the server does not accept (raised before anything is queued).
     """
     plans = _plan(parts, params_list)
     gathered = _Gathered([None] * len(plans), len(plans), on_done, should_stop)
-    requests = [StreamRequest(params, None, gathered.should_stop, gathered.on_done_for(index), parts=parts, mode=mode,
-                              prompt=prompt, max_new_tokens=max_new_tokens, label=f" batch row {index}")
-                for index, (params, mode, prompt, max_new_tokens) in enumerate(plans)]
-    for group in _groups(parts, requests, by_first_chunk):
-        num_shared = shared_chunk_count([request.prompt for request in group])
+    seqs = [Sequence(params, None, gathered.should_stop, gathered.on_done_for(index), parts=parts, mode=mode,
+                     prompt=prompt, max_new_tokens=max_new_tokens, label=f" batch row {index}")
+            for index, (params, mode, prompt, max_new_tokens) in enumerate(plans)]
+    for group in _groups(parts, seqs, by_first_chunk):
+        num_shared = shared_chunk_count([seq.prompt for seq in group])
         if len(group) < 2 or num_shared == 0:
             continue
-        shared = SharedPrefix.of(group[0].prompt, num_shared, group[0].params.request_id)
-        for position, request in enumerate(group):
-            request.shared, request.count_fetched = shared, position == 0
-    return requests
+        source, stored = group[0], set()
+        source.followers, source.stored_keys = group[1:], stored
+        for follower in group[1:]:
+            follower.source, follower.stored_keys, follower.count_fetched = source, stored, False
+            follower.num_shared_chunks = num_shared
+            follower.num_shared_tokens = source.prompt.chunks.chunks[num_shared - 1].end
+    return seqs
 
 
-def shared_chunk_count(prompts: Sequence[PromptPlan]) -> int:
+def shared_chunk_count(prompts: Seq[PromptPlan]) -> int:
     """Leading chunks whose prefix keys are equal in every prompt, leaving each prompt at least one token to run."""
     first = prompts[0]
     last_start = min(prompt.num_tokens for prompt in prompts) - 1
@@ -109,16 +88,7 @@ class _Gathered:
         return on_request_done
 
 
-def _run(parts: EngineParts, params_list: Sequence[GenerationParams], by_first_chunk: bool, should_stop: ShouldStop,
-         pad_token_id: int | None) -> list[GenerationOutcome]:
-    if has_sliding_layers(parts.model.config):  # pads would shift the window: one request after another
-        _plan(parts, params_list)  # every request is checked before any runs
-        return [generate_one(parts, params, should_stop=should_stop)[0] for params in params_list]
-    return run_to_completion(parts, lambda on_done: batch_requests(parts, params_list, by_first_chunk, should_stop,
-                                                                   on_done), pad_token_id or 0)
-
-
-def _plan(parts: EngineParts, params_list: Sequence[GenerationParams]) -> list[tuple[GenerationParams, str, PromptPlan, int]]:
+def _plan(parts: EngineParts, params_list: Seq[GenerationParams]) -> list[tuple[GenerationParams, str, PromptPlan, int]]:
     if not params_list:
         raise InvalidRequest("a batch needs at least one request")
     plans = []
@@ -145,9 +115,9 @@ def _require_batchable(params: GenerationParams) -> None:
         raise InvalidRequest(f"batches do not take {', '.join(unsupported)}; send such a request with Generate")
 
 
-def _groups(parts: EngineParts, requests: list[StreamRequest], by_first_chunk: bool) -> list[list[StreamRequest]]:
+def _groups(parts: EngineParts, requests: list[Sequence], by_first_chunk: bool) -> list[list[Sequence]]:
     """Requests that may share a prefix, in input order; baseline and content-hit requests share nothing."""
-    groups: dict[tuple[str, bytes | None], list[StreamRequest]] = {}
+    groups: dict[tuple[str, bytes | None], list[Sequence]] = {}
     for request in requests:
         if request.mode == "baseline" or _has_content_hits(parts, request):
             continue
@@ -161,7 +131,7 @@ def _first_shareable_key(prompt: PromptPlan) -> bytes | None:
     return prompt.prefix_keys[0] if chunks and chunks[0].end < prompt.num_tokens else None
 
 
-def _has_content_hits(parts: EngineParts, request: StreamRequest) -> bool:
+def _has_content_hits(parts: EngineParts, request: Sequence) -> bool:
     if request.mode != "chunk_kv_reuse":
         return False
     prompt = request.prompt

@@ -12,7 +12,7 @@ from inference_service.store.protocol import StoreUnavailable, ChunkStore
 from inference_service.engine.prompts import PromptPlan
 from inference_service.kv.repair import APPROX, EXACT, MISSING, RepairOptions, exact_prefix_length, repair_prefill
 from inference_service.kv.rope import RopeParams
-from inference_service.model.kv_buffers import KVGeometry, allocate_kv, build_cache
+from inference_service.model.kv_buffers import KVGeometry, build_cache
 from inference_service.engine.writeback import PendingChunks
 
 logger = logging.getLogger(__name__)
@@ -53,9 +53,7 @@ def place_content_hits(
     context: AssembledContext,
     geometry: KVGeometry,
     rope: RopeParams,
-    device: torch.device,
-    dtype: torch.dtype,
-    capacity: int,
+    buffers: tuple[torch.Tensor, torch.Tensor],
     overlap_tokens: int = 0,
 ) -> PlacedPrompt | None:
     """Lays every content hit after the prefix run (APPROX, keys re-rotated from the position they were
@@ -71,10 +69,9 @@ def place_content_hits(
     (also when no hit was placed, so the caller's prefix-only fallback neither writes back nor
     reports the request as served with the cache).
     """
-    if context.key_buffer is None:
-        key_buffer, value_buffer = allocate_kv(geometry, capacity, device, dtype)
-    else:
-        key_buffer, value_buffer = context.key_buffer, context.value_buffer
+    # The request's slot; the prefix run, when there is one, already lies in the context's (the same slot).
+    key_buffer, value_buffer = buffers if context.key_buffer is None else (context.key_buffer, context.value_buffer)
+    device = key_buffer.device
     status = torch.full((prompt.num_tokens,), MISSING, dtype=torch.int8, device=device)
     status[: context.num_cached_tokens] = EXACT
     chunks = prompt.chunks.chunks
@@ -136,19 +133,18 @@ def prefill_with_content_hits(
     geometry: KVGeometry,
     rope: RopeParams | None,
     options: RepairOptions,
-    capacity: int,
+    buffers: tuple[torch.Tensor, torch.Tensor],
     overlap_tokens: int = 0,
 ) -> ContentPrefill | None:
     """Places the content hits after the prefix run and prefills the rest with repair.
 
-    capacity: prompt plus new tokens, as for assemble_context. Returns None when there is nothing to
+    buffers: the request's slot (keys, values [layers, kv_heads, capacity, head_dim]). Returns None when there is nothing to
     reuse by content (no RoPE parameters, no placeable hit); the caller then prefills as for prefix
     hits only, with the context as it is.
     """
     if rope is None or not context.content_hits:
         return None
-    placed = place_content_hits(cache, prompt, context, geometry, rope, model.device, model.dtype, capacity,
-                                overlap_tokens)
+    placed = place_content_hits(cache, prompt, context, geometry, rope, buffers, overlap_tokens)
     if placed is None:
         return None
     num_tokens = prompt.num_tokens

@@ -2,25 +2,25 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+import threading
+from typing import Callable, Sequence as Seq
 
 import torch
 
-from inference_service.engine import batch
-from inference_service.engine.choices import generate_choices
+from inference_service.engine.batch import batch_sequences
+from inference_service.engine.core import EngineCore
 from inference_service.engine.counters import EngineStats
 from inference_service.engine.generation import OnToken, eos_token_ids
 from inference_service.engine.logprobs import token_text
-from inference_service.engine.pipeline import (
-    EngineParts, generate_one, plan_request, plan_segments, repair_options, salted,
-)
+from inference_service.engine.planning import EngineParts, plan_request, plan_segments, repair_options, salted
 from inference_service.engine.prompts import PromptPlan, tokenize_document, tokenize_messages, tokenize_prompt
-from inference_service.engine.scheduler import OnDone, StreamRequest
+from inference_service.engine.scheduler import SchedulerLimits
+from inference_service.engine.sequence import OnDone, Sequence, WarmSpec
 from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.engine.verification import (
     BUILTIN_PROMPTS, first_token_cosine, first_token_kl, matching_prefix_tokens,
 )
-from inference_service.engine.writeback import PendingChunks, WriteBack
+from inference_service.engine.writeback import WriteBack
 from inference_service.errors import InvalidRequest
 from inference_service.kv import codec
 from inference_service.kv.namespace import (
@@ -28,9 +28,11 @@ from inference_service.kv.namespace import (
 )
 from inference_service.kv.repair import MASKABLE_ATTENTION, RepairOptions
 from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_parameters
-from inference_service.model.forward import prefill
-from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+from inference_service.model.attention import use_engine_attention
+from inference_service.model.kv_buffers import kv_geometry
 from inference_service.store.protocol import ChunkStore
+
+ShouldStop = Callable[[], bool]
 
 __all__ = ["Engine", "EngineConfig", "GenerationOutcome", "GenerationParams", "WarmOutcome"]
 
@@ -74,6 +76,11 @@ class Engine:
             key_rope=key_rope,
             content_rope=content_rope,
         )
+        use_engine_attention(model)  # after the namespace: the engine's forwards pick grouped SDPA per call
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.core = EngineCore(self.parts, SchedulerLimits(config.max_prefill_tokens, config.max_forward_tokens),
+                               config.max_running_requests, config.kv_cache_bytes, config.max_queue, pad or 0)
+        self.core.start()
 
     # What callers read most; everything else is on self.parts.
     model = property(lambda self: self.parts.model)
@@ -85,26 +92,104 @@ class Engine:
     device = property(lambda self: self.parts.device)
     dtype = property(lambda self: self.parts.dtype)
 
-    # ---- requests -------------------------------------------------------------------------------
+    # ---- the narrow front: submit and forget, reported through on_done ------------------------------
+
+    def submit(self, params: GenerationParams, on_token: OnToken | None, should_stop: ShouldStop,
+               on_done: OnDone) -> None:
+        """Queues one request (its n completions decode as n rows); on_done(outcomes, None) or on_done(None, error)
+        is called once, on the engine's thread, with the outcomes in index order.
+
+        Raises:
+            InvalidRequest, PromptTooLong: parameters the server does not accept (nothing is queued).
+            QueueFull, EngineStopped: the engine cannot take it now.
+        """
+        self.core.submit([self._sequence(params, on_token, should_stop, on_done)])
+
+    def submit_batch(self, params_list: Seq[GenerationParams], by_first_chunk: bool, should_stop: ShouldStop,
+                     on_done: OnDone) -> None:
+        """Queues a batch call's requests (see batch.batch_sequences); on_done(outcomes in input order, None) once."""
+        self.core.submit(batch_sequences(self.parts, params_list, by_first_chunk, should_stop, on_done))
+
+    def submit_warm(self, on_done: OnDone, text: str | None = None, messages=None, content_addressed: bool = False,
+                    pin: bool = False, cache_salt: str = "", should_stop: ShouldStop = lambda: False) -> None:
+        """Queues a warm-up: every chunk of the text (or chat prefix, no generation prompt) computed in budgeted
+        pieces like any prefill and stored, the tokens after the last full chunk as a partial chunk; on_done(
+        WarmOutcome, None) once stored. content_addressed: chunked as a segment, every chunk also keyed by content.
+        cache_salt: stored under that salt's namespace.
+
+        Raises:
+            InvalidRequest: neither text nor messages. PromptTooLong: more tokens than max_prompt_tokens.
+        """
+        if messages:
+            segments = tokenize_messages(self.tokenizer, messages, add_generation_prompt=False)
+        elif text and content_addressed:
+            segments = tokenize_document(self.tokenizer, text)
+        elif text:
+            segments = tokenize_prompt(self.tokenizer, text)
+        else:
+            raise InvalidRequest("Warm needs text or messages")
+        parts = salted(self.parts, cache_salt)
+        prompt = plan_segments(parts, segments)
+        if not content_addressed:  # stored under prefix keys only
+            prompt = PromptPlan(prompt.token_ids, prompt.chunks, prompt.prefix_keys, (None,) * len(prompt.prefix_keys),
+                                prompt.tail_key, prompt.namespace)
+        params = GenerationParams(prompt=text or "(messages)", max_new_tokens=1, request_id="warm")
+        self.core.submit([Sequence(params, None, should_stop, on_done, parts, "prefix_cache", prompt, 0,
+                                   warm=WarmSpec(content_addressed, pin), label=" warm")])
+
+    def start(self) -> None:
+        self.core.start()
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Waiting requests fail, running ones finish; then queued write-backs finish."""
+        self.core.stop(timeout_s)
+        self.parts.writeback.close()
+
+    close = stop
+
+    # ---- blocking calls (tests, benchmarks, in-process use): submit and wait -------------------------
 
     def generate(self, params: GenerationParams, on_token: OnToken | None = None,
-                 should_stop: Callable[[], bool] = lambda: False) -> GenerationOutcome:
-        """Runs one request to the end, streaming through on_token(text, token_ids).
-
-        Raises:
-            InvalidRequest: parameters the server does not accept.
-            PromptTooLong: more prompt tokens than max_prompt_tokens.
-        """
-        return generate_one(self.parts, params, on_token, should_stop)[0]
+                 should_stop: ShouldStop = lambda: False) -> GenerationOutcome:
+        """Runs one request to the end (its first completion when n > 1). Raises as submit, or the request's error."""
+        return self.generate_choices(params, on_token, should_stop)[0]
 
     def generate_choices(self, params: GenerationParams, on_token: OnToken | None = None,
-                         should_stop: Callable[[], bool] = lambda: False) -> list[GenerationOutcome]:
-        """params.n completions of one prompt (one prefill, n rows decoded together), in index order.
+                         should_stop: ShouldStop = lambda: False) -> list[GenerationOutcome]:
+        """params.n completions of one prompt (one prefill, n rows decoded together), in index order."""
+        return _wait(lambda on_done: self.submit(params, on_token, should_stop, on_done))
 
-        Raises:
-            InvalidRequest, PromptTooLong: as generate().
-        """
-        return generate_choices(self.parts, params, on_token, should_stop)
+    def generate_batch(self, params_list: Seq[GenerationParams], should_stop: ShouldStop = lambda: False,
+                       pad_token_id: int | None = None) -> list[GenerationOutcome]:
+        """Prompts run together, their common leading chunks prefilled once; input order kept."""
+        return _wait(lambda on_done: self.submit_batch(params_list, False, should_stop, on_done))
+
+    def generate_many(self, params_list: Seq[GenerationParams], should_stop: ShouldStop = lambda: False,
+                      pad_token_id: int | None = None) -> list[GenerationOutcome]:
+        """Prompts grouped by first chunk, each group's common leading chunks prefilled once; input order kept."""
+        return _wait(lambda on_done: self.submit_batch(params_list, True, should_stop, on_done))
+
+    def generate_with_first_logits(self, params: GenerationParams) -> tuple[GenerationOutcome, torch.Tensor | None]:
+        """generate() without streaming, plus the logits the first token was chosen from ([vocab] float32)."""
+        holder: list[Sequence] = []
+
+        def submit(on_done: OnDone) -> None:
+            holder.append(self._sequence(params, None, lambda: False, on_done))
+            self.core.submit(holder)
+
+        outcomes = _wait(submit)
+        return outcomes[0], holder[0].first_logits
+
+    def warm(self, text: str | None, messages=None, content_addressed: bool = False, pin: bool = False,
+             cache_salt: str = "") -> WarmOutcome:
+        """submit_warm, waiting until the chunks are stored. Raises StoreUnavailable when the cache is unreachable."""
+        return _wait(lambda on_done: self.submit_warm(on_done, text, messages, content_addressed, pin, cache_salt))
+
+    def _sequence(self, params: GenerationParams, on_token: OnToken | None, should_stop: ShouldStop,
+                  on_done: OnDone) -> Sequence:
+        parts = salted(self.parts, params.cache_salt)
+        mode, prompt, max_new_tokens = plan_request(parts, params)
+        return Sequence(params, on_token, should_stop, on_done, parts, mode, prompt, max_new_tokens)
 
     def tokenize(self, prompt: str | None = None, messages=None, add_special_tokens: bool = True,
                  add_generation_prompt: bool = True) -> tuple[list[int], list[str]]:
@@ -122,32 +207,13 @@ class Engine:
             token_ids = list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
         return token_ids, [token_text(self.tokenizer, token_id) for token_id in token_ids]
 
-    def detokenize(self, token_ids: Sequence[int]) -> str:
+    def detokenize(self, token_ids: Seq[int]) -> str:
         """Raises InvalidRequest for ids outside the vocabulary."""
         vocab_size = len(self.tokenizer)
         wrong = [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]
         if wrong:
             raise InvalidRequest(f"token ids {wrong[:5]} are outside the vocabulary (0..{vocab_size - 1})")
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
-
-    def generate_with_first_logits(self, params: GenerationParams) -> tuple[GenerationOutcome, torch.Tensor | None]:
-        """generate() without streaming, plus the logits the first token was chosen from ([vocab] float32)."""
-        return generate_one(self.parts, params)
-
-    def generate_batch(self, params_list: Sequence[GenerationParams], should_stop: Callable[[], bool] = lambda: False,
-                       pad_token_id: int | None = None) -> list[GenerationOutcome]:
-        """Prompts run together, their common leading chunks prefilled once (see batch.generate_batch); input order kept."""
-        return batch.generate_batch(self.parts, params_list, should_stop, pad_token_id)
-
-    def generate_many(self, params_list: Sequence[GenerationParams], should_stop: Callable[[], bool] = lambda: False,
-                      pad_token_id: int | None = None) -> list[GenerationOutcome]:
-        """Prompts grouped by first chunk, each group's common leading chunks prefilled once; input order kept."""
-        return batch.generate_many(self.parts, params_list, should_stop, pad_token_id)
-
-    def batch_requests(self, params_list: Sequence[GenerationParams], by_first_chunk: bool,
-                       should_stop: Callable[[], bool], on_done: OnDone) -> list[StreamRequest]:
-        """A batch call's requests for the service's scheduler (see batch.batch_requests); raises as generate_batch."""
-        return batch.batch_requests(self.parts, params_list, by_first_chunk, should_stop, on_done)
 
     def plan_request(self, params: GenerationParams) -> tuple[str, PromptPlan, int]:
         """(mode, planned prompt, capped max_new_tokens); see pipeline.plan_request."""
@@ -158,49 +224,6 @@ class Engine:
         return repair_options(self.parts, params)
 
     # ---- warm, verify, info ---------------------------------------------------------------------
-
-    def warm(self, text: str | None, messages=None, content_addressed: bool = False, pin: bool = False,
-             cache_salt: str = "") -> WarmOutcome:
-        """Computes and stores every chunk of the text (or chat prefix, no generation prompt), the tokens
-        after the last full chunk as a partial chunk, so a prompt that continues the text reuses all of it.
-
-        content_addressed: the text is chunked as a segment and every chunk is also keyed by content.
-        cache_salt: stored under that salt's namespace, where requests with the same cache_salt find them.
-
-        Raises:
-            InvalidRequest: neither text nor messages.
-            PromptTooLong: more tokens than max_prompt_tokens.
-            StoreUnavailable: the cache cannot be reached.
-        """
-        if messages:
-            segments = tokenize_messages(self.tokenizer, messages, add_generation_prompt=False)
-        elif text and content_addressed:
-            segments = tokenize_document(self.tokenizer, text)
-        elif text:
-            segments = tokenize_prompt(self.tokenizer, text)
-        else:
-            raise InvalidRequest("Warm needs text or messages")
-        parts = salted(self.parts, cache_salt)
-        prompt = plan_segments(parts, segments)
-        chunks = list(prompt.chunks.chunks)
-        prefix_keys = list(prompt.prefix_keys)
-        content_keys: list[bytes | None] = list(prompt.content_keys) if content_addressed else [None] * len(chunks)
-        tail = prompt.tail_chunk()
-        if tail is not None:
-            chunks.append(tail)
-            prefix_keys.append(prompt.tail_key)
-            content_keys.append(None)
-        buffers = allocate_kv(self.geometry, prompt.num_tokens, self.device, self.dtype)
-        token_ids = torch.tensor(prompt.token_ids, device=self.device)
-        _, new_kv = prefill(self.model, build_cache(self.model.config, *buffers, 0), token_ids, 0)
-        stored = parts.writeback.store_now(PendingChunks(
-            parts.namespace, tuple(chunks), tuple(prefix_keys), tuple(content_keys), new_kv, 0, pin=pin))
-        num_tail = len(prompt.chunks.tail)
-        note = "" if num_tail == 0 else (
-            f"the last {num_tail} tokens are stored as a partial chunk: a prompt reuses them when it continues "
-            f"this text token for token (where its tokenization differs at the join, only the "
-            f"{prompt.num_tokens - num_tail} tokens of whole chunks are reused)")
-        return WarmOutcome(stored, prompt.num_tokens, self.config.chunk_size, num_tail == 0, num_tail, note)
 
     def verify(self, prompts: list[str], max_new_tokens: int = 32, mode: str = "prefix_cache") -> list[dict]:
         """BASELINE against `mode` per prompt (the cached mode runs twice, so the second run has hits).
@@ -248,16 +271,30 @@ class Engine:
         }
 
     def stats(self) -> dict:
-        """Fields of ServiceStatsReply the engine knows."""
-        return {**self.parts.counters.snapshot(), "degraded": bool(getattr(self.store, "degraded", False))}
+        """Fields of ServiceStatsReply the engine knows: counters, the scheduler's state, `degraded`."""
+        return {**self.parts.counters.snapshot(), **self.core.stats(),
+                "degraded": bool(getattr(self.store, "degraded", False))}
 
     def flush_writes(self, timeout: float | None = None) -> None:
         """Waits for queued write-backs (tests, shutdown)."""
         self.parts.writeback.flush(timeout)
 
-    def close(self) -> None:
-        """Finishes queued write-backs and stops the write-back thread."""
-        self.parts.writeback.close()
+
+def _wait(submit: Callable[[OnDone], None]):
+    """Submits through submit(on_done) and blocks until on_done; returns its result or raises its error."""
+    done = threading.Event()
+    reported: list = []
+
+    def on_done(result, error) -> None:
+        reported.append((result, error))
+        done.set()
+
+    submit(on_done)
+    done.wait()
+    result, error = reported[0]
+    if error is not None:
+        raise error
+    return result
 
 
 def _rope_or_none(config) -> RopeParams | None:

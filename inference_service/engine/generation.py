@@ -1,17 +1,17 @@
-"""The decode loop: pick a token, stream its text, stop on EOS, a stop string or token, the length limit or cancellation."""
+"""One row's side of decoding: pick a token, stream its text, stop on EOS, a stop string or token, the length limit or cancellation."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers import DynamicCache
 
 from inference_service.engine.logprobs import token_logprobs
 from inference_service.engine.types import GenerationParams, TokenEvent
+from inference_service.errors import InvalidRequest
 from inference_service.model.detokenizer import IncrementalDetokenizer
-from inference_service.model.forward import decode_step
 from inference_service.model.sampling import make_generator, sample, suppress_tokens
 
 OnToken = Callable[[TokenEvent], None]
@@ -49,6 +49,21 @@ class DecodeResult:
     last_token_time: float
 
 
+class NonFiniteLogits(RuntimeError):
+    """A row's logits hold NaN or +inf: its K/V or the forward went wrong (INTERNAL, for that request alone)."""
+
+
+def check_logits(logits: torch.Tensor, settings: SamplingSettings) -> None:
+    """Checks on the host, before sampling, what no sampler can take. logits: [vocab]."""
+    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
+        raise NonFiniteLogits("the model produced non-finite logits for this request")
+    if settings.temperature > 0:
+        scaled_max = float(logits.max()) / settings.temperature
+        if not math.isfinite(scaled_max):
+            raise InvalidRequest(f"temperature {settings.temperature} is too small: the logits divided by it overflow "
+                                 "float32; use 0 for greedy decoding or a larger temperature")
+
+
 def pick_token(logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None,
                num_generated: int, eos_ids: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [], the logits it was sampled from) for logits [vocab]; ending tokens held off before min_tokens."""
@@ -58,8 +73,8 @@ def pick_token(logits: torch.Tensor, settings: SamplingSettings, generator: torc
 
 
 class RowDecoder:
-    """One request's side of decoding: picks each token from its logits with the request's own sampler,
-    streams its text and says when the request ends. decode_loop drives one; the scheduler drives many.
+    """One completion's side of decoding: picks each token from its logits with the request's own sampler,
+    streams its text and says when it ends. The executor drives one per running row, inside its request's guard.
     """
 
     def __init__(self, detokenizer: IncrementalDetokenizer, settings: SamplingSettings, eos_ids: frozenset[int],
@@ -82,7 +97,13 @@ class RowDecoder:
         self.reason = ""
 
     def take(self, logits: torch.Tensor) -> torch.Tensor:
-        """Chooses the next token from logits [vocab], streams it, and sets `reason` when the request ends."""
+        """Chooses the next token from logits [vocab], streams it, and sets `reason` when the request ends.
+
+        Raises:
+            InvalidRequest: the request's sampling settings turn finite logits into no distribution.
+            NonFiniteLogits: the model gave NaN or infinite logits for this row.
+        """
+        check_logits(logits, self.settings)
         token, used_logits = pick_token(logits, self.settings, self.generator, len(self.token_ids), self.eos_ids)
         token_id = int(token)
         self.token_ids.append(token_id)
@@ -106,34 +127,6 @@ class RowDecoder:
             self.on_token(TokenEvent(rest, (), index=self.index))
         return DecodeResult(self.token_ids, self.detokenizer.text, reason or self.reason, self.first_time,
                             self.last_time)
-
-
-def decode_loop(
-    model,
-    cache: DynamicCache,
-    first_logits: torch.Tensor,
-    position: int,
-    detokenizer: IncrementalDetokenizer,
-    settings: SamplingSettings,
-    eos_ids: frozenset[int],
-    max_new_tokens: int,
-    on_token: OnToken | None,
-    should_stop: Callable[[], bool],
-    after_first_token: Callable[[], None],
-    tokenizer=None,
-) -> DecodeResult:
-    """Generates from the prefill's logits (first_logits: [vocab]); `position` is the first new token's position.
-
-    on_token(event) is called once per token with the text it completes (maybe empty) and once more
-    with no token ids if text was held back at the end; the pieces concatenate to the output.
-    tokenizer: decodes the tokens named in logprobs (needed when settings.logprobs is set).
-    """
-    row = RowDecoder(detokenizer, settings, eos_ids, max_new_tokens, on_token, should_stop, after_first_token,
-                     tokenizer, first_logits.device)
-    token = row.take(first_logits)
-    while not row.reason:
-        token = row.take(decode_step(model, cache, token, position + len(row.token_ids) - 1))
-    return row.finish()
 
 
 def finish_reason(token_id: int, detokenizer: IncrementalDetokenizer, eos_ids: frozenset[int],

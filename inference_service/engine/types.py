@@ -36,6 +36,14 @@ class EngineConfig:
     check_layers: int = 1  # cacheblend: leading layers run on every non-exact token to measure deviation
     kv_group_size: int = 0  # quantization group (tokens for keys, channels for values) at 8 and 4 bits; 0: 64 at 8, 128 at 4
     kv_keys_before_rope: bool = False  # at 8 and 4 bits, keys are quantized un-rotated (where the RoPE allows it)
+    # The step loop: rows decoded together (a request with n completions takes n), the K/V memory they may hold
+    # (reserved at admission: prompt + max_new_tokens per row), prompt tokens prefilled per step, prompt tokens of
+    # short prefills batched in one forward, and requests waiting before new ones are refused.
+    max_running_requests: int = 16
+    kv_cache_bytes: int = 2 * 1024**3
+    max_prefill_tokens: int = 512
+    max_forward_tokens: int = 128
+    max_queue: int = 64
 
     @property
     def keys_before_rope(self) -> bool:
@@ -54,6 +62,11 @@ class EngineConfig:
         assert self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}"
         assert self.overlap_tokens >= 0, f"overlap_tokens must be >= 0, got {self.overlap_tokens}"
         assert self.check_layers >= 1, f"check_layers must be >= 1, got {self.check_layers}"
+        assert self.max_running_requests > 0, f"max_running_requests must be positive, got {self.max_running_requests}"
+        assert self.kv_cache_bytes > 0, f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}"
+        assert self.max_prefill_tokens > 0, f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}"
+        assert self.max_forward_tokens > 0, f"max_forward_tokens must be positive, got {self.max_forward_tokens}"
+        assert self.max_queue > 0, f"max_queue must be positive, got {self.max_queue}"
         assert 0 <= self.kv_group_size <= 65535, f"kv_group_size must be in 0..65535, got {self.kv_group_size}"
 
 

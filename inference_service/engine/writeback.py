@@ -87,11 +87,14 @@ class WriteBack:
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
 
-    def submit(self, pending: PendingChunks) -> None:
-        """Queues the chunks; returns at once."""
+    def submit(self, pending: PendingChunks, on_done: Callable[[int, BaseException | None], None] | None = None) -> None:
+        """Queues the chunks; returns at once. on_done(stored count, error) runs on the write-back thread once they
+        are stored or have failed (the K/V they read may be reused from then on)."""
         if not pending.chunks:
+            if on_done is not None:
+                on_done(0, None)
             return
-        future = self._executor.submit(self._store_in_background, pending)
+        future = self._executor.submit(self._store_in_background, pending, on_done)
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._forget)
@@ -108,13 +111,18 @@ class WriteBack:
         self._on_stored(stored, sum(len(item.blob) for item in items))
         return stored
 
-    def _store_in_background(self, pending: PendingChunks) -> None:
+    def _store_in_background(self, pending: PendingChunks, on_done) -> None:
+        stored, failure = 0, None
         try:
-            self.store_now(pending)
+            stored = self.store_now(pending)
         except StoreUnavailable as error:
+            failure = error
             logger.warning("[%s] write-back of %d chunks skipped: %s", pending.request_id, len(pending.chunks), error)
-        except Exception:  # a background thread has no caller to raise to
+        except Exception as error:  # a background thread has no caller to raise to
+            failure = error
             logger.exception("[%s] write-back of %d chunks failed", pending.request_id, len(pending.chunks))
+        if on_done is not None:
+            on_done(stored, failure)
 
     def _forget(self, future: Future) -> None:
         with self._lock:

@@ -5,12 +5,12 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.model.attention_scope import engine_attention
+from inference_service.model.attention import ENGINE_ATTENTION, engine_call_kwargs
 
 # Per-position status of an assembled prompt, as an int8 tensor [S].
 EXACT, APPROX, MISSING = 0, 1, 2  # prefix hit (reused as is), content hit (re-rotated, repairable), not cached
 STRATEGIES = ("none", "selective", "cacheblend")
-MASKABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an arbitrary additive 4D mask
+MASKABLE_ATTENTION = ("sdpa", "eager", ENGINE_ATTENTION)  # implementations that take an arbitrary additive 4D mask
 
 
 @dataclass(slots=True, frozen=True)
@@ -116,22 +116,21 @@ def repair_prefill(
     """
     runner = _LayerwiseForward(model, keys, values)
     _check_inputs(runner, input_ids, status)
-    with engine_attention(model.device):  # only the engine's own forwards group query heads
-        status = status.to(keys[0].device)
-        if options.strategy == "cacheblend":
-            chosen, hidden = _cacheblend(runner, input_ids, status, options, token_scores)
-        else:
-            chosen = (status == MISSING).nonzero().flatten()
-            if options.strategy == "selective":
-                sinks = (status[: options.sink_tokens] != EXACT).nonzero().flatten()
-                extra = torch.cat((selective_positions(status, options.selective_tokens, seams), sinks))
-                chosen = torch.cat((chosen, extra)).unique()
-            hidden = runner.run(runner.embed(input_ids, chosen), chosen, range(runner.num_layers))
-        return RepairResult(
-            cache=_cache_over(runner.config, keys, values),
-            last_logits=runner.logits(hidden[:, -1:])[0, -1].float(),
-            num_recomputed=int((status[chosen] == APPROX).sum()),
-        )
+    status = status.to(keys[0].device)
+    if options.strategy == "cacheblend":
+        chosen, hidden = _cacheblend(runner, input_ids, status, options, token_scores)
+    else:
+        chosen = (status == MISSING).nonzero().flatten()
+        if options.strategy == "selective":
+            sinks = (status[: options.sink_tokens] != EXACT).nonzero().flatten()
+            extra = torch.cat((selective_positions(status, options.selective_tokens, seams), sinks))
+            chosen = torch.cat((chosen, extra)).unique()
+        hidden = runner.run(runner.embed(input_ids, chosen), chosen, range(runner.num_layers))
+    return RepairResult(
+        cache=_cache_over(runner.config, keys, values),
+        last_logits=runner.logits(hidden[:, -1:])[0, -1].float(),
+        num_recomputed=int((status[chosen] == APPROX).sum()),
+    )
 
 
 def _cacheblend(runner: _LayerwiseForward, input_ids, status, options: RepairOptions, token_scores=None):
@@ -263,6 +262,7 @@ class _LayerwiseForward:
                 past_key_values=splice,
                 use_cache=True,
                 position_embeddings=position_embeddings,
+                **engine_call_kwargs(),
             )
             hidden = output[0] if isinstance(output, tuple) else output
         return hidden

@@ -1,4 +1,4 @@
-"""Device work shared by batched forwards: the cache over batch buffers, and several prefills in one forward."""
+"""Several requests' prefill pieces in one forward, and whether a model can be batched at all."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from inference_service.model.attention_scope import engine_attention
+from inference_service.model.attention import engine_call_kwargs
 from inference_service.model.kv_buffers import PreallocatedLayer
 
 
@@ -76,9 +76,8 @@ def prefill_rows(model, rows: Sequence[PrefillRow], pad_token_id: int = 0) -> to
         positions[index] = row.start
         positions[index, num_pads:] = torch.arange(row.start, row.start + len(row.token_ids), device=first.device)
     cache = batch_cache(model.config, keys, values, longest_cached)
-    with engine_attention(model.device):
-        output = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1)
+    output = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1, **engine_call_kwargs())
     for index, row in enumerate(rows):
         count = len(row.token_ids)
         row.keys[:, :, row.start : row.start + count].copy_(keys[:, index, :, width - count :])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from inference_service.model.attention_scope import engine_attention
+from inference_service.model.attention import engine_call_kwargs
 from inference_service.model.kv_buffers import LayerKV
 
 
@@ -31,11 +31,8 @@ def _prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int,
     for layer in sliding:  # keep every new token's K/V until they are read below
         layer.activate_past_recording()
     position_ids = torch.arange(start, start + num_tokens, device=token_ids.device).unsqueeze(0)
-    with engine_attention(model.device):  # only the engine's own forwards group query heads (CPU)
-        output = model(
-            input_ids=token_ids.unsqueeze(0), position_ids=position_ids, past_key_values=cache,
-            use_cache=True, logits_to_keep=logits_to_keep,
-        )
+    output = model(input_ids=token_ids.unsqueeze(0), position_ids=position_ids, past_key_values=cache,
+                   use_cache=True, logits_to_keep=logits_to_keep, **engine_call_kwargs())
     new_kv = [(layer.keys[:, :, -num_tokens:], layer.values[:, :, -num_tokens:]) for layer in cache.layers]
     for layer in sliding:
         layer.record_past = False
@@ -48,6 +45,6 @@ def _prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int,
 def decode_step(model, cache: DynamicCache, token_id: torch.Tensor, position: int) -> torch.Tensor:
     """One generated token through the model; token_id: [] at `position`. Returns logits [vocab] (float32)."""
     position_ids = torch.tensor([[position]], device=token_id.device)
-    with engine_attention(model.device):
-        output = model(input_ids=token_id.view(1, 1), position_ids=position_ids, past_key_values=cache, use_cache=True)
+    output = model(input_ids=token_id.view(1, 1), position_ids=position_ids, past_key_values=cache, use_cache=True,
+                   **engine_call_kwargs())
     return output.logits[0, -1].float()

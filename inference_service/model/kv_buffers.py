@@ -38,8 +38,8 @@ class PreallocatedLayer(DynamicLayer):
     """A full-attention cache layer over a buffer with room for the tokens still to come.
 
     update() writes new K/V in place instead of concatenating, so neither the prefill after a cache hit
-    nor a decode step copies the tokens already held. Views handed out earlier stay valid: positions
-    below the current length are never written again.
+    nor a decode step copies the tokens already held. The buffer never grows (a slot holds the longest
+    request); views handed out earlier stay valid: positions below the current length are never written again.
     """
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, num_tokens: int) -> None:
@@ -53,8 +53,7 @@ class PreallocatedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
-        if end > self._key_buffer.shape[-2]:
-            self._grow(end)
+        assert end <= self._key_buffer.shape[-2], f"{end} tokens do not fit a slot of {self._key_buffer.shape[-2]}"
         self._key_buffer[:, :, start:end].copy_(key_states)
         self._value_buffer[:, :, start:end].copy_(value_states)
         self._set_length(end)
@@ -63,16 +62,6 @@ class PreallocatedLayer(DynamicLayer):
     def _set_length(self, num_tokens: int) -> None:
         self.keys = self._key_buffer[:, :, :num_tokens]
         self.values = self._value_buffer[:, :, :num_tokens]
-
-    def _grow(self, needed: int) -> None:
-        length = self.keys.shape[-2]
-        shape = list(self._key_buffer.shape)
-        shape[2] = max(needed, 2 * shape[2])
-        key_buffer, value_buffer = self._key_buffer.new_empty(shape), self._value_buffer.new_empty(shape)
-        key_buffer[:, :, :length].copy_(self.keys)
-        value_buffer[:, :, :length].copy_(self.values)
-        self._key_buffer, self._value_buffer = key_buffer, value_buffer
-        self._set_length(length)
 
 
 def build_cache(config, key_buffer: torch.Tensor, value_buffer: torch.Tensor, num_tokens: int) -> DynamicCache:

@@ -17,7 +17,13 @@ DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_CACHE_ADDR = "127.0.0.1:50052"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULERS = ("continuous", "serial")
+# Flags that are gone, with what replaced them: a config that still names one fails at start-up with this.
+REMOVED_FLAGS = {
+    "scheduler": "--scheduler was removed: every request runs on the one step loop (one request at a time is "
+                 "--max-running-requests 1)",
+    "max_batch_tokens": "--max-batch-tokens was replaced by --kv-cache-bytes: the K/V memory running requests may "
+                        "reserve, in bytes (prompt + max_new_tokens per row)",
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,10 +46,9 @@ class ServiceConfig:
     kv_group_size: int = 0  # 0: the codec's default for the bits (64 at 8 bits, 128 at 4)
     kv_keys_before_rope: bool = False  # at 8 and 4 bits, quantize keys un-rotated (opt-in: see --help)
     max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
-    scheduler: str = "continuous"  # continuous: Generate requests share decode steps; serial: one request at a time
-    max_running_requests: int = 16  # requests decoded together (continuous)
-    max_batch_tokens: int = 65536  # prompt + max_new_tokens summed over running requests (continuous)
-    max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps (continuous)
+    max_running_requests: int = 16  # rows decoded together (a request with n completions takes n)
+    kv_cache_bytes: int = 2 * 1024**3  # K/V memory reserved by running requests (prompt + max_new_tokens per row)
+    max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps
     max_new_tokens: int = 4096
     max_prompt_tokens: int = 0  # 0: the model's context length
     max_message_bytes: int = 64 << 20  # largest gRPC message received or sent
@@ -76,9 +81,8 @@ class ServiceConfig:
         _require(self.overlap_tokens >= 0, f"--overlap-k must be >= 0, got {self.overlap_tokens}")
         _require(0 <= self.kv_group_size <= 65535, f"--kv-group-size must be in 0..65535, got {self.kv_group_size}")
         _require(self.max_queue > 0, f"--max-queue must be positive, got {self.max_queue}")
-        _require(self.scheduler in SCHEDULERS, f"--scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         _require(self.max_running_requests > 0, f"--max-running-requests must be positive, got {self.max_running_requests}")
-        _require(self.max_batch_tokens > 0, f"--max-batch-tokens must be positive, got {self.max_batch_tokens}")
+        _require(self.kv_cache_bytes > 0, f"--kv-cache-bytes must be positive, got {self.kv_cache_bytes}")
         _require(self.max_prefill_tokens > 0, f"--max-prefill-tokens must be positive, got {self.max_prefill_tokens}")
         _require(self.max_new_tokens > 0, f"--max-new-tokens must be positive, got {self.max_new_tokens}")
         _require(self.max_message_bytes >= 1 << 20, f"--max-message-bytes must be at least 1048576, got {self.max_message_bytes}")
@@ -152,12 +156,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
              "tokens took ~45 ms longer, so it is off by default; models whose RoPE cannot be moved always store "
              "keys as computed (KVBOOST_KV_KEYS_BEFORE_ROPE=1)")
     add("--max-queue", type=int, default=default("MAX_QUEUE", defaults.max_queue), help="requests waiting for the model before RESOURCE_EXHAUSTED (KVBOOST_MAX_QUEUE)")
-    add("--scheduler", choices=SCHEDULERS, default=default("SCHEDULER", defaults.scheduler),
-        help="continuous: Generate requests join and leave one running batch between decode steps; serial: one "
-             "request at a time (KVBOOST_SCHEDULER)")
-    add("--max-running-requests", type=int, default=default("MAX_RUNNING_REQUESTS", defaults.max_running_requests), help="requests decoded together; more wait (KVBOOST_MAX_RUNNING_REQUESTS)")
-    add("--max-batch-tokens", type=int, default=default("MAX_BATCH_TOKENS", defaults.max_batch_tokens), help="prompt + max_new_tokens summed over running requests; a request that does not fit waits (KVBOOST_MAX_BATCH_TOKENS)")
-    add("--max-prefill-tokens", type=int, default=default("MAX_PREFILL_TOKENS", defaults.max_prefill_tokens), help="prompt tokens prefilled for joining requests between two decode steps (KVBOOST_MAX_PREFILL_TOKENS)")
+    add("--max-running-requests", type=int, default=default("MAX_RUNNING_REQUESTS", defaults.max_running_requests), help="rows decoded together, one K/V slot each (a request with n completions takes n); more wait (KVBOOST_MAX_RUNNING_REQUESTS)")
+    add("--kv-cache-bytes", type=int, default=default("KV_CACHE_BYTES", defaults.kv_cache_bytes), help="K/V memory the running requests may reserve, in bytes: each reserves prompt + max_new_tokens per row when it is admitted, so nothing runs out mid-decode; a request that does not fit waits, one that could never fit is INVALID_ARGUMENT (KVBOOST_KV_CACHE_BYTES)")
+    add("--max-prefill-tokens", type=int, default=default("MAX_PREFILL_TOKENS", defaults.max_prefill_tokens), help="prompt tokens prefilled between two decode steps: a long prompt runs in pieces while others decode (KVBOOST_MAX_PREFILL_TOKENS)")
+    for removed in REMOVED_FLAGS:  # still parsed, so naming one fails with what replaced it
+        add("--" + removed.replace("_", "-"), dest=removed, default=default(removed.upper(), None), help=argparse.SUPPRESS)
     add("--max-new-tokens", type=int, default=default("MAX_NEW_TOKENS", defaults.max_new_tokens), help="largest max_new_tokens a request may ask for (KVBOOST_MAX_NEW_TOKENS)")
     add("--max-prompt-tokens", type=int, default=default("MAX_PROMPT_TOKENS", defaults.max_prompt_tokens), help="longest prompt accepted; 0 = the model's context (KVBOOST_MAX_PROMPT_TOKENS)")
     add("--max-message-bytes", type=int, default=default("MAX_MESSAGE_BYTES", defaults.max_message_bytes), help="largest gRPC message received or sent, bytes; larger ones get RESOURCE_EXHAUSTED (KVBOOST_MAX_MESSAGE_BYTES)")
@@ -181,6 +184,9 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     """Flags over environment over defaults; exits with a usage message on a bad value."""
     parser = build_parser(os.environ if environ is None else environ)
     args = parser.parse_args(argv)
+    for removed, message in REMOVED_FLAGS.items():
+        if vars(args).pop(removed) is not None:
+            parser.error(f"{message} (KVBOOST_{removed.upper()} in the environment counts too)")
     try:
         return ServiceConfig(**vars(args))
     except ValueError as error:

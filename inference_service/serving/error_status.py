@@ -7,7 +7,7 @@ import grpc
 
 from inference_service import errors
 from inference_service.store.protocol import StoreUnavailable
-from inference_service.serving.worker import DeadlineExceeded, JobCancelled, ModelNotLoaded, QueueFull, WorkerStopped
+from inference_service.serving.jobs import DeadlineExceeded, JobCancelled, ModelNotLoaded
 
 logger = logging.getLogger(__name__)
 
@@ -16,10 +16,12 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (errors.PromptTooLong, grpc.StatusCode.INVALID_ARGUMENT, "shorten the prompt or start the service with a larger --max-prompt-tokens"),
     (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, ""),
     (errors.UnsupportedArchitecture, grpc.StatusCode.FAILED_PRECONDITION, "serve a supported model or start with --no-strict"),
-    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+    (errors.QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+    (errors.RequestCancelled, grpc.StatusCode.CANCELLED, ""),
     (JobCancelled, grpc.StatusCode.CANCELLED, ""),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, ""),
-    (WorkerStopped, grpc.StatusCode.UNAVAILABLE, "retry against a running service"),
+    (errors.EngineStopped, grpc.StatusCode.UNAVAILABLE, "retry against a running service"),
+    (errors.EngineFatal, grpc.StatusCode.UNAVAILABLE, "the service restarts; retry"),
     (ModelNotLoaded, grpc.StatusCode.UNAVAILABLE, "retry once the health service reports SERVING"),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE, "check that the cache daemon is running at --cache-addr"),
 )

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_service.engine.scheduler import Scheduler, SchedulerLimits
-from inference_service.model.batch_forward import has_sliding_layers
+from inference_service.engine.engine import Engine
 from inference_service.serving.config import ServiceConfig
 from inference_service.serving.servicer import InferenceServicer
-from inference_service.serving.worker import ModelWorker
 from kvboost.v1 import inference_pb2, inference_pb2_grpc
 from kvboost_common.auth import BearerTokenInterceptor
 from kvboost_common.binding import bind
@@ -47,10 +46,9 @@ class InferenceServer:
             await self.health.set(name, _SERVING if self.servicer.engine is not None else _NOT_SERVING)
         self._watch_task = asyncio.create_task(self._watch_store())
 
-    async def set_engine(self, engine: Any) -> None:
+    async def set_engine(self, engine: Engine) -> None:
         """The model is loaded: requests are served and health turns SERVING."""
-        if self.config is not None:
-            attach_scheduler(self.servicer.worker, self.config, engine)
+        watch_device(engine, self.health, asyncio.get_running_loop())
         self.servicer.engine = engine
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
@@ -59,8 +57,7 @@ class InferenceServer:
         if self._watch_task is not None:
             self._watch_task.cancel()
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
-        self.servicer.worker.stop(timeout_s=grace_s)
+        await self.server.stop(grace_s)  # the engine is its owner's to stop (__main__ does, after the server)
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -75,7 +72,7 @@ class InferenceServer:
             await asyncio.sleep(interval_s)
 
 
-def build_server(config: ServiceConfig, engine: Any = None, store: Any = None) -> InferenceServer:
+def build_server(config: ServiceConfig, engine: Engine | None = None, store: Any = None) -> InferenceServer:
     """Binds config.listen (port 0 picks a free port, see `.port`); serves once started.
 
     engine may be None while the model loads (health NOT_SERVING, calls UNAVAILABLE); `store` is the
@@ -91,10 +88,7 @@ def build_server(config: ServiceConfig, engine: Any = None, store: Any = None) -
     if config.max_concurrent_streams:
         options.append(("grpc.max_concurrent_streams", config.max_concurrent_streams))
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    worker = ModelWorker(config.max_queue)
-    if engine is not None:
-        attach_scheduler(worker, config, engine)
-    servicer = InferenceServicer(worker, config.cache_addr, engine)
+    servicer = InferenceServicer(config.cache_addr, engine)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -105,14 +99,21 @@ def build_server(config: ServiceConfig, engine: Any = None, store: Any = None) -
     return InferenceServer(server, port, servicer, health_servicer, store, config)
 
 
-def attach_scheduler(worker: ModelWorker, config: ServiceConfig, engine: Any) -> None:
-    """In continuous mode, gives the worker a scheduler over the engine (models with sliding-window layers,
-    whose padded batch would shift the window, and engines without parts stay serial)."""
-    parts = getattr(engine, "parts", None)
-    if config.scheduler != "continuous" or parts is None:
-        return
-    if has_sliding_layers(parts.model.config):
-        logger.warning("the model has sliding-window layers: requests run one at a time (--scheduler serial)")
-        return
-    worker.scheduler = Scheduler(parts, SchedulerLimits(
-        config.max_running_requests, config.max_batch_tokens, config.max_prefill_tokens))
+def watch_device(engine: Engine, health_servicer: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """A dead device (a poisoned CUDA context) turns health NOT_SERVING and ends the process, so its supervisor
+    (compose, systemd, Kubernetes) starts a fresh one; nothing on the device could be trusted any more."""
+
+    def on_fatal(error: BaseException) -> None:
+        logger.critical("the device failed, exiting for a restart: %s", error)
+        try:
+            done = asyncio.run_coroutine_threadsafe(_not_serving(health_servicer), loop)
+            done.result(timeout=2.0)
+        finally:
+            os._exit(70)  # EX_SOFTWARE
+
+    engine.core.on_fatal = on_fatal
+
+
+async def _not_serving(health_servicer: Any) -> None:
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, _NOT_SERVING)

@@ -1,4 +1,4 @@
-"""kvboost.v1.InferenceService on grpc.aio: parse the request, run the engine on the model worker, build the reply."""
+"""kvboost.v1.InferenceService on grpc.aio: parse the request, submit it to the engine, build the reply."""
 from __future__ import annotations
 
 import asyncio
@@ -7,34 +7,29 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
+from inference_service.engine.engine import Engine
+from inference_service.errors import InvalidRequest, QueueFull
 from inference_service.serving import proto_convert as convert
-from inference_service.errors import InvalidRequest
 from inference_service.serving.error_status import abort_with
-from inference_service.engine.scheduler import StreamRequest
-from inference_service.serving.worker import STREAMING, Job, ModelNotLoaded, ModelWorker
+from inference_service.serving.jobs import Job, ModelNotLoaded
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    """Every method that touches the model runs it on the single worker thread; the loop only waits."""
+    """Requests go to the engine's step loop through Engine.submit*; the event loop only waits on their Job."""
 
-    def __init__(self, worker: ModelWorker, cache_address: str, engine: Any = None) -> None:
-        self.worker = worker
+    def __init__(self, cache_address: str, engine: Engine | None = None) -> None:
         self.cache_address = cache_address
         self.engine = engine  # set once the model is loaded; until then calls are UNAVAILABLE
+        self.num_rejected = 0  # requests refused because the engine's queue was full
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:
         arrival = time.perf_counter()
         try:
             params = convert.generation_params(request, arrival)
-            if self.worker.scheduler is not None:  # joins the running batch (n completions as n rows)
-                job = self._submit(context, params.request_id, lambda job: self._schedule(job, lambda on_done: [
-                    StreamRequest(params, on_token=lambda event: job.emit(convert.token_event(event)),
-                                  should_stop=job.should_stop, on_done=on_done)]))
-            else:
-                job = self._submit(context, params.request_id, lambda job: self._engine().generate_choices(
-                    params, on_token=lambda event: job.emit(convert.token_event(event)), should_stop=job.should_stop))
+            job = self._submit(context, params.request_id, lambda engine, job: engine.submit(
+                params, lambda event: job.emit(convert.token_event(event)), job.should_stop, job.on_done))
         except Exception as error:
             await abort_with(context, error, request.request_id)
         try:
@@ -56,20 +51,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     async def _batch(self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext, name: str,
                      by_first_chunk: bool) -> pb.GenerateBatchReply:
-        """The call's requests join the running batch (its shared prefix prefilled once); without a scheduler
-        the whole call is one job on the model worker."""
+        """The call's requests run on the step loop beside every other request (its shared prefix prefilled once)."""
         arrival = time.perf_counter()
         try:
             batch = convert.batch_params(request, arrival)
             if not batch:
                 raise InvalidRequest(f"{name} needs at least one request in `requests`")
-            if self.worker.scheduler is not None:
-                run = lambda job: self._schedule(job, lambda on_done: self._engine().batch_requests(
-                    batch, by_first_chunk, job.should_stop, on_done))
-            else:
-                method = self._engine().generate_many if by_first_chunk else self._engine().generate_batch
-                run = lambda job: method(batch, should_stop=job.should_stop)
-            outcomes = await self._run(context, name, run)
+            outcomes = await self._run(context, name, lambda engine, job: engine.submit_batch(
+                batch, by_first_chunk, job.should_stop, job.on_done))
         except Exception as error:
             await abort_with(context, error, name)
         return pb.GenerateBatchReply(results=[convert.generation_result(outcome) for outcome in outcomes])
@@ -77,7 +66,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def Warm(self, request: pb.WarmRequest, context: grpc.aio.ServicerContext) -> pb.WarmResult:
         try:
             arguments = convert.warm_arguments(request)
-            outcome = await self._run(context, "warm", lambda job: self._engine().warm(**arguments))
+            outcome = await self._run(context, "warm", lambda engine, job: engine.submit_warm(
+                job.on_done, should_stop=job.should_stop, **arguments))
         except Exception as error:
             await abort_with(context, error, "warm")
         return convert.warm_result(outcome)
@@ -85,18 +75,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def VerifyCorrectness(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyReport:
         try:
             arguments = convert.verify_arguments(request)
-            rows = await self._run(context, "verify", lambda job: self._engine().verify(**arguments))
+            rows = await asyncio.to_thread(self._engine().verify, **arguments)  # submits its runs and waits
         except Exception as error:
             await abort_with(context, error, "verify")
         return convert.verify_report(rows)
 
     async def Stats(self, request: pb.ServiceStatsRequest, context: grpc.aio.ServicerContext) -> pb.ServiceStatsReply:
-        engine_stats = self.engine.stats() if self.engine is not None else {}  # counters and `degraded`
+        engine_stats = self.engine.stats() if self.engine is not None else {}  # counters, scheduler, `degraded`
         return convert.stats_reply(
             engine_stats,
-            rejected=self.worker.num_rejected,
+            rejected=self.num_rejected,
             cache_address=self.cache_address,
-            queue_depth=self.worker.queue_depth,
+            queue_depth=engine_stats.get("waiting_requests", 0),
         )
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoReply:
@@ -106,7 +96,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             await abort_with(context, error, "model-info")
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeReply:
-        # Off the model worker: counting tokens never waits behind generation (fast tokenizers are thread-safe).
+        # Off the step loop: counting tokens never waits behind generation (fast tokenizers are thread-safe).
         try:
             engine = self._engine()
             token_ids, tokens = await asyncio.to_thread(engine.tokenize, **convert.tokenize_arguments(request))
@@ -121,23 +111,27 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             await abort_with(context, error, "detokenize")
         return pb.DetokenizeReply(text=text)
 
-    def _schedule(self, job: Job[Any], requests_for: Callable[[Callable[..., None]], list[StreamRequest]]) -> object:
-        """On the worker thread: hands the requests to the scheduler; the job ends when they report through on_done."""
-        for stream_request in requests_for(job.settle_from_worker):
-            self.worker.scheduler.submit(stream_request)
-        return STREAMING
-
-    def _engine(self) -> Any:
+    def _engine(self) -> Engine:
         if self.engine is None:
             raise ModelNotLoaded("the model is still loading")
         return self.engine
 
-    def _submit(self, context: grpc.aio.ServicerContext, name: str, run: Callable[[Job[Any]], Any]) -> Job[Any]:
-        self._engine()  # fail fast, before queueing, while the model loads
-        return self.worker.submit(run, timeout_s=context.time_remaining(), name=name)
+    def _submit(self, context: grpc.aio.ServicerContext, name: str,
+                submit: Callable[[Engine, Job[Any]], None]) -> Job[Any]:
+        """A Job for the request, handed to the engine by submit(engine, job); raises what the engine refuses."""
+        engine = self._engine()
+        job: Job[Any] = Job(asyncio.get_running_loop(), context.time_remaining(), name)
+        try:
+            submit(engine, job)
+        except Exception as error:
+            if isinstance(error, QueueFull):
+                self.num_rejected += 1
+            raise
+        return job
 
-    async def _run(self, context: grpc.aio.ServicerContext, name: str, run: Callable[[Job[Any]], Any]) -> Any:
-        job = self._submit(context, name, run)
+    async def _run(self, context: grpc.aio.ServicerContext, name: str,
+                   submit: Callable[[Engine, Job[Any]], None]) -> Any:
+        job = self._submit(context, name, submit)
         try:
             return await job.result()
         finally:

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from inference_service.store.grpc_store import GrpcStoreOptions, GrpcChunkStore
+from tests.conftest import wait_for
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
 from inference_service.engine.prompts import tokenize_messages, tokenize_prompt
-from inference_service.model.attention_scope import FORCE_GQA_VARIABLE
 from tests.e2e.daemon_process import start_daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -75,8 +75,8 @@ def daemon_cache(tmp_path_factory):
 
 def reference_ids(model, token_ids: list[int]) -> list[int]:
     # Plain means transformers' default attention: SmolLM2 has 3 query heads per K/V head, and the engine's
-    # grouped-query SDPA must stay scoped to its own forwards (test_attention_scope.py checks the scope).
-    assert FORCE_GQA_VARIABLE not in os.environ, "the reference would run the engine's attention setting"
+    # grouped-query SDPA runs only in calls that pass the engine's keyword (tests/inference_service/model/
+    # test_attention.py checks that a plain generate beside the engine runs transformers' own path).
     input_ids = torch.tensor([token_ids])
     with torch.inference_mode():
         output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
@@ -121,24 +121,22 @@ def test_prefix_hits_are_token_identical_to_generate(smollm2, daemon_cache, refe
 
 
 def test_continuous_batching_is_token_identical_to_generate(smollm2, daemon_cache, references):
-    """Every case through one scheduler, arriving two per step so rows of all lengths share decode steps:
-    first with misses (the write-back runs meanwhile), then again with prefix hits."""
-    from inference_service.engine.scheduler import Scheduler, StreamRequest
-
+    """Every case through the engine's step loop, arriving two per step so rows of all lengths share decode
+    steps: first with misses (the write-back runs meanwhile), then again with prefix hits."""
     model, tokenizer, path = smollm2
     engine = Engine(model, tokenizer, EngineConfig(chunk_size=32), daemon_cache, model_id=path + "#continuous")
-    scheduler = Scheduler(engine.parts)
     for attempt in range(2):
         results: dict[int, object] = {}
-        pending = list(enumerate(references))
-        while pending or scheduler.has_work():
-            for index, (case, _, _) in pending[:2]:
+        for start in range(0, len(references), 2):
+            steps = engine.core.num_steps
+            for index, (case, _, _) in enumerate(references[start : start + 2], start):
                 def done(outcomes, error, index=index):
                     results[index] = error or outcomes[0]
-                scheduler.submit(StreamRequest(GenerationParams(**case, max_new_tokens=MAX_NEW_TOKENS,
-                                                                mode="prefix_cache"), None, lambda: False, done))
-            pending = pending[2:]
-            scheduler.step()
+                engine.submit(GenerationParams(**case, max_new_tokens=MAX_NEW_TOKENS, mode="prefix_cache"), None,
+                              lambda: False, done)
+            wait_for(lambda: engine.core.num_steps > steps or len(results) > start, timeout_s=60,
+                     what="a step of the engine")
+        wait_for(lambda: len(results) == len(references), timeout_s=300, what="every case")
         engine.flush_writes()
         mismatches = [(case, expected, results[index].output_token_ids)
                       for index, (case, _, expected) in enumerate(references)

@@ -46,7 +46,6 @@ def test_the_token_is_checked_before_the_request_is_parsed(tmp_path, method, str
                 return raised.value
         finally:
             await server.stop(0)
-            server.servicer.worker.stop(timeout_s=5)
 
     error = asyncio.run(scenario())
     assert error.code() == expected, error.details()

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from inference_service.engine import batch as batch_module
+from inference_service.engine import executor as executor_module
 from inference_service.engine.batch import shared_chunk_count
 from inference_service.store.protocol import StoreUnavailable
 from inference_service.store.memory import InMemoryStore
@@ -101,9 +101,11 @@ def test_batch_is_token_identical_to_generate_uncached_then_cached(tiny_model, m
     assert ids_of(first) == ids_of(second) == expected
     assert [o.cached_tokens for o in first] == [0, 0, 0]
     shared = 0 if mode == "baseline" else 88  # 11 chunks of 8 are shared and were written back once
-    assert [o.cached_tokens for o in second] == [shared] * 3
+    # The first row looks its whole prompt up (it prefills the shared chunks for the others) and also finds 4
+    # tokens of the partial tail the first call stored; the others copy the shared chunks from its slot.
+    assert [o.cached_tokens for o in second] == [0 if mode == "baseline" else 92, shared, shared]
     assert [o.prompt_tokens for o in second] == [len(p) for p in prompts]
-    assert [o.kv_reuse_ratio for o in second] == pytest.approx([shared / len(p) for p in prompts])
+    assert [o.kv_reuse_ratio for o in second] == pytest.approx([o.cached_tokens / len(p) for o, p in zip(second, prompts)])
     assert all(o.mode == mode and o.finish_reason == "length" and o.ttft_ms > 0 for o in second)
     assert [o.request_id for o in second] == ["r0", "r1", "r2"]
 
@@ -148,7 +150,9 @@ def test_cancellation_stops_every_row(tiny_llama):
 
     assert [(o.finish_reason, o.generated_tokens) for o in before_start] == [("cancelled", 0)] * 3
     assert [o.finish_reason for o in midway] == ["cancelled"] * 3
-    assert [o.generated_tokens for o in midway] == [4, 4, 4]
+    # Polled once per row at admission, then once per row and token; the first row (which prefills the shared
+    # chunks) joins one step before the others, which copy them and then prefill their own suffixes.
+    assert [o.generated_tokens for o in midway] == [5, 4, 3]
 
 
 def test_an_unreachable_cache_serves_the_batch_degraded(tiny_llama):
@@ -189,11 +193,12 @@ def test_the_shared_prefix_is_fetched_once_for_the_batch(tiny_llama):
     outcomes = engine.generate_batch(params(prompts))
 
     assert warmed.chunks_stored == 11 + 1  # 11 whole chunks, then the 2 tail tokens as a partial chunk
-    assert len(cache.fetches) == 1  # one Fetch for three rows: the batch shares whole chunks only
-    assert cache.fetches[0] == list(plan_prompt(engine.namespace, tokenize_prompt(tokenizer, SYSTEM), 8).prefix_keys)
-    assert [o.cached_tokens for o in outcomes] == [88] * 3
+    assert len(cache.fetches) == 1  # one Fetch for three rows: the first row's, the others copy its shared chunks
+    system = plan_prompt(engine.namespace, tokenize_prompt(tokenizer, SYSTEM), 8)
+    assert cache.fetches[0] == list(system.prefix_keys) + [system.tail_key]  # the first row continues the warmed tail
+    assert [o.cached_tokens for o in outcomes] == [90, 88, 88]
     stats = engine.stats()
-    assert (stats["requests"], stats["chunks_fetched"], stats["cached_tokens"]) == (3, 11, 3 * 88)
+    assert (stats["requests"], stats["chunks_fetched"], stats["cached_tokens"]) == (3, 12, 90 + 2 * 88)
     assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 10)
 
 
@@ -223,7 +228,7 @@ def test_a_row_of_another_mode_keeps_it_and_the_others_share_one_fetch(tiny_llam
     outcomes = engine.generate_batch(requests)
 
     assert [o.mode for o in outcomes] == ["prefix_cache", "prefix_cache", "baseline"]
-    assert [o.cached_tokens for o in outcomes] == [88, 88, 0]
+    assert [o.cached_tokens for o in outcomes] == [90, 88, 0]  # the first also continues the warmed tail
     assert len(cache.fetches) == 1  # the two prefix_cache rows' shared chunks; the baseline row reads nothing
     assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 10)
 
@@ -251,14 +256,17 @@ def test_a_row_with_content_hits_is_repaired_on_its_own_and_the_others_share(tin
 def test_a_sliding_window_model_runs_every_row_alone(monkeypatch):
     model, tokenizer = build_tiny_model("mistral_sliding")
     engine = make_engine(model, tokenizer)
-    alone = []
-    original = batch_module.generate_one
-    monkeypatch.setattr(batch_module, "generate_one", lambda parts, p, **kwargs: alone.append(p.request_id) or original(parts, p, **kwargs))
     prompts = [SYSTEM + q for q in QUESTIONS]
+    decoded_alone = []
+    original = executor_module.decode_step
+    monkeypatch.setattr(executor_module, "decode_step",
+                        lambda *args: decoded_alone.append(1) or original(*args))
 
     outcomes = engine.generate_batch(params(prompts))
 
-    assert alone == ["r0", "r1", "r2"]  # pads would shift the window, so no padded batch
+    # Pads would shift the window: each row decodes in a forward of its own, its prefill runs alone.
+    assert not engine.core.executor.batched and not engine.core.scheduler.limits.batch_prefills
+    assert len(decoded_alone) == 3 * 9
     assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 10)
 
 
@@ -275,7 +283,8 @@ def test_generate_many_keeps_the_input_order_over_mixed_groups(tiny_qwen2):
 
     assert [o.request_id for o in outcomes] == [f"r{i}" for i in range(7)]
     assert ids_of(outcomes) == prompt_references(model, tokenizer, prompts, 6)
-    assert [o.cached_tokens for o in outcomes] == [88, 56, 0, 88, 56, 0, 88]
+    # Each group's first row also continues its warmed system prompt's partial tail (90 of 88 + 2, 58 of 56 + 2).
+    assert [o.cached_tokens for o in outcomes] == [90, 58, 0, 88, 56, 0, 88]
     assert len(cache.fetches) == 2  # one per system prompt; the two short prompts share nothing
 
 
@@ -345,8 +354,8 @@ def _batch_request(prompts):
 
 
 def test_generate_batch_and_many_over_grpc_join_the_running_batch_beside_a_stream(tiny_llama):
-    """Continuous mode: the calls' rows go to the service's one scheduler, beside a Generate stream already
-    decoding there; GenerateMany's rows with a common first chunk name one shared prefix."""
+    """The calls' rows go to the engine's one step loop, beside a Generate stream already decoding there;
+    GenerateMany's rows with a common first chunk share one prefill of it (a source and its followers)."""
     from kvboost.v1 import inference_pb2 as pb
     from tests.inference_service.serving.test_servicer import run, serving
 
@@ -356,13 +365,13 @@ def test_generate_batch_and_many_over_grpc_join_the_running_batch_beside_a_strea
     stream_prompt = "A stream that is decoding while the batches arrive."
 
     async def scenario():
-        async with serving(engine, scheduler="continuous") as (server, stub, _health):
-            scheduler = server.servicer.worker.scheduler
+        async with serving(engine) as (server, stub, _health):
+            core = engine.core
             submitted, running = [], []
-            submit, step = scheduler.submit, scheduler.step
-            scheduler.submit = lambda request: submitted.append((request.params.request_id,
-                                                                 request.shared is not None)) or submit(request)
-            scheduler.step = lambda: step() or running.append(scheduler.num_running)
+            submit, step = core.submit, core.step
+            core.submit = lambda seqs: [submitted.append((seq.request_id, seq.source is not None))
+                                        for seq in seqs] and submit(seqs)
+            core.step = lambda: step() or running.append(core.scheduler.num_running_rows)
             stream = stub.Generate(pb.GenerateRequest(prompt=stream_prompt, max_new_tokens=150, request_id="stream"),
                                    timeout=60)
             streamed = []
@@ -385,39 +394,11 @@ def test_generate_batch_and_many_over_grpc_join_the_running_batch_beside_a_strea
         assert [list(r.output_token_ids) for r in reply.results] == expected
         assert all(r.mode == pb.PREFIX_CACHE and r.finish_reason == "length" for r in reply.results)
     # GenerateBatch's prompts share no whole chunk ("short one" differs at once); GenerateMany groups the
-    # three with the same first chunk under one shared prefix and leaves the short prompt alone.
-    rows = [(f"r{i}", False) for i in range(4)] + [("r0", True), ("r1", True), ("r2", True), ("r3", False)]
+    # three with the same first chunk (r0 prefills it, r1 and r2 copy it) and leaves the short prompt alone.
+    rows = [(f"r{i}", False) for i in range(4)] + [("r0", False), ("r1", True), ("r2", True), ("r3", False)]
     assert submitted == [("stream", False)] + rows
     assert most_running >= 5  # the stream and a call's four rows decoded in the same steps
     assert streamed == reference_ids(model, tokenize_prompt(tokenizer, stream_prompt)[0], 150)
-
-
-def test_generate_batch_and_many_over_grpc_run_as_one_job_without_a_scheduler(tiny_llama):
-    from kvboost.v1 import inference_pb2 as pb
-    from tests.inference_service.serving.test_servicer import run, serving
-
-    model, tokenizer = tiny_llama
-    engine = make_engine(model, tokenizer)
-    prompts = [SYSTEM + q for q in QUESTIONS] + ["short one"]
-
-    async def scenario():
-        async with serving(engine, scheduler="serial") as (server, stub, _health):
-            worker, jobs = server.servicer.worker, []
-            submit = worker.submit
-            worker.submit = lambda run_job, **kwargs: jobs.append(kwargs.get("name")) or submit(run_job, **kwargs)
-            batch = await stub.GenerateBatch(_batch_request(prompts), timeout=60)
-            many = await stub.GenerateMany(_batch_request(prompts), timeout=60)
-            return batch, many, jobs, worker.scheduler
-
-    try:
-        batch, many, jobs, scheduler = run(scenario())
-    finally:
-        engine.close()
-    expected = prompt_references(model, tokenizer, prompts, 10)
-    for reply in (batch, many):
-        assert [list(r.output_token_ids) for r in reply.results] == expected
-        assert all(r.mode == pb.PREFIX_CACHE and r.finish_reason == "length" for r in reply.results)
-    assert scheduler is None and jobs == ["GenerateBatch", "GenerateMany"]  # one worker job per call
 
 
 def test_an_empty_batch_over_grpc_is_invalid_argument(tiny_llama):

@@ -44,15 +44,13 @@ def assemble(model, cache, segments, capacity_room: int = 4):
     """(prompt, context) as the engine assembles them, with buffers for the prompt plus capacity_room tokens."""
     prompt = plan_prompt(NAMESPACE, segments, CHUNK_SIZE)
     capacity = prompt.num_tokens + capacity_room
-    context = assemble_context(cache, NAMESPACE, prompt, kv_geometry(model.config), model.device, model.dtype,
-                               capacity, with_content_hits=True)
+    context = assemble_context(cache, NAMESPACE, prompt, allocate_kv(kv_geometry(model.config), capacity, model.device, model.dtype), with_content_hits=True)
     return prompt, context, capacity
 
 
 def reuse(model, cache, segments, options=RepairOptions(strategy="cacheblend", recompute_ratio=1.0)):
     prompt, context, capacity = assemble(model, cache, segments)
-    return prompt, context, prefill_with_content_hits(model, cache, prompt, context, kv_geometry(model.config),
-                                                      rope_parameters(model.config), options, capacity)
+    return prompt, context, prefill_with_content_hits(model, cache, prompt, context, kv_geometry(model.config), rope_parameters(model.config), options, allocate_kv(kv_geometry(model.config), capacity, model.device, model.dtype))
 
 
 @pytest.fixture()
@@ -68,8 +66,7 @@ def warmed(tiny_llama):
 def test_content_hits_are_placed_rerotated_with_seams_at_each_document(warmed):
     model, cache = warmed
     prompt, context, capacity = assemble(model, cache, [HEADER, DOC_A, DOC_B, QUESTION])
-    placed = place_content_hits(cache, prompt, context, kv_geometry(model.config), rope_parameters(model.config),
-                                model.device, model.dtype, capacity)
+    placed = place_content_hits(cache, prompt, context, kv_geometry(model.config), rope_parameters(model.config), allocate_kv(kv_geometry(model.config), capacity, model.device, model.dtype))
     # Header 0..10 is the prefix run (chunks 0..8, 8..10); A is 10..30, B 30..42, the question 42..47.
     expected = [EXACT] * 10 + [APPROX] * 32 + [MISSING] * 5
     assert placed.status.tolist() == expected
@@ -134,8 +131,7 @@ def test_nothing_to_reuse_by_content_gives_none(warmed, tiny_llama):
     assert reuse(model, cache, [HEADER, DOC_C, QUESTION])[2] is None
     prompt, context, capacity = assemble(model, cache, [HEADER, DOC_A, QUESTION])
     # No RoPE parameters (an unsupported rotary embedding): content hits are not used.
-    assert prefill_with_content_hits(model, cache, prompt, context, kv_geometry(model.config), None,
-                                     RepairOptions(), capacity) is None
+    assert prefill_with_content_hits(model, cache, prompt, context, kv_geometry(model.config), None, RepairOptions(), allocate_kv(kv_geometry(model.config), capacity, model.device, model.dtype)) is None
 
 
 def test_quantized_content_hits_are_placed(tiny_llama):

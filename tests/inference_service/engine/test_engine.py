@@ -167,7 +167,7 @@ def test_write_back_happens_after_the_first_token(tiny_llama):
     streamed: list[str] = []
     submitted_after: list[int] = []  # tokens streamed when the write-back was handed to the background thread
     submit = engine.parts.writeback.submit
-    engine.parts.writeback.submit = lambda pending: (submitted_after.append(len(streamed)), submit(pending))
+    engine.parts.writeback.submit = lambda pending, *rest: (submitted_after.append(len(streamed)), submit(pending, *rest))
     # The background store may not start before the test lets it, so the request cannot race it.
     may_store = threading.Event()
 

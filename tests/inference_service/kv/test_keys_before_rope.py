@@ -78,8 +78,7 @@ def test_prefix_hits_rotate_unrotated_keys_back_into_place(tiny_llama, bits):
     rope = rope_parameters(model.config)
     cache = InMemoryStore()
     store(cache, plan, new_kv, bits, rope)
-    context = assemble_context(cache, NAMESPACE, plan, kv_geometry(model.config), model.device, model.dtype,
-                               len(token_ids), with_content_hits=False, rope=rope)
+    context = assemble_context(cache, NAMESPACE, plan, allocate_kv(kv_geometry(model.config), len(token_ids), model.device, model.dtype), with_content_hits=False, rope=rope)
     assert context.num_cached_tokens == 80
     tolerance = 0.02 if bits == 8 else 0.2
     for layer, (keys, values) in enumerate(new_kv):
@@ -93,8 +92,7 @@ def test_unrotated_keys_cannot_be_placed_without_rope(tiny_llama):
     plan = plan_prompt(NAMESPACE, [token_ids], CHUNK_SIZE)
     cache = InMemoryStore()
     store(cache, plan, model_kv(model, token_ids), 8, rope_parameters(model.config))
-    context = assemble_context(cache, NAMESPACE, plan, kv_geometry(model.config), model.device, model.dtype,
-                               len(token_ids), with_content_hits=False, rope=None)
+    context = assemble_context(cache, NAMESPACE, plan, allocate_kv(kv_geometry(model.config), len(token_ids), model.device, model.dtype), with_content_hits=False, rope=None)
     assert context.num_cached_tokens == 0 and not context.degraded  # recomputed, not misplaced
 
 
@@ -174,8 +172,7 @@ def test_bfloat16_keys_are_moved_in_float32_and_rounded_once():
         cache = InMemoryStore()
         cache.store(items)
         geometry = kv_geometry(config)
-        context = assemble_context(cache, NAMESPACE, plan, geometry, torch.device("cpu"), torch.bfloat16, num_tokens,
-                                   with_content_hits=False, rope=rope)
+        context = assemble_context(cache, NAMESPACE, plan, allocate_kv(geometry, num_tokens, torch.device("cpu"), torch.bfloat16), with_content_hits=False, rope=rope)
         assert context.num_cached_tokens == num_tokens and context.key_buffer.dtype == torch.bfloat16
         errors[name] = relative_error(context.key_buffer[:, :, :num_tokens].float(), rotated.float())
     assert errors["before"] < 0.6 * errors["after"], errors

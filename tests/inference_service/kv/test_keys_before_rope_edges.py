@@ -58,11 +58,9 @@ def test_content_hits_of_unrotated_blobs_land_at_their_new_positions(tiny_llama)
     assert all(decode_chunk(blob).header.keys_before_rope for _, blob in cache.fetch(list(cache._entries)))
     prompt = plan_prompt(NAMESPACE, [header, doc_a, doc_b, question], 8)
     capacity = prompt.num_tokens + 4
-    context = assemble_context(cache, NAMESPACE, prompt, kv_geometry(model.config), model.device, model.dtype,
-                               capacity, with_content_hits=True, rope=rope)
+    context = assemble_context(cache, NAMESPACE, prompt, allocate_kv(kv_geometry(model.config), capacity, model.device, model.dtype), with_content_hits=True, rope=rope)
     assert context.num_cached_tokens == 10
-    placed = place_content_hits(cache, prompt, context, kv_geometry(model.config), rope, model.device, model.dtype,
-                                capacity)
+    placed = place_content_hits(cache, prompt, context, kv_geometry(model.config), rope, allocate_kv(kv_geometry(model.config), capacity, model.device, model.dtype))
     assert placed.status.tolist() == [EXACT] * 10 + [APPROX] * 32 + [MISSING] * 5
     assert placed.seams.tolist() == [10, 30]  # B follows A in the prompt but starts over in storage
     assert placed.num_content_chunks == 5
@@ -106,8 +104,7 @@ def test_chunks_beyond_the_rope_limit_are_stored_rotated_and_all_prefix_hits_com
     assert [d.header.keys_before_rope for d in decoded] == [True, True, False]
     for d, (begin, end), reference in zip(decoded, [(0, 16), (16, 32), (32, 48)], [unrotated, unrotated, rotated]):
         assert relative_error(d.keys, reference[:, :, begin:end]) < 0.02
-    context = assemble_context(cache, NAMESPACE, plan, geometry, torch.device("cpu"), torch.float32, 48,
-                               with_content_hits=False, rope=rope)
+    context = assemble_context(cache, NAMESPACE, plan, allocate_kv(geometry, 48, torch.device("cpu"), torch.float32), with_content_hits=False, rope=rope)
     assert context.num_cached_tokens == 48
     assert relative_error(context.key_buffer[:, :, :48], rotated) < 0.02
     assert relative_error(context.value_buffer[:, :, :48], values) < 0.02
@@ -125,10 +122,9 @@ def test_an_unrotated_content_hit_beyond_the_rope_limit_stays_missing_and_others
     # A lands at 4..12 (below the limit), B at 36..44 (beyond it).
     prompt = plan_prompt(NAMESPACE, [token_run(23, 4), doc_a, token_run(24, 24), doc_b, token_run(25, 3)], 8)
     capacity = prompt.num_tokens
-    context = assemble_context(cache, NAMESPACE, prompt, geometry, torch.device("cpu"), torch.float32, capacity,
-                               with_content_hits=True, rope=rope)
+    context = assemble_context(cache, NAMESPACE, prompt, allocate_kv(geometry, capacity, torch.device("cpu"), torch.float32), with_content_hits=True, rope=rope)
     assert context.num_cached_tokens == 0 and len(context.content_hits) == 2
-    placed = place_content_hits(cache, prompt, context, geometry, rope, torch.device("cpu"), torch.float32, capacity)
+    placed = place_content_hits(cache, prompt, context, geometry, rope, allocate_kv(geometry, capacity, torch.device("cpu"), torch.float32))
     status = placed.status.tolist()
     assert status[4:12] == [APPROX] * 8 and status[36:44] == [MISSING] * 8
     assert placed.num_content_chunks == 1 and placed.seams.tolist() == [4]
@@ -148,15 +144,12 @@ def test_a_prefix_run_ends_where_unrotated_keys_cannot_be_rotated_into_place():
                                              new_kv, 0), 4, rope=unlimited))
     assert all(decode_chunk(blob).header.keys_before_rope for _, blob in cache.fetch(list(plan.prefix_keys)))
     cpu = torch.device("cpu")
-    full = assemble_context(cache, NAMESPACE, plan, geometry, cpu, torch.float32, 48, with_content_hits=False,
-                            rope=unlimited)
+    full = assemble_context(cache, NAMESPACE, plan, allocate_kv(geometry, 48, cpu, torch.float32), with_content_hits=False, rope=unlimited)
     assert full.num_cached_tokens == 48 and relative_error(full.key_buffer[:, :, :48], rotated) < 0.2
-    cut = assemble_context(cache, NAMESPACE, plan, geometry, cpu, torch.float32, 48, with_content_hits=False,
-                           rope=limited)
+    cut = assemble_context(cache, NAMESPACE, plan, allocate_kv(geometry, 48, cpu, torch.float32), with_content_hits=False, rope=limited)
     assert (cut.num_cached_tokens, cut.num_cached_chunks, cut.degraded) == (32, 2, False)
     torch.testing.assert_close(cut.key_buffer[:, :, :32], full.key_buffer[:, :, :32], atol=1e-5, rtol=0)
-    none = assemble_context(cache, NAMESPACE, plan, geometry, cpu, torch.float32, 48, with_content_hits=False,
-                            rope=None)
+    none = assemble_context(cache, NAMESPACE, plan, allocate_kv(geometry, 48, cpu, torch.float32), with_content_hits=False, rope=None)
     assert (none.num_cached_tokens, none.key_buffer) == (0, None)
 
 

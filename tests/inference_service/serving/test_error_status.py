@@ -7,7 +7,8 @@ import pytest
 from inference_service import errors
 from inference_service.store.protocol import StoreUnavailable
 from inference_service.serving.error_status import status_of
-from inference_service.serving.worker import DeadlineExceeded, JobCancelled, ModelNotLoaded, QueueFull, WorkerStopped
+from inference_service.errors import EngineStopped, QueueFull
+from inference_service.serving.jobs import DeadlineExceeded, JobCancelled, ModelNotLoaded
 
 
 @pytest.mark.parametrize("error, code, hint", [
@@ -17,7 +18,7 @@ from inference_service.serving.worker import DeadlineExceeded, JobCancelled, Mod
     (QueueFull("64 requests are already waiting"), grpc.StatusCode.RESOURCE_EXHAUSTED, "already waiting"),
     (JobCancelled("cancelled while queued"), grpc.StatusCode.CANCELLED, "cancelled"),
     (DeadlineExceeded("allow it more time"), grpc.StatusCode.DEADLINE_EXCEEDED, "more time"),
-    (WorkerStopped("shutting down"), grpc.StatusCode.UNAVAILABLE, "running service"),
+    (EngineStopped("shutting down"), grpc.StatusCode.UNAVAILABLE, "running service"),
     (ModelNotLoaded("still loading"), grpc.StatusCode.UNAVAILABLE, "SERVING"),
     (StoreUnavailable("Lookup failed"), grpc.StatusCode.UNAVAILABLE, "--cache-addr"),
     (RuntimeError("boom"), grpc.StatusCode.INTERNAL, "RuntimeError: boom"),

@@ -28,7 +28,6 @@ def test_listening_beyond_loopback_without_a_token_warns(listen, with_token, war
 
     async def build():
         built = server_module.build_server(config)
-        built.servicer.worker.stop(timeout_s=5)
 
     with caplog.at_level(logging.WARNING, logger="inference_service.serving.server"):
         asyncio.run(build())

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference_service.store.memory import InMemoryStore
 from inference_service.serving.config import ServiceConfig
-from inference_service.engine import scheduler as scheduler_module
-from inference_service.engine.engine import Engine, EngineConfig
+from inference_service.engine import sequence as sequence_module
+from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
 from inference_service.serving.server import CACHE_HEALTH_NAME, SERVICE_NAME, build_server
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
@@ -47,7 +47,11 @@ def make_config(**overrides) -> ServiceConfig:
 
 @asynccontextmanager
 async def serving(engine, metadata=(), **overrides):
-    """(server, stub, health stub) on a free port; always stopped."""
+    """(server, stub, health stub) on a free port; always stopped. max_queue: the engine's queue while serving."""
+    max_queue = overrides.pop("max_queue", None)
+    queue_before = engine.core.max_queue if engine is not None else None
+    if max_queue is not None:
+        engine.core.max_queue = max_queue
     server = build_server(make_config(**overrides), engine)
     await server.start()
     try:
@@ -55,6 +59,8 @@ async def serving(engine, metadata=(), **overrides):
             yield server, inference_pb2_grpc.InferenceServiceStub(channel), health_pb2_grpc.HealthStub(channel)
     finally:
         await server.stop(0)
+        if engine is not None:
+            engine.core.max_queue = queue_before
 
 
 async def generate(stub, **fields) -> list[pb.GenerateEvent]:
@@ -73,20 +79,14 @@ async def wait_until(condition, timeout_s: float = 10.0, what: str = "condition"
 
 
 def record_outcomes(engine, monkeypatch) -> list:
-    """Wraps engine.generate_choices (serial) and the scheduler's record_outcome (continuous) so the test
-    sees each outcome the engine produced."""
-    outcomes, original, original_record = [], engine.generate_choices, scheduler_module.record_outcome
-
-    def recording(*args, **kwargs):
-        outcomes.extend(original(*args, **kwargs))
-        return outcomes[-1:]
+    """Wraps the sequences' record_outcome so the test sees each outcome the engine produced."""
+    outcomes, original_record = [], sequence_module.record_outcome
 
     def recording_outcome(*args, **kwargs):
         outcomes.append(original_record(*args, **kwargs))
         return outcomes[-1]
 
-    monkeypatch.setattr(engine, "generate_choices", recording)
-    monkeypatch.setattr(scheduler_module, "record_outcome", recording_outcome)
+    monkeypatch.setattr(sequence_module, "record_outcome", recording_outcome)
     return outcomes
 
 
@@ -154,24 +154,24 @@ def test_malformed_requests_are_invalid_argument(engine, fields, message) -> Non
 
 
 def test_a_full_queue_is_resource_exhausted_and_counted(engine) -> None:
-    started, release = threading.Event(), threading.Event()
+    started, release, ended = threading.Event(), threading.Event(), threading.Event()
 
-    def hold_the_model(job):
+    def hold_the_model(event):  # a request whose stream callback holds the engine's step loop
         started.set()
         release.wait(30)
 
     async def scenario():
         async with serving(engine, max_queue=1) as (server, stub, _health):
-            worker = server.servicer.worker
-            running = worker.submit(hold_the_model)
+            engine.submit(GenerationParams(prompt="held", max_new_tokens=1), hold_the_model, lambda: False,
+                          lambda *_: ended.set())
             await asyncio.to_thread(started.wait, 10)
             queued = asyncio.create_task(generate(stub, prompt="queued", max_new_tokens=2))
-            await wait_until(lambda: worker.queue_depth == 1, what="the queued request")
+            await wait_until(lambda: engine.core.num_waiting == 1, what="the queued request")
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await generate(stub, prompt="refused", max_new_tokens=2)
             stats = await stub.Stats(pb.ServiceStatsRequest(), timeout=5)
             release.set()
-            await running.result()
+            await asyncio.to_thread(ended.wait, 10)
             return raised.value, stats, (await queued)[-1].result
 
     error, stats, queued_result = run(scenario())
@@ -181,12 +181,11 @@ def test_a_full_queue_is_resource_exhausted_and_counted(engine) -> None:
     assert queued_result.generated_tokens == 2
 
 
-@pytest.mark.parametrize("scheduler", ["continuous", "serial"])
-def test_client_cancellation_stops_generation(engine, monkeypatch, scheduler) -> None:
+def test_client_cancellation_stops_generation(engine, monkeypatch) -> None:
     outcomes = record_outcomes(engine, monkeypatch)
 
     async def scenario():
-        async with serving(engine, scheduler=scheduler) as (_, stub, _health):
+        async with serving(engine) as (_, stub, _health):
             call = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=MAX_NEW_TOKENS_LIMIT - len(PROMPT)))
             first = await call.read()
             call.cancel()
@@ -199,12 +198,11 @@ def test_client_cancellation_stops_generation(engine, monkeypatch, scheduler) ->
     assert outcomes[0].generated_tokens < MAX_NEW_TOKENS_LIMIT - len(PROMPT)
 
 
-@pytest.mark.parametrize("scheduler", ["continuous", "serial"])
-def test_a_passed_deadline_stops_generation(engine, monkeypatch, scheduler) -> None:
+def test_a_passed_deadline_stops_generation(engine, monkeypatch) -> None:
     outcomes = record_outcomes(engine, monkeypatch)
 
     async def scenario():
-        async with serving(engine, scheduler=scheduler) as (_, stub, _health):
+        async with serving(engine) as (_, stub, _health):
             request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=MAX_NEW_TOKENS_LIMIT - len(PROMPT))
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 async for _ in stub.Generate(request, timeout=0.3):
@@ -378,12 +376,12 @@ def test_concurrent_streams_share_the_running_batch_and_match_generate_alone(eng
 
     async def scenario():
         async with serving(engine, max_queue=16) as (server, stub, _health):
-            scheduler = server.servicer.worker.scheduler
-            steps_before.append(scheduler.num_steps)
+            core = engine.core
+            steps_before.append(core.num_steps)
             calls = [generate(stub, prompt=prompt, max_new_tokens=10 + index, mode=pb.PREFIX_CACHE)
                      for index, prompt in enumerate(prompts)]
             results = [events[-1].result for events in await asyncio.gather(*calls)]
-            return results, scheduler.num_steps - steps_before[0]
+            return results, core.num_steps - steps_before[0]
 
     results, num_steps = run(scenario())
     for index, (prompt, result) in enumerate(zip(prompts, results)):
@@ -391,32 +389,3 @@ def test_concurrent_streams_share_the_running_batch_and_match_generate_alone(eng
     assert num_steps < sum(result.generated_tokens for result in results), "requests decoded together"
 
 
-def test_requests_waiting_to_join_count_against_the_queue(engine) -> None:
-    from tests.inference_service.engine.test_scheduler import Tracked
-
-    started, release = threading.Event(), threading.Event()
-    waiting = [Tracked(PROMPT, 3), Tracked(PROMPT, 3)]
-
-    def hold_the_model(job):
-        started.set()
-        release.wait(30)
-
-    async def scenario():
-        async with serving(engine, max_queue=3) as (server, stub, _health):
-            worker = server.servicer.worker
-            running = worker.submit(hold_the_model)
-            await asyncio.to_thread(started.wait, 10)
-            for item in waiting:  # two requests waiting for room in the running batch
-                worker.scheduler.submit(item.request)
-            queued = asyncio.create_task(generate(stub, prompt="queued", max_new_tokens=2))
-            await wait_until(lambda: worker.queue_depth == 3, what="the queued request")
-            with pytest.raises(grpc.aio.AioRpcError) as raised:
-                await generate(stub, prompt="refused", max_new_tokens=2)
-            release.set()
-            await running.result()
-            await queued
-            await wait_until(lambda: all(item.done for item in waiting), what="the waiting requests")
-            return raised.value
-
-    assert run(scenario()).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert [item.outcome.generated_tokens for item in waiting] == [3, 3]

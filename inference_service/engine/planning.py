@@ -1,8 +1,5 @@
-"""One request through the model: plan, reuse what the store holds, prefill the rest, decode, account.
-
-Single requests (Engine.generate) and padded batches (batch.py) share these steps through EngineParts,
-the typed bundle of what every request needs, so neither reaches into the other's internals.
-"""
+"""What every request needs (EngineParts), and the pure steps around the model: plan a request, name its new
+chunks, account its outcome."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,23 +9,19 @@ from typing import Callable
 
 import torch
 
-from inference_service.engine.assembler import AssembledContext, assemble_context, empty_context
-from inference_service.engine.content_reuse import exact_pending_chunks, prefill_with_content_hits
+from inference_service.engine.assembler import AssembledContext
 from inference_service.engine.counters import EngineStats
-from inference_service.engine.generation import DecodeResult, OnToken, SamplingSettings, decode_loop
-from inference_service.engine.logprobs import prompt_logprobs
+from inference_service.engine.generation import DecodeResult
 from inference_service.engine.prompts import (
     PromptPlan, plan_prompt, tokenize_messages, tokenize_prompt, tokenize_segments,
 )
-from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams, TokenEvent, TokenLogprob
+from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams
 from inference_service.engine.writeback import PendingChunks, WriteBack
 from inference_service.errors import InvalidRequest, PromptTooLong
 from inference_service.kv.namespace import Namespace, salted_namespace
 from inference_service.kv.repair import RepairOptions
 from inference_service.kv.rope import RopeParams
-from inference_service.model.detokenizer import IncrementalDetokenizer
-from inference_service.model.forward import prefill, prefill_scored
-from inference_service.model.kv_buffers import KVGeometry, allocate_kv, build_cache
+from inference_service.model.kv_buffers import KVGeometry
 from inference_service.store.protocol import ChunkStore
 
 logger = logging.getLogger(__name__)
@@ -62,21 +55,6 @@ class EngineParts:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
-
-
-@dataclass(slots=True)
-class Prefilled:
-    """A prompt after its one prefill: what decoding and write-back need."""
-
-    prompt: PromptPlan
-    context: AssembledContext
-    num_cached_tokens: int  # leading tokens whose K/V came from the store
-    key_buffer: torch.Tensor  # [layers, kv_heads, capacity, head_dim]; rows [0, prompt length) are set
-    value_buffer: torch.Tensor
-    cache: object  # the DynamicCache over the buffers, ready for decoding
-    first_logits: torch.Tensor | None  # [vocab]; None when no token had to run (need_logits=False)
-    pending: PendingChunks | None  # new full chunks to store after the first token
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # every prompt token's, when asked for
 
 
 def for_request(parts: EngineParts, params: GenerationParams) -> EngineParts:
@@ -143,65 +121,9 @@ def repair_options(parts: EngineParts, params: GenerationParams | None = None) -
     )
 
 
-# ---- prefill --------------------------------------------------------------------------------------
-
-def prefill_prompt(parts: EngineParts, prompt: PromptPlan, mode: str, capacity: int, request_id: str,
-                   repair: RepairOptions | None = None, need_logits: bool = True,
-                   num_prompt_logprobs: int | None = None) -> Prefilled:
-    """Reuses what the store holds, then runs the rest of the prompt; capacity: prompt plus new tokens.
-
-    In chunk_kv_reuse mode, content hits after the prefix run are re-rotated, placed and repaired by
-    `repair` (the server's defaults when None) in the same pass that computes the missing tokens.
-    need_logits: at least the last prompt token runs, so there are logits to start decoding from;
-    False (a batch's shared prefix) runs nothing when every token is cached.
-    num_prompt_logprobs: every prompt token's logprob is wanted (with that many alternatives): cached
-    K/V give no logits, so the whole prompt runs; its new chunks are still stored (unless baseline).
-    """
-    context = assemble_for(parts, prompt, mode, capacity, num_prompt_logprobs)
-    return prefill_assembled(parts, prompt, mode, context, capacity, request_id, repair, need_logits,
-                             num_prompt_logprobs)
-
-
-def assemble_for(parts: EngineParts, prompt: PromptPlan, mode: str, capacity: int,
-                 num_prompt_logprobs: int | None = None) -> AssembledContext:
-    """What the store gives for the prompt in this mode (nothing for baseline or when prompt logprobs are wanted)."""
-    if mode == "baseline" or num_prompt_logprobs is not None:
-        return empty_context()
-    return assemble_context(parts.store, parts.namespace, prompt, parts.geometry, parts.device, parts.dtype,
-                            capacity, with_content_hits=mode == "chunk_kv_reuse", rope=parts.key_rope)
-
-
 def needs_repair(mode: str, context: AssembledContext) -> bool:
     """Content hits to re-rotate and repair (in one pass with the missing tokens)."""
     return mode == "chunk_kv_reuse" and bool(context.content_hits) and not context.degraded
-
-
-def prefill_assembled(parts: EngineParts, prompt: PromptPlan, mode: str, context: AssembledContext, capacity: int,
-                      request_id: str, repair: RepairOptions | None = None, need_logits: bool = True,
-                      num_prompt_logprobs: int | None = None) -> Prefilled:
-    """prefill_prompt after assemble_for: repairs content hits, runs the rest of the prompt in one piece."""
-    if needs_repair(mode, context):
-        prefilled = _prefill_with_content_hits(parts, prompt, context, capacity, request_id, repair)
-        if prefilled is not None:
-            return prefilled
-    num_cached = min(context.num_cached_tokens, prompt.num_tokens - int(need_logits))
-    buffers = (context.key_buffer, context.value_buffer)
-    if buffers[0] is None:
-        buffers = allocate_kv(parts.geometry, capacity, parts.device, parts.dtype)
-    cache = build_cache(parts.model.config, *buffers, num_cached)
-    first_logits = pending = None
-    scored: tuple[TokenLogprob, ...] = ()
-    if num_cached < prompt.num_tokens:
-        live = torch.tensor(prompt.token_ids[num_cached:], device=parts.device)
-        if num_prompt_logprobs is None:
-            first_logits, new_kv = prefill(parts.model, cache, live, num_cached)
-        else:  # num_cached is 0 here: the context is empty
-            all_logits, new_kv = prefill_scored(parts.model, cache, live, num_cached)  # [tokens, vocab]
-            first_logits = all_logits[-1]
-            scored = tuple(prompt_logprobs(parts.tokenizer, all_logits, prompt.token_ids, num_prompt_logprobs))
-        if mode != "baseline" and not context.degraded:
-            pending = new_chunks(parts, prompt, context, new_kv, num_cached, buffers, request_id)
-    return Prefilled(prompt, context, num_cached, *buffers, cache, first_logits, pending, scored)
 
 
 def new_chunks(parts: EngineParts, prompt: PromptPlan, context: AssembledContext, new_kv, num_cached: int,
@@ -220,56 +142,10 @@ def new_chunks(parts: EngineParts, prompt: PromptPlan, context: AssembledContext
                          request_id=request_id, head_kv=buffers)
 
 
-def _prefill_with_content_hits(parts: EngineParts, prompt: PromptPlan, context: AssembledContext, capacity: int,
-                               request_id: str, repair: RepairOptions | None) -> Prefilled | None:
-    reused = prefill_with_content_hits(parts.model, parts.store, prompt, context, parts.geometry, parts.content_rope,
-                                       repair or repair_options(parts), capacity,
-                                       overlap_tokens=parts.config.overlap_tokens)
-    if reused is None:
-        return None
-    pending = exact_pending_chunks(parts.namespace, prompt, context, reused, request_id)
-    context.num_recomputed_tokens = reused.num_recomputed_tokens
-    context.num_bytes_fetched += reused.num_bytes_fetched
-    context.num_cached_chunks += reused.num_content_chunks
-    context.degraded = reused.degraded
-    return Prefilled(prompt, context, reused.num_cached_tokens, reused.key_buffer, reused.value_buffer, reused.cache,
-                     reused.first_logits, None if reused.degraded else pending)
-
-
 def submit_write_back(parts: EngineParts, pending: PendingChunks | None) -> None:
     """Queues new chunks for the background write-back; returns at once."""
     if pending is not None:
         parts.writeback.submit(pending)
-
-
-# ---- one request ----------------------------------------------------------------------------------
-
-def generate_one(parts: EngineParts, params: GenerationParams, on_token: OnToken | None = None,
-                 should_stop: ShouldStop = lambda: False) -> tuple[GenerationOutcome, torch.Tensor | None]:
-    """Runs one request to the end, streaming through on_token(text, token_ids); returns the outcome and
-    the logits the first token was chosen from ([vocab] float32; None when cancelled before the start).
-
-    Raises:
-        InvalidRequest: parameters the server does not accept.
-        PromptTooLong: more prompt tokens than max_prompt_tokens.
-    """
-    assert params.n == 1, "n > 1 runs through choices.generate_choices"
-    parts = for_request(parts, params)
-    mode, prompt, max_new_tokens = plan_request(parts, params)
-    if should_stop():  # cancelled or past its deadline while queued
-        return record_outcome(parts, params, mode, prompt, empty_context(), 0, cancelled_before_start()), None
-    prefilled = prefill_prompt(parts, prompt, mode, prompt.num_tokens + max_new_tokens, params.request_id,
-                               repair_options(parts, params), num_prompt_logprobs=params.prompt_logprobs)
-    if prefilled.prompt_logprobs and on_token is not None:
-        on_token(TokenEvent("", (), prompt_logprobs=prefilled.prompt_logprobs))
-    decoded = decode_loop(
-        parts.model, prefilled.cache, prefilled.first_logits, prompt.num_tokens,
-        IncrementalDetokenizer(parts.tokenizer, prompt.token_ids, params.stop),
-        SamplingSettings.of(params), parts.eos_ids, max_new_tokens, on_token, should_stop,
-        after_first_token=lambda: submit_write_back(parts, prefilled.pending), tokenizer=parts.tokenizer,
-    )
-    outcome = record_outcome(parts, params, mode, prompt, prefilled.context, prefilled.num_cached_tokens, decoded)
-    return outcome, prefilled.first_logits
 
 
 def record_outcome(parts: EngineParts, params: GenerationParams, mode: str, prompt: PromptPlan,

@@ -1,0 +1,131 @@
+"""The step loop: requests arrive from any thread; one thread admits, plans and executes, one step at a time."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Callable, Iterable
+
+import torch
+
+from inference_service.engine.executor import Executor
+from inference_service.engine.kv_owner import KvOwner
+from inference_service.engine.planning import EngineParts
+from inference_service.engine.scheduler import Scheduler, SchedulerLimits
+from inference_service.engine.sequence import Sequence
+from inference_service.errors import EngineFatal, EngineStopped, InvalidRequest, QueueFull
+from inference_service.model.batch_forward import has_sliding_layers
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler, the executor and the K/V owner, and the thread that steps them.
+
+    step(): the requests that arrived join the queue; slots whose holders are done are freed; the scheduler
+    admits what fits, the executor looks those prompts up; the scheduler plans the step's prefill pieces and
+    the executor runs them and one decode step for every running row.
+    """
+
+    def __init__(self, parts: EngineParts, limits: SchedulerLimits, num_slots: int, kv_budget_bytes: int,
+                 max_queue: int, pad_token_id: int = 0) -> None:
+        batched = not has_sliding_layers(parts.model.config)
+        if not batched:
+            limits = SchedulerLimits(limits.max_prefill_tokens, limits.max_forward_tokens, batch_prefills=False)
+        self.owner = KvOwner(parts.model.config, parts.geometry, num_slots, kv_budget_bytes, parts.device, parts.dtype)
+        self.scheduler = Scheduler(limits, self.owner.ledger)
+        self.executor = Executor(parts.model, self.owner, self.scheduler, batched, pad_token_id)
+        self.max_queue = max_queue
+        self.on_fatal: Callable[[BaseException], None] | None = None  # the process must restart (serving exits)
+        self.num_steps = 0
+        self._inbox: deque[Sequence] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._inbox) + self.scheduler.num_waiting
+
+    def submit(self, seqs: Iterable[Sequence]) -> None:
+        """Queues the requests (all or none); callable from any thread.
+
+        Raises:
+            InvalidRequest: a request needs more K/V than the whole budget.
+            QueueFull: max_queue requests are already waiting.
+            EngineStopped: the engine is shutting down.
+        """
+        seqs = list(seqs)
+        ledger = self.owner.ledger
+        for seq in seqs:
+            if seq.prompt.num_tokens + seq.max_new_tokens > self.owner.capacity or not ledger.fits_at_all(
+                    seq.state.num_reserved_tokens, seq.state.num_rows):
+                need = ledger.bytes_for(seq.state.num_reserved_tokens, seq.state.num_rows)
+                raise InvalidRequest(
+                    f"the request needs {need} bytes of K/V ({seq.state.num_reserved_tokens} tokens x "
+                    f"{seq.state.num_rows} rows) and the budget is {ledger.budget_bytes}: lower max_tokens or n, or "
+                    "start the service with a larger --kv-cache-bytes")
+        with self._wake:
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            if self.num_waiting + len(seqs) > self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are already waiting for the model; retry later or start "
+                                "the service with a larger --max-queue")
+            self._inbox.extend(seqs)
+            self._wake.notify()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Requests still waiting fail with EngineStopped; running ones finish; then the loop ends."""
+        with self._wake:
+            self._stopping = True
+            waiting, self._inbox = list(self._inbox), deque()
+            self._wake.notify()
+        stopped = EngineStopped("the service shut down before this request started")
+        for seq in waiting:
+            seq.end(None, stopped)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        with self._wake:
+            arrived, self._inbox = list(self._inbox), deque()
+        for seq in arrived:
+            self.executor.sequences[seq.seq_id] = seq
+            self.scheduler.add(seq.state)
+        self.owner.collect()
+        for state in self.scheduler.admit():
+            self.executor.start(self.executor.sequences[state.seq_id])
+        self.executor.run(self.scheduler.plan())
+        self.num_steps += 1
+
+    def stats(self) -> dict:
+        return {"running_rows": self.scheduler.num_running_rows, "waiting_requests": self.num_waiting,
+                **self.owner.stats()}
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.has_work():
+                    self._wake.wait()
+                if self._stopping and not self.scheduler.has_work() and not self._inbox:
+                    return
+            try:
+                self.step()
+            except EngineFatal as error:
+                logger.critical("%s: failing every request", error)
+                self.executor.fail_all(error)
+                if self.on_fatal is not None:
+                    self.on_fatal(error)
+                return
+            except Exception as error:  # outside every request's own work: each request ends with it
+                logger.exception("engine step failed; its requests fail")
+                self.executor.fail_all(error)

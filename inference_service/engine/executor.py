@@ -1,0 +1,242 @@
+"""Runs the scheduler's decisions on the model: lookups, prefill pieces, first tokens, one decode step.
+
+Each request's own work runs inside that request's guard: an exception there ends that request alone (its
+status from the error: INVALID_ARGUMENT where its parameters caused it, INTERNAL otherwise) and frees its
+slots; the others go on. Only a failure of a forward that several requests share ends each of them, each
+through its own on_done.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from inference_service.engine import prefill
+from inference_service.engine.generation import RowDecoder, SamplingSettings
+from inference_service.engine.kv_owner import KvOwner
+from inference_service.engine.scheduler import Scheduler, StepPlan
+from inference_service.engine.sequence import Row, Sequence
+from inference_service.engine.types import TokenEvent
+from inference_service.engine.assembler import AssembledContext
+from inference_service.errors import EngineError, EngineFatal
+from inference_service.model.detokenizer import IncrementalDetokenizer
+from inference_service.model.forward import decode_step
+from inference_service.model.kv_buffers import build_cache
+
+logger = logging.getLogger(__name__)
+
+
+class Executor:
+    """The only part of the engine that runs forwards; every sequence it knows is in `sequences` by seq id."""
+
+    def __init__(self, model, owner: KvOwner, scheduler: Scheduler, batched: bool, pad_token_id: int = 0) -> None:
+        self.model, self.owner, self.scheduler = model, owner, scheduler
+        self.batched = batched  # False: rows decode one at a time, each in its own cache (sliding-window models)
+        self.pad_token_id = pad_token_id
+        self.sequences: dict[int, Sequence] = {}
+
+    # ---- admission and prefill --------------------------------------------------------------------
+
+    def start(self, seq: Sequence) -> None:
+        """An admitted sequence: holds its slots and places what the store has (a follower waits for its source)."""
+        for slot in seq.state.slots:
+            self.owner.hold(slot)
+        seq.held_slots = set(seq.state.slots)
+        if seq.should_stop():  # cancelled or past its deadline while waiting
+            self._guard(seq, seq.cancelled_before_start)
+            self._fail(seq, None)
+            return
+        if seq.source is not None and not seq.source.ended and seq.source.first_logits is None:
+            return  # placed when its source's prefill is done (_hand_over)
+        self._guard(seq, lambda: self._place(seq))
+
+    def run(self, plan: StepPlan) -> None:
+        """One step: the plan's prefill pieces, its groups of short prefills, then one token for every running row."""
+        for seq_id, num_tokens in plan.pieces:
+            seq = self.sequences.get(seq_id)
+            if seq is not None:
+                self._guard(seq, lambda: self._run_piece(seq, num_tokens))
+        for group in plan.groups:
+            self._run_group([self.sequences[seq_id] for seq_id in group if seq_id in self.sequences])
+        decoding = [self.sequences[seq_id] for seq_id in plan.decode if seq_id in self.sequences]
+        if decoding:
+            self._decode(decoding)
+
+    def _place(self, seq: Sequence) -> None:
+        source = seq.source
+        if source is not None and source.first_logits is not None and source.state.slots[0] in source.held_slots:
+            self.owner.buffers.copy_prefix(seq.source.state.slots[0], seq.state.slots[0], seq.num_shared_tokens)
+            seq.context = AssembledContext(None, None, seq.num_shared_tokens, seq.num_shared_chunks,
+                                           degraded=seq.source.context.degraded)
+            prefill.place(seq, self.owner.views(seq.state.slots[0]), seq.num_shared_tokens)
+        else:
+            seq.source = None  # its source failed or shares nothing: it looks its prompt up itself
+            prefill.start(seq, self.owner.views(seq.state.slots[0]))
+        self._maybe_prefilled(seq)
+
+    def _run_piece(self, seq: Sequence, num_tokens: int) -> None:
+        prefill.run_piece(seq, self.owner.views(seq.state.slots[0]), num_tokens)
+        self._maybe_prefilled(seq)
+
+    def _run_group(self, seqs: list[Sequence]) -> None:
+        if not seqs:
+            return
+        try:  # one forward for all of them: its failure is each one's
+            prefill.run_together(seqs, [self.owner.views(seq.state.slots[0]) for seq in seqs], self.pad_token_id)
+        except Exception as error:
+            for seq in seqs:
+                self._fail(seq, error)
+            return
+        for seq in seqs:
+            self._guard(seq, lambda: self._maybe_prefilled(seq))
+
+    def _maybe_prefilled(self, seq: Sequence) -> None:
+        """After the last prompt token: the followers take the shared K/V, then the sequence picks its first token."""
+        if seq.state.num_computed < seq.prompt.num_tokens or seq.ended:
+            return
+        self.owner.buffers.written(seq.state.slots[0], seq.prompt.num_tokens)
+        self._hand_over(seq)
+        if seq.warm is not None:
+            self._store_warm(seq)
+            return
+        self.scheduler.prefilled(seq.seq_id)
+        self._join(seq)
+
+    def _hand_over(self, source: Sequence) -> None:
+        for follower in source.followers:
+            if follower.seq_id in self.sequences and follower.state.slots and follower.state.num_computed is None:
+                self._guard(follower, lambda follower=follower: self._place(follower))
+        source.followers = []
+
+    # ---- the first token and decoding ----------------------------------------------------------------
+
+    def _join(self, seq: Sequence) -> None:
+        """The sequence picks its first token(s); each of its n completions decodes as a row in its own slot."""
+        parts, params, prompt = seq.parts, seq.params, seq.prompt
+        if seq.prompt_logprobs and seq.on_token is not None:
+            seq.on_token(TokenEvent("", (), prompt_logprobs=seq.prompt_logprobs))
+        seq.outcomes = [None] * params.n
+        first_slot = seq.state.slots[0]
+        for index, slot in enumerate(seq.state.slots):
+            if index:
+                self.owner.buffers.copy_prefix(first_slot, slot, prompt.num_tokens)
+            decoder = RowDecoder(
+                IncrementalDetokenizer(parts.tokenizer, prompt.token_ids, params.stop),
+                SamplingSettings.of(params, choice=index), parts.eos_ids, seq.max_new_tokens, seq.on_token,
+                seq.should_stop, after_first_token=(lambda: self._write_back(seq)) if index == 0 else _nothing,
+                tokenizer=parts.tokenizer, device=parts.device, index=index)
+            cache = None
+            if not self.batched:
+                cache = seq.cache if index == 0 else build_cache(parts.model.config, *self.owner.views(slot),
+                                                                  prompt.num_tokens)
+            seq.rows.append(Row(slot, index, decoder, next_position=prompt.num_tokens, cache=cache))
+        for row in list(seq.rows):
+            row.next_token_id = int(row.decoder.take(seq.first_logits))
+            if row.decoder.reason:
+                self._finish_row(seq, row)
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        rows = [(seq, row) for seq in seqs for row in seq.rows]
+        try:  # one forward for every row: its failure is each request's
+            logits = self._forward_rows(rows)
+        except Exception as error:
+            for seq in seqs:
+                self._fail(seq, error)
+            return
+        # One check for every row: a row whose logits are NaN or +inf fails alone (in its guard, below).
+        for (seq, row), row_logits in zip(rows, logits):
+            self._guard(seq, lambda seq=seq, row=row, row_logits=row_logits: self._take(seq, row, row_logits))
+
+    @torch.inference_mode()
+    def _forward_rows(self, rows: list[tuple[Sequence, Row]]) -> list[torch.Tensor]:
+        if self.batched:
+            for _, row in rows:
+                self.owner.buffers.finite_until[row.slot] = max(self.owner.buffers.finite_until[row.slot],
+                                                                row.next_position)
+            all_logits = self.owner.buffers.decode(
+                self.model, {row.slot: (row.next_token_id, row.next_position) for _, row in rows})
+            return [all_logits[row.slot] for _, row in rows]
+        return [decode_step(self.model, row.cache, torch.tensor(row.next_token_id, device=self.model.device),
+                            row.next_position) for _, row in rows]
+
+    def _take(self, seq: Sequence, row: Row, logits: torch.Tensor) -> None:
+        if seq.ended:  # another of its rows failed this step
+            return
+        row.next_position += 1
+        row.next_token_id = int(row.decoder.take(logits))
+        if row.decoder.reason:
+            self._finish_row(seq, row)
+
+    def _finish_row(self, seq: Sequence, row: Row) -> None:
+        ended = seq.finish_row(row, row.decoder.finish())
+        seq.held_slots.discard(row.slot)
+        self.owner.let_go(row.slot)
+        if ended:
+            self._forget(seq)
+
+    # ---- write-back, failures --------------------------------------------------------------------------
+
+    def _write_back(self, seq: Sequence) -> None:
+        pending = seq.pending
+        if pending is not None and seq.stored_keys is not None:  # a batch call: no chunk is stored twice
+            pending = pending.without(seq.stored_keys)
+        if pending is None:
+            return
+        slot = seq.state.slots[0]
+        self.owner.hold(slot)  # the write-back reads the slot's K/V on its own thread
+        seq.parts.writeback.submit(pending, lambda stored, error: self.owner.let_go(slot))
+
+    def _store_warm(self, seq: Sequence) -> None:
+        slot = seq.state.slots[0]
+        seq.held_slots.discard(slot)  # let go of by the write-back, once it has read the slot
+        self._forget(seq)
+
+        def stored(count: int, error: BaseException | None) -> None:
+            seq.end(None if error else seq.warm_outcome(count), error)
+            self.owner.let_go(slot)
+
+        if seq.pending is None:
+            stored(0, None)
+        else:
+            seq.parts.writeback.submit(seq.pending, stored)
+
+    def _guard(self, seq: Sequence, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as error:
+            self._fail(seq, error)
+
+    def _fail(self, seq: Sequence, error: BaseException | None) -> None:
+        """Ends the sequence alone with `error` (None: it already reported) and frees its slots; its followers
+        then look their prompts up themselves. A dead device ends the process instead."""
+        if error is not None:
+            if is_device_fatal(error):
+                raise EngineFatal(f"the device failed: {error}") from error
+            logger.error("[%s] request failed: %s: %s", seq.request_id, type(error).__name__, error,
+                         exc_info=not isinstance(error, EngineError))
+            seq.end(None, error)
+        for slot in seq.held_slots:
+            self.owner.let_go(slot)
+        seq.held_slots, seq.rows = set(), []
+        self._forget(seq)
+        self._hand_over(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self.sequences.pop(seq.seq_id, None)
+        self.scheduler.remove(seq.seq_id)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Ends every sequence with `error` (after a failure outside any request's work)."""
+        for seq in list(self.sequences.values()):
+            self._fail(seq, error)
+
+
+def is_device_fatal(error: BaseException) -> bool:
+    """A CUDA error poisons the context: nothing on the device can be trusted until the process restarts."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("CUDA error" in text or "device-side assert" in text)
+
+
+def _nothing() -> None:
+    pass

@@ -1,0 +1,128 @@
+"""A sequence's prefill on the model: its prompt looked up into its slot, its pieces run, its new chunks named."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence as Seq
+
+import torch
+
+from inference_service.engine.assembler import assemble_context, empty_context
+from inference_service.engine.content_reuse import exact_pending_chunks, prefill_with_content_hits
+from inference_service.engine.logprobs import prompt_logprobs
+from inference_service.engine.planning import needs_repair, new_chunks, repair_options
+from inference_service.engine.sequence import Sequence
+from inference_service.model.batch_forward import PrefillRow, prefill_rows
+from inference_service.model.forward import prefill, prefill_scored
+from inference_service.model.kv_buffers import build_cache
+
+Buffers = tuple[torch.Tensor, torch.Tensor]  # a slot's keys, values: [layers, kv_heads, capacity, head_dim]
+
+
+def start(seq: Sequence, buffers: Buffers) -> None:
+    """Places what the store holds for the prompt into the slot; sets how much is in place and whether the rest
+    must run in one piece (repair of content hits, every prompt token's logprob)."""
+    parts, prompt = seq.parts, seq.prompt
+    looks_up = seq.mode != "baseline" and seq.params.prompt_logprobs is None and seq.warm is None
+    seq.context = (assemble_context(parts.store, parts.namespace, prompt, buffers, seq.mode == "chunk_kv_reuse",
+                                    parts.key_rope) if looks_up else empty_context())
+    seq.whole = seq.params.prompt_logprobs is not None or needs_repair(seq.mode, seq.context)
+    # The last prompt token runs when its logits choose the first new token.
+    place(seq, buffers, min(seq.context.num_cached_tokens, prompt.num_tokens - int(seq.need_logits)))
+
+
+def place(seq: Sequence, buffers: Buffers, num_in_place: int) -> None:
+    """The first num_in_place prompt tokens are in the slot: the prefill goes on from there."""
+    seq.num_cached = num_in_place
+    seq.cache = build_cache(seq.parts.model.config, *buffers, num_in_place)
+    seq.state.num_computed, seq.state.whole = num_in_place, seq.whole
+    if num_in_place == seq.prompt.num_tokens:  # a warm-up the store already holds whole: nothing runs
+        finish(seq, buffers, None)
+
+
+@torch.inference_mode()
+def run_piece(seq: Sequence, buffers: Buffers, num_tokens: int) -> int:
+    """Runs the next num_tokens prompt tokens (all the rest for a whole prefill); returns how many ran."""
+    if seq.whole:
+        return _run_whole(seq, buffers)
+    begin = seq.state.num_computed
+    end = min(begin + num_tokens, seq.prompt.num_tokens)
+    live = torch.tensor(seq.prompt.token_ids[begin:end], device=seq.parts.device)
+    logits, new_kv = prefill(seq.parts.model, seq.cache, live, begin)
+    _keep_sliding_layers(seq, buffers, new_kv, begin)
+    seq.state.num_computed = end
+    if end == seq.prompt.num_tokens:
+        finish(seq, buffers, logits)
+    return end - begin
+
+
+@torch.inference_mode()
+def run_together(seqs: Seq[Sequence], buffers: Seq[Buffers], pad_token_id: int) -> None:
+    """The rest of every sequence's prompt in ONE forward (full-attention models); each is then prefilled."""
+    if len(seqs) == 1:
+        run_piece(seqs[0], buffers[0], seqs[0].state.num_remaining)
+        return
+    rows = [PrefillRow(*slot, seq.state.num_computed, seq.prompt.token_ids[seq.state.num_computed:])
+            for seq, slot in zip(seqs, buffers)]
+    logits = prefill_rows(seqs[0].parts.model, rows, pad_token_id)
+    for seq, slot, row_logits in zip(seqs, buffers, logits):
+        seq.cache = build_cache(seq.parts.model.config, *slot, seq.prompt.num_tokens)
+        finish(seq, slot, row_logits)
+
+
+def finish(seq: Sequence, buffers: Buffers, first_logits: torch.Tensor | None) -> None:
+    """The whole prompt is in the slot: keeps the first token's logits and names the chunks to store."""
+    parts, prompt = seq.parts, seq.prompt
+    seq.first_logits = first_logits
+    seq.state.num_computed = prompt.num_tokens
+    keys, values = buffers
+    new_kv = [(keys[layer : layer + 1, :, seq.num_cached : prompt.num_tokens],
+               values[layer : layer + 1, :, seq.num_cached : prompt.num_tokens])
+              for layer in range(parts.geometry.num_layers)]
+    stores = seq.warm is not None or seq.mode != "baseline"
+    if stores and not seq.context.degraded and seq.num_cached < prompt.num_tokens:
+        seq.pending = new_chunks(parts, prompt, seq.context, new_kv, seq.num_cached, buffers, seq.request_id)
+        if seq.warm is not None and seq.warm.pin:
+            seq.pending = dataclasses.replace(seq.pending, pin=True)
+
+
+def _run_whole(seq: Sequence, buffers: Buffers) -> int:
+    parts, prompt, context = seq.parts, seq.prompt, seq.context
+    num_before = seq.state.num_computed
+    if needs_repair(seq.mode, context):
+        reused = prefill_with_content_hits(parts.model, parts.store, prompt, context, parts.geometry,
+                                           parts.content_rope, repair_options(parts, seq.params), buffers,
+                                           overlap_tokens=parts.config.overlap_tokens)
+        if reused is not None:
+            # Named before the context counts the content chunks: only chunks before the first one are exact.
+            pending = exact_pending_chunks(parts.namespace, prompt, context, reused, seq.request_id)
+            context.num_recomputed_tokens = reused.num_recomputed_tokens
+            context.num_bytes_fetched += reused.num_bytes_fetched
+            context.num_cached_chunks += reused.num_content_chunks
+            context.degraded = reused.degraded
+            seq.num_cached, seq.cache, seq.first_logits = reused.num_cached_tokens, reused.cache, reused.first_logits
+            seq.state.num_computed = prompt.num_tokens
+            seq.pending = None if reused.degraded else pending
+            return prompt.num_tokens - num_before
+    live = torch.tensor(prompt.token_ids[num_before:], device=parts.device)
+    if seq.params.prompt_logprobs is None:
+        first_logits, new_kv = prefill(parts.model, seq.cache, live, num_before)
+    else:  # nothing was looked up: the whole prompt runs, every token's logits kept
+        all_logits, new_kv = prefill_scored(parts.model, seq.cache, live, num_before)  # [tokens, vocab]
+        first_logits = all_logits[-1]
+        seq.prompt_logprobs = tuple(prompt_logprobs(parts.tokenizer, all_logits, prompt.token_ids,
+                                                    seq.params.prompt_logprobs))
+    _keep_sliding_layers(seq, buffers, new_kv, num_before)
+    finish(seq, buffers, first_logits)
+    return prompt.num_tokens - num_before
+
+
+def _keep_sliding_layers(seq: Sequence, buffers: Buffers, new_kv, begin: int) -> None:
+    """Sliding-window layers keep only their window in the cache: their K/V go into the slot too, so the
+    write-back and the copies for n completions find every token there."""
+    keys, values = buffers
+    for layer, cache_layer in enumerate(seq.cache.layers):
+        if getattr(cache_layer, "is_sliding", False):
+            layer_keys, layer_values = new_kv[layer]
+            end = begin + layer_keys.shape[2]
+            keys[layer, :, begin:end].copy_(layer_keys[0])
+            values[layer, :, begin:end].copy_(layer_values[0])

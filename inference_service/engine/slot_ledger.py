@@ -1,0 +1,60 @@
+"""Bookkeeping of K/V memory, in bytes and slots: who holds what (pure: no tensors)."""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SlotLedger:
+    """Reserves K/V at admission: a request's rows take one slot each and prompt + max_new_tokens per row in bytes.
+
+    Reserving the whole request up front means the budget can never run out mid-decode (nothing is preempted
+    or recomputed); a request that does not fit waits. Slots are handed out lowest first, so the running
+    rows stay packed at the front of the buffers (a decode step runs over slots 0..highest in use).
+    """
+
+    num_slots: int
+    budget_bytes: int
+    bytes_per_token: int
+    _free: list[int] = field(default_factory=list)
+    _bytes_by_slot: dict[int, int] = field(default_factory=dict)
+    bytes_in_use: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.num_slots > 0, f"num_slots must be positive, got {self.num_slots}"
+        assert self.budget_bytes > 0 and self.bytes_per_token > 0, "the budget and bytes per token must be positive"
+        self._free = list(range(self.num_slots))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def highest_slot_in_use(self) -> int:
+        return max(self._bytes_by_slot, default=-1)
+
+    def bytes_for(self, num_tokens: int, num_rows: int = 1) -> int:
+        return num_tokens * num_rows * self.bytes_per_token
+
+    def fits_at_all(self, num_tokens: int, num_rows: int = 1) -> bool:
+        """Whether the request could ever be admitted (alone, with every slot free)."""
+        return num_rows <= self.num_slots and self.bytes_for(num_tokens, num_rows) <= self.budget_bytes
+
+    def can_admit(self, num_tokens: int, num_rows: int = 1) -> bool:
+        return (num_rows <= len(self._free)
+                and self.bytes_in_use + self.bytes_for(num_tokens, num_rows) <= self.budget_bytes)
+
+    def admit(self, num_tokens: int, num_rows: int = 1) -> list[int]:
+        """Reserves num_rows slots of num_tokens tokens each; returns the slots, lowest first."""
+        assert self.can_admit(num_tokens, num_rows), "admit only what can_admit accepts"
+        slots = [heapq.heappop(self._free) for _ in range(num_rows)]
+        for slot in slots:
+            self._bytes_by_slot[slot] = self.bytes_for(num_tokens)
+        self.bytes_in_use += self.bytes_for(num_tokens, num_rows)
+        return slots
+
+    def release(self, slot: int) -> None:
+        assert slot in self._bytes_by_slot, f"slot {slot} is not held"
+        self.bytes_in_use -= self._bytes_by_slot.pop(slot)
+        heapq.heappush(self._free, slot)

@@ -1,0 +1,31 @@
+"""K/V bookkeeping in bytes and slots, without tensors."""
+from __future__ import annotations
+
+import pytest
+
+from inference_service.engine.slot_ledger import SlotLedger
+
+
+def test_slots_come_lowest_first_and_bytes_are_reserved_per_row():
+    ledger = SlotLedger(num_slots=4, budget_bytes=1000, bytes_per_token=2)
+    assert ledger.admit(100) == [0]
+    assert ledger.admit(50, num_rows=2) == [1, 2]
+    assert ledger.bytes_in_use == 200 + 2 * 100
+    ledger.release(1)
+    assert ledger.bytes_in_use == 300 and ledger.num_free_slots == 2
+    assert ledger.admit(10) == [1]  # the lowest free slot again: running rows stay packed at the front
+    assert ledger.highest_slot_in_use == 2
+
+
+def test_the_budget_and_the_slots_both_bound_admission():
+    ledger = SlotLedger(num_slots=2, budget_bytes=100, bytes_per_token=1)
+    assert ledger.can_admit(100) and not ledger.can_admit(101)
+    assert not ledger.fits_at_all(101) and not ledger.fits_at_all(10, num_rows=3)
+    ledger.admit(60)
+    assert not ledger.can_admit(41) and ledger.can_admit(40)
+    ledger.admit(40)
+    assert not ledger.can_admit(0)  # no slot left
+    with pytest.raises(AssertionError):
+        ledger.admit(1)
+    with pytest.raises(AssertionError, match="not held"):
+        ledger.release(3)

@@ -148,10 +148,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<16} {statistics.mean(score['correct']):>8.3f} {statistics.mean(score['kl']):>10.4f}")
 
 
-def _copy_cache(model, keys, values):
-    key_buffer = torch.cat([k.clone() for k in keys])  # [layers, kv_heads, S, head_dim]
-    value_buffer = torch.cat([v.clone() for v in values])
-    return build_cache(model.config, key_buffer, value_buffer, key_buffer.shape[2])
+def _copy_cache(model, keys, values, room: int = 256):
+    """A cache over copies of the K/V with room for `room` more tokens (the engine's buffers never grow)."""
+    held = torch.cat(keys)  # [layers, kv_heads, S, head_dim]
+    shape = (held.shape[0], held.shape[1], held.shape[2] + room, held.shape[3])
+    key_buffer, value_buffer = held.new_empty(shape), held.new_empty(shape)
+    key_buffer[:, :, : held.shape[2]].copy_(held)
+    value_buffer[:, :, : held.shape[2]].copy_(torch.cat(values))
+    return build_cache(model.config, key_buffer, value_buffer, held.shape[2])
 
 
 def _score(score: dict, tokenizer, answer: str, tokens: list[int], kl: float) -> None:

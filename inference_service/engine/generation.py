@@ -1,7 +1,6 @@
 """One row's side of decoding: pick a token, stream its text, stop on EOS, a stop string or token, the length limit or cancellation."""
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -57,9 +56,9 @@ def check_logits(logits: torch.Tensor, settings: SamplingSettings) -> None:
     """Checks on the host, before sampling, what no sampler can take. logits: [vocab]."""
     if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
         raise NonFiniteLogits("the model produced non-finite logits for this request")
-    if settings.temperature > 0:
-        scaled_max = float(logits.max()) / settings.temperature
-        if not math.isfinite(scaled_max):
+    if settings.temperature > 0:  # sample() divides float32 logits by the temperature
+        scaled_max = logits.float().abs().max() / torch.tensor(settings.temperature, dtype=torch.float32)
+        if not bool(torch.isfinite(scaled_max)):
             raise InvalidRequest(f"temperature {settings.temperature} is too small: the logits divided by it overflow "
                                  "float32; use 0 for greedy decoding or a larger temperature")
 

@@ -27,10 +27,16 @@ def engine_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     causal = query.shape[2] > 1 and attention_mask is None and (is_causal if is_causal is not None else True)
+    return grouped_sdpa(query, key, value, attention_mask, dropout, scaling, causal), None
+
+
+def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                 dropout: float, scaling: float | None, causal: bool) -> torch.Tensor:
+    """SDPA over grouped K/V heads; returns [batch, q, heads, dim] as transformers' attention functions do."""
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
         enable_gqa=True)
-    return output.transpose(1, 2).contiguous(), None  # [batch, q, heads, dim]
+    return output.transpose(1, 2).contiguous()
 
 
 def use_engine_attention(model) -> None:

@@ -1,11 +1,15 @@
-"""One-at-a-time vs continuous batching under concurrent clients, in one run, on the shared system-prompt workload.
+"""One request at a time vs the running batch under concurrent clients, in one run, on the shared system-prompt
+workload; optionally beside the service of an earlier commit (a git worktree of it).
 
-One cache daemon and two inference services (--scheduler serial and --scheduler continuous) on loopback; at
-each concurrency level both services get the same bench/load.py load in turn (each level warms the system
-prompt first). Reported per row: requests/s, output tokens/s, p50/p99 TTFT (client side), p50 time per output
-token, errors, the daemon's budget and RSS. Writes a plot of throughput and p99 TTFT vs concurrency.
+One cache daemon and an inference service per configuration on loopback: `one-at-a-time` (--max-running-requests
+1), `batched` (the defaults) and, with --baseline-tree, `before` (that tree's own service and defaults). At each
+concurrency level every service gets the same bench/load.py load in turn. Reported per row: requests/s, output
+tokens/s, p50/p99 TTFT (client side), p50 time per output token, errors, the daemon's budget and RSS. Writes a plot
+of throughput and p99 TTFT vs concurrency.
 
     flock /tmp/kvboost-bench.lock python bench/bench_concurrency.py                 # SmolLM2, 1 4 8 16, 20 s
+    git worktree add /tmp/before <commit> && \
+      flock /tmp/kvboost-bench.lock python bench/bench_concurrency.py --baseline-tree /tmp/before
     flock /tmp/kvboost-bench.lock python bench/bench_concurrency.py --model tiny --levels 1 4 --duration 5
 """
 from __future__ import annotations
@@ -26,15 +30,17 @@ sys.path.insert(0, str(ROOT))
 from bench.load import SYSTEM_PROMPT, Report, rss_bytes, run_load  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 
-SCHEDULERS = ("serial", "continuous")
+# label -> the service's own flags (besides model, daemon, port, chunk size and queue).
+CONFIGS = {"one-at-a-time": ("--max-running-requests", "1"), "batched": ()}
+BEFORE = "before"  # the service of --baseline-tree
 # The daemon's resident memory, split: its heap (what would leak) and the LMDB file pages it has mapped in
 # (they grow with the pages read and written, and are the kernel's to drop under memory pressure).
 RSS_FIELDS = {"VmRSS": "all", "RssAnon": "anonymous", "RssFile": "mapped LMDB file pages"}
 
 
 def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str, max_queue: int,
-                   work_dir: Path) -> tuple[dict[str, str], str, int]:
-    """The daemon and one service per scheduler; ({scheduler: address}, daemon address, daemon pid)."""
+                   work_dir: Path, baseline_tree: Path | None = None) -> tuple[dict[str, str], str, int]:
+    """The daemon and one service per configuration; ({label: address}, daemon address, daemon pid)."""
     from tests.conftest import pick_free_port
     from tests.e2e.daemon_process import start_daemon
     from tests.e2e.service_process import start_service
@@ -44,13 +50,16 @@ def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str
         model = str(save_tiny_model(work_dir / "tiny-model"))
     daemon = start_daemon(work_dir / "lmdb", pick_free_port(), "--max-bytes", max_bytes)
     stack.callback(lambda: daemon.process.poll() is None and daemon.terminate())
+    configs = {label: (flags, None) for label, flags in CONFIGS.items()}
+    if baseline_tree is not None:
+        configs = {BEFORE: ((), baseline_tree), **configs}
     addresses = {}
-    for scheduler in SCHEDULERS:
-        service = start_service(model, daemon.address, pick_free_port(), work_dir / f"service-{scheduler}.log",
-                                "--chunk-size", str(chunk_size), "--max-queue", str(max_queue),
-                                "--scheduler", scheduler, timeout_s=300)
+    for label, (flags, tree) in configs.items():
+        service = start_service(model, daemon.address, pick_free_port(), work_dir / f"service-{label}.log",
+                                "--chunk-size", str(chunk_size), "--max-queue", str(max_queue), *flags,
+                                timeout_s=300, tree=tree)
         stack.callback(lambda service=service: service.process.poll() is None and service.terminate())
-        addresses[scheduler] = service.address
+        addresses[label] = service.address
     return addresses, daemon.address, daemon.process.pid
 
 
@@ -65,7 +74,7 @@ def warm_system_prompt(address: str) -> None:
 
 
 def format_row(scheduler: str, report: Report) -> str:
-    return (f"{scheduler:<10} {report.clients:>3} clients: {report.requests_per_s:6.2f} req/s, "
+    return (f"{scheduler:<13} {report.clients:>3} clients: {report.requests_per_s:6.2f} req/s, "
             f"{report.output_tokens_per_s:7.1f} out tok/s, TTFT p50 {report.ttft_ms_p50:8.1f} ms "
             f"p99 {report.ttft_ms_p99:8.1f} ms, TPOT p50 {report.time_per_output_token_ms_p50:6.1f} ms, "
             f"errors {report.errors}, rejected {report.rejected}, "
@@ -75,7 +84,7 @@ def format_row(scheduler: str, report: Report) -> str:
 def write_plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(10, 4.2))
-    for scheduler in SCHEDULERS:
+    for scheduler in dict.fromkeys(row["scheduler"] for row in rows):
         points = [row for row in rows if row["scheduler"] == scheduler]
         levels = [row["clients"] for row in points]
         throughput.plot(levels, [row["output_tokens_per_s"] for row in points], marker="o", label=scheduler)
@@ -87,9 +96,13 @@ def write_plot(rows: list[dict], path: Path) -> None:
     ttft.set_yscale("log")
     for axis in (throughput, ttft):
         axis.legend(fontsize=8)
-    figure.suptitle("SmolLM2-135M, CPU fp32, shared system prompt: one-at-a-time vs continuous batching")
+    figure.suptitle("SmolLM2-135M, CPU fp32, shared system prompt: one at a time vs the running batch")
     figure.tight_layout()
     figure.savefig(path)
+
+
+def ratio(row: dict, baseline: str, field: str = "output_tokens_per_s") -> float:
+    return row["batched"][field] / row[baseline][field] if row[baseline][field] else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads of each service (OMP_NUM_THREADS); 1 keeps a shared 2-core machine "
                              "from stalling batched matmuls on busy cores")
+    parser.add_argument("--baseline-tree", type=Path,
+                        help="a checkout of an earlier commit (git worktree add DIR COMMIT): its service runs as "
+                             "`before` beside this one, in the same run")
     parser.add_argument("--no-warm", action="store_true",
                         help="do not Warm the system prompt first (then every request also prefills its tail)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="folder for concurrency.png and .json")
@@ -113,17 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-concurrency-")))
         addresses, daemon_address, daemon_pid = start_services(
-            stack, args.model, args.chunk_size, args.max_bytes, args.max_queue, work_dir)
+            stack, args.model, args.chunk_size, args.max_bytes, args.max_queue, work_dir, args.baseline_tree)
         if not args.no_warm:  # as a deployment would: the shared system prompt, its partial last chunk included
-            warm_system_prompt(addresses["continuous"])
-        for scheduler in SCHEDULERS:  # each service's first forward
+            warm_system_prompt(addresses["batched"])
+        for scheduler in addresses:  # each service's first forward
             run_load(addresses[scheduler], 1, 0.1, args.max_new_tokens)
         rss_start = {field: rss_bytes(daemon_pid, field) for field in RSS_FIELDS}
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, {args.duration:.0f} s per row, "
               f"max_new_tokens {args.max_new_tokens}, {args.threads} torch thread(s) per service, system prompt "
               f"{'not ' if args.no_warm else ''}warmed", flush=True)
         for clients in args.levels:
-            for scheduler in SCHEDULERS:
+            for scheduler in addresses:
                 report = run_load(addresses[scheduler], clients, args.duration, args.max_new_tokens,
                                   daemon_address, daemon_pid)
                 print(format_row(scheduler, report), flush=True)
@@ -131,10 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                 failed |= report.errors > 0 or report.budget_exceeded
         rss_end = {field: rss_bytes(daemon_pid, field) for field in RSS_FIELDS}
     for clients in args.levels:
-        serial, continuous = (next(r for r in rows if r["clients"] == clients and r["scheduler"] == s)
-                              for s in SCHEDULERS)
-        ratio = continuous["output_tokens_per_s"] / serial["output_tokens_per_s"] if serial["output_tokens_per_s"] else 0
-        print(f"{clients:>3} clients: continuous / one-at-a-time output tok/s = {ratio:.2f}x")
+        row = {r["scheduler"]: r for r in rows if r["clients"] == clients}
+        line = f"{clients:>3} clients: batched / one-at-a-time output tok/s = {ratio(row, 'one-at-a-time'):.2f}x"
+        if BEFORE in row:
+            line += (f"; batched / before: output tok/s {ratio(row, BEFORE):.2f}x, TTFT p50 "
+                     f"{row['batched']['ttft_ms_p50']:.1f} vs {row[BEFORE]['ttft_ms_p50']:.1f} ms")
+        print(line)
     mib = (lambda value: "n/a" if value is None else f"{value / (1 << 20):.1f} MiB")
     print("daemon RSS " + ", ".join(f"{RSS_FIELDS[field]} {mib(rss_start[field])} -> {mib(rss_end[field])}"
                                     for field in RSS_FIELDS))

@@ -28,17 +28,21 @@ class ServiceProcess(ChildProcess):
 
 
 def start_service(model: str, cache_addr: str, port: int, log_path: Path, *extra_args: str,
-                  timeout_s: float = 60.0) -> ServiceProcess:
+                  timeout_s: float = 60.0, tree: Path | None = None) -> ServiceProcess:
     """Starts the service on 127.0.0.1:port (CPU) and returns once health says SERVING.
 
-    No KVBOOST_* variable of the test run leaks in: the flags say everything.
+    No KVBOOST_* variable of the test run leaks in: the flags say everything. tree: run the code of another
+    checkout (a git worktree of an earlier commit, for a benchmark's side-by-side run) instead of this one.
     """
     address = f"127.0.0.1:{port}"
     command = [sys.executable, "-m", "inference_service", "--model", model, "--cache-addr", cache_addr,
                "--listen", address, "--device", "cpu", *extra_args]
     env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
+    if tree is not None:  # its own packages and stubs first, ahead of this checkout's editable install
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "proto")])
     with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, cwd=tree or REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env=env)
     service = ServiceProcess(process, address, log_path)
     status = wait_until_serving(address, timeout_s, is_alive=lambda: process.poll() is None)
     if status != "SERVING":

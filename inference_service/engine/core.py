@@ -13,6 +13,7 @@ from inference_service.engine.kv_owner import KvOwner
 from inference_service.engine.planning import EngineParts
 from inference_service.engine.scheduler import Scheduler, SchedulerLimits
 from inference_service.engine.sequence import Sequence
+from inference_service.engine.types import MAX_CHOICES
 from inference_service.errors import EngineFatal, EngineStopped, InvalidRequest, QueueFull
 from inference_service.model.batch_forward import has_sliding_layers
 
@@ -32,7 +33,10 @@ class EngineCore:
         batched = not has_sliding_layers(parts.model.config)
         if not batched:
             limits = SchedulerLimits(limits.max_prefill_tokens, limits.max_forward_tokens, batch_prefills=False)
-        self.owner = KvOwner(parts.model.config, parts.geometry, num_slots, kv_budget_bytes, parts.device, parts.dtype)
+        capacity = max(parts.geometry.max_context, parts.max_prompt_tokens) + 1  # the longest prompt still runs
+        # Rows held at once: num_slots; a request alone may still decode its n completions (up to MAX_CHOICES).
+        self.owner = KvOwner(parts.model.config, parts.geometry, max(num_slots, MAX_CHOICES), kv_budget_bytes,
+                             parts.device, parts.dtype, capacity, max_rows=num_slots)
         self.scheduler = Scheduler(limits, self.owner.ledger)
         self.executor = Executor(parts.model, self.owner, self.scheduler, batched, pad_token_id)
         self.max_queue = max_queue
@@ -63,8 +67,8 @@ class EngineCore:
                 need = ledger.bytes_for(seq.state.num_reserved_tokens, seq.state.num_rows)
                 raise InvalidRequest(
                     f"the request needs {need} bytes of K/V ({seq.state.num_reserved_tokens} tokens x "
-                    f"{seq.state.num_rows} rows) and the budget is {ledger.budget_bytes}: lower max_tokens or n, or "
-                    "start the service with a larger --kv-cache-bytes")
+                    f"{seq.state.num_rows} rows; a slot holds {self.owner.capacity} tokens) and the budget is "
+                    f"{ledger.budget_bytes}: lower max_tokens or n, or start the service with a larger --kv-cache-bytes")
         with self._wake:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")

@@ -22,10 +22,10 @@ class KvOwner:
     and applied by the step loop (`collect`), which alone touches the ledger."""
 
     def __init__(self, config, geometry: KVGeometry, num_slots: int, budget_bytes: int, device: torch.device,
-                 dtype: torch.dtype, capacity: int | None = None) -> None:
+                 dtype: torch.dtype, capacity: int | None = None, max_rows: int = 0) -> None:
         per_token = bytes_per_token(geometry, dtype)
-        capacity = capacity or geometry.max_context
-        self.ledger = SlotLedger(num_slots, budget_bytes, per_token)
+        capacity = capacity or geometry.max_context + 1  # a prompt of the whole context still picks one token
+        self.ledger = SlotLedger(num_slots, budget_bytes, per_token, max_rows)
         self.buffers = SlotBuffers(config, geometry, num_slots, capacity, device, dtype)
         self._holds: Counter[int] = Counter()
         self._released: list[int] = []

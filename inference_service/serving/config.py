@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 from inference_service.engine.types import MODES, RECOMPUTE_STRATEGIES
 from inference_service.model.weights import DEFAULT_MODEL
 from inference_service.store.colocated import LOCAL_READ_MODES
-from kvboost_common.addresses import check_listen_address, is_local
+from kvboost_common.addresses import check_listen_address, is_local, is_unix, split_host_port
 from kvboost_common.auth import load_token
 from kvboost_common.env_defaults import env_default_reader
 
@@ -49,6 +49,7 @@ class ServiceConfig:
     max_running_requests: int = 16  # rows decoded together (a request with n completions takes n)
     kv_cache_bytes: int = 2 * 1024**3  # K/V memory reserved by running requests (prompt + max_new_tokens per row)
     max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps
+    metrics_port: int = 0  # Prometheus /metrics HTTP port on the listen host; 0 = off
     max_new_tokens: int = 4096
     max_prompt_tokens: int = 0  # 0: the model's context length
     max_message_bytes: int = 64 << 20  # largest gRPC message received or sent
@@ -83,6 +84,7 @@ class ServiceConfig:
         _require(self.max_queue > 0, f"--max-queue must be positive, got {self.max_queue}")
         _require(self.max_running_requests > 0, f"--max-running-requests must be positive, got {self.max_running_requests}")
         _require(self.kv_cache_bytes > 0, f"--kv-cache-bytes must be positive, got {self.kv_cache_bytes}")
+        _require(0 <= self.metrics_port < 65536, f"--metrics-port out of range: {self.metrics_port}")
         _require(self.max_prefill_tokens > 0, f"--max-prefill-tokens must be positive, got {self.max_prefill_tokens}")
         _require(self.max_new_tokens > 0, f"--max-new-tokens must be positive, got {self.max_new_tokens}")
         _require(self.max_message_bytes >= 1 << 20, f"--max-message-bytes must be at least 1048576, got {self.max_message_bytes}")
@@ -96,6 +98,11 @@ class ServiceConfig:
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
+
+    @property
+    def host(self) -> str:
+        """The listen host; loopback for a unix socket (where the metrics port then listens)."""
+        return "127.0.0.1" if is_unix(self.listen) else split_host_port(self.listen)[0]
 
     @property
     def listens_on_loopback(self) -> bool:
@@ -159,6 +166,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--max-running-requests", type=int, default=default("MAX_RUNNING_REQUESTS", defaults.max_running_requests), help="rows decoded together, one K/V slot each (a request with n completions takes n); more wait (KVBOOST_MAX_RUNNING_REQUESTS)")
     add("--kv-cache-bytes", type=int, default=default("KV_CACHE_BYTES", defaults.kv_cache_bytes), help="K/V memory the running requests may reserve, in bytes: each reserves prompt + max_new_tokens per row when it is admitted, so nothing runs out mid-decode; a request that does not fit waits, one that could never fit is INVALID_ARGUMENT (KVBOOST_KV_CACHE_BYTES)")
     add("--max-prefill-tokens", type=int, default=default("MAX_PREFILL_TOKENS", defaults.max_prefill_tokens), help="prompt tokens prefilled between two decode steps: a long prompt runs in pieces while others decode (KVBOOST_MAX_PREFILL_TOKENS)")
+    add("--metrics-port", type=int, default=default("METRICS_PORT", defaults.metrics_port), help="Prometheus /metrics HTTP port on the listen host (the step loop's running rows, waiting requests, K/V bytes reserved and budget; request counters); 0 = off (KVBOOST_METRICS_PORT)")
     for removed in REMOVED_FLAGS:  # still parsed, so naming one fails with what replaced it
         add("--" + removed.replace("_", "-"), dest=removed, default=default(removed.upper(), None), help=argparse.SUPPRESS)
     add("--max-new-tokens", type=int, default=default("MAX_NEW_TOKENS", defaults.max_new_tokens), help="largest max_new_tokens a request may ask for (KVBOOST_MAX_NEW_TOKENS)")

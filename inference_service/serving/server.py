@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_service.engine.engine import Engine
 from inference_service.serving.config import ServiceConfig
+from inference_service.serving.metrics import start_metrics_server
 from inference_service.serving.servicer import InferenceServicer
 from kvboost.v1 import inference_pb2, inference_pb2_grpc
 from kvboost_common.auth import BearerTokenInterceptor
@@ -39,17 +40,22 @@ class InferenceServer:
         self.health = health_servicer
         self.store = store
         self._watch_task: asyncio.Task[None] | None = None
+        self._stop_metrics = None
 
     async def start(self) -> None:
         await self.server.start()
+        if self.servicer.engine is not None:
+            await self.set_engine(self.servicer.engine)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING if self.servicer.engine is not None else _NOT_SERVING)
         self._watch_task = asyncio.create_task(self._watch_store())
 
     async def set_engine(self, engine: Engine) -> None:
-        """The model is loaded: requests are served and health turns SERVING."""
+        """The model is loaded: requests are served, metrics (when asked for) read it, health turns SERVING."""
         watch_device(engine, self.health, asyncio.get_running_loop())
         self.servicer.engine = engine
+        if self.config is not None and self.config.metrics_port and self._stop_metrics is None:
+            self._stop_metrics = start_metrics_server(engine.stats, self.config.host, self.config.metrics_port)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
 
@@ -58,6 +64,8 @@ class InferenceServer:
             self._watch_task.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)  # the engine is its owner's to stop (__main__ does, after the server)
+        if self._stop_metrics is not None:
+            self._stop_metrics()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()

@@ -29,3 +29,12 @@ def test_the_budget_and_the_slots_both_bound_admission():
         ledger.admit(1)
     with pytest.raises(AssertionError, match="not held"):
         ledger.release(3)
+
+
+def test_max_rows_bounds_rows_held_at_once_but_a_request_alone_may_take_more():
+    ledger = SlotLedger(num_slots=16, budget_bytes=10_000, bytes_per_token=1, max_rows=2)
+    assert ledger.admit(10, num_rows=3) == [0, 1, 2]  # alone: its three completions run
+    assert not ledger.can_admit(10)  # beside it, nothing more (3 rows held, 2 allowed)
+    for slot in (0, 1, 2):
+        ledger.release(slot)
+    assert ledger.admit(10) == [0] and ledger.admit(10) == [1] and not ledger.can_admit(10)

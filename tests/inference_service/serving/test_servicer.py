@@ -389,3 +389,26 @@ def test_concurrent_streams_share_the_running_batch_and_match_generate_alone(eng
     assert num_steps < sum(result.generated_tokens for result in results), "requests decoded together"
 
 
+
+
+def test_stats_and_metrics_show_the_step_loops_state(engine) -> None:
+    import urllib.request
+
+    from tests.conftest import pick_free_port
+
+    port = pick_free_port()
+
+    async def scenario():
+        async with serving(engine, metrics_port=port) as (_, stub, _health):
+            await generate(stub, prompt=PROMPT, max_new_tokens=2)
+            stats = await stub.Stats(pb.ServiceStatsRequest(), timeout=5)
+            scraped = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+            return stats, scraped
+
+    stats, scraped = run(scenario())
+    budget = engine.core.owner.ledger.budget_bytes
+    assert (stats.running_rows, stats.waiting_requests, stats.kv_budget_bytes) == (0, 0, budget)
+    samples = dict(line.rsplit(" ", 1) for line in scraped.splitlines() if line and not line.startswith("#"))
+    assert float(samples["kvboost_engine_kv_budget_bytes"]) == budget
+    assert float(samples["kvboost_engine_running_rows"]) == 0 and "kvboost_engine_kv_bytes_in_use" in samples

@@ -1,0 +1,46 @@
+"""Prometheus metrics of the inference service, read from the engine's stats at scrape time (a private registry)."""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# stats field -> (metric name, help); gauges are the step loop's state, counters grow from start-up.
+GAUGES = {
+    "running_rows": ("kvboost_engine_running_rows", "rows decoding in the step loop (a request with n completions: n)"),
+    "waiting_requests": ("kvboost_engine_waiting_requests", "requests queued, not yet admitted"),
+    "kv_bytes_in_use": ("kvboost_engine_kv_bytes_in_use", "K/V bytes reserved by admitted requests"),
+    "kv_budget_bytes": ("kvboost_engine_kv_budget_bytes", "K/V bytes admitted requests may reserve (--kv-cache-bytes)"),
+}
+COUNTERS = {
+    "requests": ("kvboost_engine_requests", "requests finished"),
+    "prompt_tokens": ("kvboost_engine_prompt_tokens", "prompt tokens of finished requests"),
+    "cached_tokens": ("kvboost_engine_cached_tokens", "prompt tokens whose K/V came from the cache"),
+}
+
+
+class EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        values = self._stats()
+        for field, (name, description) in GAUGES.items():
+            yield GaugeMetricFamily(name, description, value=values.get(field, 0))
+        for field, (name, description) in COUNTERS.items():
+            yield CounterMetricFamily(name, description, value=values.get(field, 0))
+
+
+def start_metrics_server(stats: Callable[[], dict], host: str, port: int) -> Callable[[], None]:
+    """Serves /metrics over HTTP on host:port in a thread; returns the function that stops it."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(stats))
+    server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    return stop

@@ -31,13 +31,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from inference_service.model.weights import DEFAULT_MODEL  # noqa: E402
-from inference_service.engine.prompts import tokenize_segments  # noqa: E402
+from inference_service.kv.prompts import tokenize_segments  # noqa: E402
 from inference_service.kv.repair import APPROX, MISSING, RepairOptions, repair_prefill  # noqa: E402
 from inference_service.kv.rope import rerotate_keys, rope_parameters# noqa: E402
 from inference_service.model.kv_buffers import build_cache# noqa: E402
 from inference_service.model.forward import decode_step# noqa: E402
 from inference_service.model.loading import load_model# noqa: E402
-from inference_service.engine.verification import first_token_kl# noqa: E402
+from inference_service.request.verification import first_token_kl# noqa: E402
 from rag_dataset import build_documents, build_questions, chat_segments  # noqa: E402
 
 SEAM_TOKENS = 8  # "near a seam": the first tokens of each document

@@ -11,8 +11,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_FREE_PACKAGES = ("cache_daemon", "kvboost_common", "http_gateway")
 # Rooms of inference_service, by floor: a module imports from its own room or from a lower floor only.
-# serving (gRPC) -> engine (orchestration) -> kv (K/V maths, blobs, repair) -> model | store -> errors.
-ROOM_FLOORS = {"__main__": 5, "serving": 4, "engine": 3, "kv": 2, "model": 1, "store": 1, "errors": 0}
+# serving (gRPC) -> engine (the step loop) -> request (one request's plan, sampling, outcome) -> reuse (K/V from
+# and to the store) -> kv (K/V maths, prompts and keys, blobs, repair) -> model | store -> errors.
+ROOM_FLOORS = {"__main__": 7, "serving": 6, "engine": 5, "request": 4, "reuse": 3, "kv": 2, "model": 1, "store": 1,
+               "errors": 0}
 # Which top-level packages each product package may import (besides the stdlib and third parties).
 ALLOWED_PACKAGES = {
     "kvboost_common": {"kvboost_common"},
@@ -120,3 +122,57 @@ def test_packages_import_only_what_they_may(package):
             if top in FIRST_PARTY and top not in ALLOWED_PACKAGES[package]:
                 wrong.append(f"{path.relative_to(ROOT)} -> {name}")
     assert not wrong, f"{package} may import {sorted(ALLOWED_PACKAGES[package])} only:\n" + "\n".join(wrong)
+
+
+ENGINE_ROOM = ROOT / "inference_service" / "engine"
+MAX_ENGINE_CHAIN = 4  # modules in the longest chain of run-time imports inside inference_service/engine/
+MAX_MODULE_LINES = 300
+
+
+def runtime_engine_imports(path: Path) -> set[str]:
+    """The engine modules a file imports when it runs (imports under `if TYPE_CHECKING:` are for annotations)."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(sub) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for sub in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only or not isinstance(node, ast.ImportFrom) or not node.module:
+            continue
+        if node.module == "inference_service.engine":
+            found |= {alias.name for alias in node.names}
+        elif node.module.startswith("inference_service.engine."):
+            found.add(node.module.split(".")[2])
+    return found
+
+
+def longest_chain(arrows: dict[str, set[str]]) -> tuple[str, ...]:
+    memo: dict[str, tuple[str, ...]] = {}
+
+    def chain(module: str, seen: tuple[str, ...] = ()) -> tuple[str, ...]:
+        assert module not in seen, f"import cycle: {' -> '.join(seen + (module,))}"
+        if module not in memo:
+            below = [chain(name, seen + (module,)) for name in arrows[module]]
+            memo[module] = (module,) + max(below, key=len, default=())
+        return memo[module]
+
+    return max((chain(module) for module in arrows), key=len)
+
+
+def test_longest_chain_helper_follows_the_arrows():
+    assert longest_chain({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}) == ("a", "b", "c")
+
+
+def test_the_engine_room_is_shallow_and_its_modules_small():
+    modules = {path.stem: path for path in ENGINE_ROOM.glob("*.py") if path.stem != "__init__"}
+    arrows = {name: runtime_engine_imports(path) & set(modules) for name, path in modules.items()}
+    chain = longest_chain(arrows)
+    assert len(chain) <= MAX_ENGINE_CHAIN, f"engine import chain of {len(chain)}: {' -> '.join(chain)}"
+    long = {name: n for name, path in modules.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"engine modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize("module", ["scheduler", "slot_ledger"])
+def test_the_scheduler_decides_without_tensors(module):
+    heavy = [name for name in imported_modules(ENGINE_ROOM / f"{module}.py")
+             if name.split(".")[0] in ("torch", "transformers") or ".model." in name or name.endswith(".model")]
+    assert not heavy, f"engine/{module}.py imports {heavy}: the scheduler must stay pure"

@@ -9,11 +9,12 @@ from typing import Callable, Iterable
 import torch
 
 from inference_service.engine.executor import Executor
-from inference_service.engine.kv_owner import KvOwner
-from inference_service.engine.planning import EngineParts
-from inference_service.engine.scheduler import Scheduler, SchedulerLimits
+from inference_service.engine.kv_owner import KvOwner, bytes_per_token
+from inference_service.request.planning import EngineParts
+from inference_service.engine.scheduler import Scheduler, SchedulerLimits, SequenceState
+from inference_service.engine.slot_ledger import SlotLedger
 from inference_service.engine.sequence import Sequence
-from inference_service.engine.types import MAX_CHOICES
+from inference_service.request.types import MAX_CHOICES
 from inference_service.errors import EngineFatal, EngineStopped, InvalidRequest, QueueFull
 from inference_service.model.batch_forward import has_sliding_layers
 
@@ -35,8 +36,9 @@ class EngineCore:
             limits = SchedulerLimits(limits.max_prefill_tokens, limits.max_forward_tokens, batch_prefills=False)
         capacity = max(parts.geometry.max_context, parts.max_prompt_tokens) + 1  # the longest prompt still runs
         # Rows held at once: num_slots; a request alone may still decode its n completions (up to MAX_CHOICES).
-        self.owner = KvOwner(parts.model.config, parts.geometry, max(num_slots, MAX_CHOICES), kv_budget_bytes,
-                             parts.device, parts.dtype, capacity, max_rows=num_slots)
+        ledger = SlotLedger(max(num_slots, MAX_CHOICES), kv_budget_bytes, bytes_per_token(parts.geometry, parts.dtype),
+                            max_rows=num_slots)
+        self.owner = KvOwner(ledger, parts.model.config, parts.geometry, capacity, parts.device, parts.dtype)
         self.scheduler = Scheduler(limits, self.owner.ledger)
         self.executor = Executor(parts.model, self.owner, self.scheduler, batched, pad_token_id)
         self.max_queue = max_queue
@@ -62,6 +64,8 @@ class EngineCore:
         seqs = list(seqs)
         ledger = self.owner.ledger
         for seq in seqs:
+            seq.state = SequenceState(seq.seq_id, seq.prompt.num_tokens, seq.prompt.num_tokens + seq.max_new_tokens,
+                                      num_rows=seq.num_rows)
             if seq.prompt.num_tokens + seq.max_new_tokens > self.owner.capacity or not ledger.fits_at_all(
                     seq.state.num_reserved_tokens, seq.state.num_rows):
                 need = ledger.bytes_for(seq.state.num_reserved_tokens, seq.state.num_rows)

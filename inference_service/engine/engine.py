@@ -9,18 +9,16 @@ import torch
 
 from inference_service.engine.batch import batch_sequences
 from inference_service.engine.core import EngineCore
-from inference_service.engine.counters import EngineStats
-from inference_service.engine.generation import OnToken, eos_token_ids
-from inference_service.engine.logprobs import token_text
-from inference_service.engine.planning import EngineParts, plan_request, plan_segments, repair_options, salted
-from inference_service.engine.prompts import PromptPlan, tokenize_document, tokenize_messages, tokenize_prompt
+from inference_service.request.counters import EngineStats
+from inference_service.request.generation import OnToken, eos_token_ids
+from inference_service.request.logprobs import token_text
+from inference_service.request.planning import EngineParts, plan_request, plan_segments, repair_options, salted
+from inference_service.kv.prompts import PromptPlan, tokenize_document, tokenize_messages, tokenize_prompt
 from inference_service.engine.scheduler import SchedulerLimits
 from inference_service.engine.sequence import OnDone, Sequence, WarmSpec
-from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
-from inference_service.engine.verification import (
-    BUILTIN_PROMPTS, first_token_cosine, first_token_kl, matching_prefix_tokens,
-)
-from inference_service.engine.writeback import WriteBack
+from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
+from inference_service.request.verification import BUILTIN_PROMPTS, compare_modes
+from inference_service.reuse.writeback import WriteBack
 from inference_service.errors import InvalidRequest
 from inference_service.kv import codec
 from inference_service.kv.namespace import (
@@ -226,31 +224,11 @@ class Engine:
     # ---- warm, verify, info ---------------------------------------------------------------------
 
     def verify(self, prompts: list[str], max_new_tokens: int = 32, mode: str = "prefix_cache") -> list[dict]:
-        """BASELINE against `mode` per prompt (the cached mode runs twice, so the second run has hits).
-
-        Compares our own modes with each other (its job); identity with plain transformers `model.generate`
-        is checked by the test suite, never by this.
-        """
-        reports = []
-        for prompt in prompts or BUILTIN_PROMPTS:
-            def run(run_mode: str):
-                return self.generate_with_first_logits(
-                    GenerationParams(prompt=prompt, max_new_tokens=max_new_tokens, mode=run_mode))
-            baseline, baseline_logits = run("baseline")
-            run(mode)
-            self.flush_writes()
-            cached, cached_logits = run(mode)
-            reports.append({
-                "prompt": prompt,
-                "token_identical": baseline.output_token_ids == cached.output_token_ids,
-                "first_token_cosine": first_token_cosine(baseline_logits, cached_logits),
-                "first_token_kl": first_token_kl(baseline_logits, cached_logits),
-                "matching_prefix_tokens": matching_prefix_tokens(baseline.output_token_ids, cached.output_token_ids),
-                "cached_tokens": cached.cached_tokens,
-                "baseline_text": baseline.output_text,
-                "cached_text": cached.output_text,
-            })
-        return reports
+        """BASELINE against `mode` per prompt (see verification.compare_modes); blocks until every run ended."""
+        def run(prompt: str, run_mode: str):
+            return self.generate_with_first_logits(
+                GenerationParams(prompt=prompt, max_new_tokens=max_new_tokens, mode=run_mode))
+        return compare_modes(run, self.flush_writes, prompts or BUILTIN_PROMPTS, mode)
 
     def model_info(self) -> dict:
         """Fields of ModelInfoReply."""

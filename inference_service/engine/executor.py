@@ -8,21 +8,23 @@ through its own on_done.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from inference_service.engine import prefill
-from inference_service.engine.generation import RowDecoder, SamplingSettings
-from inference_service.engine.kv_owner import KvOwner
-from inference_service.engine.scheduler import Scheduler, StepPlan
+from inference_service.request.generation import RowDecoder, SamplingSettings
 from inference_service.engine.sequence import Row, Sequence
-from inference_service.engine.types import TokenEvent
-from inference_service.engine.assembler import AssembledContext
+from inference_service.request.types import TokenEvent
+from inference_service.reuse.assembler import AssembledContext
 from inference_service.errors import EngineError, EngineFatal
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.forward import decode_step
 from inference_service.model.kv_buffers import build_cache
+
+if TYPE_CHECKING:  # annotations only: the core builds both and hands them in
+    from inference_service.engine.kv_owner import KvOwner
+    from inference_service.engine.scheduler import Scheduler, StepPlan
 
 logger = logging.getLogger(__name__)
 

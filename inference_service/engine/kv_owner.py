@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 
-from inference_service.engine.slot_ledger import SlotLedger
 from inference_service.model.kv_buffers import KVGeometry
 from inference_service.model.slot_buffers import SlotBuffers
+
+
+if TYPE_CHECKING:  # annotations only: the core makes the ledger the scheduler and this owner share
+    from inference_service.engine.slot_ledger import SlotLedger
 
 
 def bytes_per_token(geometry: KVGeometry, dtype: torch.dtype) -> int:
@@ -21,12 +25,10 @@ class KvOwner:
     write-back that reads its K/V (on another thread) has encoded them. Releases from other threads are queued
     and applied by the step loop (`collect`), which alone touches the ledger."""
 
-    def __init__(self, config, geometry: KVGeometry, num_slots: int, budget_bytes: int, device: torch.device,
-                 dtype: torch.dtype, capacity: int | None = None, max_rows: int = 0) -> None:
-        per_token = bytes_per_token(geometry, dtype)
-        capacity = capacity or geometry.max_context + 1  # a prompt of the whole context still picks one token
-        self.ledger = SlotLedger(num_slots, budget_bytes, per_token, max_rows)
-        self.buffers = SlotBuffers(config, geometry, num_slots, capacity, device, dtype)
+    def __init__(self, ledger: SlotLedger, config, geometry: KVGeometry, capacity: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.ledger = ledger
+        self.buffers = SlotBuffers(config, geometry, ledger.num_slots, capacity, device, dtype)
         self._holds: Counter[int] = Counter()
         self._released: list[int] = []
         self._lock = threading.Lock()

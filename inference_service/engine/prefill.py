@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence as Seq
+from typing import TYPE_CHECKING, Sequence as Seq
 
 import torch
 
-from inference_service.engine.assembler import assemble_context, empty_context
-from inference_service.engine.content_reuse import exact_pending_chunks, prefill_with_content_hits
-from inference_service.engine.logprobs import prompt_logprobs
-from inference_service.engine.planning import needs_repair, new_chunks, repair_options
-from inference_service.engine.sequence import Sequence
+from inference_service.reuse.assembler import assemble_context, empty_context
+from inference_service.reuse.content_reuse import exact_pending_chunks, prefill_with_content_hits
+from inference_service.request.logprobs import prompt_logprobs
+from inference_service.request.planning import needs_repair, new_chunks, repair_options
 from inference_service.model.batch_forward import PrefillRow, prefill_rows
 from inference_service.model.forward import prefill, prefill_scored
 from inference_service.model.kv_buffers import build_cache
+
+if TYPE_CHECKING:  # annotations only: prefill works on the sequences the executor hands it
+    from inference_service.engine.sequence import Sequence
 
 Buffers = tuple[torch.Tensor, torch.Tensor]  # a slot's keys, values: [layers, kv_heads, capacity, head_dim]
 

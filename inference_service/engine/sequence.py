@@ -3,23 +3,25 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from inference_service.engine.assembler import AssembledContext, empty_context
-from inference_service.engine.generation import DecodeResult, OnToken, RowDecoder
-from inference_service.engine.planning import EngineParts, outcome_of, record_outcome
-from inference_service.engine.prompts import PromptPlan
-from inference_service.engine.scheduler import SequenceState
-from inference_service.engine.types import GenerationOutcome, GenerationParams, TokenLogprob, WarmOutcome
-from inference_service.engine.writeback import PendingChunks
+from inference_service.reuse.assembler import AssembledContext, empty_context
+from inference_service.request.generation import DecodeResult, OnToken, RowDecoder
+from inference_service.request.planning import EngineParts, outcome_of, record_outcome
+from inference_service.kv.prompts import PromptPlan
+from inference_service.request.types import GenerationOutcome, GenerationParams, TokenLogprob, WarmOutcome
+from inference_service.reuse.writeback import PendingChunks
 from inference_service.errors import RequestCancelled
 
 # on_done(result, error): once per request. result: the n outcomes in index order (a generation), a WarmOutcome
 # (a warm-up), or None with the error.
 OnDone = Callable[[object, BaseException | None], None]
 ShouldStop = Callable[[], bool]
+
+if TYPE_CHECKING:  # for annotations only: the core gives each sequence its state when it is submitted
+    from inference_service.engine.scheduler import SequenceState
 
 _ids = itertools.count(1)
 
@@ -82,10 +84,10 @@ class Sequence:
     outcomes: list = field(default_factory=list)
     ended: bool = False
 
-    def __post_init__(self) -> None:
-        rows = 0 if self.warm is not None else self.params.n
-        self.state = SequenceState(self.seq_id, self.prompt.num_tokens, self.prompt.num_tokens + self.max_new_tokens,
-                                   num_rows=max(rows, 1))
+    @property
+    def num_rows(self) -> int:
+        """Slots it decodes in: its n completions (a warm-up prefills in one)."""
+        return 1 if self.warm is not None else self.params.n
 
     @property
     def request_id(self) -> str:

@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
-from inference_service.engine.types import MODES, RECOMPUTE_STRATEGIES
+from inference_service.request.types import MODES, RECOMPUTE_STRATEGIES
 from inference_service.model.weights import DEFAULT_MODEL
 from inference_service.store.colocated import LOCAL_READ_MODES
 from kvboost_common.addresses import check_listen_address, is_local, is_unix, split_host_port

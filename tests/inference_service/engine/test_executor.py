@@ -8,14 +8,14 @@ import threading
 import pytest
 import torch
 
-from inference_service.engine import assembler as assembler_module
+from inference_service.reuse import assembler as assembler_module
 from inference_service.engine import prefill as prefill_module
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
-from inference_service.engine.generation import NonFiniteLogits, RowDecoder
+from inference_service.request.generation import NonFiniteLogits, RowDecoder
 from inference_service.errors import InvalidRequest
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.slot_buffers import SlotBuffers
-from inference_service.engine.prompts import tokenize_prompt
+from inference_service.kv.prompts import tokenize_prompt
 from inference_service.store.memory import InMemoryStore
 from tests.conftest import wait_for
 from tests.inference_service.engine.test_engine import reference_ids, text_of_length

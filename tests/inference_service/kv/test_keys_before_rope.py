@@ -5,15 +5,15 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from inference_service.engine.assembler import assemble_context
+from inference_service.reuse.assembler import assemble_context
 from inference_service.store.memory import InMemoryStore
 from inference_service.kv.codec import decode_chunk
 from inference_service.engine.engine import Engine, EngineConfig
-from inference_service.engine.prompts import plan_prompt
+from inference_service.kv.prompts import plan_prompt
 from inference_service.kv.rope import rope_parameters
 from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
 from inference_service.model.forward import prefill
-from inference_service.engine.writeback import PendingChunks, encode_pending
+from inference_service.reuse.writeback import PendingChunks, encode_pending
 
 NAMESPACE = b"r" * 32
 CHUNK_SIZE = 16

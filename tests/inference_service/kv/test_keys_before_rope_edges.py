@@ -11,16 +11,16 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from inference_service.engine.assembler import assemble_context
+from inference_service.reuse.assembler import assemble_context
 from inference_service.store.memory import InMemoryStore
 from inference_service.kv.codec import decode_chunk
-from inference_service.engine.content_reuse import place_content_hits
-from inference_service.engine.prompts import plan_prompt
+from inference_service.reuse.content_reuse import place_content_hits
+from inference_service.kv.prompts import plan_prompt
 from inference_service.kv.repair import APPROX, EXACT, MISSING
 from inference_service.kv.rope import rope_parameters
 from inference_service.model.kv_buffers import KVGeometry, allocate_kv, build_cache, kv_geometry
 from inference_service.model.forward import prefill
-from inference_service.engine.writeback import PendingChunks, encode_pending
+from inference_service.reuse.writeback import PendingChunks, encode_pending
 from tests.inference_service.kv.test_keys_before_rope import pre_rope_keys, relative_error
 
 NAMESPACE = b"v" * 32

@@ -11,7 +11,7 @@ import torch
 
 from inference_service.store.protocol import StoreUnavailable, ChunkStore
 from inference_service.kv.blobs import decode_hit, place_hit_
-from inference_service.engine.prompts import PromptPlan
+from inference_service.kv.prompts import PromptPlan
 from inference_service.kv.chunking import Chunk
 from inference_service.kv.rope import RopeParams
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from inference_service.engine.assembler import prefetched
+from inference_service.reuse.assembler import prefetched
 from inference_service.store.protocol import StoreUnavailable
 
 

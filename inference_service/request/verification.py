@@ -1,6 +1,8 @@
 """Compares a cached mode with BASELINE: token identity and first-token logit agreement."""
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 
 _PASSAGE = (
@@ -37,3 +39,29 @@ def matching_prefix_tokens(first: list[int], second: list[int]) -> int:
             break
         count += 1
     return count
+
+
+def compare_modes(run: Callable[[str, str], tuple], flush_writes: Callable[[], None], prompts: Sequence[str],
+                  mode: str) -> list[dict]:
+    """Per prompt, BASELINE against `mode` (run twice, so the second run has hits), as report rows.
+
+    run(prompt, mode) -> (outcome, first-token logits). Compares our own modes with each other (its job);
+    identity with plain transformers `model.generate` is checked by the test suite, never by this.
+    """
+    reports = []
+    for prompt in prompts:
+        baseline, baseline_logits = run(prompt, "baseline")
+        run(prompt, mode)
+        flush_writes()
+        cached, cached_logits = run(prompt, mode)
+        reports.append({
+            "prompt": prompt,
+            "token_identical": baseline.output_token_ids == cached.output_token_ids,
+            "first_token_cosine": first_token_cosine(baseline_logits, cached_logits),
+            "first_token_kl": first_token_kl(baseline_logits, cached_logits),
+            "matching_prefix_tokens": matching_prefix_tokens(baseline.output_token_ids, cached.output_token_ids),
+            "cached_tokens": cached.cached_tokens,
+            "baseline_text": baseline.output_text,
+            "cached_text": cached.output_text,
+        })
+    return reports

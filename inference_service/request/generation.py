@@ -7,8 +7,8 @@ from typing import Callable
 
 import torch
 
-from inference_service.engine.logprobs import token_logprobs
-from inference_service.engine.types import GenerationParams, TokenEvent
+from inference_service.request.logprobs import token_logprobs
+from inference_service.request.types import GenerationParams, TokenEvent
 from inference_service.errors import InvalidRequest
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.sampling import make_generator, sample, suppress_tokens

@@ -9,14 +9,14 @@ from typing import Callable
 
 import torch
 
-from inference_service.engine.assembler import AssembledContext
-from inference_service.engine.counters import EngineStats
-from inference_service.engine.generation import DecodeResult
-from inference_service.engine.prompts import (
+from inference_service.reuse.assembler import AssembledContext
+from inference_service.request.counters import EngineStats
+from inference_service.request.generation import DecodeResult
+from inference_service.kv.prompts import (
     PromptPlan, plan_prompt, tokenize_messages, tokenize_prompt, tokenize_segments,
 )
-from inference_service.engine.types import EngineConfig, GenerationOutcome, GenerationParams
-from inference_service.engine.writeback import PendingChunks, WriteBack
+from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams
+from inference_service.reuse.writeback import PendingChunks, WriteBack
 from inference_service.errors import InvalidRequest, PromptTooLong
 from inference_service.kv.namespace import Namespace, salted_namespace
 from inference_service.kv.repair import RepairOptions

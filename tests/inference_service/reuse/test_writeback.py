@@ -5,7 +5,7 @@ import torch
 
 from inference_service.kv.chunking import Chunk
 from inference_service.kv.codec import read_header
-from inference_service.engine.writeback import PendingChunks, encode_pending
+from inference_service.reuse.writeback import PendingChunks, encode_pending
 from inference_service.kv.blobs import group_size_for
 
 

@@ -16,6 +16,7 @@ from inference_service.model import forward as forward_module
 from inference_service.model.forward import decode_step, prefill
 from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
 from inference_service.store.memory import InMemoryStore
+from tests.conftest import wait_for
 from tests.factories import build_tiny_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2  # 90 byte tokens: several chunks of 8
@@ -65,8 +66,7 @@ def test_a_plain_generate_beside_the_engines_forwards_runs_transformers_default_
     plain = [plain_generate(model, prompt_ids) for _ in range(3)]
     engine_thread = engine.core._thread.ident
     engine_busy_meanwhile = not outcomes
-    while not outcomes:
-        threading.Event().wait(0.01)
+    wait_for(lambda: outcomes, timeout_s=60, what="the engine's request to end")
 
     assert engine_busy_meanwhile, "the plain generates ran while the engine was decoding"
     assert plain == [expected] * 3

@@ -156,9 +156,8 @@ class Executor:
             for _, row in rows:
                 self.owner.buffers.finite_until[row.slot] = max(self.owner.buffers.finite_until[row.slot],
                                                                 row.next_position)
-            all_logits = self.owner.buffers.decode(
-                self.model, {row.slot: (row.next_token_id, row.next_position) for _, row in rows})
-            return [all_logits[row.slot] for _, row in rows]
+            return list(self.owner.buffers.decode(
+                self.model, {row.slot: (row.next_token_id, row.next_position) for _, row in rows}))
         return [decode_step(self.model, row.cache, torch.tensor(row.next_token_id, device=self.model.device),
                             row.next_position) for _, row in rows]
 
@@ -173,7 +172,7 @@ class Executor:
     def _finish_row(self, seq: Sequence, row: Row) -> None:
         ended = seq.finish_row(row, row.decoder.finish())
         seq.held_slots.discard(row.slot)
-        self.owner.let_go(row.slot)
+        self.owner.end_row(row.slot)
         if ended:
             self._forget(seq)
 
@@ -191,7 +190,9 @@ class Executor:
 
     def _store_warm(self, seq: Sequence) -> None:
         slot = seq.state.slots[0]
-        seq.held_slots.discard(slot)  # let go of by the write-back, once it has read the slot
+        seq.held_slots.discard(slot)
+        self.owner.hold(slot)  # let go of by the write-back, once it has read the slot
+        self.owner.end_row(slot)
         self._forget(seq)
 
         def stored(count: int, error: BaseException | None) -> None:
@@ -219,7 +220,7 @@ class Executor:
                          exc_info=not isinstance(error, EngineError))
             seq.end(None, error)
         for slot in seq.held_slots:
-            self.owner.let_go(slot)
+            self.owner.end_row(slot)
         seq.held_slots, seq.rows = set(), []
         self._forget(seq)
         self._hand_over(seq)

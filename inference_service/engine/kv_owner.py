@@ -21,9 +21,10 @@ def bytes_per_token(geometry: KVGeometry, dtype: torch.dtype) -> int:
 
 
 class KvOwner:
-    """Hands slots out through the ledger and frees a slot once nothing holds it: its row has ended and the
-    write-back that reads its K/V (on another thread) has encoded them. Releases from other threads are queued
-    and applied by the step loop (`collect`), which alone touches the ledger."""
+    """Hands slots out through the ledger and frees a slot once nothing holds it: its row has ended (`end_row`,
+    which also gives the row's bytes back at once) and the write-back that reads its K/V (on another thread)
+    has encoded them. Releases from other threads are queued and applied by the step loop (`collect`), which
+    alone touches the ledger."""
 
     def __init__(self, ledger: SlotLedger, config, geometry: KVGeometry, capacity: int, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -54,12 +55,17 @@ class KvOwner:
                 del self._holds[slot]
                 self._released.append(slot)
 
+    def end_row(self, slot: int) -> None:
+        """The row in `slot` ended (on the step loop's thread): its bytes are free now, the slot once unheld."""
+        self.ledger.release_row(slot)
+        self.let_go(slot)
+
     def collect(self) -> None:
         """Frees the slots nothing holds any more (on the step loop's thread)."""
         with self._lock:
             released, self._released = self._released, []
         for slot in released:
-            self.ledger.release(slot)
+            self.ledger.free(slot)
 
     def stats(self) -> dict:
         return {"kv_bytes_in_use": self.ledger.bytes_in_use, "kv_budget_bytes": self.ledger.budget_bytes,

@@ -11,8 +11,10 @@ class SlotLedger:
 
     Reserving the whole request up front means the budget can never run out mid-decode (nothing is preempted
     or recomputed); a request that does not fit waits. Slots are handed out lowest first, so the running
-    rows stay packed at the front of the buffers (a decode step runs over slots 0..highest in use).
+    rows stay packed together (a decode step runs over the slots from the lowest to the highest in use).
     max_rows bounds the rows held at once, except that a request alone may take up to num_slots (n completions).
+    A row's bytes and its place among max_rows come back when it ends (`release_row`); its slot only once the
+    write-back reading it is done (`free`), so slots beyond max_rows give such slots room to drain.
     """
 
     num_slots: int
@@ -34,8 +36,8 @@ class SlotLedger:
         return len(self._free)
 
     @property
-    def highest_slot_in_use(self) -> int:
-        return max(self._bytes_by_slot, default=-1)
+    def num_rows(self) -> int:
+        return len(self._bytes_by_slot)
 
     def bytes_for(self, num_tokens: int, num_rows: int = 1) -> int:
         return num_tokens * num_rows * self.bytes_per_token
@@ -58,7 +60,17 @@ class SlotLedger:
         self.bytes_in_use += self.bytes_for(num_tokens, num_rows)
         return slots
 
-    def release(self, slot: int) -> None:
-        assert slot in self._bytes_by_slot, f"slot {slot} is not held"
+    def release_row(self, slot: int) -> None:
+        """The row in `slot` ended: its bytes and its place among max_rows are free; the slot is not, yet."""
+        assert slot in self._bytes_by_slot, f"slot {slot} holds no row"
         self.bytes_in_use -= self._bytes_by_slot.pop(slot)
+
+    def free(self, slot: int) -> None:
+        """Nothing reads the slot any more: it can be handed out again."""
+        assert slot not in self._bytes_by_slot and slot not in self._free, f"slot {slot} is in use or free already"
         heapq.heappush(self._free, slot)
+
+    def release(self, slot: int) -> None:
+        """release_row and free at once (a row whose slot nothing else reads)."""
+        self.release_row(slot)
+        self.free(slot)

@@ -2,9 +2,10 @@
 
 Layout: keys, values [layers, slots, kv_heads, capacity, head_dim]. A request prefills into its slot's view
 [layers, kv_heads, capacity, head_dim] (what kv_buffers.build_cache wraps) and decodes from the same place:
-nothing moves when it joins the running batch. Row s writes its token t at column t; a decode step over rows
-0..S-1 attends to columns [0, L) where L is one past the furthest row, each row masked to its own columns.
-The last column is scratch: rows that do not decode this step write there and are never read.
+nothing moves when it joins the running batch. Row s writes its token t at column t; a decode step over the slots
+from the lowest to the highest decoding one attends to columns [0, L) where L is one past the furthest row, each
+row masked to its own columns. The last column is scratch: slots in that range that do not decode this step
+(free, prefilling, or draining a write-back) write there and are never read.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class SlotBuffers:
         self.values = torch.empty(shape, device=device, dtype=dtype)
         self.config, self.capacity, self.device = config, capacity, device
         self.finite_until = [0] * num_slots  # columns [0, n) of each slot hold finite values
-        self._caches: dict[int, tuple[DynamicCache, list[SlotLayer]]] = {}
+        self._caches: dict[tuple[int, int], tuple[DynamicCache, list[SlotLayer]]] = {}
 
     @property
     def num_slots(self) -> int:
@@ -76,28 +77,33 @@ class SlotBuffers:
 
     @torch.inference_mode()
     def decode(self, model, rows: dict[int, tuple[int, int]]) -> torch.Tensor:
-        """One token for each slot in rows ({slot: (token id, position)}); returns logits [max slot + 1, vocab]
-        (float32), row s for slot s (rows of slots that do not decode hold nothing)."""
-        num_rows = max(rows) + 1
+        """One token for each slot in rows ({slot: (token id, position)}); returns logits [len(rows), vocab]
+        (float32) in the order of `rows`."""
+        first, last = min(rows), max(rows)
+        num_rows = last - first + 1  # a view of slots first..last: no copy
         length = max(position for _, position in rows.values()) + 1
         token_ids = [0] * num_rows
         positions = [0] * num_rows
         columns = [self.capacity] * num_rows  # the scratch column
         for slot, (token_id, position) in rows.items():
-            token_ids[slot], positions[slot], columns[slot] = token_id, position, position
+            token_ids[slot - first], positions[slot - first], columns[slot - first] = token_id, position, position
         self._keep_finite(list(rows), length)
         column_ids = torch.arange(length, device=self.device)
         position_tensor = torch.tensor(positions, device=self.device)
         # mask: [rows, 1, 1, length], True where a row may attend: its own columns up to its position.
         mask = (column_ids[None, :] <= position_tensor[:, None])[:, None, None, :]
-        cache, layers = self._cache(num_rows)
+        cache, layers = self._cache(first, last + 1)
         column_tensor = torch.tensor(columns, device=self.device)
         for layer in layers:
             layer.prepare(column_tensor, length)
         output = model(input_ids=torch.tensor(token_ids, device=self.device).view(num_rows, 1),
                        attention_mask=mask, position_ids=position_tensor.view(num_rows, 1), past_key_values=cache,
                        use_cache=True, **engine_call_kwargs())
-        return output.logits[:, -1].float()
+        logits = output.logits[:, -1].float()  # [num_rows, vocab], row i for slot first + i
+        order = [slot - first for slot in rows]
+        if order == list(range(num_rows)):
+            return logits
+        return logits[torch.tensor(order, device=self.device)]
 
     def _keep_finite(self, slots: list[int], length: int) -> None:
         """Zeroes the columns up to `length` that decoding rows read masked but nothing has written yet."""
@@ -111,11 +117,12 @@ class SlotBuffers:
             self.keys[:, index, :, start:length] = 0
             self.values[:, index, :, start:length] = 0
 
-    def _cache(self, num_rows: int) -> tuple[DynamicCache, list[SlotLayer]]:
-        if num_rows not in self._caches:
+    def _cache(self, first: int, end: int) -> tuple[DynamicCache, list[SlotLayer]]:
+        """The cache over slots [first, end), made once per range."""
+        if (first, end) not in self._caches:
             cache = DynamicCache(config=self.config)
-            layers = [SlotLayer(self.keys[index, :num_rows], self.values[index, :num_rows])
+            layers = [SlotLayer(self.keys[index, first:end], self.values[index, first:end])
                       for index in range(len(cache.layers))]
             cache.layers[:] = layers
-            self._caches[num_rows] = (cache, layers)
-        return self._caches[num_rows]
+            self._caches[first, end] = (cache, layers)
+        return self._caches[first, end]

@@ -122,7 +122,8 @@ def test_nan_logits_in_the_batched_decode_end_that_row_alone(engine, references,
         victim = [seq for seq in engine.core.executor.sequences.values() if seq.request_id == "victim"]
         if victim and victim[0].rows and len(victim[0].rows[0].decoder.token_ids) >= 2 and not calls:
             calls.append(1)  # once, a few tokens into its decode
-            logits[victim[0].rows[0].slot] = float("nan")
+            order = list(rows)
+            logits[order.index(victim[0].rows[0].slot)] = float("nan")
         return logits
 
     monkeypatch.setattr(SlotBuffers, "decode", poisoned)

@@ -14,7 +14,7 @@ def test_slots_come_lowest_first_and_bytes_are_reserved_per_row():
     ledger.release(1)
     assert ledger.bytes_in_use == 300 and ledger.num_free_slots == 2
     assert ledger.admit(10) == [1]  # the lowest free slot again: running rows stay packed at the front
-    assert ledger.highest_slot_in_use == 2
+    assert ledger.num_rows == 3
 
 
 def test_the_budget_and_the_slots_both_bound_admission():
@@ -27,7 +27,7 @@ def test_the_budget_and_the_slots_both_bound_admission():
     assert not ledger.can_admit(0)  # no slot left
     with pytest.raises(AssertionError):
         ledger.admit(1)
-    with pytest.raises(AssertionError, match="not held"):
+    with pytest.raises(AssertionError, match="holds no row"):
         ledger.release(3)
 
 
@@ -38,3 +38,15 @@ def test_max_rows_bounds_rows_held_at_once_but_a_request_alone_may_take_more():
     for slot in (0, 1, 2):
         ledger.release(slot)
     assert ledger.admit(10) == [0] and ledger.admit(10) == [1] and not ledger.can_admit(10)
+
+
+def test_a_rows_bytes_come_back_when_it_ends_and_its_slot_when_nothing_reads_it():
+    ledger = SlotLedger(num_slots=3, budget_bytes=100, bytes_per_token=1, max_rows=1)
+    assert ledger.admit(100) == [0]
+    ledger.release_row(0)  # the row ended; its write-back still reads slot 0
+    assert ledger.bytes_in_use == 0 and ledger.num_rows == 0
+    assert ledger.admit(100) == [1]  # a new row starts at once, in another slot
+    ledger.free(0)
+    with pytest.raises(AssertionError, match="in use or free already"):
+        ledger.free(0)
+    assert ledger.num_free_slots == 2

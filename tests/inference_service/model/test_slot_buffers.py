@@ -32,8 +32,10 @@ def test_rows_of_different_lengths_decode_together_as_each_would_alone():
             alone[-1].append(int(decode_step(model, own, torch.tensor(alone[-1][-1]), len(prompt) + step).argmax()))
     together = {slot: [token] for slot, (token, _) in rows.items()}
     for _ in range(4):
-        logits = slots.decode(model, rows)  # [4, vocab]
-        rows = {slot: (int(logits[slot].argmax()), position + 1) for slot, (_, position) in rows.items()}
+        rows = dict(reversed(rows.items()))  # the logits follow the order asked for, not the slots'
+        logits = slots.decode(model, rows)  # [3, vocab], in the order of rows
+        rows = {slot: (int(row_logits.argmax()), position + 1)
+                for (slot, (_, position)), row_logits in zip(rows.items(), logits)}
         for slot, (token, _) in rows.items():
             together[slot].append(token)
     assert [together[slot] for slot in (0, 2, 3)] == alone

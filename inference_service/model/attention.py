@@ -23,7 +23,10 @@ def engine_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """
     engine_call = kwargs.pop(ENGINE_CALL, False)
     groups = getattr(module, "num_key_value_groups", 1)
-    if not engine_call or query.device.type != "cpu" or groups == 1 or kwargs.get("position_bias") is not None:
+    # One query token (a decode step): transformers already folds the query groups into the batch (pack_gqa),
+    # which the CPU runs faster than grouped SDPA (bench/bench_batch_costs.py).
+    if (not engine_call or query.device.type != "cpu" or groups == 1 or query.shape[2] == 1
+            or kwargs.get("position_bias") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     causal = query.shape[2] > 1 and attention_mask is None and (is_causal if is_causal is not None else True)

@@ -72,7 +72,7 @@ def test_a_plain_generate_beside_the_engines_forwards_runs_transformers_default_
     assert plain == [expected] * 3
     me = threading.get_ident()
     assert calls_by_thread[(me, "default")] > 0 and calls_by_thread[(me, "engine")] == 0
-    assert calls_by_thread[(engine_thread, "engine")] > 0 and calls_by_thread[(engine_thread, "default")] == 0
+    assert calls_by_thread[(engine_thread, "engine")] > 0  # its prefills (its decode steps keep pack_gqa)
     engine.stop()
 
 

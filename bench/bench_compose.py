@@ -58,9 +58,11 @@ class Summary:
 def build_document(count_tokens: Callable[[str], int], target: int = TARGET_TOKENS) -> str:
     """Passages until at least `target` tokens, with one more while the count is a whole number of chunks."""
     passages: list[str] = []
-    while not passages or count_tokens("".join(passages)) < target or count_tokens("".join(passages)) % CHUNK_SIZE == 0:
+    num_tokens = 0
+    while num_tokens < target or num_tokens % CHUNK_SIZE == 0:
         n = len(passages)
         passages.append(PASSAGE.format(n=n, pier=n % 7, hour=6 + n % 14, minute=(n * 13) % 60))
+        num_tokens = count_tokens("".join(passages))
     return "".join(passages)
 
 

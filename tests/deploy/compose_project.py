@@ -38,10 +38,12 @@ class ComposeProject:
         return docker("compose", "-p", self.name, *files, *profiles, *args, timeout=timeout, cwd=ROOT,
                       env={**os.environ, **self.environment})
 
-    def up(self, timeout_s: int = 300) -> float:
-        """Starts every service (images must exist) and waits until all are healthy; returns the seconds taken."""
+    def up(self, *services: str, timeout_s: int = 300) -> float:
+        """Starts the services (all by default; images must exist) and their dependencies, and waits until all
+        are healthy; returns the seconds taken."""
         started = time.monotonic()
-        self.compose("up", "--detach", "--no-build", "--wait", "--wait-timeout", str(timeout_s), timeout=timeout_s + 60)
+        self.compose("up", "--detach", "--no-build", "--wait", "--wait-timeout", str(timeout_s), *services,
+                     timeout=timeout_s + 60)
         return time.monotonic() - started
 
     def down(self, volumes: bool = False) -> None:

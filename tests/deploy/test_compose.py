@@ -304,6 +304,7 @@ def test_the_l2_profile_runs_redis_with_lfu_eviction_and_aof_and_the_daemon_can_
     command = redis["command"]
     assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lfu"
     assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--protected-mode") + 1] == "no", "the daemons connect from other containers"
     assert redis["volumes"] == ["kvboost-redis:/data"] and "kvboost-redis" in COMPOSE["volumes"]
     assert published("redis") == {6379: "127.0.0.1:6379"}
 

@@ -144,7 +144,7 @@ def test_the_l2_profile_shares_chunks_between_two_replicas(stack) -> None:
     shared = ComposeProject(f"{stack.name}-l2", files=(*stack.files, L2_REPLICA_FILE), profiles=("l2",),
                             environment={"KVBOOST_L2": "redis://redis:6379"})
     try:
-        shared.up()
+        shared.up("inference", "inference-b")  # each replica with its daemon, Redis and PID namespace
         replica_a, replica_b = service_stub(shared), service_stub(shared, "INFERENCE_B")
         warmed = replica_a.Warm(pb.WarmRequest(text=DOCUMENT), timeout=300)
         wait_for(lambda: daemon_stats(shared).l2.writes >= warmed.chunks_stored, "replica A's chunks in Redis",

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "proto"))
 
 import grpc  # noqa: E402
 
+from kvboost.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 from kvboost.v1 import inference_pb2 as pb  # noqa: E402
 from kvboost.v1 import inference_pb2_grpc  # noqa: E402
 
@@ -47,6 +48,7 @@ class Summary:
     baseline_ms: float  # median TTFT
     cached_ms: float
     read_mode: str
+    fetch_bytes: int  # blob bytes the daemon served over Fetch during the runs: 0 when all came from the map
     reuse_after_restart: float
     runs: int
 
@@ -76,7 +78,7 @@ def format_summary(summary: Summary) -> list[str]:
         f"{summary.document_tokens % CHUNK_SIZE}), prompt {summary.prompt_tokens} tokens; {summary.runs} runs each, alternating",
         f"TTFT p50: BASELINE {summary.baseline_ms:.0f} ms, PREFIX_CACHE {summary.cached_ms:.1f} ms: "
         f"{summary.speedup:.1f}x (target >= {SPEEDUP_TARGET:.0f}x: {met(summary.speedup >= SPEEDUP_TARGET)}); "
-        f"read mode {summary.read_mode}",
+        f"read mode {summary.read_mode}, {summary.fetch_bytes} blob bytes over Fetch",
         f"reuse on the first request after down/up: {summary.reuse_after_restart:.3f} "
         f"(target >= {REUSE_TARGET}: {met(summary.reuse_after_restart >= REUSE_TARGET)})",
     ]
@@ -111,6 +113,7 @@ def measure(runs: int) -> Summary:
                 baseline.append(ttft_ms(stub, document + question(2 * n), pb.BASELINE))
                 cached.append(ttft_ms(stub, document + question(2 * n + 1), pb.PREFIX_CACHE))
             read_mode = stub.Stats(pb.ServiceStatsRequest(), timeout=10).read_mode
+            fetch_bytes = daemon_bytes_read(project.address("DAEMON"))
             project.down()
             project.up()
             stub = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(project.address("INFERENCE")))
@@ -121,8 +124,13 @@ def measure(runs: int) -> Summary:
         engine.stop()
     return Summary(engine.engine_version, engine.compose_version, healthy_s, cached[0].prompt_tokens,
                    warmed.token_count, statistics.median(r.ttft_ms for r in baseline),
-                   statistics.median(r.ttft_ms for r in cached), read_mode or "(not reported)",
+                   statistics.median(r.ttft_ms for r in cached), read_mode or "(not reported)", fetch_bytes,
                    after.kv_reuse_ratio, runs)
+
+
+def daemon_bytes_read(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return cache_pb2_grpc.CacheServiceStub(channel).Stats(cache_pb2.CacheStatsRequest(), timeout=10).bytes_read
 
 
 def main() -> None:

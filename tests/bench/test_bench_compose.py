@@ -10,7 +10,7 @@ def words(text: str) -> int:
 
 def summary(**overrides) -> Summary:
     values = dict(engine="20.10.24", compose="2.40.3", healthy_s=33.0, prompt_tokens=1650, document_tokens=1630,
-                  baseline_ms=3000.0, cached_ms=150.0, read_mode="locked_map", reuse_after_restart=0.95, runs=5)
+                  baseline_ms=3000.0, cached_ms=150.0, read_mode="locked_map", fetch_bytes=0, reuse_after_restart=0.95, runs=5)
     return Summary(**{**values, **overrides})
 
 
@@ -32,7 +32,7 @@ def test_the_summary_states_each_target() -> None:
         "Docker Engine 20.10.24, Compose 2.40.3",
         "cold start to all healthy: 33.0 s (target <= 60 s: met)",
         "document 1630 tokens (12 chunks + 94), prompt 1650 tokens; 5 runs each, alternating",
-        "TTFT p50: BASELINE 3000 ms, PREFIX_CACHE 150.0 ms: 20.0x (target >= 15x: met); read mode locked_map",
+        "TTFT p50: BASELINE 3000 ms, PREFIX_CACHE 150.0 ms: 20.0x (target >= 15x: met); read mode locked_map, 0 blob bytes over Fetch",
         "reuse on the first request after down/up: 0.950 (target >= 0.9: met)",
     ]
     missed = format_summary(summary(healthy_s=61.0, cached_ms=250.0, reuse_after_restart=0.5))

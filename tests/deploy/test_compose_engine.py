@@ -33,15 +33,23 @@ MAX_NEW_TOKENS = 12
 SERVICES = ("pid-namespace", "cache-daemon", "inference", "gateway")
 
 
+def report(request, line: str) -> None:
+    """A line in pytest's own output, shown without -s."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
 @pytest.fixture(scope="module")
-def engine():
+def engine(request):
     try:
         started = start_engine()
     except EngineUnavailable as error:
         if os.environ.get("CI") == "true" and os.geteuid() == 0:
             pytest.fail(f"CI: the Docker engine must start here: {error}")
         pytest.skip(f"no Docker engine: {error}")
-    print(f"\nDocker Engine {started.engine_version}, Compose {started.compose_version}")
+    report(request, f"\nDocker Engine {started.engine_version}, Compose {started.compose_version}"
+                    f"{' (dockerd started by this test)' if started.dockerd else ''}")
     try:
         yield started
     finally:
@@ -49,9 +57,9 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def images(engine):
+def images(request, engine):
     built = prepare_images()
-    print("images:", ", ".join(f"{image} {image_size_mb(image):.0f} MB" for image in built))
+    report(request, "images: " + ", ".join(f"{image} {image_size_mb(image):.0f} MB" for image in built))
     return built
 
 

@@ -124,21 +124,23 @@ def test_a_stopped_restarted_or_killed_daemon_degrades_the_service_which_recover
     degraded = cached_generate(stub)
     assert degraded.degraded and degraded.cached_tokens == 0 and list(degraded.output_token_ids) == expected
     stack.compose("start", "cache-daemon")
-    _wait_for_reuse(stub, expected, "recovery after the daemon was stopped and started")
+    _wait_for_reuse(stack, stub, expected, "recovery after the daemon was stopped and started")
     stack.compose("restart", "cache-daemon")
-    _wait_for_reuse(stub, expected, "recovery after docker compose restart cache-daemon")
+    _wait_for_reuse(stack, stub, expected, "recovery after docker compose restart cache-daemon")
     os.kill(stack.container_pid("cache-daemon"), signal.SIGKILL)  # the restart policy brings it back
     assert list(cached_generate(stub).output_token_ids) == expected, "served during the outage"
-    _wait_for_reuse(stub, expected, "recovery after kill -9 of the daemon")
+    _wait_for_reuse(stack, stub, expected, "recovery after kill -9 of the daemon")
     assert stack.states()["inference"] == ("running", "healthy")
 
 
-def _wait_for_reuse(stub, expected: list[int], what: str) -> None:
+def _wait_for_reuse(stack: ComposeProject, stub, expected: list[int], what: str) -> None:
     def reused() -> bool:
         result = cached_generate(stub)
         assert list(result.output_token_ids) == expected
         return result.cached_tokens > 0 and not result.degraded
     wait_for(reused, what, timeout_s=120, interval_s=1.0)
+    # The daemon's count is since its own start: the service went back to the memory map, not to Fetch.
+    assert daemon_stats(stack).bytes_read == 0, f"{what}: blobs came over Fetch"
 
 
 def test_the_cache_survives_down_and_up(stack) -> None:

@@ -139,6 +139,8 @@ class ServiceStats(_FromProto):
     cache_address: str
     queue_depth: int
     mean_ttft_ms: float
+    read_mode: str  # "locked_map", "stream" or "remote": how the service reads cached blobs
+    stream_fetches: int
 
 
 @dataclass(slots=True, frozen=True)

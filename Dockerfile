@@ -2,7 +2,8 @@
 #   daemon     the cache daemon (no torch): python -m cache_daemon
 #   inference  the inference service (torch, transformers, the embedded SmolLM2): python -m inference_service
 #   gateway    the OpenAI-compatible HTTP gateway (no torch): python -m http_gateway
-# compose.yaml builds both; compose.gpu.yaml switches the torch wheel to CUDA and reserves a GPU.
+#   pid-namespace  holds the PID namespace the daemon and the service share (compose.yaml says why)
+# compose.yaml builds them all; compose.gpu.yaml switches the torch wheel to CUDA and reserves a GPU.
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS base
@@ -46,3 +47,8 @@ RUN pip install --no-deps .
 USER kvboost
 EXPOSE 8000
 ENTRYPOINT ["python", "-m", "http_gateway"]
+
+FROM base AS pid-namespace
+# PID 1 of the shared namespace: waits for SIGTERM and exits; reaps nothing (each process has its own shim).
+USER kvboost
+ENTRYPOINT ["python", "-c", "import signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); signal.pause()"]

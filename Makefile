@@ -71,6 +71,7 @@ bench: setup model
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_tiers.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_concurrency.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_batch_costs.py
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_compose.py
 
 clean: down
 	rm -rf $(VENV) .run .pytest_cache .hypothesis build *.egg-info

@@ -139,10 +139,12 @@ class ServiceStats(_FromProto):
     cache_address: str
     queue_depth: int
     mean_ttft_ms: float
-    running_rows: int = 0  # the step loop: rows decoding, requests waiting, K/V reserved and its budget
-    waiting_requests: int = 0
-    kv_bytes_in_use: int = 0
-    kv_budget_bytes: int = 0
+    running_rows: int  # the step loop: rows decoding, requests waiting, K/V reserved and its budget
+    waiting_requests: int
+    kv_bytes_in_use: int
+    kv_budget_bytes: int
+    read_mode: str  # "locked_map", "stream" or "remote": how the service reads cached blobs
+    stream_fetches: int
 
 
 @dataclass(slots=True, frozen=True)

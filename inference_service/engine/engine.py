@@ -251,7 +251,9 @@ class Engine:
     def stats(self) -> dict:
         """Fields of ServiceStatsReply the engine knows: counters, the scheduler's state, `degraded`."""
         return {**self.parts.counters.snapshot(), **self.core.stats(),
-                "degraded": bool(getattr(self.store, "degraded", False))}
+                "degraded": bool(getattr(self.store, "degraded", False)),
+                "read_mode": getattr(self.store, "read_mode", ""),  # how cached blobs are read (locked map, stream)
+                "stream_fetches": getattr(self.store, "num_stream_fetches", 0)}
 
     def flush_writes(self, timeout: float | None = None) -> None:
         """Waits for queued write-backs (tests, shutdown)."""

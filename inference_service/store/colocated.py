@@ -48,6 +48,8 @@ class ColocatedStore:
         self._reader: LmdbBlobReader | None = None
         self._next_attempt = 0.0
         self._lock = threading.Lock()
+        self._fallback_logged = False
+        self.num_stream_fetches = 0  # fetches served by the gRPC stream because the map could not be opened
 
     @property
     def degraded(self) -> bool:
@@ -60,6 +62,11 @@ class ColocatedStore:
     @property
     def reads_locally(self) -> bool:
         return self._reader is not None
+
+    @property
+    def read_mode(self) -> str:
+        """"locked_map": blobs from the daemon's memory map, registered in its lock file; "stream": over Fetch."""
+        return "locked_map" if self._reader is not None else "stream"
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
                partial_keys: list[bytes] | None = None) -> StoreLookup:
@@ -75,6 +82,7 @@ class ColocatedStore:
         """Blobs from the memory map (LentBlobs) when the environment is open here, else the gRPC stream."""
         reader = self._reader or self._maybe_discover()
         if reader is None:
+            self.num_stream_fetches += 1
             return self.remote.fetch(keys)
         return LentBlobs(self._read_locally(reader, keys))
 
@@ -114,8 +122,17 @@ class ColocatedStore:
                 self._reader = LmdbBlobReader(described.data_dir, described.environment_id,
                                               described.blob_db_version)
             except (StoreUnavailable, LocalReadUnavailable) as error:
-                logger.info("cache blobs come over gRPC from %s: %s", self.address, error)
+                self._maybe_log_fallback(error)
                 return None
-            logger.info("cache blobs are read from the daemon's LMDB environment at %s%s", described.data_dir,
-                        "" if self._reader.locked else " (without its lock file: each blob copied)")
+            logger.info("cache blobs are read from the daemon's LMDB environment at %s (locked map)",
+                        described.data_dir)
+            self._fallback_logged = False  # a later fallback is news again
             return self._reader
+
+    def _maybe_log_fallback(self, error: Exception) -> None:
+        # Once per fallback: discovery retries every retry_interval_s and would repeat the same line.
+        if self._fallback_logged:
+            logger.debug("cache blobs still come over gRPC from %s: %s", self.address, error)
+            return
+        self._fallback_logged = True
+        logger.warning("cache blobs come over gRPC from %s (read mode: stream): %s", self.address, error)

@@ -67,6 +67,11 @@ class GrpcChunkStore:
     def address(self) -> str:
         return self.options.address
 
+    @property
+    def read_mode(self) -> str:
+        """"remote": every blob comes over Fetch (local reads off, or the daemon on another host)."""
+        return "remote"
+
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
                partial_keys: list[bytes] | None = None) -> StoreLookup:
         request = cache_pb2.LookupRequest(namespace=namespace, prefix_keys=prefix_keys, content_keys=content_keys or [],

@@ -4,8 +4,10 @@ The only module of the service that imports lmdb. The daemon stays the only writ
 opens the environment read-only next to it, as LMDB allows. Blobs come back as views into the memory
 map, valid until the fetch iterator advances or closes; the reader's transaction keeps the pages of
 its snapshot from being reused meanwhile, so an entry evicted or rewritten after Lookup reads as a miss
-or as the snapshot's bytes, never as pages being overwritten. Without the lock file (a read-only
-mount), readers are invisible to the writer, so each blob is copied before it is checked.
+or as the snapshot's bytes, never as pages being overwritten. That guarantee needs the lock file: a reader
+the writer cannot see may walk B-tree pages the writer is recycling, so the environment is never read
+without it (a read-only mount, or a reader whose PID collides with the writer's in another PID namespace,
+is refused, and the caller streams blobs over gRPC instead).
 """
 from __future__ import annotations
 
@@ -38,17 +40,18 @@ class LmdbBlobReader:
             raise LocalReadUnavailable(f"blob DB version {blob_db_version} is not supported (this reader: 1)")
         path = Path(data_dir)
         self.path = path
-        self.locked = True
         try:
-            self._env = _open(path, lock=True)
-        except lmdb.Error as error:  # e.g. a read-only mount: lock.mdb cannot be written
-            logger.info("cannot open %s with its lock file (%s): reading without it, each blob copied", path, error)
-            self.locked = False
-            try:
-                self._env = _open(path, lock=False)
-            except lmdb.Error as second:
-                raise LocalReadUnavailable(f"cannot open the LMDB environment at {path}: {second}") from second
+            self._env = _open(path)
+        except lmdb.Error as error:
+            raise LocalReadUnavailable(f"cannot open the LMDB environment at {path} with its lock file: {error}") from error
         self._resize_lock = threading.Lock()
+        try:
+            # The first read transaction registers this process in lock.mdb's reader table, by PID.
+            self._env.begin().abort()
+        except lmdb.Error as error:
+            self._env.close()
+            raise LocalReadUnavailable(f"cannot register as a reader in {path}/lock.mdb ({error}); "
+                                       f"unlocked reads are unsafe") from error
         try:
             self._blobs = self._env.open_db(BLOBS_DB, create=False)
             info = self._env.open_db(INFO_DB, create=False)
@@ -73,12 +76,7 @@ class LmdbBlobReader:
                     view = txn.get(key, db=self._blobs)
                 except lmdb.Error as error:
                     raise LocalReadUnavailable(f"cannot read {self.path}: {error}") from error
-                if view is None:
-                    yield key, None
-                elif self.locked:
-                    yield key, memoryview(view)
-                else:
-                    yield key, bytes(view)  # unlocked: the writer may reuse these pages at any time
+                yield key, None if view is None else memoryview(view)
         finally:
             txn.abort()
 
@@ -95,6 +93,7 @@ class LmdbBlobReader:
         self._env.close()
 
 
-def _open(path: Path, lock: bool):
-    # readonly: never writes data; max_dbs: room for the daemon's named DBs. LMDB adopts the file's map size.
-    return lmdb.open(str(path), readonly=True, lock=lock, max_dbs=8, subdir=True, create=False)
+def _open(path: Path):
+    # readonly: never writes data; lock: readers registered in lock.mdb, so the writer keeps their pages;
+    # max_dbs: room for the daemon's named DBs. LMDB adopts the file's map size.
+    return lmdb.open(str(path), readonly=True, lock=True, max_dbs=8, subdir=True, create=False)

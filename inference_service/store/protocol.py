@@ -37,6 +37,8 @@ class ChunkStore(Protocol):
     # Optional, read with getattr(cache, "verifies_blobs", False): True when fetch already checked every
     # blob it returns against a checksum taken over the same bytes when they were stored, so the engine
     # need not run the blob's own CRC-32 a second time.
+    # Optional, read with getattr(cache, "read_mode", ""): how blobs are read, "locked_map", "stream" or
+    # "remote" (ServiceStatsReply.read_mode).
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
                partial_keys: list[bytes] | None = None) -> StoreLookup:

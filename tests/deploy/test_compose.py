@@ -76,12 +76,17 @@ def port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
-def published(service: str) -> dict[int, str]:
-    """container port -> host address of each `ports` entry ("host_ip:host_port:container_port")."""
+_PUBLISH_PORT = re.compile(r"^127\.0\.0\.1:\$\{KVBOOST_PUBLISH_[A-Z_]+:-(\d+)\}:(\d+)$")
+
+
+def published(service: str, compose: dict = COMPOSE) -> dict[int, str]:
+    """container port -> host address of each `ports` entry ("127.0.0.1:${KVBOOST_PUBLISH_*:-port}:port"),
+    the host port at its default."""
     mapping = {}
-    for entry in COMPOSE["services"][service]["ports"]:
-        host_ip, host_port, container_port = str(entry).split(":")
-        mapping[int(container_port)] = f"{host_ip}:{host_port}"
+    for entry in compose["services"][service]["ports"]:
+        match = _PUBLISH_PORT.match(str(entry))
+        assert match, f"{service}: {entry!r} must publish on 127.0.0.1 with a KVBOOST_PUBLISH_* host port"
+        mapping[int(match.group(2))] = f"127.0.0.1:{match.group(1)}"
     return mapping
 
 
@@ -167,6 +172,20 @@ def test_service_reaches_the_daemon_by_its_compose_name_and_port() -> None:
     host, port = service.cache_addr.rsplit(":", 1)
     assert host == "cache-daemon" and int(port) == port_of(daemon.listen)
     assert COMPOSE["services"]["inference"]["depends_on"] == {"cache-daemon": {"condition": "service_healthy"}}
+
+
+def test_the_daemon_and_the_service_share_a_pid_namespace_that_neither_owns() -> None:
+    # LMDB's reader table tells readers apart by PID: the service must not be PID 1 beside a daemon that is.
+    holder = COMPOSE["services"]["pid-namespace"]
+    assert COMPOSE["services"]["cache-daemon"]["pid"] == COMPOSE["services"]["inference"]["pid"] == "service:pid-namespace"
+    assert holder["build"] == {"context": ".", "target": "pid-namespace"} and holder["network_mode"] == "none"
+    assert "signal.SIGTERM" in _stage("pid-namespace"), "PID 1 of the namespace stops on SIGTERM"
+
+
+def test_nothing_needs_an_engine_newer_than_20_10() -> None:
+    # healthcheck.start_interval makes compose refuse to start on engines before 25.
+    for name, service in COMPOSE["services"].items():
+        assert "start_interval" not in service.get("healthcheck", {}), f"{name}: start_interval needs Engine 25"
 
 
 def test_gateway_reaches_the_service_by_its_compose_name_and_waits_for_its_health() -> None:
@@ -285,8 +304,20 @@ def test_the_l2_profile_runs_redis_with_lfu_eviction_and_aof_and_the_daemon_can_
     command = redis["command"]
     assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lfu"
     assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--protected-mode") + 1] == "no", "the daemons connect from other containers"
     assert redis["volumes"] == ["kvboost-redis:/data"] and "kvboost-redis" in COMPOSE["volumes"]
     assert published("redis") == {6379: "127.0.0.1:6379"}
+
+
+def test_the_l2_replica_override_is_a_second_pair_on_its_own_volume_and_namespace() -> None:
+    override = yaml.safe_load((ROOT / "tests/deploy/compose.l2-replica.yaml").read_text())["services"]
+    assert all(service["profiles"] == ["l2"] for service in override.values())
+    daemon = parse("cache-daemon", override["cache-daemon-b"]["command"])
+    service = parse("inference", override["inference-b"]["command"])
+    assert service.cache_addr == f"cache-daemon-b:{port_of(daemon.listen)}"
+    assert override["cache-daemon-b"]["volumes"] == override["inference-b"]["volumes"] == [f"kvboost-lmdb-b:{daemon.data_dir}"]
+    assert override["cache-daemon-b"]["pid"] == override["inference-b"]["pid"] == "service:pid-namespace-b"
+    assert published("inference-b", {"services": override}) == {50051: "127.0.0.1:50053"}
     # Off by default; the documented value parses as an L2 address of the compose service.
     assert compose_args("cache-daemon").l2 == ""
     args = parse("cache-daemon", COMPOSE["services"]["cache-daemon"]["command"], {"KVBOOST_L2": "redis://redis:6379"})

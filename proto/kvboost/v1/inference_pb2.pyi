@@ -246,7 +246,7 @@ class ServiceStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceStatsReply(_message.Message):
-    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes")
+    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes", "read_mode", "stream_fetches")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,8 @@ class ServiceStatsReply(_message.Message):
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_IN_USE_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_MODE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FETCHES_FIELD_NUMBER: _ClassVar[int]
     requests: int
     rejected: int
     prompt_tokens: int
@@ -281,7 +283,9 @@ class ServiceStatsReply(_message.Message):
     waiting_requests: int
     kv_bytes_in_use: int
     kv_budget_bytes: int
-    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ...) -> None: ...
+    read_mode: str
+    stream_fetches: int
+    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., read_mode: _Optional[str] = ..., stream_fetches: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -50,7 +50,7 @@ def test_fetches_come_from_the_memory_map_once_discovered(writer, tmp_path):
     remote = FakeRemote(str(tmp_path / "lmdb"), writer.environment_id)
     store = ColocatedStore(remote, "auto")
     try:
-        assert store.check() and store.reads_locally
+        assert store.check() and store.reads_locally and store.read_mode == "locked_map"
         blobs = store.fetch([KEY_A])
         assert blobs.lent and [bytes(blob) for _, blob in blobs] == [b"a" * 10]
         assert remote.calls == ["describe"]
@@ -61,11 +61,23 @@ def test_fetches_come_from_the_memory_map_once_discovered(writer, tmp_path):
 def test_auto_falls_back_to_grpc_and_retries_discovery_later(tmp_path):
     remote = FakeRemote(str(tmp_path / "elsewhere"), b"\x01" * 16)  # a path this host cannot open
     store = ColocatedStore(remote, "auto", retry_interval_s=3600)
-    assert store.check() and not store.reads_locally
+    assert store.check() and not store.reads_locally and store.read_mode == "stream"
     fetched = store.fetch([KEY_A])
     assert not getattr(fetched, "lent", False) and list(fetched) == [(KEY_A, b"over grpc")]
     store.fetch([KEY_A])
     assert remote.calls == ["describe", "fetch", "fetch"], "no new Describe before the retry interval"
+    assert store.num_stream_fetches == 2
+
+
+def test_the_fallback_to_the_stream_is_logged_once_however_often_discovery_retries(tmp_path, caplog):
+    store = ColocatedStore(FakeRemote(str(tmp_path / "elsewhere"), b"\x01" * 16), "auto", retry_interval_s=0)
+    with caplog.at_level("DEBUG", logger="inference_service.store.colocated"):
+        store.check()
+        for _ in range(3):
+            list(store.fetch([KEY_A]))
+    warnings = [record for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1 and "read mode: stream" in warnings[0].getMessage()
+    assert store.num_stream_fetches == 3 and store.read_mode == "stream"
 
 
 def test_auto_discovers_once_the_daemon_answers(writer, tmp_path):
@@ -99,7 +111,7 @@ def test_a_failing_local_read_falls_back_for_later_fetches(writer, tmp_path, mon
         monkeypatch.setattr(store._reader, "fetch", broken)
         with pytest.raises(StoreUnavailable, match="local read failed"):
             list(store.fetch([KEY_A]))
-        assert not store.reads_locally
+        assert not store.reads_locally and store.read_mode == "stream"
         assert list(store.fetch([KEY_A])) == [(KEY_A, b"over grpc")]
     finally:
         store.close()

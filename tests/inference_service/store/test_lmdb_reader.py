@@ -1,6 +1,8 @@
 """LmdbBlobReader against a real daemon store written by another process: snapshots, map growth, identity."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -8,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from inference_service.store import lmdb_reader
 from inference_service.store.lmdb_reader import LmdbBlobReader, LocalReadUnavailable
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -40,8 +41,8 @@ WRITER = textwrap.dedent("""
 
 
 class Writer:
-    def __init__(self, data_dir: Path) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", WRITER, str(data_dir)], cwd=ROOT, text=True,
+    def __init__(self, data_dir: Path, wrap=lambda argv: argv) -> None:
+        self.process = subprocess.Popen(wrap([sys.executable, "-c", WRITER, str(data_dir)]), cwd=ROOT, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.environment_id = bytes.fromhex(self.process.stdout.readline())
 
@@ -69,7 +70,6 @@ def test_blobs_come_back_as_views_and_absent_keys_as_none(writer, tmp_path):
     try:
         fetched = [(key, None if blob is None else bytes(blob)) for key, blob in reader.fetch([KEY_A, ABSENT])]
         assert fetched == [(KEY_A, b"a" * 100), (ABSENT, None)]
-        assert reader.locked
     finally:
         reader.close()
 
@@ -108,18 +108,35 @@ def test_another_environment_is_refused(writer, tmp_path):
         LmdbBlobReader(tmp_path / "lmdb", writer.environment_id, blob_db_version=2)
 
 
-def test_without_the_lock_file_each_blob_is_a_private_copy(writer, tmp_path, monkeypatch):
-    opened = lmdb_reader._open
-
-    def refuse_lock(path, lock):  # as on a read-only mount, where lock.mdb cannot be written
-        if lock:
-            raise lmdb_reader.lmdb.ReadonlyError("read-only file system")
-        return opened(path, lock)
-
-    monkeypatch.setattr(lmdb_reader, "_open", refuse_lock)
-    reader = LmdbBlobReader(tmp_path / "lmdb", writer.environment_id)
+# A reader in a child process that is PID 1 of its own PID namespace, as a container's entry point is.
+ISOLATED_READER = textwrap.dedent("""
+    import os, sys
+    from inference_service.store.lmdb_reader import LmdbBlobReader, LocalReadUnavailable
     try:
-        (_, blob), = reader.fetch([KEY_A])
-        assert not reader.locked and type(blob) is bytes and blob == b"a" * 100
+        LmdbBlobReader(sys.argv[1], bytes.fromhex(sys.argv[2])).close()
+        print(os.getpid(), "opened")
+    except LocalReadUnavailable as error:
+        print(os.getpid(), "refused:", error)
+""")
+
+
+def _in_new_pid_namespace(argv: list[str]) -> list[str]:
+    return ["unshare", "--pid", "--fork", *argv]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="new PID namespaces need root and util-linux's unshare")
+def test_a_reader_whose_pid_collides_with_the_writers_is_refused_never_read_unlocked(tmp_path):
+    # Both processes are PID 1 of their own namespace: LMDB's reader table (one lock per PID in lock.mdb)
+    # cannot tell them apart, so the reader cannot register, and it must not fall back to unlocked reads.
+    writer = Writer(tmp_path / "lmdb", wrap=_in_new_pid_namespace)
+    try:
+        writer.send("put", KEY_A, 10)
+        argv = [sys.executable, "-c", ISOLATED_READER, str(tmp_path / "lmdb"), writer.environment_id.hex()]
+        isolated = subprocess.run(_in_new_pid_namespace(argv), cwd=ROOT, capture_output=True, text=True, timeout=60)
+        shared = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
     finally:
-        reader.close()
+        writer.close()
+    assert isolated.stdout.startswith("1 refused: cannot open the LMDB environment"), isolated.stdout + isolated.stderr
+    assert "with its lock file" in isolated.stdout
+    assert shared.stdout.split()[1:] == ["opened"], "in the writer's PID namespace the reader registers"

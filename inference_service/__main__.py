@@ -63,6 +63,7 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
         kv_cache_bytes=config.kv_cache_bytes,
         max_prefill_tokens=config.max_prefill_tokens,
         max_queue=config.max_queue,
+        max_answer_tokens_stored=config.max_answer_tokens_stored,
     )
     if isinstance(store, (GrpcChunkStore, ColocatedStore)) and store.check():
         logger.info("cache daemon at %s answers", store.address)

@@ -14,6 +14,7 @@ import torch
 
 from inference_service.engine import prefill
 from inference_service.request.generation import RowDecoder, SamplingSettings
+from inference_service.request.planning import answer_chunks
 from inference_service.engine.sequence import Row, Sequence
 from inference_service.request.types import TokenEvent
 from inference_service.reuse.assembler import AssembledContext
@@ -170,7 +171,10 @@ class Executor:
             self._finish_row(seq, row)
 
     def _finish_row(self, seq: Sequence, row: Row) -> None:
-        ended = seq.finish_row(row, row.decoder.finish())
+        decoded = row.decoder.finish()
+        if row.index == 0:  # submitted before the request reports its end
+            self._store_answer(seq, row)
+        ended = seq.finish_row(row, decoded)
         seq.held_slots.discard(row.slot)
         self.owner.end_row(row.slot)
         if ended:
@@ -187,6 +191,21 @@ class Executor:
         slot = seq.state.slots[0]
         self.owner.hold(slot)  # the write-back reads the slot's K/V on its own thread
         seq.parts.writeback.submit(pending, lambda stored, error: self.owner.let_go(slot))
+
+    def _store_answer(self, seq: Sequence, row: Row) -> None:
+        """The prompt's tail and the answer's K/V (first completion only) as chunks, so the next turn of a
+        conversation reuses the whole previous turn; only K/V that are exact, of single-segment prompts."""
+        limit = seq.parts.config.max_answer_tokens_stored
+        answer = row.decoder.token_ids[:-1][:limit]  # the last token was never fed back: it has no K/V
+        if (not answer or not self.batched or seq.approximate or seq.mode == "baseline" or seq.context.degraded
+                or seq.params.segments):
+            return
+        pending = answer_chunks(seq.prompt, answer, seq.parts.config.chunk_size, self.owner.views(row.slot),
+                                seq.request_id)
+        if pending is None:
+            return
+        self.owner.hold(row.slot)  # the write-back reads the slot's K/V on its own thread
+        seq.parts.writeback.submit(pending, lambda stored, error: self.owner.let_go(row.slot))
 
     def _store_warm(self, seq: Sequence) -> None:
         slot = seq.state.slots[0]

@@ -102,6 +102,7 @@ def _run_whole(seq: Sequence, buffers: Buffers) -> int:
             context.num_cached_chunks += reused.num_content_chunks
             context.degraded = reused.degraded
             seq.num_cached, seq.cache, seq.first_logits = reused.num_cached_tokens, reused.cache, reused.first_logits
+            seq.approximate = True
             seq.state.num_computed = prompt.num_tokens
             seq.pending = None if reused.degraded else pending
             return prompt.num_tokens - num_before

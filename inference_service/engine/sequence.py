@@ -72,6 +72,7 @@ class Sequence:
     first_logits: torch.Tensor | None = None  # [vocab]
     pending: PendingChunks | None = None  # new chunks to store after the first token
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    approximate: bool = False  # repaired content hits: later K/V attended to approximate ones (never stored)
     # A batch call's shared leading chunks: `source` prefills them, its `followers` copy them from its slot.
     source: Sequence | None = None
     num_shared_tokens: int = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -140,6 +140,28 @@ def new_chunks(parts: EngineParts, prompt: PromptPlan, context: AssembledContext
         content_keys.append(None)
     return PendingChunks(parts.namespace, tuple(chunks), tuple(prefix_keys), tuple(content_keys), new_kv, num_cached,
                          request_id=request_id, head_kv=buffers)
+
+
+def answer_chunks(prompt: PromptPlan, answer_ids: Sequence[int], chunk_size: int,
+                  buffers: tuple[torch.Tensor, torch.Tensor], request_id: str) -> PendingChunks | None:
+    """The chunks of the prompt's tail and its answer, keyed as a prompt that continues this one would key them:
+    the next turn of a conversation then finds the whole previous turn. answer_ids: the generated tokens whose
+    K/V are in `buffers` (every one but the last, which was never fed back). Single-segment prompts only."""
+    extended = plan_prompt(prompt.namespace, [list(prompt.token_ids) + list(answer_ids)], chunk_size)
+    first = len(prompt.chunks.chunks)  # the prompt's whole chunks went with the prompt's own write-back
+    chunks, prefix_keys = list(extended.chunks.chunks[first:]), list(extended.prefix_keys[first:])
+    tail = extended.tail_chunk()
+    if tail is not None:
+        chunks.append(tail)
+        prefix_keys.append(extended.tail_key)
+    if not chunks:
+        return None
+    keys, values = buffers  # [layers, kv_heads, capacity, head_dim]
+    start, end = chunks[0].start, extended.num_tokens
+    new_kv = [(keys[layer : layer + 1, :, start:end], values[layer : layer + 1, :, start:end])
+              for layer in range(keys.shape[0])]
+    return PendingChunks(prompt.namespace, tuple(chunks), tuple(prefix_keys), (None,) * len(chunks), new_kv, start,
+                         request_id=request_id)
 
 
 def submit_write_back(parts: EngineParts, pending: PendingChunks | None) -> None:

@@ -44,6 +44,9 @@ class EngineConfig:
     max_prefill_tokens: int = 512
     max_forward_tokens: int = 128
     max_queue: int = 64
+    # Generated tokens whose K/V are written back with the prompt's tail when a request ends (its first
+    # completion), so a conversation's next turn reuses the answer; 0: answers are not stored.
+    max_answer_tokens_stored: int = 1024
 
     @property
     def keys_before_rope(self) -> bool:
@@ -67,6 +70,7 @@ class EngineConfig:
         assert self.max_prefill_tokens > 0, f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}"
         assert self.max_forward_tokens > 0, f"max_forward_tokens must be positive, got {self.max_forward_tokens}"
         assert self.max_queue > 0, f"max_queue must be positive, got {self.max_queue}"
+        assert self.max_answer_tokens_stored >= 0, "max_answer_tokens_stored must be >= 0"
         assert 0 <= self.kv_group_size <= 65535, f"kv_group_size must be in 0..65535, got {self.kv_group_size}"
 
 

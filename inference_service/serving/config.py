@@ -50,6 +50,7 @@ class ServiceConfig:
     kv_cache_bytes: int = 2 * 1024**3  # K/V memory reserved by running requests (prompt + max_new_tokens per row)
     max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps
     metrics_port: int = 0  # Prometheus /metrics HTTP port on the listen host; 0 = off
+    max_answer_tokens_stored: int = 1024  # generated tokens written back per request (the next turn reuses them)
     max_new_tokens: int = 4096
     max_prompt_tokens: int = 0  # 0: the model's context length
     max_message_bytes: int = 64 << 20  # largest gRPC message received or sent
@@ -85,6 +86,8 @@ class ServiceConfig:
         _require(self.max_running_requests > 0, f"--max-running-requests must be positive, got {self.max_running_requests}")
         _require(self.kv_cache_bytes > 0, f"--kv-cache-bytes must be positive, got {self.kv_cache_bytes}")
         _require(0 <= self.metrics_port < 65536, f"--metrics-port out of range: {self.metrics_port}")
+        _require(self.max_answer_tokens_stored >= 0,
+                 f"--max-answer-tokens-stored must be >= 0, got {self.max_answer_tokens_stored}")
         _require(self.max_prefill_tokens > 0, f"--max-prefill-tokens must be positive, got {self.max_prefill_tokens}")
         _require(self.max_new_tokens > 0, f"--max-new-tokens must be positive, got {self.max_new_tokens}")
         _require(self.max_message_bytes >= 1 << 20, f"--max-message-bytes must be at least 1048576, got {self.max_message_bytes}")
@@ -167,6 +170,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--kv-cache-bytes", type=int, default=default("KV_CACHE_BYTES", defaults.kv_cache_bytes), help="K/V memory the running requests may reserve, in bytes: each reserves prompt + max_new_tokens per row when it is admitted, so nothing runs out mid-decode; a request that does not fit waits, one that could never fit is INVALID_ARGUMENT (KVBOOST_KV_CACHE_BYTES)")
     add("--max-prefill-tokens", type=int, default=default("MAX_PREFILL_TOKENS", defaults.max_prefill_tokens), help="prompt tokens prefilled between two decode steps: a long prompt runs in pieces while others decode (KVBOOST_MAX_PREFILL_TOKENS)")
     add("--metrics-port", type=int, default=default("METRICS_PORT", defaults.metrics_port), help="Prometheus /metrics HTTP port on the listen host (the step loop's running rows, waiting requests, K/V bytes reserved and budget; request counters); 0 = off (KVBOOST_METRICS_PORT)")
+    add("--max-answer-tokens-stored", type=int, default=default("MAX_ANSWER_TOKENS_STORED", defaults.max_answer_tokens_stored), help="when a request ends, the K/V of its prompt's tail and of up to this many generated tokens (its first completion) are written back, keyed as the next turn of the conversation will key them, so that turn recomputes only its new message; 0 = answers are not stored (KVBOOST_MAX_ANSWER_TOKENS_STORED)")
     for removed in REMOVED_FLAGS:  # still parsed, so naming one fails with what replaced it
         add("--" + removed.replace("_", "-"), dest=removed, default=default(removed.upper(), None), help=argparse.SUPPRESS)
     add("--max-new-tokens", type=int, default=default("MAX_NEW_TOKENS", defaults.max_new_tokens), help="largest max_new_tokens a request may ask for (KVBOOST_MAX_NEW_TOKENS)")

@@ -145,7 +145,7 @@ def test_baseline_never_touches_the_cache(tiny_llama):
 
 def test_write_back_happens_after_the_first_token(tiny_llama):
     cache = RecordingCache()
-    engine = make_engine(tiny_llama, cache=cache)
+    engine = make_engine(tiny_llama, cache=cache, max_answer_tokens_stored=0)  # the prompt's write-back only
     streamed: list[str] = []
     submitted_after: list[int] = []  # tokens streamed when the write-back was handed to the background thread
     submit = engine.parts.writeback.submit
@@ -220,7 +220,7 @@ def test_chunk_evicted_between_lookup_and_fetch_ends_the_run(tiny_llama):
 def test_quantized_storage_hits_with_fewer_bytes(tiny_llama, bits, most_of_fp16):
     # Against fp16 K/V, not the tiny model's fp32 (which any 16-bit format would halve). head_dim 16 makes
     # the per-group scales weigh heavily: 8-bit stores 0.69 of fp16 here, 4-bit 0.45.
-    quantized = make_engine(tiny_llama, kv_cache_bits=bits)
+    quantized = make_engine(tiny_llama, kv_cache_bits=bits, max_answer_tokens_stored=0)  # the prompt's chunks
     prompt = text_of_length(40)
     run(quantized, prompt=prompt)
     assert run(quantized, prompt=prompt).cached_tokens == 39
@@ -379,7 +379,7 @@ def test_bad_parameters_are_invalid(fields):
 
 
 def test_model_info_and_stats(tiny_llama):
-    engine = make_engine(tiny_llama)
+    engine = make_engine(tiny_llama, max_answer_tokens_stored=0)  # counts of the prompt's chunks
     info = engine.model_info()
     assert (info["num_layers"], info["num_kv_heads"], info["head_dim"], info["chunk_size"]) == (2, 2, 16, 8)
     assert info["dtype"] == "float32" and info["device"] == "cpu" and len(info["namespace_hex"]) == 64

@@ -94,6 +94,10 @@ def _l2_metrics(l2) -> Iterator[Metric]:
     yield _counter("kvboost_l2_dropped_writes", "Chunks not written to L2: queue full or L2 down.",
                    l2.dropped_writes)
     yield _counter("kvboost_l2_corrupted", "L2 records that failed their CRC-32 (deleted).", l2.corrupted)
+    yield _counter("kvboost_l2_forged", "L2 records whose MAC failed (forged, altered or copied under another key), "
+                   "or signed with a key id not in --l2-key-file: served as misses.", l2.forged)
+    yield _counter("kvboost_l2_promotion_batches", "Batches of L2 hits copied into LMDB (each at most "
+                   "--l2-promote-batch chunks).", l2.promotion_batches)
     yield _counter("kvboost_l2_errors", "Failed calls to L2.", l2.errors)
     yield _gauge("kvboost_l2_queued_writes", "Chunks waiting in the L2 write-behind queue.", l2.queued_writes)
 

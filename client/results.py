@@ -180,6 +180,8 @@ class L2Stats(_FromProto):
     corrupted: int
     errors: int
     queued_writes: int
+    forged: int = 0  # records whose MAC failed (served as misses)
+    promotion_batches: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -20,7 +20,8 @@ from cache_daemon.config import DaemonConfig
 from cache_daemon.errors import StartupError
 from cache_daemon.interceptors import RequestContextInterceptor
 from cache_daemon.metrics import Refusals, start_metrics_server
-from cache_daemon.servicer import CacheServicer, add_cache_servicer
+from cache_daemon.executors import DaemonExecutors
+from cache_daemon.servicer import CacheServicer, StoreLimits, add_cache_servicer
 from cache_daemon.l2.address import parse_l2_address
 from cache_daemon.l2.record_auth import load_keyring
 from cache_daemon.l2.redis_tier import RedisTier
@@ -86,8 +87,8 @@ def share_budgets(tenants_by_token: dict[str, Tenant] | None) -> dict[str, int]:
 
 
 def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: health.aio.HealthServicer,
-                 refusals: Refusals | None = None,
-                 tenants_by_token: dict[str, Tenant] | None = None) -> tuple[grpc.aio.Server, int, Tenancy | None]:
+                 refusals: Refusals | None = None, tenants_by_token: dict[str, Tenant] | None = None,
+                 executors: DaemonExecutors | None = None) -> tuple[grpc.aio.Server, int, Tenancy | None]:
     """The server with every service registered, bound to config.listen (port 0 picks a free
     port); returns it with the bound port and the tenancy (None without --tenants-file). Not started.
     tenants_by_token: the tenants file's contents, read here when not given."""
@@ -103,7 +104,8 @@ def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: healt
         interceptors.append(TokenTableInterceptor(tenants_by_token, current_tenant, count_unauthenticated))
     interceptors.append(UndecodableRequestInterceptor())  # innermost: unauthenticated calls are refused first
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
-    add_cache_servicer(CacheServicer(cache, tenancy, refusals), server)
+    store_limits = StoreLimits(config.max_store_chunks, config.store_bytes_limit, config.store_deadline_s)
+    add_cache_servicer(CacheServicer(cache, tenancy, refusals, store_limits, executors), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
@@ -114,8 +116,9 @@ class CacheDaemon:
     """A running daemon; `start` opens everything, `stop` shuts it down gracefully."""
 
     def __init__(self, config: DaemonConfig, cache: ChunkCache, server: grpc.aio.Server, port: int,
-                 health_servicer: health.aio.HealthServicer) -> None:
+                 health_servicer: health.aio.HealthServicer, executors: DaemonExecutors) -> None:
         self.config = config
+        self.executors = executors
         self.cache = cache
         self.server = server
         self.port = port
@@ -142,14 +145,16 @@ class CacheDaemon:
             raise StartupError(f"cannot open {config.data_dir}: {error}") from error
         health_servicer = health.aio.HealthServicer()
         refusals = Refusals()
+        executors = DaemonExecutors()
         try:
-            server, port, tenancy = build_server(config, cache, health_servicer, refusals, tenants_by_token)
+            server, port, tenancy = build_server(config, cache, health_servicer, refusals, tenants_by_token, executors)
         except (RuntimeError, OSError, ValueError, StartupError) as error:
             cache.close()
+            executors.shutdown()
             if isinstance(error, StartupError):
                 raise
             raise StartupError(f"cannot serve on {config.listen}: {error}") from error
-        daemon = cls(config, cache, server, port, health_servicer)
+        daemon = cls(config, cache, server, port, health_servicer, executors)
         await server.start()
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port:
@@ -178,6 +183,7 @@ class CacheDaemon:
                     await task
         if self._stop_metrics is not None:
             self._stop_metrics()
+        await asyncio.to_thread(self.executors.shutdown)
         await asyncio.to_thread(self.cache.close)
         logger.info("stopped; frequencies flushed and LMDB synced")
 

@@ -33,6 +33,7 @@ class L2Stats:
     queued_writes: int
     forged: int
     promotion_batches: int
+    calls_in_flight: int
 
 
 class TieredCache:
@@ -42,7 +43,7 @@ class TieredCache:
     sync_writes, before Store replies. Pins, budget and eviction stay LMDB's; L2 evicts by its
     own maxmemory policy. An unreachable L2 turns into LMDB-only service, never a failed call."""
 
-    lookup_does_io = True  # the servicer runs Lookup in a thread
+    lookup_does_io = True  # what LMDB misses is asked of Redis (the servicer does that in its L2 threads)
 
     def __init__(self, l1: ChunkCache, l2: RedisTier, sync_writes: bool = False,
                  queue_bytes: int = 256 << 20, sync_deadline_s: float = 10.0,
@@ -70,13 +71,27 @@ class TieredCache:
 
     def lookup(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
                partial_keys: Sequence[bytes] = ()) -> LookupResult:
+        result = self.lookup_in_l1(namespace, prefix_keys, content_keys, partial_keys)
+        if result is None:
+            result = self.lookup_with_l2(namespace, prefix_keys, content_keys, partial_keys)
+        return result
+
+    def lookup_in_l1(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
+                     partial_keys: Sequence[bytes] = ()) -> LookupResult | None:
+        """The answer when LMDB alone holds everything L2 could add (counted as a lookup), else None:
+        no network, so the servicer runs it on the event loop and only the rest waits on Redis."""
         result = self.l1.probe(namespace, prefix_keys, content_keys, partial_keys)
-        missing = [ChunkKey(key) for key, hit in zip(prefix_keys, result.prefix_hit) if not hit]
-        if partial_keys and result.partial_index is None:
-            missing += [ChunkKey(key) for key in partial_keys]
-        content_found = {index for index, _ in result.content_hits}
-        content_wanted = [key for index, key in enumerate(content_keys)
-                          if key and not result.prefix_hit[index] and index not in content_found]
+        missing, content_wanted = _wanted_from_l2(result, prefix_keys, content_keys, partial_keys)
+        if missing or content_wanted:
+            return None
+        self.l1.record_lookup(result, prefix_keys, partial_keys)
+        return result
+
+    def lookup_with_l2(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
+                       partial_keys: Sequence[bytes] = ()) -> LookupResult:
+        """Asks L2 for what LMDB misses, promotes the hits into LMDB and answers from LMDB."""
+        result = self.l1.probe(namespace, prefix_keys, content_keys, partial_keys)
+        missing, content_wanted = _wanted_from_l2(result, prefix_keys, content_keys, partial_keys)
         if missing or content_wanted:
             num_promoted = self._promote_from_l2(namespace, missing, content_wanted)
             if num_promoted:
@@ -214,13 +229,25 @@ class TieredCache:
                        writes=self._writer.num_written + sync_writes, dropped_writes=self._writer.num_dropped,
                        corrupted=self.l2.num_corrupted, errors=self.l2.num_errors,
                        queued_writes=self._writer.num_queued, forged=self.l2.num_forged,
-                       promotion_batches=self._num_promotion_batches)
+                       promotion_batches=self._num_promotion_batches, calls_in_flight=self.l2.num_in_flight)
 
     def close(self) -> None:
         """Gives queued L2 writes a few seconds, then closes both tiers."""
         self._writer.close()
         self.l1.close()
         self.l2.close()
+
+
+def _wanted_from_l2(result: LookupResult, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
+                    partial_keys: Sequence[bytes]) -> tuple[list[ChunkKey], list[bytes]]:
+    """The keys LMDB missed, and the content keys of chunks found neither by prefix nor by content."""
+    missing = [ChunkKey(key) for key, hit in zip(prefix_keys, result.prefix_hit) if not hit]
+    if partial_keys and result.partial_index is None:
+        missing += [ChunkKey(key) for key in partial_keys]
+    content_found = {index for index, _ in result.content_hits}
+    content_wanted = [key for index, key in enumerate(content_keys)
+                      if key and not result.prefix_hit[index] and index not in content_found]
+    return missing, content_wanted
 
 
 @dataclass(slots=True)

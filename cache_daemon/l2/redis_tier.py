@@ -101,6 +101,7 @@ class RedisTier:
         self.num_errors = 0
         self.num_corrupted = 0
         self.num_forged = 0  # records whose MAC failed, or signed with a key id this daemon does not hold
+        self.num_in_flight = 0  # calls waiting on Redis now
 
     def _connect(self) -> redis.Redis | RedisCluster:
         options = dict(password=self.address.password, username=self.address.username, ssl=self.address.tls,
@@ -119,6 +120,7 @@ class RedisTier:
                 raise L2Unavailable(f"L2 {self.address.redacted()} is degraded; next try in "
                                     f"{self._retry_at - self._clock():.1f} s")
             client = self._client
+            self.num_in_flight += 1
         try:
             if client is None:
                 client = self._connect()  # a cluster client reads the slot map here
@@ -128,6 +130,9 @@ class RedisTier:
         except (redis.RedisError, OSError) as error:
             self._mark_failed(error)
             raise L2Unavailable(f"L2 {self.address.redacted()}: {error}") from error
+        finally:
+            with self._lock:
+                self.num_in_flight -= 1
         if self.degraded:
             with self._lock:
                 self.degraded = False

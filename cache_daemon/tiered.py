@@ -43,7 +43,6 @@ class TieredCache:
     sync_writes, before Store replies. Pins, budget and eviction stay LMDB's; L2 evicts by its
     own maxmemory policy. An unreachable L2 turns into LMDB-only service, never a failed call."""
 
-    lookup_does_io = True  # what LMDB misses is asked of Redis (the servicer does that in its L2 threads)
 
     def __init__(self, l1: ChunkCache, l2: RedisTier, sync_writes: bool = False,
                  queue_bytes: int = 256 << 20, sync_deadline_s: float = 10.0,

@@ -24,7 +24,7 @@ class BudgetExceeded(CacheError):
     """The blob cannot fit inside --max-bytes, not even after evicting every unpinned chunk."""
 
 
-class StoreStreamTooLarge(CacheError):
+class StoreStreamOverLimit(CacheError):
     """A Store stream beyond --max-store-chunks or --max-store-bytes, or still open at --store-deadline."""
 
 
@@ -41,7 +41,7 @@ _STATUS_BY_ERROR: dict[type[CacheError], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     BudgetExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    StoreStreamTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    StoreStreamOverLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
     L2NotAcknowledged: grpc.StatusCode.UNAVAILABLE,
 }
 

@@ -7,7 +7,7 @@ from kvboost.v1 import cache_pb2
 from kvboost_common.checksum import crc32
 from kvboost_common.frames import MAX_FRAME_BYTES
 from cache_daemon.entry import DIGEST_SIZE, ChunkKey, Entry, IncomingChunk
-from cache_daemon.errors import InvalidCacheRequest, StoreStreamTooLarge, check_blob_fits
+from cache_daemon.errors import InvalidCacheRequest, StoreStreamOverLimit, check_blob_fits
 
 # ChunkFrame.data is field 2, length-delimited: tag = (2 << 3) | 2.
 _DATA_FIELD_TAG = b"\x12"
@@ -95,11 +95,11 @@ class StoreStreamAssembler:
 
     def _check_stream_bounds(self, size_bytes: int) -> None:
         if self.max_chunks is not None and len(self.chunks) + 1 > self.max_chunks:
-            raise StoreStreamTooLarge(f"this Store stream carries more than {self.max_chunks} chunks "
+            raise StoreStreamOverLimit(f"this Store stream carries more than {self.max_chunks} chunks "
                                       f"(--max-store-chunks): split it into several Store calls")
         self._num_declared_bytes += size_bytes
         if self.max_stream_bytes is not None and self._num_declared_bytes > self.max_stream_bytes:
-            raise StoreStreamTooLarge(f"this Store stream carries more than {self.max_stream_bytes} blob bytes "
+            raise StoreStreamOverLimit(f"this Store stream carries more than {self.max_stream_bytes} blob bytes "
                                       f"(--max-store-bytes; the daemon holds a stream in memory until it ends): "
                                       f"split it into several Store calls")
 

@@ -11,7 +11,7 @@ from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
 from cache_daemon.cache import CacheStats, ChunkCache, DeleteResult, PinResult
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
-from cache_daemon.errors import InvalidCacheRequest, PermissionDenied, StoreStreamTooLarge
+from cache_daemon.errors import InvalidCacheRequest, PermissionDenied, StoreStreamOverLimit
 from cache_daemon.executors import DaemonExecutors
 from cache_daemon.metrics import Refusals
 from cache_daemon.store import BLOB_DB_VERSION
@@ -35,7 +35,8 @@ class StoreLimits:
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     """Lookup and Stats run on the event loop (in-memory index, plus one short LMDB read for
-    content keys); blob reads and every LMDB write run in threads.
+    content keys); blob reads, Lookups that ask L2, and every write run on separate thread pools
+    (DaemonExecutors), so waiting on Redis never holds up Fetch.
 
     With tenancy every key, namespace and content key a tenant sends is mapped into its own key
     space on the way in (KeySpace.scope) and back on the way out, so another tenant's keys are
@@ -149,10 +150,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                     assembler.feed(frame)
         except TimeoutError:
             self._count_refusal("store_deadline")
-            raise StoreStreamTooLarge(f"the Store stream was still open after --store-deadline={limits.deadline_s:g} s "
+            raise StoreStreamOverLimit(f"the Store stream was still open after --store-deadline={limits.deadline_s:g} s "
                                       f"(server side) with {len(assembler.chunks)} chunks received: send fewer "
                                       f"chunks per stream, or faster") from None
-        except StoreStreamTooLarge:
+        except StoreStreamOverLimit:
             self._count_refusal("store_limit")
             raise
         return assembler.finish()

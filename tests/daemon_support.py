@@ -120,6 +120,7 @@ def shared_l2_key_file(folder: Path, text: str = TEST_L2_KEY) -> Path:
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
+        path.chmod(0o600)
     return path
 
 

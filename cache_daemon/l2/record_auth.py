@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
+
+logger = logging.getLogger(__name__)
 
 MAC_SIZE = 32
 MIN_KEY_BYTES = 32
@@ -89,8 +92,13 @@ def parse_keyring(text: str, source: str = "the L2 key file") -> L2Keyring:
 
 
 def load_keyring(path: Path) -> L2Keyring:
+    """The keyring in path; a warning when others than the owner may read the file."""
     try:
         text = Path(path).read_text()
+        mode = Path(path).stat().st_mode
     except OSError as error:
         raise ValueError(f"cannot read --l2-key-file {path}: {error}; {MAKE_KEY_HINT}") from error
+    if mode & 0o077:
+        logger.warning("--l2-key-file %s is readable by others than its owner (mode %o): whoever reads it can "
+                       "sign L2 records every daemon serves; chmod 600 it", path, mode & 0o777)
     return parse_keyring(text, f"--l2-key-file {path}")

@@ -42,3 +42,14 @@ def test_bad_key_files_are_refused_with_what_to_fix(text, message):
 def test_a_missing_key_file_says_how_to_make_one(tmp_path):
     with pytest.raises(ValueError, match=r"cannot read --l2-key-file .*secrets.token_hex\(32\)"):
         load_keyring(tmp_path / "absent.key")
+
+
+def test_a_key_file_others_may_read_is_used_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "l2.key"
+    path.write_text(KEY_1)
+    path.chmod(0o600)
+    load_keyring(path)
+    assert not [record for record in caplog.records if "chmod 600" in record.getMessage()]
+    path.chmod(0o644)
+    assert load_keyring(path).signing_id == "k1"
+    assert [record for record in caplog.records if "readable by others than its owner (mode 644)" in record.getMessage()]

@@ -35,10 +35,11 @@ class L2Keyring:
             assert _KEY_ID.fullmatch(key_id), f"key id {key_id!r} must match {_KEY_ID.pattern}"
             assert len(secret) >= MIN_KEY_BYTES, f"key {key_id!r} must be at least {MIN_KEY_BYTES} bytes"
 
-    def sign(self, record_key: bytes, signed_part: bytes) -> tuple[bytes, bytes]:
-        """(key id, MAC) of a record stored under record_key whose header and blob are signed_part."""
+    def sign(self, record_key: bytes, *signed_parts: bytes) -> tuple[bytes, bytes]:
+        """(key id, MAC) of a record stored under record_key whose header and blob are the signed parts, in
+        order (as if concatenated: the record's bytes need not be joined first)."""
         key_id = self.signing_id.encode()
-        return key_id, _mac(self.keys[self.signing_id], key_id, record_key, signed_part)
+        return key_id, _mac(self.keys[self.signing_id], key_id, record_key, *signed_parts)
 
     def holds(self, key_id: bytes) -> bool:
         return key_id.decode("ascii", errors="replace") in self.keys
@@ -50,16 +51,13 @@ class L2Keyring:
             return False
         return hmac.compare_digest(mac, _mac(secret, key_id, record_key, signed_part))
 
-    def derived_secret(self, purpose: str) -> bytes:
-        """32 bytes for another purpose, from the signing key (never the key itself)."""
-        return hmac.digest(self.keys[self.signing_id], b"kvboost derived\0" + purpose.encode(), "sha256")
 
-
-def _mac(secret: bytes, key_id: bytes, record_key: bytes, signed_part: bytes) -> bytes:
+def _mac(secret: bytes, key_id: bytes, record_key: bytes, *signed_parts: bytes) -> bytes:
     # Lengths are fixed or prefixed: (key id, record key, content) splits one way only.
     message = hmac.new(secret, _DOMAIN, hashlib.sha256)
     message.update(bytes([len(key_id)]) + key_id + len(record_key).to_bytes(2, "little") + record_key)
-    message.update(signed_part)
+    for part in signed_parts:
+        message.update(part)
     return message.digest()
 
 

@@ -48,35 +48,45 @@ class L2Hit:
 
 def encode_record(chunk: IncomingChunk, keyring: L2Keyring) -> bytes:
     header = encode_entry(dataclasses.replace(chunk.to_entry(now=0.0), pinned=False))  # pins stay in L1
-    signed_part = _HEADER_LENGTH.pack(len(header)) + header + chunk.blob
-    key_id, mac = keyring.sign(chunk.key, signed_part)
-    return bytes([len(key_id)]) + key_id + mac + signed_part
+    header_part = _HEADER_LENGTH.pack(len(header)) + header
+    key_id, mac = keyring.sign(chunk.key, header_part, chunk.blob)
+    return b"".join((bytes([len(key_id)]), key_id, mac, header_part, chunk.blob))  # one copy of the blob
 
 
 def decode_record(key: ChunkKey, value: bytes, keyring: L2Keyring) -> tuple[L2Hit | None, str]:
     """(the chunk, GENUINE), or (None, why): CORRUPTED (truncated, bad header, blob fails its CRC-32),
-    FORGED (the MAC does not match this key and content), UNKNOWN_KEY (signed with a key id not held)."""
+    FORGED (the MAC does not match this key and content), UNKNOWN_KEY (signed with a key id not held).
+
+    A matching MAC proves the bytes are what a daemon signed (it had checked their CRC-32), so the
+    CRC-32 pass is only made to tell a bit flip from a forgery when the MAC fails."""
     if not value:
         return None, CORRUPTED
     key_id_end = 1 + value[0]
     signed_start = key_id_end + MAC_SIZE
     if len(value) < signed_start + _HEADER_LENGTH.size:
         return None, CORRUPTED
-    key_id, mac, signed_part = value[1:key_id_end], value[key_id_end:signed_start], value[signed_start:]
+    view = memoryview(value)  # the signed part is read in place: one copy of the blob, at the end
+    key_id, mac, signed_part = bytes(view[1:key_id_end]), bytes(view[key_id_end:signed_start]), view[signed_start:]
+    if keyring.holds(key_id) and keyring.verify(key_id, mac, key, signed_part):
+        hit = _parsed(key, signed_part, check_crc=False)
+        return (hit, GENUINE) if hit is not None else (None, CORRUPTED)
+    if _parsed(key, signed_part, check_crc=True) is None:
+        return None, CORRUPTED
+    return None, FORGED if keyring.holds(key_id) else UNKNOWN_KEY
+
+
+def _parsed(key: ChunkKey, signed_part: memoryview, check_crc: bool) -> L2Hit | None:
+    """The chunk in a record's signed part, or None when its header or blob length (or CRC-32) is wrong."""
     (header_length,) = _HEADER_LENGTH.unpack_from(signed_part)
     blob_start = _HEADER_LENGTH.size + header_length
     try:
         entry = decode_entry(signed_part[_HEADER_LENGTH.size:blob_start])
     except (AssertionError, struct.error, IndexError):
-        return None, CORRUPTED
+        return None
     blob = signed_part[blob_start:]
-    if len(blob) != entry.size_bytes or crc32(blob) != entry.checksum:
-        return None, CORRUPTED
-    if not keyring.holds(key_id):
-        return None, UNKNOWN_KEY
-    if not keyring.verify(key_id, mac, key, signed_part):
-        return None, FORGED
-    return L2Hit(key, entry, blob), GENUINE
+    if len(blob) != entry.size_bytes or (check_crc and crc32(blob) != entry.checksum):
+        return None
+    return L2Hit(key, entry, bytes(blob))
 
 
 class RedisTier:

@@ -52,7 +52,9 @@ up-l2: setup model redis-server
 	redis-server --port $(L2_PORT) --bind 127.0.0.1 --dir $(CURDIR)/.run/redis --daemonize yes \
 		--pidfile $(CURDIR)/.run/redis/redis.pid --logfile $(CURDIR)/.run/redis/redis.log \
 		--appendonly yes --appendfsync everysec --save "" --maxmemory 2gb --maxmemory-policy allkeys-lfu
-	$(PY) -m client.stack up --daemon-arg=--l2 --daemon-arg=redis://127.0.0.1:$(L2_PORT)
+	@test -s .run/l2.key || (umask 077 && $(PY) -c "import secrets; print('k1', secrets.token_hex(32))" > .run/l2.key)
+	$(PY) -m client.stack up --daemon-arg=--l2 --daemon-arg=redis://127.0.0.1:$(L2_PORT) \
+		--daemon-arg=--l2-key-file --daemon-arg=$(CURDIR)/.run/l2.key
 
 down-l2: down
 	-redis-cli -p $(L2_PORT) shutdown

@@ -85,7 +85,6 @@ class ChunkCache:
     The index loads from LMDB's metadata after the constructor returns when
     `load_in_background`; writers wait for it, readers do not need it."""
 
-    lookup_does_io = False  # Lookup reads LMDB only: cheap enough for the servicer's event loop
 
     def __init__(self, store: LmdbStore, max_bytes: int, half_life: float,
                  clock: Callable[[], float] = time.time, load_in_background: bool = False,

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from cache_daemon.l2.address import L2Address, parse_l2_address
+from cache_daemon.l2.record_auth import MAKE_KEY_HINT
+from cache_daemon.l2.tls import L2TlsFiles
 from kvboost_common.addresses import check_listen_address, is_local, is_unix, split_host_port
 
 DEFAULT_LISTEN = "127.0.0.1:50052"
@@ -46,6 +48,15 @@ class DaemonConfig:
     l2_timeout_s: float = 1.0  # socket timeout of every L2 call; an outage costs at most this per retry
     l2_retry_interval_s: float = 1.0  # while L2 is down, one call tries it again this often
     l2_sync_timeout_s: float = 10.0  # a sync Store retries L2 (through a failover) this long, then UNAVAILABLE
+    l2_key_file: Path | None = None  # MAC keys of L2 records ('KEY_ID HEX' lines; the first signs); required with --l2
+    l2_tls_ca_file: Path | None = None  # rediss://: the private CA that signed Redis's certificate
+    l2_tls_cert_file: Path | None = None  # rediss://: this daemon's client certificate (tls-auth-clients yes)
+    l2_tls_key_file: Path | None = None
+    l2_promote_batch: int = 64  # L2 hits held in memory at once while a Lookup copies them into LMDB
+    tenancy_secret_file: Path | None = None  # 64 hex digits every tenant's key space derives from; required with --l2
+    max_store_chunks: int = 65536  # chunks in one Store stream; more: RESOURCE_EXHAUSTED
+    max_store_bytes: int = 0  # blob bytes in one Store stream (held in RAM until it ends); 0 = --max-bytes
+    store_deadline_s: float = 120.0  # a Store stream must end within this long (server side); 0 = never
 
     def __post_init__(self) -> None:
         _require(self.max_bytes > 0, f"--max-bytes must be positive, got {self.max_bytes}")
@@ -69,8 +80,33 @@ class DaemonConfig:
         _require(self.l2_wait_replicas >= -1, f"--l2-wait-replicas must be >= 0, got {self.l2_wait_replicas}")
         _require(self.l2_timeout_s > 0 and self.l2_retry_interval_s > 0 and self.l2_sync_timeout_s > 0,
                  "--l2-timeout, --l2-retry-interval and --l2-sync-timeout must be positive")
+        _require(self.l2_promote_batch >= 1, f"--l2-promote-batch must be >= 1, got {self.l2_promote_batch}")
+        _require((self.l2_tls_cert_file is None) == (self.l2_tls_key_file is None),
+                 "--l2-tls-cert-file and --l2-tls-key-file go together")
+        _require(self.max_store_chunks >= 1, f"--max-store-chunks must be >= 1, got {self.max_store_chunks}")
+        _require(self.max_store_bytes >= 0, f"--max-store-bytes must be >= 0, got {self.max_store_bytes}")
+        _require(self.store_deadline_s >= 0, f"--store-deadline must be >= 0, got {self.store_deadline_s}")
         if self.l2:
-            parse_l2_address(self.l2)  # ValueError with the reason
+            address = parse_l2_address(self.l2)  # ValueError with the reason
+            _require(self.l2_key_file is not None,
+                     f"--l2 needs --l2-key-file (or KVBOOST_L2_KEY_FILE): every L2 record carries a MAC made with "
+                     f"a key the daemons share and Redis never sees; {MAKE_KEY_HINT}")
+            _require(self.tenants_file is None or self.tenancy_secret_file is not None,
+                     "--tenants-file with --l2 needs --tenancy-secret-file (or KVBOOST_TENANCY_SECRET_FILE), the "
+                     "same file on every daemon sharing the L2, so a tenant's keys are the same on every host; "
+                     "make one once: python -c \"import secrets; print(secrets.token_hex(32))\" > tenancy.secret")
+            _require(address.tls or (self.l2_tls_ca_file is None and self.l2_tls_cert_file is None),
+                     "--l2-tls-ca-file and --l2-tls-cert-file need a rediss:// (TLS) --l2 address")
+        else:
+            _require(self.l2_tls_ca_file is None and self.l2_tls_cert_file is None,
+                     "--l2-tls-ca-file and --l2-tls-cert-file need --l2 rediss://...")
+
+    @property
+    def store_bytes_limit(self) -> int:
+        return self.max_store_bytes or self.max_bytes
+
+    def l2_tls_files(self) -> L2TlsFiles:
+        return L2TlsFiles(self.l2_tls_ca_file, self.l2_tls_cert_file, self.l2_tls_key_file)
 
     @property
     def initial_map_size(self) -> int:
@@ -187,6 +223,37 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--l2-sync-timeout", type=float, default=env("KVBOOST_L2_SYNC_TIMEOUT", "10"),
                         help="seconds a --l2-write sync Store keeps trying L2 (a cluster failover takes the "
                              "node timeout and more) before it answers UNAVAILABLE [KVBOOST_L2_SYNC_TIMEOUT]")
+    parser.add_argument("--l2-key-file", type=Path, default=env("KVBOOST_L2_KEY_FILE"),
+                        help="required with --l2: file of 'KEY_ID HEX' lines (at least 32 bytes each), the same on "
+                             "every daemon sharing the L2 and never stored in Redis; the first line signs new L2 "
+                             "records (HMAC-SHA256), every line verifies (rotation: see docs/scaling.md). Make one: "
+                             "python -c \"import secrets; print('k1', secrets.token_hex(32))\" > l2.key "
+                             "[KVBOOST_L2_KEY_FILE]")
+    parser.add_argument("--l2-tls-ca-file", type=Path, default=env("KVBOOST_L2_TLS_CA_FILE"),
+                        help="rediss://: PEM of the private CA that signed Redis's certificate (default: the "
+                             "system trust store) [KVBOOST_L2_TLS_CA_FILE]")
+    parser.add_argument("--l2-tls-cert-file", type=Path, default=env("KVBOOST_L2_TLS_CERT_FILE"),
+                        help="rediss://: PEM client certificate for Redis's tls-auth-clients (with "
+                             "--l2-tls-key-file) [KVBOOST_L2_TLS_CERT_FILE]")
+    parser.add_argument("--l2-tls-key-file", type=Path, default=env("KVBOOST_L2_TLS_KEY_FILE"),
+                        help="rediss://: PEM private key of --l2-tls-cert-file [KVBOOST_L2_TLS_KEY_FILE]")
+    parser.add_argument("--l2-promote-batch", type=int, default=env("KVBOOST_L2_PROMOTE_BATCH", "64"),
+                        help="L2 hits a Lookup holds in memory at once while it copies them into LMDB "
+                             "[KVBOOST_L2_PROMOTE_BATCH]")
+    parser.add_argument("--tenancy-secret-file", type=Path, default=env("KVBOOST_TENANCY_SECRET_FILE"),
+                        help="64 hex digits every tenant's key space derives from; required with --tenants-file "
+                             "and --l2 (the same file on every daemon); without it a daemon keeps its own secret in "
+                             "its LMDB. Make one: python -c \"import secrets; print(secrets.token_hex(32))\" "
+                             "[KVBOOST_TENANCY_SECRET_FILE]")
+    parser.add_argument("--max-store-chunks", type=int, default=env("KVBOOST_MAX_STORE_CHUNKS", "65536"),
+                        help="chunks one Store stream may carry; more is RESOURCE_EXHAUSTED (split the stream) "
+                             "[KVBOOST_MAX_STORE_CHUNKS]")
+    parser.add_argument("--max-store-bytes", type=parse_size, default=env("KVBOOST_MAX_STORE_BYTES", "0"),
+                        help="blob bytes one Store stream may carry (held in RAM until the stream ends); more is "
+                             "RESOURCE_EXHAUSTED; 0 = --max-bytes [KVBOOST_MAX_STORE_BYTES]")
+    parser.add_argument("--store-deadline", type=float, default=env("KVBOOST_STORE_DEADLINE", "120"),
+                        help="seconds within which a Store stream must end (server side, whatever the client's "
+                             "deadline); later is RESOURCE_EXHAUSTED; 0 = never [KVBOOST_STORE_DEADLINE]")
     parser.add_argument("--log-level", default=env("KVBOOST_LOG_LEVEL", "INFO"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="[KVBOOST_LOG_LEVEL]")
     return parser
@@ -208,7 +275,11 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             l2=args.l2, l2_password_file=args.l2_password_file, l2_write=args.l2_write,
             l2_queue_bytes=args.l2_queue_bytes, l2_wait_replicas=args.l2_wait_replicas,
             l2_timeout_s=args.l2_timeout, l2_retry_interval_s=args.l2_retry_interval,
-            l2_sync_timeout_s=args.l2_sync_timeout,
+            l2_sync_timeout_s=args.l2_sync_timeout, l2_key_file=args.l2_key_file,
+            l2_tls_ca_file=args.l2_tls_ca_file, l2_tls_cert_file=args.l2_tls_cert_file,
+            l2_tls_key_file=args.l2_tls_key_file, l2_promote_batch=args.l2_promote_batch,
+            tenancy_secret_file=args.tenancy_secret_file, max_store_chunks=args.max_store_chunks,
+            max_store_bytes=args.max_store_bytes, store_deadline_s=args.store_deadline,
         )
     except ValueError as error:
         parser.error(str(error))

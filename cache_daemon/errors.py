@@ -24,6 +24,10 @@ class BudgetExceeded(CacheError):
     """The blob cannot fit inside --max-bytes, not even after evicting every unpinned chunk."""
 
 
+class StoreStreamOverLimit(CacheError):
+    """A Store stream beyond --max-store-chunks or --max-store-bytes, or still open at --store-deadline."""
+
+
 class L2NotAcknowledged(CacheError):
     """--l2-write sync: the shared tier did not take the chunks in time (they are in this host's LMDB)."""
 
@@ -37,6 +41,7 @@ _STATUS_BY_ERROR: dict[type[CacheError], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     BudgetExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    StoreStreamOverLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
     L2NotAcknowledged: grpc.StatusCode.UNAVAILABLE,
 }
 

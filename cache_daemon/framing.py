@@ -7,7 +7,7 @@ from kvboost.v1 import cache_pb2
 from kvboost_common.checksum import crc32
 from kvboost_common.frames import MAX_FRAME_BYTES
 from cache_daemon.entry import DIGEST_SIZE, ChunkKey, Entry, IncomingChunk
-from cache_daemon.errors import InvalidCacheRequest, check_blob_fits
+from cache_daemon.errors import InvalidCacheRequest, StoreStreamOverLimit, check_blob_fits
 
 # ChunkFrame.data is field 2, length-delimited: tag = (2 << 3) | 2.
 _DATA_FIELD_TAG = b"\x12"
@@ -52,10 +52,17 @@ def _varint(value: int) -> bytes:
 
 
 class StoreStreamAssembler:
-    """Turns a Store stream (header, data..., header, data...) into checked IncomingChunks."""
+    """Turns a Store stream (header, data..., header, data...) into checked IncomingChunks.
 
-    def __init__(self, max_blob_bytes: int) -> None:
+    Every chunk stays in memory until the stream ends (one LMDB transaction for all), so a stream is
+    bounded: at most max_chunks chunks and max_stream_bytes blob bytes, refused at the header that would
+    pass either bound, before its data arrives."""
+
+    def __init__(self, max_blob_bytes: int, max_chunks: int | None = None, max_stream_bytes: int | None = None) -> None:
         self.max_blob_bytes = max_blob_bytes
+        self.max_chunks = max_chunks
+        self.max_stream_bytes = max_stream_bytes
+        self._num_declared_bytes = 0
         self.chunks: list[IncomingChunk] = []
         self._meta: cache_pb2.ChunkMeta | None = None
         self._pieces: list[bytes] = []
@@ -82,8 +89,19 @@ class StoreStreamAssembler:
         if meta.content_key:
             check_digest(meta.content_key, "ChunkMeta.content_key")
         check_blob_fits(meta.key, meta.size_bytes, self.max_blob_bytes)
+        self._check_stream_bounds(meta.size_bytes)
         self._meta, self._pieces, self._num_received, self._crc = meta, [], 0, 0
         self._maybe_complete()
+
+    def _check_stream_bounds(self, size_bytes: int) -> None:
+        if self.max_chunks is not None and len(self.chunks) + 1 > self.max_chunks:
+            raise StoreStreamOverLimit(f"this Store stream carries more than {self.max_chunks} chunks "
+                                      f"(--max-store-chunks): split it into several Store calls")
+        self._num_declared_bytes += size_bytes
+        if self.max_stream_bytes is not None and self._num_declared_bytes > self.max_stream_bytes:
+            raise StoreStreamOverLimit(f"this Store stream carries more than {self.max_stream_bytes} blob bytes "
+                                      f"(--max-store-bytes; the daemon holds a stream in memory until it ends): "
+                                      f"split it into several Store calls")
 
     def _append(self, data: bytes) -> None:
         if self._meta is None:

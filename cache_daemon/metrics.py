@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from cache_daemon.cache import CacheStats, ChunkCache
 
 
-REFUSAL_REASONS = ("unauthenticated", "permission_denied")
+REFUSAL_REASONS = ("unauthenticated", "permission_denied", "store_limit", "store_deadline")
 
 
 class Refusals:
@@ -62,7 +62,9 @@ class CacheCollector(Collector):
         yield namespace_bytes
         if self._refusals is not None:
             refused = CounterMetricFamily("kvboost_cache_refusals", "Calls refused, by reason: unauthenticated "
-                                          "(no known bearer token), permission_denied (the role may not).",
+                                          "(no known bearer token), permission_denied (the role may not), "
+                                          "store_limit (a Store stream beyond --max-store-chunks or "
+                                          "--max-store-bytes), store_deadline (still open at --store-deadline).",
                                           labels=["reason"])
             for reason, count in self._refusals.snapshot().items():
                 refused.add_metric([reason], count)
@@ -94,6 +96,12 @@ def _l2_metrics(l2) -> Iterator[Metric]:
     yield _counter("kvboost_l2_dropped_writes", "Chunks not written to L2: queue full or L2 down.",
                    l2.dropped_writes)
     yield _counter("kvboost_l2_corrupted", "L2 records that failed their CRC-32 (deleted).", l2.corrupted)
+    yield _counter("kvboost_l2_forged", "L2 records whose MAC failed (forged, altered or copied under another key), "
+                   "or signed with a key id not in --l2-key-file: served as misses.", l2.forged)
+    yield _counter("kvboost_l2_promotion_batches", "Batches of L2 hits copied into LMDB (each at most "
+                   "--l2-promote-batch chunks).", l2.promotion_batches)
+    yield _gauge("kvboost_l2_calls_in_flight", "Calls waiting on Redis now (in the daemon's own L2 threads, apart "
+                 "from Fetch's).", l2.calls_in_flight)
     yield _counter("kvboost_l2_errors", "Failed calls to L2.", l2.errors)
     yield _gauge("kvboost_l2_queued_writes", "Chunks waiting in the L2 write-behind queue.", l2.queued_writes)
 

@@ -5,8 +5,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import signal
+from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -20,11 +20,14 @@ from cache_daemon.config import DaemonConfig
 from cache_daemon.errors import StartupError
 from cache_daemon.interceptors import RequestContextInterceptor
 from cache_daemon.metrics import Refusals, start_metrics_server
-from cache_daemon.servicer import CacheServicer, add_cache_servicer
+from cache_daemon.executors import DaemonExecutors
+from cache_daemon.servicer import CacheServicer, StoreLimits, add_cache_servicer
 from cache_daemon.l2.address import parse_l2_address
-from cache_daemon.l2.redis_tier import L2Unavailable, RedisTier
+from cache_daemon.l2.record_auth import load_keyring
+from cache_daemon.l2.redis_tier import RedisTier
+from cache_daemon.tenancy_secret import tenancy_secret
 from cache_daemon.tiered import TieredCache
-from cache_daemon.tenancy import SECRET_SIZE, Tenancy, Tenant, current_tenant, load_tenants_file
+from cache_daemon.tenancy import Tenancy, Tenant, current_tenant, load_tenants_file
 from kvboost_common.auth import BearerTokenInterceptor, TokenTableInterceptor, load_token
 from kvboost_common.addresses import is_unix
 from kvboost_common.binding import bind
@@ -46,46 +49,35 @@ def grpc_options(config: DaemonConfig) -> list[tuple[str, int]]:
     return options
 
 
-TENANCY_SECRET_KEY = b"tenancy_secret"  # info DB: 32 random bytes every tenant's key space derives from
-
-
-def open_tenancy(cache: ChunkCache, tenants_by_token: dict[str, Tenant]) -> Tenancy:
-    """The daemon's secret (created once, kept inside the LMDB environment with the data it guards)
-    and the recorded namespace owners."""
+def open_tenancy(cache: ChunkCache | TieredCache, tenants_by_token: dict[str, Tenant],
+                 secret_file: Path | None = None) -> Tenancy:
+    """The tenants' key spaces (from --tenancy-secret-file, else this LMDB's own secret; never from
+    Redis) and the recorded namespace owners."""
     store = cache.store
-    secret = store.info_value(TENANCY_SECRET_KEY, lambda: os.urandom(SECRET_SIZE))
-    if isinstance(cache, TieredCache):
-        secret = shared_tenancy_secret(cache, secret)
+    secret = tenancy_secret(store, secret_file)
     owners = {namespace: name.decode() for namespace, name in store.info_items(NAMESPACE_OWNER_PREFIX).items()}
     return Tenancy(secret, tenants_by_token.values(), owners)
 
 
-def shared_tenancy_secret(cache: TieredCache, local_secret: bytes) -> bytes:
-    """Every daemon sharing an L2 must map a tenant's keys alike, or a chunk warmed on one host is
-    never found on another: the first daemon's secret, kept in L2, is everyone's."""
-    try:
-        secret = cache.l2.shared_value(TENANCY_SECRET_KEY, local_secret)
-    except L2Unavailable as error:
-        raise StartupError(f"--tenants-file with --l2 needs L2 at start to agree on the tenants' key "
-                           f"spaces: {error}") from error
-    if secret != local_secret:
-        logger.warning("tenant key spaces now follow the secret shared through L2; chunks this LMDB stored "
-                       "for tenants under its own secret are no longer reachable and will be evicted")
-    return secret
-
-
 def open_cache(config: DaemonConfig, tenants_by_token: dict[str, Tenant] | None = None) -> ChunkCache | TieredCache:
     """LMDB, with the L2 tier in front of Redis when --l2 is set (L2 may be down: it is retried)."""
+    keyring = None
+    if config.l2:
+        try:
+            keyring = load_keyring(config.l2_key_file)
+        except ValueError as error:
+            raise StartupError(str(error)) from error
     cache = ChunkCache.open(config.data_dir, config.initial_map_size, config.max_bytes, config.half_life,
                             share_budgets(tenants_by_token))
     address = config.l2_address()
     if address is None:
         return cache
-    tier = RedisTier(address, wait_replicas=config.num_l2_wait_replicas, timeout_s=config.l2_timeout_s,
-                     retry_interval_s=config.l2_retry_interval_s)
-    logger.info("L2 tier: %s, writes %s", address.redacted(), config.l2_write)
+    tier = RedisTier(address, keyring, wait_replicas=config.num_l2_wait_replicas, timeout_s=config.l2_timeout_s,
+                     retry_interval_s=config.l2_retry_interval_s, tls_files=config.l2_tls_files())
+    logger.info("L2 tier: %s, writes %s, records signed with key %r (%d keys verify)", address.redacted(),
+                config.l2_write, keyring.signing_id, len(keyring.keys))
     return TieredCache(cache, tier, sync_writes=config.l2_write == "sync", queue_bytes=config.l2_queue_bytes,
-                       sync_deadline_s=config.l2_sync_timeout_s)
+                       sync_deadline_s=config.l2_sync_timeout_s, promote_batch=config.l2_promote_batch)
 
 
 def share_budgets(tenants_by_token: dict[str, Tenant] | None) -> dict[str, int]:
@@ -95,8 +87,8 @@ def share_budgets(tenants_by_token: dict[str, Tenant] | None) -> dict[str, int]:
 
 
 def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: health.aio.HealthServicer,
-                 refusals: Refusals | None = None,
-                 tenants_by_token: dict[str, Tenant] | None = None) -> tuple[grpc.aio.Server, int, Tenancy | None]:
+                 refusals: Refusals | None = None, tenants_by_token: dict[str, Tenant] | None = None,
+                 executors: DaemonExecutors | None = None) -> tuple[grpc.aio.Server, int, Tenancy | None]:
     """The server with every service registered, bound to config.listen (port 0 picks a free
     port); returns it with the bound port and the tenancy (None without --tenants-file). Not started.
     tenants_by_token: the tenants file's contents, read here when not given."""
@@ -108,11 +100,12 @@ def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: healt
         interceptors.append(BearerTokenInterceptor(load_token(config.auth_token_file), count_unauthenticated))
     elif config.tenants_file is not None:
         tenants_by_token = tenants_by_token or load_tenants_file(config.tenants_file)
-        tenancy = open_tenancy(cache, tenants_by_token)
+        tenancy = open_tenancy(cache, tenants_by_token, config.tenancy_secret_file)
         interceptors.append(TokenTableInterceptor(tenants_by_token, current_tenant, count_unauthenticated))
     interceptors.append(UndecodableRequestInterceptor())  # innermost: unauthenticated calls are refused first
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
-    add_cache_servicer(CacheServicer(cache, tenancy, refusals), server)
+    store_limits = StoreLimits(config.max_store_chunks, config.store_bytes_limit, config.store_deadline_s)
+    add_cache_servicer(CacheServicer(cache, tenancy, refusals, store_limits, executors), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
@@ -123,8 +116,9 @@ class CacheDaemon:
     """A running daemon; `start` opens everything, `stop` shuts it down gracefully."""
 
     def __init__(self, config: DaemonConfig, cache: ChunkCache, server: grpc.aio.Server, port: int,
-                 health_servicer: health.aio.HealthServicer) -> None:
+                 health_servicer: health.aio.HealthServicer, executors: DaemonExecutors) -> None:
         self.config = config
+        self.executors = executors
         self.cache = cache
         self.server = server
         self.port = port
@@ -151,14 +145,16 @@ class CacheDaemon:
             raise StartupError(f"cannot open {config.data_dir}: {error}") from error
         health_servicer = health.aio.HealthServicer()
         refusals = Refusals()
+        executors = DaemonExecutors()
         try:
-            server, port, tenancy = build_server(config, cache, health_servicer, refusals, tenants_by_token)
+            server, port, tenancy = build_server(config, cache, health_servicer, refusals, tenants_by_token, executors)
         except (RuntimeError, OSError, ValueError, StartupError) as error:
             cache.close()
+            executors.shutdown()
             if isinstance(error, StartupError):
                 raise
             raise StartupError(f"cannot serve on {config.listen}: {error}") from error
-        daemon = cls(config, cache, server, port, health_servicer)
+        daemon = cls(config, cache, server, port, health_servicer, executors)
         await server.start()
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port:
@@ -187,6 +183,7 @@ class CacheDaemon:
                     await task
         if self._stop_metrics is not None:
             self._stop_metrics()
+        await asyncio.to_thread(self.executors.shutdown)
         await asyncio.to_thread(self.cache.close)
         logger.info("stopped; frequencies flushed and LMDB synced")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import grpc
@@ -10,7 +11,8 @@ from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
 from cache_daemon.cache import CacheStats, ChunkCache, DeleteResult, PinResult
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
-from cache_daemon.errors import InvalidCacheRequest, PermissionDenied
+from cache_daemon.errors import InvalidCacheRequest, PermissionDenied, StoreStreamOverLimit
+from cache_daemon.executors import DaemonExecutors
 from cache_daemon.metrics import Refusals
 from cache_daemon.store import BLOB_DB_VERSION
 from cache_daemon.framing import (StoreStreamAssembler, check_digest, chunk_meta, encode_data_frames,
@@ -21,18 +23,32 @@ from cache_daemon.tenancy import PLAIN, KeySpace, Tenancy, Tenant, current_tenan
 MAX_KEYS_PER_REQUEST = 65536
 
 
+@dataclass(slots=True, frozen=True)
+class StoreLimits:
+    """Bounds of one Store stream (held in memory until it ends): --max-store-chunks, --max-store-bytes
+    (None: the budget) and --store-deadline (0: none)."""
+
+    max_chunks: int = MAX_KEYS_PER_REQUEST
+    max_bytes: int | None = None
+    deadline_s: float = 120.0
+
+
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     """Lookup and Stats run on the event loop (in-memory index, plus one short LMDB read for
-    content keys); blob reads and every LMDB write run in threads.
+    content keys); blob reads, Lookups that ask L2, and every write run on separate thread pools
+    (DaemonExecutors), so waiting on Redis never holds up Fetch.
 
     With tenancy every key, namespace and content key a tenant sends is mapped into its own key
     space on the way in (KeySpace.scope) and back on the way out, so another tenant's keys are
     plain misses: the same code path as a key never stored, which reveals nothing."""
 
-    def __init__(self, cache: ChunkCache | TieredCache, tenancy: Tenancy | None = None, refusals: Refusals | None = None) -> None:
+    def __init__(self, cache: ChunkCache | TieredCache, tenancy: Tenancy | None = None, refusals: Refusals | None = None,
+                 store_limits: StoreLimits | None = None, executors: DaemonExecutors | None = None) -> None:
         self._cache = cache
         self._tenancy = tenancy
         self._refusals = refusals
+        self._store_limits = store_limits or StoreLimits()
+        self._executors = executors or DaemonExecutors()
 
     def _caller(self) -> Tenant | None:
         """The calling tenant; None without tenancy (one trusted caller). Fails closed."""
@@ -48,9 +64,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return PLAIN if tenant is None else self._tenancy.space_of(tenant)
 
     def _refuse(self, message: str) -> None:
-        if self._refusals is not None:
-            self._refusals.count("permission_denied")
+        self._count_refusal("permission_denied")
         raise PermissionDenied(message)
+
+    def _count_refusal(self, reason: str) -> None:
+        if self._refusals is not None:
+            self._refusals.count(reason)
 
     async def Lookup(self, request: cache_pb2.LookupRequest, context) -> cache_pb2.LookupReply:
         check_digest(request.namespace, "LookupRequest.namespace")
@@ -60,8 +79,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         space = self._space()
         arguments = (space.scope(request.namespace), space.scope_all(prefix_keys),
                      [space.scope_optional(key) for key in content_keys], space.scope_all(partial_keys))
-        if self._cache.lookup_does_io:  # L2 behind LMDB: a network round trip
-            result = await asyncio.to_thread(self._cache.lookup, *arguments)
+        if isinstance(self._cache, TieredCache):  # L2 behind LMDB: a round trip only for what LMDB misses
+            result = self._cache.lookup_in_l1(*arguments)
+            if result is None:
+                result = await self._executors.run(self._executors.l2, self._lookup_with_l2, arguments)
         else:
             result = self._cache.lookup(*arguments)
         return cache_pb2.LookupReply(
@@ -70,6 +91,17 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                           for index, key in result.content_hits],
             partial_index=result.partial_index,
         )
+
+    def _lookup_with_l2(self, arguments: tuple) -> object:
+        """A tenant's namespace gets its owner recorded first, so what L2 promotes into LMDB is charged to
+        that tenant's share (and evicts within it), as a Store by the tenant would be."""
+        tenant = self._caller()
+        if tenant is not None:
+            new_owners = self._tenancy.new_namespaces(tenant, [arguments[0]])
+            if new_owners:
+                self._cache.record_owners(new_owners)
+                self._tenancy.record_owners(new_owners)
+        return self._cache.lookup_with_l2(*arguments)
 
     async def Fetch(self, request: cache_pb2.FetchRequest, context) -> AsyncIterator[bytes]:
         """Yields wire-encoded ChunkFrames (the handler registers no serializer for them)."""
@@ -95,19 +127,36 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 next_read.cancel()
 
     def _read(self, key: ChunkKey, verify: bool) -> asyncio.Future:
-        return asyncio.ensure_future(asyncio.to_thread(self._cache.read, key, encode_data_frames, verify))
+        return asyncio.ensure_future(self._executors.run(self._executors.fetch, self._cache.read, key,
+                                                         encode_data_frames, verify))
 
     async def Store(self, request_iterator: AsyncIterator[cache_pb2.ChunkFrame], context) -> cache_pb2.StoreReply:
-        assembler = StoreStreamAssembler(max_blob_bytes=self._cache.max_bytes)
-        async for frame in request_iterator:
-            assembler.feed(frame)
-        chunks = assembler.finish()
+        chunks = await self._received_chunks(request_iterator)
         tenant = self._caller()
+        store = self._executors.store
         if tenant is not None:
-            chunks = await asyncio.to_thread(self._scoped_chunks, tenant, chunks)
-        result = await asyncio.to_thread(self._cache.put_many, chunks)
+            chunks = await self._executors.run(store, self._scoped_chunks, tenant, chunks)
+        result = await self._executors.run(store, self._cache.put_many, chunks)
         return cache_pb2.StoreReply(stored=result.stored, already_present=result.already_present,
                                     evicted=result.evicted, bytes_stored=result.bytes_stored)
+
+    async def _received_chunks(self, request_iterator: AsyncIterator[cache_pb2.ChunkFrame]) -> list[IncomingChunk]:
+        """The stream's chunks, within --max-store-chunks, --max-store-bytes and --store-deadline."""
+        limits = self._store_limits
+        assembler = StoreStreamAssembler(self._cache.max_bytes, limits.max_chunks, limits.max_bytes or self._cache.max_bytes)
+        try:
+            async with asyncio.timeout(limits.deadline_s or None):
+                async for frame in request_iterator:
+                    assembler.feed(frame)
+        except TimeoutError:
+            self._count_refusal("store_deadline")
+            raise StoreStreamOverLimit(f"the Store stream was still open after --store-deadline={limits.deadline_s:g} s "
+                                      f"(server side) with {len(assembler.chunks)} chunks received: send fewer "
+                                      f"chunks per stream, or faster") from None
+        except StoreStreamOverLimit:
+            self._count_refusal("store_limit")
+            raise
+        return assembler.finish()
 
     def _scoped_chunks(self, tenant: Tenant, chunks: list[IncomingChunk]) -> list[IncomingChunk]:
         """The chunks moved into the tenant's space; the owner of each new namespace recorded first
@@ -170,10 +219,11 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         space = self._space()
         if request.namespace:
             check_digest(request.namespace, "DeleteRequest.namespace")
-            result: DeleteResult = await asyncio.to_thread(self._cache.delete_namespace, space.scope(request.namespace))
+            result: DeleteResult = await self._executors.run(self._executors.store, self._cache.delete_namespace,
+                                                             space.scope(request.namespace))
         elif request.keys:
             keys = [ChunkKey(key) for key in space.scope_all(checked_keys(request.keys, "DeleteRequest.keys"))]
-            result = await asyncio.to_thread(self._cache.delete_keys, keys, request.corrupted)
+            result = await self._executors.run(self._executors.store, self._cache.delete_keys, keys, request.corrupted)
         else:
             raise InvalidCacheRequest("DeleteRequest needs keys or a namespace")
         return cache_pb2.DeleteReply(deleted=result.deleted, bytes_freed=result.bytes_freed)
@@ -201,7 +251,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             raise InvalidCacheRequest("PinRequest needs at least one key")
         space = self._space()
         stored_keys = [ChunkKey(key) for key in space.scope_all(keys)]
-        result: PinResult = await asyncio.to_thread(self._cache.set_pinned, stored_keys, pinned)
+        result: PinResult = await self._executors.run(self._executors.store, self._cache.set_pinned, stored_keys, pinned)
         return cache_pb2.PinReply(updated=result.updated, missing=[space.unscope(key) for key in result.missing])
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar
 
 from cache_daemon.cache import CacheStats, ChunkCache, DeleteResult, LookupResult, PinResult, PutResult
@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_CONTENT_CANDIDATES = 4  # contexts tried per content key in L2
+DEFAULT_PROMOTE_BATCH = 64  # L2 hits held in memory at once while they are copied into LMDB
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,6 +31,9 @@ class L2Stats:
     corrupted: int
     errors: int
     queued_writes: int
+    forged: int
+    promotion_batches: int
+    calls_in_flight: int
 
 
 class TieredCache:
@@ -39,10 +43,11 @@ class TieredCache:
     sync_writes, before Store replies. Pins, budget and eviction stay LMDB's; L2 evicts by its
     own maxmemory policy. An unreachable L2 turns into LMDB-only service, never a failed call."""
 
-    lookup_does_io = True  # the servicer runs Lookup in a thread
 
     def __init__(self, l1: ChunkCache, l2: RedisTier, sync_writes: bool = False,
-                 queue_bytes: int = 256 << 20, sync_deadline_s: float = 10.0) -> None:
+                 queue_bytes: int = 256 << 20, sync_deadline_s: float = 10.0,
+                 promote_batch: int = DEFAULT_PROMOTE_BATCH) -> None:
+        assert promote_batch >= 1, f"promote_batch must be >= 1, got {promote_batch}"
         self.l1 = l1
         self.l2 = l2
         self.sync_writes = sync_writes
@@ -52,6 +57,8 @@ class TieredCache:
         self._num_hits = 0
         self._num_misses = 0
         self._num_sync_writes = 0
+        self._num_promotion_batches = 0
+        self.promote_batch = promote_batch
 
     @property
     def store(self):
@@ -63,13 +70,27 @@ class TieredCache:
 
     def lookup(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
                partial_keys: Sequence[bytes] = ()) -> LookupResult:
+        result = self.lookup_in_l1(namespace, prefix_keys, content_keys, partial_keys)
+        if result is None:
+            result = self.lookup_with_l2(namespace, prefix_keys, content_keys, partial_keys)
+        return result
+
+    def lookup_in_l1(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
+                     partial_keys: Sequence[bytes] = ()) -> LookupResult | None:
+        """The answer when LMDB alone holds everything L2 could add (counted as a lookup), else None:
+        no network, so the servicer runs it on the event loop and only the rest waits on Redis."""
         result = self.l1.probe(namespace, prefix_keys, content_keys, partial_keys)
-        missing = [ChunkKey(key) for key, hit in zip(prefix_keys, result.prefix_hit) if not hit]
-        if partial_keys and result.partial_index is None:
-            missing += [ChunkKey(key) for key in partial_keys]
-        content_found = {index for index, _ in result.content_hits}
-        content_wanted = [key for index, key in enumerate(content_keys)
-                          if key and not result.prefix_hit[index] and index not in content_found]
+        missing, content_wanted = _wanted_from_l2(result, prefix_keys, content_keys, partial_keys)
+        if missing or content_wanted:
+            return None
+        self.l1.record_lookup(result, prefix_keys, partial_keys)
+        return result
+
+    def lookup_with_l2(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
+                       partial_keys: Sequence[bytes] = ()) -> LookupResult:
+        """Asks L2 for what LMDB misses, promotes the hits into LMDB and answers from LMDB."""
+        result = self.l1.probe(namespace, prefix_keys, content_keys, partial_keys)
+        missing, content_wanted = _wanted_from_l2(result, prefix_keys, content_keys, partial_keys)
         if missing or content_wanted:
             num_promoted = self._promote_from_l2(namespace, missing, content_wanted)
             if num_promoted:
@@ -78,39 +99,59 @@ class TieredCache:
         return result
 
     def _promote_from_l2(self, namespace: bytes, keys: list[ChunkKey], content_keys: list[bytes]) -> int:
-        """Copies what L2 holds of these keys (and of these content keys' contexts) into LMDB."""
+        """Copies what L2 holds of these keys (and of these content keys' contexts) into LMDB, at most
+        `promote_batch` chunks in memory at a time: a 65,536-key Lookup never loads every hit at once.
+        The chunks go in as the namespace's owner stores them (charged to that tenant's share)."""
+        batch = self.promote_batch
+        promoted = _Promoted()
         try:
-            hits, candidates = self.l2.get_with_content(keys, content_keys)
-            found = [hit for hit in hits if hit is not None and hit.entry.namespace == namespace]
-            found += self._content_hits(namespace, candidates, {hit.key for hit in found})
+            hits, candidates = self.l2.get_with_content(keys[:batch], content_keys)
+            self._promote(namespace, hits, promoted)
+            for start in range(batch, len(keys), batch):
+                self._promote(namespace, self.l2.get(keys[start:start + batch]), promoted)
+            self._promote_content(namespace, content_keys, candidates, promoted)
         except L2Unavailable:
-            return 0  # logged once per outage by the tier
+            pass  # logged once per outage by the tier; what was promoted so far stays
         with self._lock:
-            self._num_hits += len(found)
-            self._num_misses += len(keys) + len(content_keys) - len(found)
+            self._num_hits += promoted.num_found
+            self._num_misses += len(keys) + len(content_keys) - promoted.num_found
+        return promoted.num_stored
+
+    def _promote(self, namespace: bytes, hits: Sequence[L2Hit | None], promoted: _Promoted,
+                 content_key: bytes | None = None) -> None:
+        found = [hit for hit in hits if hit is not None and hit.entry.namespace == namespace
+                 and hit.key not in promoted.keys]
         if not found:
-            return 0
+            return
+        promoted.num_found += len(found)
+        promoted.keys.update(hit.key for hit in found)
+        with self._lock:
+            self._num_promotion_batches += 1
         try:
-            return self.l1.put_many([_incoming(hit) for hit in found]).stored
+            promoted.num_stored += self.l1.put_many([_incoming(hit) for hit in found]).stored
         except BudgetExceeded as error:
             logger.warning("L2 hits not promoted into LMDB: %s", error)
-            return 0
 
-    def _content_hits(self, namespace: bytes, candidates: list[list[ChunkKey]], have: set[ChunkKey]) -> list[L2Hit]:
-        """For each content key, the first stored context in this namespace (one more round trip)."""
-        wanted = list(dict.fromkeys(key for keys in candidates for key in keys[:MAX_CONTENT_CANDIDATES]
-                                    if key not in have))
-        if not wanted:
-            return []
-        chunks = dict(zip(wanted, self.l2.get(wanted)))
-        hits = []
-        for keys in candidates:
-            usable = [chunks.get(key) for key in keys[:MAX_CONTENT_CANDIDATES]]
-            hit = next((hit for hit in usable if hit is not None and hit.entry.namespace == namespace), None)
-            if hit is not None and hit.key not in have:
-                hits.append(hit)
-                have.add(hit.key)
-        return hits
+    def _promote_content(self, namespace: bytes, content_keys: list[bytes], candidates: list[list[ChunkKey]],
+                         promoted: _Promoted) -> None:
+        """For each content key, the first stored context in this namespace that really holds those
+        tokens (its signed header says so: a planted set member is skipped), in batches."""
+        per_batch = max(1, self.promote_batch // MAX_CONTENT_CANDIDATES)
+        for start in range(0, len(content_keys), per_batch):
+            group = list(zip(content_keys[start:start + per_batch], candidates[start:start + per_batch]))
+            wanted = list(dict.fromkeys(key for _, keys in group for key in keys[:MAX_CONTENT_CANDIDATES]
+                                        if key not in promoted.keys))
+            if not wanted:
+                continue
+            chunks = dict(zip(wanted, self.l2.get(wanted)))
+            chosen = []
+            for content_key, keys in group:
+                usable = (chunks.get(key) for key in keys[:MAX_CONTENT_CANDIDATES])
+                hit = next((hit for hit in usable if hit is not None and hit.entry.namespace == namespace
+                            and hit.entry.content_key == content_key), None)
+                if hit is not None and all(hit.key != other.key for other in chosen):
+                    chosen.append(hit)
+            self._promote(namespace, chosen, promoted)
 
     def put_many(self, chunks: Sequence[IncomingChunk]) -> PutResult:
         """Raises L2NotAcknowledged (sync writes) when L2 did not take them; LMDB holds them anyway."""
@@ -186,13 +227,35 @@ class TieredCache:
         return L2Stats(url=self.l2.address.redacted(), degraded=self.l2.degraded, hits=hits, misses=misses,
                        writes=self._writer.num_written + sync_writes, dropped_writes=self._writer.num_dropped,
                        corrupted=self.l2.num_corrupted, errors=self.l2.num_errors,
-                       queued_writes=self._writer.num_queued)
+                       queued_writes=self._writer.num_queued, forged=self.l2.num_forged,
+                       promotion_batches=self._num_promotion_batches, calls_in_flight=self.l2.num_in_flight)
 
     def close(self) -> None:
         """Gives queued L2 writes a few seconds, then closes both tiers."""
         self._writer.close()
         self.l1.close()
         self.l2.close()
+
+
+def _wanted_from_l2(result: LookupResult, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
+                    partial_keys: Sequence[bytes]) -> tuple[list[ChunkKey], list[bytes]]:
+    """The keys LMDB missed, and the content keys of chunks found neither by prefix nor by content."""
+    missing = [ChunkKey(key) for key, hit in zip(prefix_keys, result.prefix_hit) if not hit]
+    if partial_keys and result.partial_index is None:
+        missing += [ChunkKey(key) for key in partial_keys]
+    content_found = {index for index, _ in result.content_hits}
+    content_wanted = [key for index, key in enumerate(content_keys)
+                      if key and not result.prefix_hit[index] and index not in content_found]
+    return missing, content_wanted
+
+
+@dataclass(slots=True)
+class _Promoted:
+    """What one Lookup's promotion found in L2 and stored into LMDB so far."""
+
+    num_found: int = 0
+    num_stored: int = 0
+    keys: set[ChunkKey] = field(default_factory=set)
 
 
 def _incoming(hit: L2Hit) -> IncomingChunk:

@@ -182,6 +182,9 @@ class L2Stats(_FromProto):
     corrupted: int
     errors: int
     queued_writes: int
+    forged: int = 0  # records whose MAC failed (served as misses)
+    promotion_batches: int = 0
+    calls_in_flight: int = 0
 
 
 @dataclass(slots=True, frozen=True)

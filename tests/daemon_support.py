@@ -111,12 +111,27 @@ def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
     raise AssertionError(f"{call} did not fail")
 
 
+TEST_L2_KEY = "test-k1 " + "5a" * 32
+
+
+def shared_l2_key_file(folder: Path, text: str = TEST_L2_KEY) -> Path:
+    """One L2 key file in folder, shared by every daemon started beside it (as in a real deployment)."""
+    path = folder / "l2.key"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+        path.chmod(0o600)
+    return path
+
+
 @contextmanager
 def running_daemon(data_dir: Path, max_bytes: int = 1 << 30, **config_fields) -> Iterator[object]:
     """A CacheDaemon on a free loopback port, served by an event loop in a thread; stopped on exit."""
     from cache_daemon.config import DaemonConfig
     from cache_daemon.server import CacheDaemon
 
+    if config_fields.get("l2") and "l2_key_file" not in config_fields:
+        config_fields["l2_key_file"] = shared_l2_key_file(data_dir.parent)
     config = DaemonConfig(data_dir=data_dir, listen="127.0.0.1:0", max_bytes=max_bytes, **config_fields)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -14,6 +14,8 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
 from cache_daemon.l2.address import L2Address
+from cache_daemon.l2.record_auth import MAC_SIZE, L2Keyring
+from cache_daemon.l2.tls import L2TlsFiles
 from cache_daemon.store import decode_entry, encode_entry
 from kvboost_common.checksum import crc32
 
@@ -22,10 +24,15 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Key layout (binary keys; the 32-byte digests are the daemon's stored keys, tenant-scoped already):
-CHUNK_PREFIX = b"kvb:chunk:"  # + key -> u16 header length, encoded Entry, blob
+CHUNK_PREFIX = b"kvb:chunk:"  # + key -> record (below)
 CONTENT_PREFIX = b"kvb:content:"  # + content key -> set of keys stored with those tokens
 NAMESPACE_PREFIX = b"kvb:ns:"  # + namespace -> set of its keys (for Delete by namespace)
+# A record: u8 key id length, key id, MAC, then the signed part: u16 header length, encoded Entry, blob.
+# The MAC (cache_daemon.l2.record_auth) covers the key id, the record's own key and the signed part,
+# so a record is valid under the key it was written to and nowhere else.
 _HEADER_LENGTH = struct.Struct("<H")
+
+GENUINE, CORRUPTED, FORGED, UNKNOWN_KEY = "genuine", "corrupted", "forged", "unknown key"
 
 
 class L2Unavailable(Exception):
@@ -39,25 +46,47 @@ class L2Hit:
     blob: bytes
 
 
-def encode_record(chunk: IncomingChunk) -> bytes:
+def encode_record(chunk: IncomingChunk, keyring: L2Keyring) -> bytes:
     header = encode_entry(dataclasses.replace(chunk.to_entry(now=0.0), pinned=False))  # pins stay in L1
-    return _HEADER_LENGTH.pack(len(header)) + header + chunk.blob
+    header_part = _HEADER_LENGTH.pack(len(header)) + header
+    key_id, mac = keyring.sign(chunk.key, header_part, chunk.blob)
+    return b"".join((bytes([len(key_id)]), key_id, mac, header_part, chunk.blob))  # one copy of the blob
 
 
-def decode_record(key: ChunkKey, value: bytes) -> L2Hit | None:
-    """The chunk, or None when the value is truncated or its blob fails the CRC-32 it carries."""
-    if len(value) < _HEADER_LENGTH.size:
-        return None
-    (header_length,) = _HEADER_LENGTH.unpack_from(value)
-    start = _HEADER_LENGTH.size + header_length
+def decode_record(key: ChunkKey, value: bytes, keyring: L2Keyring) -> tuple[L2Hit | None, str]:
+    """(the chunk, GENUINE), or (None, why): CORRUPTED (truncated, bad header, blob fails its CRC-32),
+    FORGED (the MAC does not match this key and content), UNKNOWN_KEY (signed with a key id not held).
+
+    A matching MAC proves the bytes are what a daemon signed (it had checked their CRC-32), so the
+    CRC-32 pass is only made to tell a bit flip from a forgery when the MAC fails."""
+    if not value:
+        return None, CORRUPTED
+    key_id_end = 1 + value[0]
+    signed_start = key_id_end + MAC_SIZE
+    if len(value) < signed_start + _HEADER_LENGTH.size:
+        return None, CORRUPTED
+    view = memoryview(value)  # the signed part is read in place: one copy of the blob, at the end
+    key_id, mac, signed_part = bytes(view[1:key_id_end]), bytes(view[key_id_end:signed_start]), view[signed_start:]
+    if keyring.holds(key_id) and keyring.verify(key_id, mac, key, signed_part):
+        hit = _parsed(key, signed_part, check_crc=False)
+        return (hit, GENUINE) if hit is not None else (None, CORRUPTED)
+    if _parsed(key, signed_part, check_crc=True) is None:
+        return None, CORRUPTED
+    return None, FORGED if keyring.holds(key_id) else UNKNOWN_KEY
+
+
+def _parsed(key: ChunkKey, signed_part: memoryview, check_crc: bool) -> L2Hit | None:
+    """The chunk in a record's signed part, or None when its header or blob length (or CRC-32) is wrong."""
+    (header_length,) = _HEADER_LENGTH.unpack_from(signed_part)
+    blob_start = _HEADER_LENGTH.size + header_length
     try:
-        entry = decode_entry(value[_HEADER_LENGTH.size:start])
+        entry = decode_entry(signed_part[_HEADER_LENGTH.size:blob_start])
     except (AssertionError, struct.error, IndexError):
         return None
-    blob = value[start:]
-    if len(blob) != entry.size_bytes or crc32(blob) != entry.checksum:
+    blob = signed_part[blob_start:]
+    if len(blob) != entry.size_bytes or (check_crc and crc32(blob) != entry.checksum):
         return None
-    return L2Hit(key, entry, blob)
+    return L2Hit(key, entry, bytes(blob))
 
 
 class RedisTier:
@@ -65,9 +94,12 @@ class RedisTier:
     tier degraded: later calls fail at once (L2Unavailable, no waiting on a dead socket) until
     `retry_interval_s` has passed, then one call tries again; redis-py reconnects on its own."""
 
-    def __init__(self, address: L2Address, wait_replicas: int = 0, timeout_s: float = 1.0,
-                 retry_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, address: L2Address, keyring: L2Keyring, wait_replicas: int = 0, timeout_s: float = 1.0,
+                 retry_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 tls_files: L2TlsFiles | None = None) -> None:
         self.address = address
+        self.keyring = keyring
+        self._tls_files = tls_files or L2TlsFiles()
         self.wait_replicas = wait_replicas
         self._timeout_s = timeout_s
         self._retry_interval_s = retry_interval_s
@@ -78,10 +110,14 @@ class RedisTier:
         self.degraded = False
         self.num_errors = 0
         self.num_corrupted = 0
+        self.num_forged = 0  # records whose MAC failed, or signed with a key id this daemon does not hold
+        self.num_in_flight = 0  # calls waiting on Redis now
 
     def _connect(self) -> redis.Redis | RedisCluster:
         options = dict(password=self.address.password, username=self.address.username, ssl=self.address.tls,
                        socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s)
+        if self.address.tls:
+            options.update(self._tls_files.redis_options())
         if self.address.cluster:
             nodes = [ClusterNode(host, port) for host, port in self.address.nodes]
             return RedisCluster(startup_nodes=nodes, cluster_error_retry_attempts=3, **options)
@@ -94,6 +130,7 @@ class RedisTier:
                 raise L2Unavailable(f"L2 {self.address.redacted()} is degraded; next try in "
                                     f"{self._retry_at - self._clock():.1f} s")
             client = self._client
+            self.num_in_flight += 1
         try:
             if client is None:
                 client = self._connect()  # a cluster client reads the slot map here
@@ -103,6 +140,9 @@ class RedisTier:
         except (redis.RedisError, OSError) as error:
             self._mark_failed(error)
             raise L2Unavailable(f"L2 {self.address.redacted()}: {error}") from error
+        finally:
+            with self._lock:
+                self.num_in_flight -= 1
         if self.degraded:
             with self._lock:
                 self.degraded = False
@@ -142,22 +182,28 @@ class RedisTier:
         return hits, candidates
 
     def _decoded(self, keys: Sequence[ChunkKey], values: Sequence[bytes | None]) -> list[L2Hit | None]:
-        hits = [None if value is None else decode_record(key, value) for key, value in zip(keys, values)]
-        corrupted = [key for key, value, hit in zip(keys, values, hits) if value is not None and hit is None]
-        if corrupted:
+        """Every record checked (CRC-32, then MAC) before anyone may use it; what fails is a miss.
+        Corrupted and forged records are deleted; one signed with a key id not held here is left
+        (another daemon may hold that key mid-rotation) and counted as forged."""
+        hits: list[L2Hit | None] = []
+        bad: dict[str, list[ChunkKey]] = {CORRUPTED: [], FORGED: [], UNKNOWN_KEY: []}
+        for key, value in zip(keys, values):
+            hit, verdict = (None, GENUINE) if value is None else decode_record(key, bytes(value), self.keyring)
+            hits.append(hit)
+            if verdict != GENUINE:
+                bad[verdict].append(key)
+        if any(bad.values()):
             with self._lock:
-                self.num_corrupted += len(corrupted)
-            logger.error("%d L2 records failed their CRC-32 (%s): deleted, served as misses", len(corrupted),
-                         ", ".join(key.hex()[:16] for key in corrupted))
-            self.delete(corrupted)
+                self.num_corrupted += len(bad[CORRUPTED])
+                self.num_forged += len(bad[FORGED]) + len(bad[UNKNOWN_KEY])
+            for verdict, why in ((CORRUPTED, "failed their CRC-32 or were truncated"),
+                                 (FORGED, "failed their MAC (forged, altered or copied under another key)"),
+                                 (UNKNOWN_KEY, "were signed with a key id not in --l2-key-file (left in L2)")):
+                if bad[verdict]:
+                    logger.error("%d L2 records %s: served as misses (%s)", len(bad[verdict]), why,
+                                 ", ".join(key.hex()[:16] for key in bad[verdict][:8]))
+            self.delete(bad[CORRUPTED] + bad[FORGED])
         return hits
-
-    def shared_value(self, name: bytes, proposed: bytes) -> bytes:
-        """The value every daemon sharing this L2 agrees on: the first one proposed wins (SET NX)."""
-        key = b"kvb:shared:" + name
-        _, value = self._call(lambda client: _pipelined(client, [("execute_command", "SET", key, proposed, "NX"),
-                                                                  ("get", key)]))
-        return bytes(value)
 
     def put(self, chunks: Sequence[IncomingChunk], wait: bool = False, deadline_s: float = 10.0) -> None:
         """Writes the chunks (and their content and namespace sets).
@@ -168,7 +214,7 @@ class RedisTier:
             return
         commands = []
         for chunk in chunks:
-            commands.append(("set", CHUNK_PREFIX + chunk.key, encode_record(chunk)))
+            commands.append(("set", CHUNK_PREFIX + chunk.key, encode_record(chunk, self.keyring)))
             commands.append(("sadd", NAMESPACE_PREFIX + chunk.namespace, chunk.key))
             if chunk.content_key:
                 commands.append(("sadd", CONTENT_PREFIX + chunk.content_key, chunk.key))

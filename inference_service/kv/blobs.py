@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from inference_service.kv.codec import BlobError, DecodedChunk, decode_chunk, encode_chunk
+from inference_service.kv.codec import BlobError, DecodedChunk, UnexpectedShape, decode_chunk, encode_chunk, read_header
 from inference_service.kv.rope import RopeParams, UnsupportedRope, check_rerotation, rerotate_keys_
 
 logger = logging.getLogger(__name__)
@@ -72,30 +72,34 @@ def decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: in
     refuses blobs whose keys are stored un-rotated (nothing could rotate them into place). device: where
     the tensors are decoded (dequantized): the buffers' device. borrow: the tensors may share the blob's
     read-only memory (placed before the blob goes away). on_corrupt(key): told of a blob that fails its
-    checksum or does not decode, so the store can drop it.
+    checksum, does not decode or decodes to NaN or infinity, so the store can drop it. The header's size
+    and shape are checked before anything is decoded, allocated or copied to the device.
     """
     kind = "chunk" if same_position else "content hit"
     if blob is None or key != expected_key:
         logger.info("%s at position %d missing at fetch (evicted since lookup?)", kind, start)
         return None
+    expected = (shape[0], shape[1], num_tokens, shape[3])
     try:
-        decoded = decode_chunk(blob, device=device, verify=verify, borrow=borrow)
-    except BlobError as error:
+        # Size and shape from the 48-byte header first: nothing is allocated or copied for a blob that
+        # cannot stand for this chunk, whatever dims its header claims.
+        header = read_header(blob)
+        if header.shape != expected or (same_position and header.start_position != start):
+            raise UnexpectedShape(f"shape {header.shape} at {header.start_position}, expected {expected} at {start}")
+        if header.keys_before_rope and rope is None:
+            logger.warning("%s at position %d stores its keys un-rotated and this model's RoPE cannot rotate them: "
+                           "recomputing it", kind, start)
+            return None
+        return decode_chunk(blob, device=device, verify=verify, borrow=borrow, expected_shape=expected,
+                            check_finite=True)
+    except UnexpectedShape as error:
+        logger.warning("%s at position %d has %s: recomputing it", kind, start, error)
+        return None
+    except BlobError as error:  # truncated, failed checksum, NaN or infinity: corrupt, dropped from the store
         logger.warning("%s at position %d could not be decoded, recomputing it: %s", kind, start, error)
         if on_corrupt is not None:
             on_corrupt(key)
         return None
-    header = decoded.header
-    expected = (shape[0], shape[1], num_tokens, shape[3])
-    if header.shape != expected or (same_position and header.start_position != start):
-        logger.warning("%s at position %d has shape %s at %d, expected %s: recomputing it",
-                       kind, start, header.shape, header.start_position, expected)
-        return None
-    if header.keys_before_rope and rope is None:
-        logger.warning("%s at position %d stores its keys un-rotated and this model's RoPE cannot rotate them: "
-                       "recomputing it", kind, start)
-        return None
-    return decoded
 
 
 def place_hit_(key_target: torch.Tensor, value_target: torch.Tensor, decoded: DecodedChunk, start: int,

@@ -68,6 +68,14 @@ class BlobError(ValueError):
     """A blob that cannot be decoded: truncated, corrupted, bad magic, unsupported version, size mismatch."""
 
 
+class UnexpectedShape(BlobError):
+    """A well-formed blob whose K/V shape is not the one the caller's model needs (refused before decoding)."""
+
+
+class NonFiniteValues(BlobError):
+    """A blob whose decoded K/V hold NaN or infinity: no model computes those, so the bytes are corrupt."""
+
+
 @dataclass(slots=True, frozen=True)
 class BlobHeader:
     version: int
@@ -232,13 +240,17 @@ def read_header(blob: BlobBuffer) -> BlobHeader:
 
 def decode_chunk(
     blob: BlobBuffer, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, verify: bool = True,
-    borrow: bool = False,
+    borrow: bool = False, expected_shape: tuple[int, int, int, int] | None = None, check_finite: bool = False,
 ) -> DecodedChunk:
     """Tensors straight from the blob's payload (torch.frombuffer, no per-element Python work).
 
     Args:
         device, dtype: where and in what dtype keys/values come back (default: the header's dtype).
         verify: check the CRC-32 first.
+        expected_shape: (layers, kv_heads, tokens, head_dim) the caller needs; any other shape is refused
+            from the 48-byte header alone, before the checksum pass, any allocation or any device copy
+            (read_header has already matched the header's dims and bits with the blob's length).
+        check_finite: refuse K/V holding NaN or infinity once decoded (one reduction per tensor).
     Returns:
         keys/values [layers, kv_heads, tokens, head_dim], keys as stored: rotated for positions
         start_position.., or all for position 0 when header.keys_before_rope, for the caller to rotate
@@ -246,10 +258,27 @@ def decode_chunk(
         the tensors before the blob's memory goes away (a view into a memory map); a writable one
         (bytearray, memoryview) may be shared by the CPU tensors, not copied.
     Raises:
-        BlobError: see read_header; also a checksum mismatch when verify is set.
+        BlobError: see read_header; also a checksum mismatch when verify is set. UnexpectedShape,
+            NonFiniteValues: see expected_shape and check_finite.
     """
     view = memoryview(blob).cast("B")
     header = read_header(view)
+    if expected_shape is not None and header.shape != tuple(expected_shape):
+        raise UnexpectedShape(f"blob holds K/V of shape {header.shape}, expected {tuple(expected_shape)}")
+    decoded = _decode_checked_header(view, header, device, dtype, verify, borrow)
+    if check_finite and not (all_finite(decoded.keys) and all_finite(decoded.values)):
+        raise NonFiniteValues(f"corrupted blob: its decoded K/V of shape {header.shape} hold NaN or infinity")
+    return decoded
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in tensor: one float32 sum, no boolean tensor beside it (NaN and inf propagate;
+    finite K/V never sum past float32's 3e38)."""
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float32)))
+
+
+def _decode_checked_header(view: memoryview, header: BlobHeader, device: torch.device | str,
+                           dtype: torch.dtype | None, verify: bool, borrow: bool) -> DecodedChunk:
     if verify:
         actual = _checksum(view)
         if actual != header.checksum:

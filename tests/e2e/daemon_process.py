@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.daemon_support import shared_l2_key_file
 from tests.e2e.child_process import ChildProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +28,11 @@ class DaemonProcess(ChildProcess):
 def start_daemon(data_dir: Path, port: int | str, *extra_args: str, tls_root_cert: bytes | None = None,
                  timeout_s: float = 30.0, env: dict[str, str] | None = None) -> DaemonProcess:
     """Starts the daemon on 127.0.0.1:port (or a unix:PATH address) with data_dir and extra_args; returns once
-    health says SERVING for the cache service. The daemon's output goes to <data_dir>.log."""
+    health says SERVING for the cache service. The daemon's output goes to <data_dir>.log. With --l2 and
+    no --l2-key-file, the L2 key file beside data_dir (created once) is passed."""
     data_dir = Path(data_dir)
+    if "--l2" in extra_args and "--l2-key-file" not in extra_args:  # daemons started side by side share one key
+        extra_args = (*extra_args, "--l2-key-file", str(shared_l2_key_file(data_dir.parent)))
     log_path = data_dir.with_name(data_dir.name + ".log")
     address = port if isinstance(port, str) else f"127.0.0.1:{port}"
     command = [sys.executable, "-m", "cache_daemon", "--data-dir", str(data_dir), "--listen", address, *extra_args]

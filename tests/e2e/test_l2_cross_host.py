@@ -80,14 +80,16 @@ def test_a_document_warmed_on_host_a_is_reused_on_host_b(tmp_path, tiny_model_di
 
 def test_tenancy_holds_in_l2_across_hosts(tmp_path, tiny_model_dir):
     """Both daemons take the same tenants file: alice's chunks warmed on A are hers on B, and bob on B
-    reuses none of them (the tenants' key spaces come from one secret agreed through L2)."""
+    reuses none of them (the tenants' key spaces come from one secret file given to both, never from L2)."""
     prompt = DOCUMENT + QUESTION
     tenants_file = write_tenants_file(tmp_path)
+    secret_file = tmp_path / "tenancy.secret"
+    secret_file.write_text("3c" * 32 + "\n")
     with redis_node(tmp_path / "redis") as node, ExitStack() as stack:
         daemons = []
         for name in ("a", "b"):
             daemon = start_daemon(tmp_path / f"lmdb-{name}", pick_free_port(), "--l2", node.url,
-                                  "--tenants-file", str(tenants_file))
+                                  "--tenants-file", str(tenants_file), "--tenancy-secret-file", str(secret_file))
             stack.callback(daemon.terminate)
             daemons.append(daemon)
 

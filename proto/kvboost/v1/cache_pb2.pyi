@@ -143,7 +143,7 @@ class CacheStatsReply(_message.Message):
     def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupted: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., map_size: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., l2: _Optional[_Union[L2Stats, _Mapping]] = ...) -> None: ...
 
 class L2Stats(_message.Message):
-    __slots__ = ("url", "degraded", "hits", "misses", "writes", "dropped_writes", "corrupted", "errors", "queued_writes")
+    __slots__ = ("url", "degraded", "hits", "misses", "writes", "dropped_writes", "corrupted", "errors", "queued_writes", "forged", "promotion_batches", "calls_in_flight")
     URL_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,9 @@ class L2Stats(_message.Message):
     CORRUPTED_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    FORGED_FIELD_NUMBER: _ClassVar[int]
+    PROMOTION_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    CALLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     url: str
     degraded: bool
     hits: int
@@ -162,7 +165,10 @@ class L2Stats(_message.Message):
     corrupted: int
     errors: int
     queued_writes: int
-    def __init__(self, url: _Optional[str] = ..., degraded: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., writes: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., corrupted: _Optional[int] = ..., errors: _Optional[int] = ..., queued_writes: _Optional[int] = ...) -> None: ...
+    forged: int
+    promotion_batches: int
+    calls_in_flight: int
+    def __init__(self, url: _Optional[str] = ..., degraded: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., writes: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., corrupted: _Optional[int] = ..., errors: _Optional[int] = ..., queued_writes: _Optional[int] = ..., forged: _Optional[int] = ..., promotion_batches: _Optional[int] = ..., calls_in_flight: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("keys", "namespace", "corrupted")

@@ -1,6 +1,8 @@
 """--l2 addresses: schemes, cluster seed lists, credentials, and the reasons for refusing bad ones."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cache_daemon.config import parse_config
@@ -34,11 +36,24 @@ def test_bad_addresses_say_why(text, reason):
 
 
 def test_daemon_flags_and_environment(tmp_path, capsys):
-    config = parse_config(["--data-dir", str(tmp_path), "--l2", "redis-cluster://h:1,h:2", "--l2-write", "sync"],
-                          environ={})
+    config = parse_config(["--data-dir", str(tmp_path), "--l2", "redis-cluster://h:1,h:2", "--l2-write", "sync",
+                           "--l2-key-file", "l2.key"], environ={})
     assert (config.l2_write, config.num_l2_wait_replicas) == ("sync", 1)  # a cluster write waits for a replica
-    config = parse_config(["--data-dir", str(tmp_path)], environ={"KVBOOST_L2": "redis://h:1"})
-    assert (config.l2, config.num_l2_wait_replicas) == ("redis://h:1", 0)
+    config = parse_config(["--data-dir", str(tmp_path)], environ={"KVBOOST_L2": "redis://h:1",
+                                                                   "KVBOOST_L2_KEY_FILE": "l2.key"})
+    assert (config.l2, config.num_l2_wait_replicas, str(config.l2_key_file)) == ("redis://h:1", 0, "l2.key")
     with pytest.raises(SystemExit):
         parse_config(["--data-dir", str(tmp_path), "--l2", "redis://nohost"], environ={})
     assert "is not host:port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--l2", "redis://h:1"], "--l2 needs --l2-key-file .* secrets.token_hex"),
+    (["--l2", "redis://h:1", "--l2-key-file", "k", "--tenants-file", "t.json"],
+     "--tenants-file with --l2 needs --tenancy-secret-file"),
+    (["--l2", "redis://h:1", "--l2-key-file", "k", "--l2-tls-ca-file", "ca.pem"], "need a rediss:// .*address"),
+])
+def test_l2_without_its_keys_refuses_to_start_and_says_how_to_fix_it(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        parse_config(["--data-dir", str(tmp_path), *flags], environ={})
+    assert re.search(message, capsys.readouterr().err)

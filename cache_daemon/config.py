@@ -153,6 +153,11 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
 
 
+def _optional_path(value: str) -> Path | None:
+    """A path flag whose empty value (an unset compose variable: `${VAR:-}`) means none."""
+    return Path(value) if value else None
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     env = environ.get
     parser = argparse.ArgumentParser(
@@ -223,7 +228,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--l2-sync-timeout", type=float, default=env("KVBOOST_L2_SYNC_TIMEOUT", "10"),
                         help="seconds a --l2-write sync Store keeps trying L2 (a cluster failover takes the "
                              "node timeout and more) before it answers UNAVAILABLE [KVBOOST_L2_SYNC_TIMEOUT]")
-    parser.add_argument("--l2-key-file", type=Path, default=env("KVBOOST_L2_KEY_FILE"),
+    parser.add_argument("--l2-key-file", type=_optional_path, default=env("KVBOOST_L2_KEY_FILE"),
                         help="required with --l2: file of 'KEY_ID HEX' lines (at least 32 bytes each), the same on "
                              "every daemon sharing the L2 and never stored in Redis; the first line signs new L2 "
                              "records (HMAC-SHA256), every line verifies (rotation: see docs/scaling.md). Make one: "

@@ -215,7 +215,8 @@ def test_health_checks_ask_the_grpc_health_service_on_the_listen_port(service) -
 def test_lmdb_lives_on_a_named_volume_at_the_data_dir() -> None:
     daemon = compose_args("cache-daemon")
     volumes = COMPOSE["services"]["cache-daemon"]["volumes"]
-    assert volumes == [f"kvboost-lmdb:{daemon.data_dir}"]
+    # LMDB on its volume; the l2 profile's MAC key read-only from its own (made by the l2-key service).
+    assert volumes == [f"kvboost-lmdb:{daemon.data_dir}", "kvboost-secrets:/secrets:ro"]
     assert "kvboost-lmdb" in COMPOSE["volumes"]
     assert f"VOLUME {daemon.data_dir}" in DOCKERFILE
 
@@ -315,11 +316,13 @@ def test_the_l2_replica_override_is_a_second_pair_on_its_own_volume_and_namespac
     daemon = parse("cache-daemon", override["cache-daemon-b"]["command"])
     service = parse("inference", override["inference-b"]["command"])
     assert service.cache_addr == f"cache-daemon-b:{port_of(daemon.listen)}"
-    assert override["cache-daemon-b"]["volumes"] == override["inference-b"]["volumes"] == [f"kvboost-lmdb-b:{daemon.data_dir}"]
+    assert override["inference-b"]["volumes"] == [f"kvboost-lmdb-b:{daemon.data_dir}"]
+    assert override["cache-daemon-b"]["volumes"] == [f"kvboost-lmdb-b:{daemon.data_dir}", "kvboost-secrets:/secrets:ro"]
     assert override["cache-daemon-b"]["pid"] == override["inference-b"]["pid"] == "service:pid-namespace-b"
     assert published("inference-b", {"services": override}) == {50051: "127.0.0.1:50053"}
     # Off by default; the documented value parses as an L2 address of the compose service.
     assert compose_args("cache-daemon").l2 == ""
     args = parse("cache-daemon", COMPOSE["services"]["cache-daemon"]["command"], {"KVBOOST_L2": "redis://redis:6379"})
     assert daemon_config.parse_l2_address(args.l2).nodes == (("redis", 6379),)
-    assert "KVBOOST_L2=redis://redis:6379 docker compose --profile l2 up" in (ROOT / "compose.yaml").read_text()
+    assert ("KVBOOST_L2=redis://redis:6379 KVBOOST_L2_KEY_FILE=/secrets/l2.key docker compose --profile l2 up"
+            in (ROOT / "compose.yaml").read_text())

@@ -152,8 +152,9 @@ def test_the_cache_survives_down_and_up(stack) -> None:
 
 def test_the_l2_profile_shares_chunks_between_two_replicas(stack) -> None:
     shared = ComposeProject(f"{stack.name}-l2", files=(*stack.files, L2_REPLICA_FILE), profiles=("l2",),
-                            environment={"KVBOOST_L2": "redis://redis:6379"})
+                            environment={"KVBOOST_L2": "redis://redis:6379", "KVBOOST_L2_KEY_FILE": "/secrets/l2.key"})
     try:
+        shared.compose("run", "--rm", "l2-key", timeout=120)  # the records' MAC key, once, in its volume
         shared.up("inference", "inference-b")  # each replica with its daemon, Redis and PID namespace
         replica_a, replica_b = service_stub(shared), service_stub(shared, "INFERENCE_B")
         warmed = replica_a.Warm(pb.WarmRequest(text=DOCUMENT), timeout=300)

@@ -66,20 +66,21 @@ def test_two_tenants_with_the_same_prompt_never_share_chunks(tmp_path) -> None:
             assert miss_b.cached_tokens == 0, "tenant beta reused alpha's chunks"
             assert not miss_b.degraded
 
-            # B's own write-back lands in B's namespace only; A's entry count is unchanged.
-            wait_for_entries(daemon_addr, ns_b, FULL_CHUNKS + 1)
-            wait_for_entries(daemon_addr, ns_a, FULL_CHUNKS + 1)
+            # B's own write-back lands in B's namespace only. Each request also stores its answer with its tail
+            # (one more partial chunk: the question and the answer's first token), so each has two more entries.
+            wait_for_entries(daemon_addr, ns_b, FULL_CHUNKS + 2)
+            wait_for_entries(daemon_addr, ns_a, FULL_CHUNKS + 2)
             namespaces = namespace_stats(daemon_addr)
-            assert namespaces[ns_a].entries == FULL_CHUNKS + 1
-            assert namespaces[ns_b].entries == FULL_CHUNKS + 1
+            assert namespaces[ns_a].entries == FULL_CHUNKS + 2
+            assert namespaces[ns_b].entries == FULL_CHUNKS + 2
 
             # Delete A's namespace: B keeps its entries and its hits, A misses.
             with grpc.insecure_channel(daemon_addr) as channel:
                 deleted = cache_pb2_grpc.CacheServiceStub(channel).Delete(
                     cache_pb2.DeleteRequest(namespace=ns_a), timeout=10)
-            assert deleted.deleted == FULL_CHUNKS + 1
+            assert deleted.deleted == FULL_CHUNKS + 2
             namespaces = namespace_stats(daemon_addr)
-            assert ns_a not in namespaces and namespaces[ns_b].entries == FULL_CHUNKS + 1
+            assert ns_a not in namespaces and namespaces[ns_b].entries == FULL_CHUNKS + 2
             _, hit_b = generate(stub_b, PROMPT + QUESTION, max_new_tokens=2, mode=pb.PREFIX_CACHE)
             assert hit_b.cached_tokens == len(PROMPT + QUESTION) - 1  # B stored this very prompt's tail
             _, miss_a = generate(stub_a, PROMPT + QUESTION, max_new_tokens=2, mode=pb.PREFIX_CACHE)

@@ -42,8 +42,9 @@ def test_up_serves_clients_is_idempotent_and_down_stops_everything(tmp_path, tin
 
         assert cli.main(["--address", paths.address, "generate", "hello", "--max-new-tokens", "2", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["generated_tokens"] == 2
-        # Both requests write back their tail as a partial chunk, in the background: wait for them to land.
-        entries = warmed.chunks_stored + 2
+        # Both requests write back their tail as a partial chunk, and their answer with the tail as another
+        # (neither reaches a chunk boundary), in the background: wait for the four to land.
+        entries = warmed.chunks_stored + 4
         deadline = time.monotonic() + 30
         with CacheClient(paths.daemon_address) as cache:
             while cache.stats().entries < entries and time.monotonic() < deadline:

@@ -6,7 +6,7 @@ from typing import Any, Callable
 from http_gateway.errors import invalid_request, unsupported
 from http_gateway.schemas import (
     ChatCompletionRequest, ChatMessageIn, CompletionRequest, KVBoostOptions, TokenizeRequest, WarmRequest, _Body,
-    _Sampling,
+    _Sampling, MIN_TEMPERATURE,
 )
 from kvboost.v1 import inference_pb2 as pb
 
@@ -148,6 +148,9 @@ def _sampling_request(body: _Sampling, request_id: str, max_tokens: int) -> pb.G
     )
     if "" in request.stop:
         raise invalid_request("stop strings must not be empty", param="stop")
+    if 0 < request.temperature < MIN_TEMPERATURE:
+        raise invalid_request(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}: below it the "
+                              "logits divided by it overflow float32", param="temperature")
     if any(token_id < 0 for token_id in request.stop_token_ids):
         raise invalid_request("stop_token_ids must be >= 0", param="stop_token_ids")
     if body.top_p is not None:

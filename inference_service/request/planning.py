@@ -81,6 +81,10 @@ def plan_request(parts: EngineParts, params: GenerationParams) -> tuple[str, Pro
     if params.max_new_tokens > parts.config.max_new_tokens_limit:
         raise InvalidRequest(f"max_new_tokens {params.max_new_tokens} is over the server's limit "
                              f"{parts.config.max_new_tokens_limit}")
+    vocab_size = parts.model.config.get_text_config(decoder=True).vocab_size
+    outside = [token_id for token_id in params.stop_token_ids if token_id >= vocab_size]
+    if outside:
+        raise InvalidRequest(f"stop_token_ids {outside[:5]} are outside the vocabulary (0..{vocab_size - 1})")
     prompt = plan_segments(parts, _tokenize(parts, params))
     room = max(1, parts.geometry.max_context - prompt.num_tokens)
     return params.mode or parts.config.default_mode, prompt, min(params.max_new_tokens, room)

@@ -13,6 +13,14 @@ CHAT_ROLES = ("system", "user", "assistant")
 FINISH_REASONS = ("eos", "length", "stop", "cancelled")
 MAX_TOP_LOGPROBS = 20  # alternatives listed per token at most (OpenAI's limit)
 MAX_CHOICES = 16  # completions of one request (rows decoded together)
+# Below this a temperature is no distribution a float32 sampler can draw from reliably (the logits divided by it
+# overflow); 0 means greedy.
+MIN_TEMPERATURE = 1e-6
+MAX_STOP_STRINGS = 64  # stop strings per request, each at most MAX_STOP_LENGTH characters
+MAX_STOP_LENGTH = 1024
+MAX_STOP_TOKEN_IDS = 1024
+SEED_LIMIT = 2**64  # seeds are unsigned 64-bit
+INT32_LIMIT = 2**31
 
 
 def _require(condition: bool, message: str) -> None:
@@ -115,10 +123,16 @@ class GenerationParams:
         _require(self.mode is None or self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
         _require(math.isfinite(self.temperature) and self.temperature >= 0.0,
                  f"temperature must be finite and >= 0, got {self.temperature}")
+        _require(self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE,
+                 f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}: below it the logits divided by it "
+                 f"overflow float32; got {self.temperature}")
         _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _require(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-        _require(self.seed is None or self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        _require(0 <= self.top_k < INT32_LIMIT, f"top_k must be in 0..{INT32_LIMIT - 1}, got {self.top_k}")
+        _require(self.seed is None or 0 <= self.seed < SEED_LIMIT, f"seed must be in 0..{SEED_LIMIT - 1}, got {self.seed}")
         _require(all(self.stop), "stop strings must not be empty")
+        _require(len(self.stop) <= MAX_STOP_STRINGS and all(len(stop) <= MAX_STOP_LENGTH for stop in self.stop),
+                 f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters each")
+        _require(self.max_new_tokens < INT32_LIMIT, f"max_new_tokens must be below {INT32_LIMIT}")
         _require(self.recompute_strategy is None or self.recompute_strategy in RECOMPUTE_STRATEGIES,
                  f"recompute_strategy must be one of {RECOMPUTE_STRATEGIES}, got {self.recompute_strategy!r}")
         _require(self.recompute_ratio is None or 0.0 < self.recompute_ratio <= 1.0,
@@ -133,7 +147,9 @@ class GenerationParams:
         _require(1 <= self.n <= MAX_CHOICES, f"n must be in 1..{MAX_CHOICES}, got {self.n}")
         _require(0 <= self.min_tokens <= self.max_new_tokens,
                  f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
-        _require(all(token_id >= 0 for token_id in self.stop_token_ids), "stop_token_ids must be >= 0")
+        _require(all(0 <= token_id < INT32_LIMIT for token_id in self.stop_token_ids)
+                 and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+                 f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, each in 0..{INT32_LIMIT - 1}")
 
 
 @dataclass(slots=True, frozen=True)

@@ -5,10 +5,10 @@ import threading
 from collections import Counter
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvboost_common.metrics_http import serve_collector
 from cache_daemon.cache import CacheStats, ChunkCache
 
 
@@ -117,12 +117,4 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
 def start_metrics_server(cache: ChunkCache, host: str, port: int, refusals: Refusals | None = None,
                          namespace_owner: Callable[[bytes], str | None] | None = None) -> Callable[[], None]:
     """Serves /metrics over HTTP on host:port in a thread; returns the function that stops it."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(CacheCollector(cache, refusals, namespace_owner))
-    server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-    return stop
+    return serve_collector(CacheCollector(cache, refusals, namespace_owner), host, port)

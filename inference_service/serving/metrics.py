@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvboost_common.metrics_http import serve_collector
 
 # stats field -> (metric name, help); gauges are the step loop's state, counters grow from start-up.
 GAUGES = {
@@ -35,12 +36,4 @@ class EngineCollector(Collector):
 
 def start_metrics_server(stats: Callable[[], dict], host: str, port: int) -> Callable[[], None]:
     """Serves /metrics over HTTP on host:port in a thread; returns the function that stops it."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(stats))
-    server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-    return stop
+    return serve_collector(EngineCollector(stats), host, port)

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
-import re
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,13 +10,14 @@ from typing import Iterable, Mapping
 
 from cache_daemon.config import parse_size
 from cache_daemon.entry import DIGEST_SIZE
+from kvboost_common.principals import NAME_PATTERN, Principal, load_principals, parse_principals
 
 SECRET_SIZE = 32
 # Four Feistel rounds make a strong pseudo-random permutation (Luby-Rackoff) of the 32-byte digests.
 _NUM_ROUNDS = 4
 _HALF = DIGEST_SIZE // 2
-_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_TENANT_FIELDS = {"token", "token_file", "admin", "max_bytes"}
+_TENANT_NAME = NAME_PATTERN
+_EXTRA_FIELDS = ("max_bytes",)
 
 
 @dataclass(slots=True, frozen=True)
@@ -143,54 +142,28 @@ class Tenancy:
 
 
 def parse_tenants(document: object, base_dir: Path) -> dict[str, Tenant]:
-    """Token -> Tenant from the tenants file's JSON:
+    """Token -> Tenant from the tenants file's JSON (kvboost_common.principals, plus `max_bytes`):
 
         {"tenants": {"alice": {"token_file": "alice.token", "max_bytes": "2G"},
                      "ops": {"token": "...", "admin": true}}}
 
     Raises ValueError on anything else: a missing or shared token, an unknown field, a bad name.
     """
-    if not isinstance(document, dict) or set(document) != {"tenants"} or not isinstance(document["tenants"], dict):
-        raise ValueError('the tenants file must be a JSON object {"tenants": {NAME: {...}, ...}}')
-    tenants_by_token: dict[str, Tenant] = {}
-    for name, fields in document["tenants"].items():
-        if not isinstance(fields, dict) or set(fields) - _TENANT_FIELDS:
-            raise ValueError(f"tenant {name!r}: expected an object with fields among {sorted(_TENANT_FIELDS)}")
-        if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name):
-            raise ValueError(f"tenant name {name!r} must match {_TENANT_NAME.pattern}")
-        token = _token_of(name, fields, base_dir)
-        if token in tenants_by_token:
-            raise ValueError(f"tenants {tenants_by_token[token].name!r} and {name!r} share a token")
-        max_bytes = fields.get("max_bytes")
-        if max_bytes is not None:
-            max_bytes = parse_size(str(max_bytes))
-            if max_bytes <= 0:
-                raise ValueError(f"tenant {name!r}: max_bytes must be positive")
-        if not isinstance(fields.get("admin", False), bool):
-            raise ValueError(f"tenant {name!r}: admin must be true or false")
-        tenants_by_token[token] = Tenant(name=name, admin=fields.get("admin", False), max_bytes=max_bytes)
-    if not tenants_by_token:
-        raise ValueError("the tenants file names no tenant")
-    return tenants_by_token
-
-
-def _token_of(name: str, fields: dict, base_dir: Path) -> str:
-    if ("token" in fields) == ("token_file" in fields):
-        raise ValueError(f"tenant {name!r}: give exactly one of token and token_file")
-    if "token" in fields:
-        token = fields["token"]
-    else:
-        path = Path(fields["token_file"]).expanduser()
-        token = (path if path.is_absolute() else base_dir / path).read_text()
-    if not isinstance(token, str) or not token.strip() or any(char.isspace() for char in token.strip()):
-        raise ValueError(f"tenant {name!r}: the token must be a non-empty string without whitespace")
-    return token.strip()
+    return _tenants(parse_principals(document, base_dir, extra_fields=_EXTRA_FIELDS))
 
 
 def load_tenants_file(path: Path) -> dict[str, Tenant]:
     """Token -> Tenant; token_file paths are relative to the tenants file's folder."""
-    try:
-        document = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not JSON: {error}") from error
-    return parse_tenants(document, Path(path).parent)
+    return _tenants(load_principals(path, extra_fields=_EXTRA_FIELDS))
+
+
+def _tenants(principals: Mapping[str, Principal]) -> dict[str, Tenant]:
+    tenants_by_token = {}
+    for token, principal in principals.items():
+        max_bytes = principal.extra.get("max_bytes")
+        if max_bytes is not None:
+            max_bytes = parse_size(str(max_bytes))
+            if max_bytes <= 0:
+                raise ValueError(f"tenant {principal.name!r}: max_bytes must be positive")
+        tenants_by_token[token] = Tenant(name=principal.name, admin=principal.admin, max_bytes=max_bytes)
+    return tenants_by_token

@@ -15,12 +15,17 @@ logger = logging.getLogger("http_gateway")
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logger.info("KVBoost HTTP gateway on http://%s, inference service %s\n%s", config.listen, config.service_addr,
-                config.describe())
-    app = build_app(config)
+    try:
+        app = build_app(config)
+    except (OSError, ValueError) as error:  # the key files
+        logger.error("cannot start: %s", error)
+        return 2
+    logger.info("KVBoost HTTP gateway on %s://%s, inference service %s\n%s", "https" if config.https_cert else "http",
+                config.listen, config.service_addr, config.describe())
     # uvicorn's access log is off: the gateway logs each request once, with its request id.
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10, ssl_certfile=config.https_cert or None,
+                ssl_keyfile=config.https_key or None)
     return 0
 
 

@@ -1,7 +1,6 @@
 """The FastAPI application: endpoints, the OpenAI-shaped error handlers, request ids, metrics, the gRPC client's life."""
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -15,6 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from http_gateway import errors
+from http_gateway.auth import TRUSTED
 from http_gateway.config import GatewayConfig
 from http_gateway.disconnect import ClientDisconnected
 from http_gateway.endpoints import router
@@ -26,13 +26,13 @@ from kvboost_common.request_ids import new_request_id
 logger = logging.getLogger(__name__)
 
 KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
-                         "/v1/kvboost/warm", "/health", "/metrics"})
+                         "/v1/kvboost/warm", "/v1/kvboost/unpin", "/health", "/metrics"})
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key: probes and scrapers
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left (never reaches the client)
 
 
 def build_app(config: GatewayConfig, upstream_factory: Callable[[GatewayConfig], Upstream] = Upstream) -> FastAPI:
-    gateway = Gateway(config, GatewayMetrics())
+    gateway = Gateway(config, GatewayMetrics(), config.keys())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -46,7 +46,7 @@ def build_app(config: GatewayConfig, upstream_factory: Callable[[GatewayConfig],
     app.state.gateway = gateway
     app.include_router(router)
     _install_error_handlers(app, gateway)
-    app.add_middleware(RequestContext, gateway=gateway, api_key=config.api_key())
+    app.add_middleware(RequestContext, gateway=gateway)
     return app
 
 
@@ -86,13 +86,14 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
 
 
 class RequestContext:
-    """Pure ASGI middleware: request id and arrival time on request.state, the API key check, the
-    X-Request-Id header, one log line and the request counter per request."""
+    """Pure ASGI middleware: request id and arrival time on request.state, who the caller is (the API key
+    check), the body and concurrency limits, the X-Request-Id header, one log line and the request counter
+    per request."""
 
-    def __init__(self, app: ASGIApp, gateway: Gateway, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
         self.app = app
         self.gateway = gateway
-        self.api_key = api_key
+        self.in_flight = 0  # requests past the checks and not yet answered (one event loop: no lock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -100,7 +101,8 @@ class RequestContext:
             return
         headers = dict(scope["headers"])
         request_id = new_request_id(headers.get(b"x-request-id", b"").decode("latin-1")[:64])
-        scope.setdefault("state", {}).update(request_id=request_id, arrival=time.perf_counter(), ttft_seen=False)
+        scope.setdefault("state", {}).update(request_id=request_id, arrival=time.perf_counter(), ttft_seen=False,
+                                             caller=TRUSTED)
         path = scope["path"]
         status = {"code": 500}
 
@@ -112,25 +114,58 @@ class RequestContext:
             await send(message)
 
         try:
-            if self.api_key and path not in OPEN_PATHS and not self._authorized(headers):
-                await self._refuse(send_with_id, request_id)
-            else:
+            refusal = None if path in OPEN_PATHS else self._refusal(scope, headers)
+            if refusal is not None:
+                await self._refuse(send_with_id, request_id, refusal)
+            elif path in OPEN_PATHS:
                 await self.app(scope, receive, send_with_id)
+            else:
+                self.in_flight += 1
+                try:
+                    await self.app(scope, _bounded(receive, self.gateway.config.max_body_bytes), send_with_id)
+                finally:
+                    self.in_flight -= 1
         finally:
             endpoint = path if path in KNOWN_PATHS else "other"
             self.gateway.metrics.requests.labels(endpoint, str(status["code"])).inc()
             logger.info("[%s] %s %s -> %d in %.1f ms", request_id, scope["method"], path, status["code"],
                         (time.perf_counter() - scope["state"]["arrival"]) * 1000)
 
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        given = headers.get(b"authorization", b"")
-        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
+    def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> errors.GatewayError | None:
+        """Why the request is answered before it reaches an endpoint (401, 413, 429), or None; sets its caller."""
+        caller = self.gateway.keys.caller(headers.get(b"authorization", b""))
+        if caller is None:
+            return errors.GatewayError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+                                       "authentication_error", None, "invalid_api_key")
+        scope["state"]["caller"] = caller
+        limit = self.gateway.config.max_body_bytes
+        declared = headers.get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > limit:
+            return errors.body_too_large(limit)
+        if self.in_flight >= self.gateway.config.max_concurrent_requests:
+            return errors.too_many_requests(f"{self.in_flight} requests are in flight, the gateway's limit "
+                                            "(--max-concurrent-requests); retry later", self.gateway.config.retry_after_s)
+        return None
 
-    async def _refuse(self, send: Send, request_id: str) -> None:
-        error = errors.GatewayError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
-                                    "authentication_error", None, "invalid_api_key")
-        self.gateway.metrics.errors.labels("401", error.type).inc()
+    async def _refuse(self, send: Send, request_id: str, error: errors.GatewayError) -> None:
+        self.gateway.metrics.errors.labels(str(error.status), error.type).inc()
         body = json.dumps(error.body()).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(name.lower().encode(), value.encode()) for name, value in error.headers.items()]
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _bounded(receive: Receive, limit: int) -> Receive:
+    """receive() that raises 413 once the body grows past `limit` bytes (a chunked body declares no length)."""
+    seen = 0
+
+    async def bounded() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise errors.body_too_large(limit)
+        return message
+    return bounded

@@ -6,6 +6,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
+from http_gateway.auth import Keys
 from kvboost_common.auth import load_token
 from kvboost_common.env_defaults import env_default_reader
 
@@ -22,6 +23,11 @@ class GatewayConfig:
     tls: bool = False  # TLS to the inference service
     tls_ca: str = ""  # PEM roots for the service's certificate; empty: the system roots
     api_key_file: str = ""  # HTTP clients must send `Authorization: Bearer <key>`; empty: no check
+    keys_file: str = ""  # API keys of many tenants (the daemon's tenants-file format); excludes api_key_file
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    max_concurrent_requests: int = 256  # requests in flight (streams included) before 429
+    https_cert: str = ""  # PEM certificate chain: serve HTTPS instead of HTTP
+    https_key: str = ""  # ... and its private key
     served_model_name: str = ""  # the model id clients use; empty: the service's model name
     default_max_tokens: int = 512  # chat completions that set no max_tokens (completions default to 16, as OpenAI)
     timeout_s: float = 600.0  # deadline of every gRPC call
@@ -36,6 +42,12 @@ class GatewayConfig:
         _require(self.default_max_tokens > 0, f"--default-max-tokens must be positive, got {self.default_max_tokens}")
         _require(self.timeout_s > 0, f"--timeout must be positive, got {self.timeout_s}")
         _require(self.retry_after_s >= 0, f"--retry-after must be >= 0, got {self.retry_after_s}")
+        _require(not (self.api_key_file and self.keys_file),
+                 "--api-key-file (one key for every client) and --keys-file (a key per tenant) exclude each other")
+        _require(self.max_body_bytes >= 1024, f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        _require(self.max_concurrent_requests > 0,
+                 f"--max-concurrent-requests must be positive, got {self.max_concurrent_requests}")
+        _require(bool(self.https_cert) == bool(self.https_key), "--https-cert and --https-key go together")
 
     @property
     def host(self) -> str:
@@ -51,8 +63,9 @@ class GatewayConfig:
             return load_token(self.token_file)
         return self.token or None
 
-    def api_key(self) -> str | None:
-        return load_token(self.api_key_file) if self.api_key_file else None
+    def keys(self) -> Keys:
+        """Who may call, read from --api-key-file or --keys-file. Raises OSError or ValueError naming the problem."""
+        return Keys.from_files(load_token(self.api_key_file) if self.api_key_file else None, self.keys_file)
 
     def describe(self) -> str:
         """One line per setting for the start-up log (secrets appear as file paths or `***`)."""
@@ -92,6 +105,20 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--api-key-file", default=default("GATEWAY_API_KEY_FILE", defaults.api_key_file),
         help="file holding the key HTTP clients must send as `Authorization: Bearer <key>` (the openai SDK's "
              "api_key); empty: no check. /health and /metrics stay open (KVBOOST_GATEWAY_API_KEY_FILE)")
+    add("--keys-file", default=default("GATEWAY_KEYS_FILE", defaults.keys_file),
+        help='API keys of many tenants, in the daemon\'s tenants-file format {"tenants": {NAME: {"token": KEY | '
+             '"token_file": PATH, "admin": BOOL}}}: each request\'s cache scope is its tenant\'s, pins need an '
+             'admin key; excludes --api-key-file (KVBOOST_GATEWAY_KEYS_FILE)')
+    add("--max-body-bytes", type=int, default=default("GATEWAY_MAX_BODY_BYTES", defaults.max_body_bytes),
+        help="largest request body accepted; larger ones get 413 (KVBOOST_GATEWAY_MAX_BODY_BYTES)")
+    add("--max-concurrent-requests", type=int,
+        default=default("GATEWAY_MAX_CONCURRENT_REQUESTS", defaults.max_concurrent_requests),
+        help="requests in flight at once (streams until they end); more get 429 with Retry-After "
+             "(KVBOOST_GATEWAY_MAX_CONCURRENT_REQUESTS)")
+    add("--https-cert", default=default("GATEWAY_HTTPS_CERT", defaults.https_cert),
+        help="PEM certificate chain: serve HTTPS on --listen instead of HTTP (KVBOOST_GATEWAY_HTTPS_CERT)")
+    add("--https-key", default=default("GATEWAY_HTTPS_KEY", defaults.https_key),
+        help="PEM private key of --https-cert (KVBOOST_GATEWAY_HTTPS_KEY)")
     add("--served-model-name", default=default("SERVED_MODEL_NAME", defaults.served_model_name),
         help="the model id /v1/models lists and requests name; empty: the service's model name "
              "(KVBOOST_SERVED_MODEL_NAME)")

@@ -13,7 +13,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from http_gateway import request_mapping as mapping
 from http_gateway.disconnect import until_disconnect
 from http_gateway.responses import Collected, chat_completion, completion, usage
-from http_gateway.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, WarmRequest
+from http_gateway.errors import permission_denied
+from http_gateway.schemas import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, UnpinRequest, WarmRequest,
+)
 from http_gateway.sse import DONE, EventStreamResponse, encode
 from http_gateway.state import Gateway, parse_body
 from http_gateway.stream_chunks import ChatStream, CompletionStream
@@ -33,7 +36,8 @@ async def chat_completions(request: Request) -> Response:
     gateway, request_id = _gateway(request), request.state.request_id
     body = await parse_body(request, ChatCompletionRequest)
     model = await gateway.served_model(body.model)
-    grpc_request = mapping.chat_request(body, request_id, gateway.config.default_max_tokens)
+    grpc_request = mapping.chat_request(body, request_id, gateway.config.default_max_tokens,
+                                        gateway.cache_salt(request, body.cache_salt))
     _log_request(request_id, "chat", body, grpc_request)
     response_id, created = f"chatcmpl-{request_id}", int(time.time())
     if body.stream:
@@ -49,7 +53,7 @@ async def completions(request: Request) -> Response:
     gateway, request_id = _gateway(request), request.state.request_id
     body = await parse_body(request, CompletionRequest)
     model = await gateway.served_model(body.model)
-    grpc_request = mapping.completion_request(body, request_id)
+    grpc_request = mapping.completion_request(body, request_id, gateway.cache_salt(request, body.cache_salt))
     _log_request(request_id, "completion", body, grpc_request)
     echo_prompt = mapping.completion_prompt(body) if body.echo else None
     if echo_prompt == "" and grpc_request.segments:
@@ -179,15 +183,34 @@ async def detokenize(request: Request) -> Response:
 
 @router.post("/v1/kvboost/warm")
 async def warm(request: Request) -> Response:
+    """Computes and stores a text's or chat prefix's chunks in the caller's cache scope; `pin` needs an admin key."""
     gateway = _gateway(request)
     body = await parse_body(request, WarmRequest)
     await gateway.served_model(body.model)
-    result = await gateway.call(until_disconnect(request.receive, gateway.upstream.warm(mapping.warm_request(body))))
+    if body.pin and not request.state.caller.admin:
+        raise permission_denied("pinned chunks are never evicted, so pinning needs an admin key; warm without "
+                                "`pin`", "pin")
+    grpc_request = mapping.warm_request(body, gateway.cache_salt(request, body.cache_salt, body.tenant))
+    result = await gateway.call(until_disconnect(request.receive, gateway.upstream.warm(grpc_request)))
     return JSONResponse({"object": "kvboost.warm", "chunks_stored": result.chunks_stored,
                          "token_count": result.token_count, "chunk_size": result.chunk_size,
                          "chunk_boundary_aligned": result.chunk_boundary_aligned,
                          "partial_tail_tokens": result.partial_tail_tokens,
                          "alignment_warning": result.alignment_warning})
+
+
+@router.post("/v1/kvboost/unpin")
+async def unpin(request: Request) -> Response:
+    """Makes the chunks a pinned warm-up of the same text (or messages) stored evictable again; admin keys only."""
+    gateway = _gateway(request)
+    body = await parse_body(request, UnpinRequest)
+    await gateway.served_model(body.model)
+    if not request.state.caller.admin:
+        raise permission_denied("unpinning needs an admin key, as pinning does")
+    grpc_request = mapping.warm_request(body, gateway.cache_salt(request, body.cache_salt, body.tenant))
+    result = await gateway.call(gateway.upstream.unpin(grpc_request))
+    return JSONResponse({"object": "kvboost.unpin", "chunks_unpinned": result.chunks_unpinned,
+                         "token_count": result.token_count})
 
 
 @router.get("/health")

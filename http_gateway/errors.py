@@ -56,6 +56,20 @@ def unsupported(names: list[str]) -> GatewayError:
                            "from the request", param=names[0], code="unsupported_parameter")
 
 
+def body_too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"the request body is over the gateway's limit of {limit} bytes (--max-body-bytes); "
+                             "send a shorter prompt", "invalid_request_error", None, "request_too_large")
+
+
+def too_many_requests(message: str, retry_after_s: float) -> GatewayError:
+    return GatewayError(429, message, "rate_limit_error", None, "rate_limit_exceeded",
+                        {"Retry-After": f"{retry_after_s:g}"})
+
+
+def permission_denied(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(403, message, "permission_error", param, "permission_denied")
+
+
 def model_not_found(name: str) -> GatewayError:
     return GatewayError(404, f"The model `{name}` does not exist; GET /v1/models lists the served one.",
                         "invalid_request_error", "model", "model_not_found")
@@ -67,14 +81,20 @@ def from_rpc_error(error: grpc.RpcError, retry_after_s: float = 1.0) -> GatewayE
     details = (error.details() if hasattr(error, "details") else "") or status_code.name
     status, kind, code = _BY_GRPC_STATUS.get(status_code, (500, "server_error", None))
     param = None
+    if status_code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details:
+        # gRPC's own size limit: the request can never fit, so a 429 would have the client retry it forever.
+        return GatewayError(413, f"the request is larger than the inference service accepts "
+                                 f"(its --max-message-bytes): {details}", "invalid_request_error", None,
+                            "request_too_large")
     if status == 400:
         param = next((name for word, name in _PARAM_NAMES if word in details), None)
-        if details.startswith("prompt has"):
+        if details.startswith(("prompt has", "the context holds")):
             code = "context_length_exceeded"
-    headers = {"Retry-After": f"{retry_after_s:g}"} if status == 429 else {}
+    if status == 429:
+        return too_many_requests(details, retry_after_s)
     if status == 503 and ("failed to connect" in details or "Connection refused" in details):
         details = f"the inference service cannot be reached: {details}"
-    return GatewayError(status, details, kind, param, code, headers)
+    return GatewayError(status, details, kind, param, code)
 
 
 def from_validation_error(error: ValidationError) -> GatewayError:

@@ -5,8 +5,8 @@ from typing import Any, Callable
 
 from http_gateway.errors import invalid_request, unsupported
 from http_gateway.schemas import (
-    ChatCompletionRequest, ChatMessageIn, CompletionRequest, KVBoostOptions, TokenizeRequest, WarmRequest, _Body,
-    _Sampling, MIN_TEMPERATURE,
+    ChatCompletionRequest, ChatMessageIn, CompletionRequest, KVBoostOptions, TokenizeRequest, UnpinRequest, WarmRequest,
+    _Body, _Sampling, MIN_TEMPERATURE,
 )
 from kvboost.v1 import inference_pb2 as pb
 
@@ -56,13 +56,16 @@ def refuse_unsupported(body: _Body) -> None:
         raise unsupported(names)
 
 
-def chat_request(body: ChatCompletionRequest, request_id: str, default_max_tokens: int) -> pb.GenerateRequest:
+def chat_request(body: ChatCompletionRequest, request_id: str, default_max_tokens: int,
+                 cache_salt: str = "") -> pb.GenerateRequest:
     if body.kvboost is not None and body.kvboost.segments is not None:
         raise invalid_request("kvboost.segments applies to /v1/completions; a chat's prompt is its messages",
                               param="kvboost.segments")
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    request = _sampling_request(body, request_id, body.max_completion_tokens or body.max_tokens or default_max_tokens)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    request = _sampling_request(body, request_id, max_tokens or default_max_tokens, cache_salt)
+    request.strict_context = max_tokens is not None  # the default is capped by the context, a client's is not
     request.messages.extend(chat_messages(body.messages))
     if body.logprobs:
         request.logprobs = True
@@ -70,8 +73,9 @@ def chat_request(body: ChatCompletionRequest, request_id: str, default_max_token
     return request
 
 
-def completion_request(body: CompletionRequest, request_id: str) -> pb.GenerateRequest:
-    request = _sampling_request(body, request_id, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+def completion_request(body: CompletionRequest, request_id: str, cache_salt: str = "") -> pb.GenerateRequest:
+    request = _sampling_request(body, request_id, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, cache_salt)
+    request.strict_context = body.max_tokens is not None
     prompt = completion_prompt(body)
     segments = body.kvboost.segments if body.kvboost is not None else None
     if segments is not None:
@@ -130,7 +134,7 @@ def _text_of(message: ChatMessageIn, param: str) -> str:
     return "".join(part.text or "" for part in message.content)
 
 
-def _sampling_request(body: _Sampling, request_id: str, max_tokens: int) -> pb.GenerateRequest:
+def _sampling_request(body: _Sampling, request_id: str, max_tokens: int, cache_salt: str) -> pb.GenerateRequest:
     refuse_unsupported(body)
     if body.min_tokens > max_tokens:
         raise invalid_request(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
@@ -141,7 +145,7 @@ def _sampling_request(body: _Sampling, request_id: str, max_tokens: int) -> pb.G
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         request_id=request_id,
         n=body.n,
-        cache_salt=body.cache_salt or "",
+        cache_salt=cache_salt,
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
         stop_token_ids=body.stop_token_ids or [],
@@ -185,8 +189,10 @@ def tokenize_request(body: TokenizeRequest) -> pb.TokenizeRequest:
     return pb.TokenizeRequest(prompt=body.prompt, add_special_tokens=body.add_special_tokens)
 
 
-def warm_request(body: WarmRequest) -> pb.WarmRequest:
+def warm_request(body: UnpinRequest, cache_salt: str) -> pb.WarmRequest:
+    """A warm-up (WarmRequest) or the Unpin that undoes its pins (UnpinRequest), in the caller's cache scope."""
     if bool(body.text) == bool(body.messages):
         raise invalid_request("give exactly one of text and messages", param="text")
     return pb.WarmRequest(text=body.text or "", messages=chat_messages(body.messages or []),
-                          content_addressed=body.content_addressed, pin=body.pin, cache_salt=body.cache_salt or "")
+                          content_addressed=body.content_addressed, pin=isinstance(body, WarmRequest) and body.pin,
+                          cache_salt=cache_salt)

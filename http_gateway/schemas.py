@@ -112,10 +112,16 @@ class DetokenizeRequest(_Body):
     tokens: list[TokenId]
 
 
-class WarmRequest(_Body):
+class UnpinRequest(_Body):
+    """The text or messages of an earlier warm-up, whose pinned chunks become evictable again."""
+
     model: str | None = None
     text: str | None = None
     messages: list[ChatMessageIn] | None = None
     content_addressed: bool = False
-    pin: bool = False
     cache_salt: str | None = None
+    tenant: str | None = None  # admin keys only: act in this tenant's cache scope
+
+
+class WarmRequest(UnpinRequest):
+    pin: bool = False  # admin keys only

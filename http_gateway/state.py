@@ -8,8 +8,11 @@ import grpc
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from http_gateway.auth import Caller, Keys
 from http_gateway.config import GatewayConfig
-from http_gateway.errors import GatewayError, from_rpc_error, from_validation_error, invalid_request, model_not_found
+from http_gateway.errors import (
+    GatewayError, from_rpc_error, from_validation_error, invalid_request, model_not_found, permission_denied,
+)
 from http_gateway.metrics import GatewayMetrics
 from http_gateway.upstream import Upstream
 from kvboost.v1 import inference_pb2 as pb
@@ -18,9 +21,10 @@ T = TypeVar("T")
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics, keys: Keys | None = None) -> None:
         self.config = config
         self.metrics = metrics
+        self.keys = keys or Keys()
         self.started = int(time.time())
         self.upstream: Upstream | None = None  # opened in the app's lifespan, on its event loop
         self._model_info: pb.ModelInfoReply | None = None
@@ -38,6 +42,17 @@ class Gateway:
         if requested and requested not in (served, info.model):
             raise model_not_found(requested)
         return served
+
+    def cache_salt(self, request: Request, client_salt: str | None, tenant: str | None = None) -> str:
+        """The request's cache scope: its caller's tenant (with the client's salt inside it), or with an admin
+        key the named `tenant`'s."""
+        caller: Caller = request.state.caller
+        if tenant is not None:
+            if not caller.admin:
+                raise permission_denied("only an admin key may act in another tenant's cache scope", "tenant")
+            if not self.keys.knows_tenant(tenant):
+                raise invalid_request(f"no tenant {tenant!r} in the gateway's --keys-file", "tenant")
+        return caller.cache_salt(client_salt, tenant)
 
     def rpc_error(self, error: grpc.RpcError) -> GatewayError:
         return from_rpc_error(error, self.config.retry_after_s)

@@ -53,6 +53,9 @@ class Upstream:
     async def warm(self, request: pb.WarmRequest) -> pb.WarmResult:
         return await self.stub.Warm(request, timeout=self.timeout_s, metadata=self.metadata)
 
+    async def unpin(self, request: pb.WarmRequest) -> pb.UnpinResult:
+        return await self.stub.Unpin(request, timeout=self.timeout_s, metadata=self.metadata)
+
     async def health_status(self, service: str = SERVICE_NAME, timeout_s: float = 2.0) -> str:
         """SERVING, NOT_SERVING, ... of `service`, or UNREACHABLE."""
         try:

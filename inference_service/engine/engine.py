@@ -12,9 +12,9 @@ from inference_service.engine.core import EngineCore
 from inference_service.request.counters import EngineStats
 from inference_service.request.generation import OnToken, eos_token_ids
 from inference_service.request.logprobs import token_text
-from inference_service.request.planning import EngineParts, plan_request, plan_segments, repair_options, salted
-from inference_service.kv.prompts import PromptPlan, tokenize_document, tokenize_messages, tokenize_prompt
+from inference_service.request.planning import EngineParts, plan_request, plan_warm, repair_options, salted
 from inference_service.engine.scheduler import SchedulerLimits
+from inference_service.kv.prompts import PromptPlan, tokenize_messages
 from inference_service.engine.sequence import OnDone, Sequence, WarmSpec
 from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.request.verification import BUILTIN_PROMPTS, compare_modes
@@ -118,22 +118,22 @@ class Engine:
         Raises:
             InvalidRequest: neither text nor messages. PromptTooLong: more tokens than max_prompt_tokens.
         """
-        if messages:
-            segments = tokenize_messages(self.tokenizer, messages, add_generation_prompt=False)
-        elif text and content_addressed:
-            segments = tokenize_document(self.tokenizer, text)
-        elif text:
-            segments = tokenize_prompt(self.tokenizer, text)
-        else:
-            raise InvalidRequest("Warm needs text or messages")
         parts = salted(self.parts, cache_salt)
-        prompt = plan_segments(parts, segments)
-        if not content_addressed:  # stored under prefix keys only
-            prompt = PromptPlan(prompt.token_ids, prompt.chunks, prompt.prefix_keys, (None,) * len(prompt.prefix_keys),
-                                prompt.tail_key, prompt.namespace)
+        prompt = plan_warm(parts, text, messages, content_addressed)
         params = GenerationParams(prompt=text or "(messages)", max_new_tokens=1, request_id="warm")
         self.core.submit([Sequence(params, None, should_stop, on_done, parts, "prefix_cache", prompt, 0,
                                    warm=WarmSpec(content_addressed, pin), label=" warm")])
+
+    def unpin(self, text: str | None = None, messages=None, content_addressed: bool = False,
+              cache_salt: str = "") -> tuple[int, int]:
+        """Clears the pins a warm-up of the same arguments set: (chunks unpinned, prompt tokens). Runs no model.
+
+        Raises:
+            InvalidRequest, PromptTooLong: as submit_warm. StoreUnavailable: the cache is unreachable.
+        """
+        prompt = plan_warm(salted(self.parts, cache_salt), text, messages, content_addressed)
+        keys = list(prompt.prefix_keys) + ([prompt.tail_key] if prompt.tail_key is not None else [])
+        return self.parts.store.unpin(keys), prompt.num_tokens
 
     def start(self) -> None:
         self.core.start()
@@ -214,7 +214,7 @@ class Engine:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def plan_request(self, params: GenerationParams) -> tuple[str, PromptPlan, int]:
-        """(mode, planned prompt, capped max_new_tokens); see pipeline.plan_request."""
+        """(mode, planned prompt, capped max_new_tokens); see request.planning.plan_request."""
         return plan_request(self.parts, params)
 
     def repair_options(self, params: GenerationParams | None = None) -> RepairOptions:

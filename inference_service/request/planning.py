@@ -13,7 +13,7 @@ from inference_service.reuse.assembler import AssembledContext
 from inference_service.request.counters import EngineStats
 from inference_service.request.generation import DecodeResult
 from inference_service.kv.prompts import (
-    PromptPlan, plan_prompt, tokenize_messages, tokenize_prompt, tokenize_segments,
+    PromptPlan, plan_prompt, tokenize_document, tokenize_messages, tokenize_prompt, tokenize_segments,
 )
 from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams
 from inference_service.reuse.writeback import PendingChunks, WriteBack
@@ -75,7 +75,8 @@ def plan_request(parts: EngineParts, params: GenerationParams) -> tuple[str, Pro
     """(mode, tokenized and keyed prompt, max_new_tokens capped by the context room) of a request.
 
     Raises:
-        InvalidRequest: max_new_tokens over the server's limit, or an empty prompt.
+        InvalidRequest: max_new_tokens over the server's limit, an empty prompt, or (strict_context) a prompt
+            plus max_new_tokens beyond the context.
         PromptTooLong: more prompt tokens than max_prompt_tokens.
     """
     if params.max_new_tokens > parts.config.max_new_tokens_limit:
@@ -86,7 +87,12 @@ def plan_request(parts: EngineParts, params: GenerationParams) -> tuple[str, Pro
     if outside:
         raise InvalidRequest(f"stop_token_ids {outside[:5]} are outside the vocabulary (0..{vocab_size - 1})")
     prompt = plan_segments(parts, _tokenize(parts, params))
-    room = max(1, parts.geometry.max_context - prompt.num_tokens)
+    max_context = parts.geometry.max_context
+    if params.strict_context and prompt.num_tokens + params.max_new_tokens > max_context:
+        raise InvalidRequest(f"the context holds {max_context} tokens, but {prompt.num_tokens + params.max_new_tokens} "
+                             f"were asked for ({prompt.num_tokens} in the prompt, max_new_tokens "
+                             f"{params.max_new_tokens}): shorten the prompt or lower max_new_tokens")
+    room = max(1, max_context - prompt.num_tokens)
     return params.mode or parts.config.default_mode, prompt, min(params.max_new_tokens, room)
 
 
@@ -98,6 +104,24 @@ def plan_segments(parts: EngineParts, segments: list[list[int]]) -> PromptPlan:
     if num_tokens > parts.max_prompt_tokens:
         raise PromptTooLong(num_tokens, parts.max_prompt_tokens)
     return plan_prompt(parts.namespace, segments, parts.config.chunk_size)
+
+
+def plan_warm(parts: EngineParts, text: str | None, messages, content_addressed: bool) -> PromptPlan:
+    """Chunks and keys of a warm-up (and of the Unpin that undoes its pins): a chat prefix without the
+    generation prompt, a document chunked as a segment (content-addressed: every chunk also keyed by its
+    content), or raw text keyed by prefix only. Raises InvalidRequest (neither text nor messages) or PromptTooLong."""
+    if messages:
+        segments = tokenize_messages(parts.tokenizer, messages, add_generation_prompt=False)
+    elif text and content_addressed:
+        segments = tokenize_document(parts.tokenizer, text)
+    elif text:
+        segments = tokenize_prompt(parts.tokenizer, text)
+    else:
+        raise InvalidRequest("Warm needs text or messages")
+    prompt = plan_segments(parts, segments)
+    if content_addressed:
+        return prompt
+    return dataclasses.replace(prompt, content_keys=(None,) * len(prompt.prefix_keys))
 
 
 def _tokenize(parts: EngineParts, params: GenerationParams) -> list[list[int]]:

@@ -109,6 +109,7 @@ class GenerationParams:
     min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    strict_context: bool = False  # InvalidRequest when prompt + max_new_tokens exceeds the context (else capped)
 
     def __post_init__(self) -> None:
         given = [name for name in ("prompt", "messages", "segments") if getattr(self, name)]

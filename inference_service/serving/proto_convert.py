@@ -64,6 +64,7 @@ def generation_params(request: pb.GenerateRequest, arrival: float | None = None)
         min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
         stop_token_ids=tuple(request.stop_token_ids),
+        strict_context=request.strict_context,
     )
 
 

@@ -72,6 +72,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             await abort_with(context, error, "warm")
         return convert.warm_result(outcome)
 
+    async def Unpin(self, request: pb.WarmRequest, context: grpc.aio.ServicerContext) -> pb.UnpinResult:
+        try:
+            arguments = convert.warm_arguments(request)
+            del arguments["pin"]
+            unpinned, token_count = await asyncio.to_thread(self._engine().unpin, **arguments)  # no model run
+        except Exception as error:
+            await abort_with(context, error, "unpin")
+        return pb.UnpinResult(chunks_unpinned=unpinned, token_count=token_count)
+
     async def VerifyCorrectness(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyReport:
         try:
             arguments = convert.verify_arguments(request)

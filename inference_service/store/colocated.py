@@ -75,6 +75,9 @@ class ColocatedStore:
     def store(self, items: list[StoreItem]) -> int:
         return self.remote.store(items)
 
+    def unpin(self, keys: list[bytes]) -> int:
+        return self.remote.unpin(keys)
+
     def report_corrupt(self, keys: list[bytes]) -> None:
         self.remote.report_corrupt(keys)
 

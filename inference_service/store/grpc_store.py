@@ -112,6 +112,19 @@ class GrpcChunkStore:
             raise self._failure("Store", error) from error
         return reply.stored + reply.already_present
 
+    def unpin(self, keys: list[bytes]) -> int:
+        if not keys:
+            return 0
+        stub = self._available_stub()
+        try:
+            reply = stub.Unpin(cache_pb2.PinRequest(keys=keys), timeout=self.options.rpc_timeout_s,
+                               metadata=self._metadata)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:  # none of the keys is stored
+                return 0
+            raise self._failure("Unpin", error) from error
+        return reply.updated
+
     def describe(self) -> cache_pb2.DescribeReply:
         """Where the daemon keeps its environment (for co-located reads). Raises StoreUnavailable."""
         stub = self._available_stub()

@@ -66,6 +66,18 @@ class InMemoryStore:
                     self._content_index[item.content_key] = item.key
         return len(items)
 
+    def unpin(self, keys: list[bytes]) -> int:
+        with self._lock:
+            entries = [entry for key in keys if (entry := self._entries.get(key)) is not None]
+            for entry in entries:
+                entry.pin = False
+        return len(entries)
+
+    def pinned(self, key: bytes) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.pin
+
     def delete(self, keys: list[bytes]) -> None:
         """Drops entries (tests use it to simulate eviction)."""
         with self._lock:

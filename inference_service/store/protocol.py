@@ -57,6 +57,10 @@ class ChunkStore(Protocol):
         """Stores the items; returns how many are stored (already present ones included). Raises StoreUnavailable."""
         ...
 
+    def unpin(self, keys: list[bytes]) -> int:
+        """Makes stored chunks evictable again; returns how many of the keys are stored. Raises StoreUnavailable."""
+        ...
+
 
 class NullStore:
     """Stores nothing, finds nothing: BASELINE, and the stand-in while no store is configured."""
@@ -71,4 +75,7 @@ class NullStore:
         return iter([(key, None) for key in keys])
 
     def store(self, items: list[StoreItem]) -> int:
+        return 0
+
+    def unpin(self, keys: list[bytes]) -> int:
         return 0

@@ -1,8 +1,6 @@
 """A real daemon with a bearer token (and TLS): calls without the token are UNAUTHENTICATED."""
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -10,6 +8,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
+from tests.certificates import make_certificate, requires_openssl
 from tests.conftest import pick_free_port
 from tests.daemon_support import NAMESPACE, digest, fetch_chunks, make_chunk, rpc_error, store_chunks, store_frames
 from tests.e2e.daemon_process import start_daemon
@@ -62,15 +61,7 @@ def test_calls_without_the_token_are_unauthenticated(tmp_path: Path) -> None:
     assert TOKEN not in daemon.log(), "the token is never logged"
 
 
-def make_certificate(tmp_path: Path) -> tuple[Path, Path]:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    return cert, key
-
-
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a test certificate")
+@requires_openssl
 def test_tls_with_a_token(tmp_path: Path) -> None:
     cert, key = make_certificate(tmp_path)
     daemon = start_daemon(tmp_path / "lmdb", pick_free_port(), "--auth-token-file", str(write_token(tmp_path)),

@@ -7,18 +7,21 @@ from pydantic import ValidationError
 
 from http_gateway.errors import GatewayError, from_validation_error
 from http_gateway.request_mapping import chat_request, completion_request, tokenize_request, warm_request
-from http_gateway.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest, WarmRequest
+from http_gateway.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest, UnpinRequest, WarmRequest
 from kvboost.v1 import inference_pb2 as pb
 
 USER = [{"role": "user", "content": "Hi"}]
 
 
 def chat(**fields) -> pb.GenerateRequest:
-    return chat_request(ChatCompletionRequest(**{"messages": USER, **fields}), "rid-1", default_max_tokens=512)
+    """As the gateway maps it for a trusted caller (no tenants): the client's cache_salt is the scope."""
+    return chat_request(ChatCompletionRequest(**{"messages": USER, **fields}), "rid-1", default_max_tokens=512,
+                        cache_salt=fields.get("cache_salt", ""))
 
 
 def complete(**fields) -> pb.GenerateRequest:
-    return completion_request(CompletionRequest(**{"prompt": "Once", **fields}), "rid-2")
+    return completion_request(CompletionRequest(**{"prompt": "Once", **fields}), "rid-2",
+                              cache_salt=fields.get("cache_salt", ""))
 
 
 def refusal(call, **fields) -> GatewayError:
@@ -130,7 +133,9 @@ def test_tokenize_and_warm_take_exactly_one_input():
     assert tokenize_request(TokenizeRequest(messages=USER)).messages[0].content == "Hi"
     with pytest.raises(GatewayError):
         tokenize_request(TokenizeRequest(prompt="x", messages=USER))
-    warm = warm_request(WarmRequest(text="doc", content_addressed=True, pin=True, cache_salt="s"))
-    assert (warm.text, warm.content_addressed, warm.pin, warm.cache_salt) == ("doc", True, True, "s")
+    warm = warm_request(WarmRequest(text="doc", content_addressed=True, pin=True, cache_salt="s"), "scope")
+    assert (warm.text, warm.content_addressed, warm.pin, warm.cache_salt) == ("doc", True, True, "scope")
+    unpin = warm_request(UnpinRequest(text="doc", pin=True), "scope")  # an unpin never pins
+    assert (unpin.text, unpin.pin) == ("doc", False)
     with pytest.raises(GatewayError):
-        warm_request(WarmRequest())
+        warm_request(WarmRequest(), "")

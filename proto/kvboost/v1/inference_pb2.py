@@ -24,59 +24,61 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvboost/v1/inference.proto\x12\nkvboost.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa9\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvboost.v1.ChatMessage\x12\x10\n\x08segments\x18\x03 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x1e\n\x04mode\x18\x05 \x01(\x0e\x32\x10.kvboost.v1.Mode\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x39\n\x12recompute_strategy\x18\x0b \x01(\x0e\x32\x1d.kvboost.v1.RecomputeStrategy\x12\x1c\n\x0frecompute_ratio\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10selective_tokens\x18\r \x01(\rH\x04\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0e \x01(\t\x12\x18\n\x0bsink_tokens\x18\x0f \x01(\rH\x05\x88\x01\x01\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x06\x88\x01\x01\x12\t\n\x01n\x18\x13 \x01(\r\x12\x12\n\ncache_salt\x18\x14 \x01(\t\x12\x12\n\nmin_tokens\x18\x15 \x01(\r\x12\x12\n\nignore_eos\x18\x16 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x17 \x03(\rB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x12\n\x10_recompute_ratioB\x13\n\x11_selective_tokensB\x0e\n\x0c_sink_tokensB\x12\n\x10_prompt_logprobs\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"u\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.kvboost.v1.TopLogprobB\n\n\x08_logprob\"\xe3\x02\n\x10GenerationResult\x12\x13\n\x0boutput_text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x16\n\x0etokens_per_sec\x18\x05 \x01(\x01\x12\x16\n\x0ekv_reuse_ratio\x18\x06 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x19\n\x11recomputed_tokens\x18\t \x01(\r\x12\x1e\n\x04mode\x18\n \x01(\x0e\x32\x10.kvboost.v1.Mode\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\x18\n\x10output_token_ids\x18\x0c \x03(\r\x12\x10\n\x08\x64\x65graded\x18\r \x01(\x08\x12\x12\n\nrequest_id\x18\x0e \x01(\t\x12\r\n\x05index\x18\x0f \x01(\r\"\xcc\x01\n\rGenerateEvent\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x06result\x18\x03 \x01(\x0b\x32\x1c.kvboost.v1.GenerationResult\x12\r\n\x05index\x18\x04 \x01(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvboost.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.kvboost.v1.TokenLogprob\"E\n\x14GenerateBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.kvboost.v1.GenerateRequest\"C\n\x12GenerateBatchReply\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.kvboost.v1.GenerationResult\"\x82\x01\n\x0bWarmRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x19\n\x11\x63ontent_addressed\x18\x02 \x01(\x08\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvboost.v1.ChatMessage\x12\x0b\n\x03pin\x18\x04 \x01(\x08\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xa4\x01\n\nWarmResult\x12\x15\n\rchunks_stored\x18\x01 \x01(\r\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x1e\n\x16\x63hunk_boundary_aligned\x18\x04 \x01(\x08\x12\x1b\n\x13partial_tail_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x61lignment_warning\x18\x06 \x01(\t\"X\n\rVerifyRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x1e\n\x04mode\x18\x03 \x01(\x0e\x32\x10.kvboost.v1.Mode\"\xd4\x01\n\x12PromptVerification\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x17\n\x0ftoken_identical\x18\x02 \x01(\x08\x12\x1a\n\x12\x66irst_token_cosine\x18\x03 \x01(\x01\x12\x16\n\x0e\x66irst_token_kl\x18\x04 \x01(\x01\x12\x1e\n\x16matching_prefix_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x15\n\rbaseline_text\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63hed_text\x18\x08 \x01(\t\"a\n\x0cVerifyReport\x12/\n\x07prompts\x18\x01 \x03(\x0b\x32\x1e.kvboost.v1.PromptVerification\x12\x11\n\tidentical\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\"\x15\n\x13ServiceStatsRequest\"\xbd\x03\n\x11ServiceStatsReply\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x10\n\x08rejected\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\x05 \x01(\x04\x12\x16\n\x0e\x63hunks_fetched\x18\x06 \x01(\x04\x12\x15\n\rchunks_stored\x18\x07 \x01(\x04\x12\x15\n\rbytes_fetched\x18\x08 \x01(\x04\x12\x14\n\x0c\x62ytes_stored\x18\t \x01(\x04\x12\x10\n\x08\x64\x65graded\x18\n \x01(\x08\x12\x15\n\rcache_address\x18\x0b \x01(\t\x12\x13\n\x0bqueue_depth\x18\x0c \x01(\r\x12\x14\n\x0cmean_ttft_ms\x18\r \x01(\x01\x12\x14\n\x0crunning_rows\x18\x14 \x01(\r\x12\x18\n\x10waiting_requests\x18\x15 \x01(\r\x12\x17\n\x0fkv_bytes_in_use\x18\x16 \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x17 \x01(\x04\x12\x11\n\tread_mode\x18( \x01(\t\x12\x16\n\x0estream_fetches\x18) \x01(\x04\"\x12\n\x10ModelInfoRequest\"\xaa\x02\n\x0eModelInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x12\n\nchunk_size\x18\t \x01(\r\x12\x15\n\rkv_cache_bits\x18\n \x01(\r\x12\x15\n\rnamespace_hex\x18\x0b \x01(\t\x12\x41\n\x1a\x64\x65\x66\x61ult_recompute_strategy\x18\x0c \x01(\x0e\x32\x1d.kvboost.v1.RecomputeStrategy\"\xc2\x01\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvboost.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"G\n\rTokenizeReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x1f\n\x0f\x44\x65tokenizeReply\x12\x0c\n\x04text\x18\x01 \x01(\t*P\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x42\x41SELINE\x10\x01\x12\x10\n\x0cPREFIX_CACHE\x10\x02\x12\x12\n\x0e\x43HUNK_KV_REUSE\x10\x03*`\n\x11RecomputeStrategy\x12\"\n\x1eRECOMPUTE_STRATEGY_UNSPECIFIED\x10\x00\x12\x08\n\x04NONE\x10\x01\x12\r\n\tSELECTIVE\x10\x02\x12\x0e\n\nCACHEBLEND\x10\x03\x32\x9e\x05\n\x10InferenceService\x12\x44\n\x08Generate\x12\x1b.kvboost.v1.GenerateRequest\x1a\x19.kvboost.v1.GenerateEvent0\x01\x12Q\n\rGenerateBatch\x12 .kvboost.v1.GenerateBatchRequest\x1a\x1e.kvboost.v1.GenerateBatchReply\x12P\n\x0cGenerateMany\x12 .kvboost.v1.GenerateBatchRequest\x1a\x1e.kvboost.v1.GenerateBatchReply\x12\x37\n\x04Warm\x12\x17.kvboost.v1.WarmRequest\x1a\x16.kvboost.v1.WarmResult\x12H\n\x11VerifyCorrectness\x12\x19.kvboost.v1.VerifyRequest\x1a\x18.kvboost.v1.VerifyReport\x12G\n\x05Stats\x12\x1f.kvboost.v1.ServiceStatsRequest\x1a\x1d.kvboost.v1.ServiceStatsReply\x12\x45\n\tModelInfo\x12\x1c.kvboost.v1.ModelInfoRequest\x1a\x1a.kvboost.v1.ModelInfoReply\x12\x42\n\x08Tokenize\x12\x1b.kvboost.v1.TokenizeRequest\x1a\x19.kvboost.v1.TokenizeReply\x12H\n\nDetokenize\x12\x1d.kvboost.v1.DetokenizeRequest\x1a\x1b.kvboost.v1.DetokenizeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvboost/v1/inference.proto\x12\nkvboost.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc1\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvboost.v1.ChatMessage\x12\x10\n\x08segments\x18\x03 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x1e\n\x04mode\x18\x05 \x01(\x0e\x32\x10.kvboost.v1.Mode\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x39\n\x12recompute_strategy\x18\x0b \x01(\x0e\x32\x1d.kvboost.v1.RecomputeStrategy\x12\x1c\n\x0frecompute_ratio\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10selective_tokens\x18\r \x01(\rH\x04\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0e \x01(\t\x12\x18\n\x0bsink_tokens\x18\x0f \x01(\rH\x05\x88\x01\x01\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x06\x88\x01\x01\x12\t\n\x01n\x18\x13 \x01(\r\x12\x12\n\ncache_salt\x18\x14 \x01(\t\x12\x12\n\nmin_tokens\x18\x15 \x01(\r\x12\x12\n\nignore_eos\x18\x16 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x17 \x03(\r\x12\x16\n\x0estrict_context\x18\x18 \x01(\x08\x42\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x12\n\x10_recompute_ratioB\x13\n\x11_selective_tokensB\x0e\n\x0c_sink_tokensB\x12\n\x10_prompt_logprobs\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"u\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.kvboost.v1.TopLogprobB\n\n\x08_logprob\"\xe3\x02\n\x10GenerationResult\x12\x13\n\x0boutput_text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x16\n\x0etokens_per_sec\x18\x05 \x01(\x01\x12\x16\n\x0ekv_reuse_ratio\x18\x06 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x19\n\x11recomputed_tokens\x18\t \x01(\r\x12\x1e\n\x04mode\x18\n \x01(\x0e\x32\x10.kvboost.v1.Mode\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\x18\n\x10output_token_ids\x18\x0c \x03(\r\x12\x10\n\x08\x64\x65graded\x18\r \x01(\x08\x12\x12\n\nrequest_id\x18\x0e \x01(\t\x12\r\n\x05index\x18\x0f \x01(\r\"\xcc\x01\n\rGenerateEvent\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x06result\x18\x03 \x01(\x0b\x32\x1c.kvboost.v1.GenerationResult\x12\r\n\x05index\x18\x04 \x01(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvboost.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.kvboost.v1.TokenLogprob\"E\n\x14GenerateBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.kvboost.v1.GenerateRequest\"C\n\x12GenerateBatchReply\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.kvboost.v1.GenerationResult\"\x82\x01\n\x0bWarmRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x19\n\x11\x63ontent_addressed\x18\x02 \x01(\x08\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvboost.v1.ChatMessage\x12\x0b\n\x03pin\x18\x04 \x01(\x08\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xa4\x01\n\nWarmResult\x12\x15\n\rchunks_stored\x18\x01 \x01(\r\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x1e\n\x16\x63hunk_boundary_aligned\x18\x04 \x01(\x08\x12\x1b\n\x13partial_tail_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x61lignment_warning\x18\x06 \x01(\t\";\n\x0bUnpinResult\x12\x17\n\x0f\x63hunks_unpinned\x18\x01 \x01(\r\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\"X\n\rVerifyRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x1e\n\x04mode\x18\x03 \x01(\x0e\x32\x10.kvboost.v1.Mode\"\xd4\x01\n\x12PromptVerification\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x17\n\x0ftoken_identical\x18\x02 \x01(\x08\x12\x1a\n\x12\x66irst_token_cosine\x18\x03 \x01(\x01\x12\x16\n\x0e\x66irst_token_kl\x18\x04 \x01(\x01\x12\x1e\n\x16matching_prefix_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x15\n\rbaseline_text\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63hed_text\x18\x08 \x01(\t\"a\n\x0cVerifyReport\x12/\n\x07prompts\x18\x01 \x03(\x0b\x32\x1e.kvboost.v1.PromptVerification\x12\x11\n\tidentical\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\"\x15\n\x13ServiceStatsRequest\"\xbd\x03\n\x11ServiceStatsReply\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x10\n\x08rejected\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\x05 \x01(\x04\x12\x16\n\x0e\x63hunks_fetched\x18\x06 \x01(\x04\x12\x15\n\rchunks_stored\x18\x07 \x01(\x04\x12\x15\n\rbytes_fetched\x18\x08 \x01(\x04\x12\x14\n\x0c\x62ytes_stored\x18\t \x01(\x04\x12\x10\n\x08\x64\x65graded\x18\n \x01(\x08\x12\x15\n\rcache_address\x18\x0b \x01(\t\x12\x13\n\x0bqueue_depth\x18\x0c \x01(\r\x12\x14\n\x0cmean_ttft_ms\x18\r \x01(\x01\x12\x14\n\x0crunning_rows\x18\x14 \x01(\r\x12\x18\n\x10waiting_requests\x18\x15 \x01(\r\x12\x17\n\x0fkv_bytes_in_use\x18\x16 \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x17 \x01(\x04\x12\x11\n\tread_mode\x18( \x01(\t\x12\x16\n\x0estream_fetches\x18) \x01(\x04\"\x12\n\x10ModelInfoRequest\"\xaa\x02\n\x0eModelInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x12\n\nchunk_size\x18\t \x01(\r\x12\x15\n\rkv_cache_bits\x18\n \x01(\r\x12\x15\n\rnamespace_hex\x18\x0b \x01(\t\x12\x41\n\x1a\x64\x65\x66\x61ult_recompute_strategy\x18\x0c \x01(\x0e\x32\x1d.kvboost.v1.RecomputeStrategy\"\xc2\x01\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvboost.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"G\n\rTokenizeReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x1f\n\x0f\x44\x65tokenizeReply\x12\x0c\n\x04text\x18\x01 \x01(\t*P\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x42\x41SELINE\x10\x01\x12\x10\n\x0cPREFIX_CACHE\x10\x02\x12\x12\n\x0e\x43HUNK_KV_REUSE\x10\x03*`\n\x11RecomputeStrategy\x12\"\n\x1eRECOMPUTE_STRATEGY_UNSPECIFIED\x10\x00\x12\x08\n\x04NONE\x10\x01\x12\r\n\tSELECTIVE\x10\x02\x12\x0e\n\nCACHEBLEND\x10\x03\x32\xd9\x05\n\x10InferenceService\x12\x44\n\x08Generate\x12\x1b.kvboost.v1.GenerateRequest\x1a\x19.kvboost.v1.GenerateEvent0\x01\x12Q\n\rGenerateBatch\x12 .kvboost.v1.GenerateBatchRequest\x1a\x1e.kvboost.v1.GenerateBatchReply\x12P\n\x0cGenerateMany\x12 .kvboost.v1.GenerateBatchRequest\x1a\x1e.kvboost.v1.GenerateBatchReply\x12\x37\n\x04Warm\x12\x17.kvboost.v1.WarmRequest\x1a\x16.kvboost.v1.WarmResult\x12\x39\n\x05Unpin\x12\x17.kvboost.v1.WarmRequest\x1a\x17.kvboost.v1.UnpinResult\x12H\n\x11VerifyCorrectness\x12\x19.kvboost.v1.VerifyRequest\x1a\x18.kvboost.v1.VerifyReport\x12G\n\x05Stats\x12\x1f.kvboost.v1.ServiceStatsRequest\x1a\x1d.kvboost.v1.ServiceStatsReply\x12\x45\n\tModelInfo\x12\x1c.kvboost.v1.ModelInfoRequest\x1a\x1a.kvboost.v1.ModelInfoReply\x12\x42\n\x08Tokenize\x12\x1b.kvboost.v1.TokenizeRequest\x1a\x19.kvboost.v1.TokenizeReply\x12H\n\nDetokenize\x12\x1d.kvboost.v1.DetokenizeRequest\x1a\x1b.kvboost.v1.DetokenizeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvboost.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=3498
-  _globals['_MODE']._serialized_end=3578
-  _globals['_RECOMPUTESTRATEGY']._serialized_start=3580
-  _globals['_RECOMPUTESTRATEGY']._serialized_end=3676
+  _globals['_MODE']._serialized_start=3583
+  _globals['_MODE']._serialized_end=3663
+  _globals['_RECOMPUTESTRATEGY']._serialized_start=3665
+  _globals['_RECOMPUTESTRATEGY']._serialized_end=3761
   _globals['_CHATMESSAGE']._serialized_start=42
   _globals['_CHATMESSAGE']._serialized_end=86
   _globals['_GENERATEREQUEST']._serialized_start=89
-  _globals['_GENERATEREQUEST']._serialized_end=770
-  _globals['_TOPLOGPROB']._serialized_start=772
-  _globals['_TOPLOGPROB']._serialized_end=833
-  _globals['_TOKENLOGPROB']._serialized_start=835
-  _globals['_TOKENLOGPROB']._serialized_end=952
-  _globals['_GENERATIONRESULT']._serialized_start=955
-  _globals['_GENERATIONRESULT']._serialized_end=1310
-  _globals['_GENERATEEVENT']._serialized_start=1313
-  _globals['_GENERATEEVENT']._serialized_end=1517
-  _globals['_GENERATEBATCHREQUEST']._serialized_start=1519
-  _globals['_GENERATEBATCHREQUEST']._serialized_end=1588
-  _globals['_GENERATEBATCHREPLY']._serialized_start=1590
-  _globals['_GENERATEBATCHREPLY']._serialized_end=1657
-  _globals['_WARMREQUEST']._serialized_start=1660
-  _globals['_WARMREQUEST']._serialized_end=1790
-  _globals['_WARMRESULT']._serialized_start=1793
-  _globals['_WARMRESULT']._serialized_end=1957
-  _globals['_VERIFYREQUEST']._serialized_start=1959
-  _globals['_VERIFYREQUEST']._serialized_end=2047
-  _globals['_PROMPTVERIFICATION']._serialized_start=2050
-  _globals['_PROMPTVERIFICATION']._serialized_end=2262
-  _globals['_VERIFYREPORT']._serialized_start=2264
-  _globals['_VERIFYREPORT']._serialized_end=2361
-  _globals['_SERVICESTATSREQUEST']._serialized_start=2363
-  _globals['_SERVICESTATSREQUEST']._serialized_end=2384
-  _globals['_SERVICESTATSREPLY']._serialized_start=2387
-  _globals['_SERVICESTATSREPLY']._serialized_end=2832
-  _globals['_MODELINFOREQUEST']._serialized_start=2834
-  _globals['_MODELINFOREQUEST']._serialized_end=2852
-  _globals['_MODELINFOREPLY']._serialized_start=2855
-  _globals['_MODELINFOREPLY']._serialized_end=3153
-  _globals['_TOKENIZEREQUEST']._serialized_start=3156
-  _globals['_TOKENIZEREQUEST']._serialized_end=3350
-  _globals['_TOKENIZEREPLY']._serialized_start=3352
-  _globals['_TOKENIZEREPLY']._serialized_end=3423
-  _globals['_DETOKENIZEREQUEST']._serialized_start=3425
-  _globals['_DETOKENIZEREQUEST']._serialized_end=3463
-  _globals['_DETOKENIZEREPLY']._serialized_start=3465
-  _globals['_DETOKENIZEREPLY']._serialized_end=3496
-  _globals['_INFERENCESERVICE']._serialized_start=3679
-  _globals['_INFERENCESERVICE']._serialized_end=4349
+  _globals['_GENERATEREQUEST']._serialized_end=794
+  _globals['_TOPLOGPROB']._serialized_start=796
+  _globals['_TOPLOGPROB']._serialized_end=857
+  _globals['_TOKENLOGPROB']._serialized_start=859
+  _globals['_TOKENLOGPROB']._serialized_end=976
+  _globals['_GENERATIONRESULT']._serialized_start=979
+  _globals['_GENERATIONRESULT']._serialized_end=1334
+  _globals['_GENERATEEVENT']._serialized_start=1337
+  _globals['_GENERATEEVENT']._serialized_end=1541
+  _globals['_GENERATEBATCHREQUEST']._serialized_start=1543
+  _globals['_GENERATEBATCHREQUEST']._serialized_end=1612
+  _globals['_GENERATEBATCHREPLY']._serialized_start=1614
+  _globals['_GENERATEBATCHREPLY']._serialized_end=1681
+  _globals['_WARMREQUEST']._serialized_start=1684
+  _globals['_WARMREQUEST']._serialized_end=1814
+  _globals['_WARMRESULT']._serialized_start=1817
+  _globals['_WARMRESULT']._serialized_end=1981
+  _globals['_UNPINRESULT']._serialized_start=1983
+  _globals['_UNPINRESULT']._serialized_end=2042
+  _globals['_VERIFYREQUEST']._serialized_start=2044
+  _globals['_VERIFYREQUEST']._serialized_end=2132
+  _globals['_PROMPTVERIFICATION']._serialized_start=2135
+  _globals['_PROMPTVERIFICATION']._serialized_end=2347
+  _globals['_VERIFYREPORT']._serialized_start=2349
+  _globals['_VERIFYREPORT']._serialized_end=2446
+  _globals['_SERVICESTATSREQUEST']._serialized_start=2448
+  _globals['_SERVICESTATSREQUEST']._serialized_end=2469
+  _globals['_SERVICESTATSREPLY']._serialized_start=2472
+  _globals['_SERVICESTATSREPLY']._serialized_end=2917
+  _globals['_MODELINFOREQUEST']._serialized_start=2919
+  _globals['_MODELINFOREQUEST']._serialized_end=2937
+  _globals['_MODELINFOREPLY']._serialized_start=2940
+  _globals['_MODELINFOREPLY']._serialized_end=3238
+  _globals['_TOKENIZEREQUEST']._serialized_start=3241
+  _globals['_TOKENIZEREQUEST']._serialized_end=3435
+  _globals['_TOKENIZEREPLY']._serialized_start=3437
+  _globals['_TOKENIZEREPLY']._serialized_end=3508
+  _globals['_DETOKENIZEREQUEST']._serialized_start=3510
+  _globals['_DETOKENIZEREQUEST']._serialized_end=3548
+  _globals['_DETOKENIZEREPLY']._serialized_start=3550
+  _globals['_DETOKENIZEREPLY']._serialized_end=3581
+  _globals['_INFERENCESERVICE']._serialized_start=3764
+  _globals['_INFERENCESERVICE']._serialized_end=4493
 # @@protoc_insertion_point(module_scope)

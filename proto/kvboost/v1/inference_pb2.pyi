@@ -38,7 +38,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "segments", "max_new_tokens", "mode", "temperature", "top_p", "top_k", "seed", "stop", "recompute_strategy", "recompute_ratio", "selective_tokens", "request_id", "sink_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "n", "cache_salt", "min_tokens", "ignore_eos", "stop_token_ids")
+    __slots__ = ("prompt", "messages", "segments", "max_new_tokens", "mode", "temperature", "top_p", "top_k", "seed", "stop", "recompute_strategy", "recompute_ratio", "selective_tokens", "request_id", "sink_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "n", "cache_salt", "min_tokens", "ignore_eos", "stop_token_ids", "strict_context")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class GenerateRequest(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     segments: _containers.RepeatedScalarFieldContainer[str]
@@ -85,7 +86,8 @@ class GenerateRequest(_message.Message):
     min_tokens: int
     ignore_eos: bool
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., segments: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., recompute_strategy: _Optional[_Union[RecomputeStrategy, str]] = ..., recompute_ratio: _Optional[float] = ..., selective_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    strict_context: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., segments: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., recompute_strategy: _Optional[_Union[RecomputeStrategy, str]] = ..., recompute_ratio: _Optional[float] = ..., selective_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., strict_context: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "text", "logprob")
@@ -200,6 +202,14 @@ class WarmResult(_message.Message):
     partial_tail_tokens: int
     alignment_warning: str
     def __init__(self, chunks_stored: _Optional[int] = ..., token_count: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_boundary_aligned: _Optional[bool] = ..., partial_tail_tokens: _Optional[int] = ..., alignment_warning: _Optional[str] = ...) -> None: ...
+
+class UnpinResult(_message.Message):
+    __slots__ = ("chunks_unpinned", "token_count")
+    CHUNKS_UNPINNED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    chunks_unpinned: int
+    token_count: int
+    def __init__(self, chunks_unpinned: _Optional[int] = ..., token_count: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("prompts", "max_new_tokens", "mode")

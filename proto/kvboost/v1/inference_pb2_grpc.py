@@ -54,6 +54,11 @@ class InferenceServiceStub:
                 request_serializer=kvboost_dot_v1_dot_inference__pb2.WarmRequest.SerializeToString,
                 response_deserializer=kvboost_dot_v1_dot_inference__pb2.WarmResult.FromString,
                 _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/kvboost.v1.InferenceService/Unpin',
+                request_serializer=kvboost_dot_v1_dot_inference__pb2.WarmRequest.SerializeToString,
+                response_deserializer=kvboost_dot_v1_dot_inference__pb2.UnpinResult.FromString,
+                _registered_method=True)
         self.VerifyCorrectness = channel.unary_unary(
                 '/kvboost.v1.InferenceService/VerifyCorrectness',
                 request_serializer=kvboost_dot_v1_dot_inference__pb2.VerifyRequest.SerializeToString,
@@ -108,6 +113,14 @@ class InferenceServiceServicer:
 
     def Warm(self, request, context):
         """Computes and stores every full chunk of `text`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """Unpins the chunks a Warm of the same text or messages (and cache_salt)
+        pinned: they become evictable again. `pin` is ignored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -170,6 +183,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Warm,
                     request_deserializer=kvboost_dot_v1_dot_inference__pb2.WarmRequest.FromString,
                     response_serializer=kvboost_dot_v1_dot_inference__pb2.WarmResult.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=kvboost_dot_v1_dot_inference__pb2.WarmRequest.FromString,
+                    response_serializer=kvboost_dot_v1_dot_inference__pb2.UnpinResult.SerializeToString,
             ),
             'VerifyCorrectness': grpc.unary_unary_rpc_method_handler(
                     servicer.VerifyCorrectness,
@@ -305,6 +323,33 @@ class InferenceService:
             '/kvboost.v1.InferenceService/Warm',
             kvboost_dot_v1_dot_inference__pb2.WarmRequest.SerializeToString,
             kvboost_dot_v1_dot_inference__pb2.WarmResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvboost.v1.InferenceService/Unpin',
+            kvboost_dot_v1_dot_inference__pb2.WarmRequest.SerializeToString,
+            kvboost_dot_v1_dot_inference__pb2.UnpinResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -268,6 +268,37 @@ def test_warm_chat_prefix_is_reused_by_the_next_turn(tiny_llama):
     assert outcome.cached_tokens == warmed.token_count > 0  # whole chunks and the partial tail chunk
 
 
+def test_unpin_clears_exactly_the_pins_of_the_same_warm_up(tiny_llama):
+    cache = InMemoryStore()
+    engine = make_engine(tiny_llama, cache=cache)
+    pinned_text, other_text = text_of_length(30), "Another document entirely, " + text_of_length(20)
+    engine.warm(pinned_text, pin=True, cache_salt="a")
+    engine.warm(other_text, pin=True, cache_salt="a")
+    pinned_before = {key for key in cache._entries if cache.pinned(key)}
+    assert len(pinned_before) == (3 + 1) + (len(tokenize_prompt(engine.tokenizer, other_text)[0]) + 7) // 8
+
+    assert engine.unpin(pinned_text, cache_salt="b") == (0, 30)  # another scope: none of its keys are stored
+    unpinned, token_count = engine.unpin(pinned_text, cache_salt="a")
+    assert (unpinned, token_count) == (3 + 1, 30)  # 3 full chunks and the partial tail
+    still_pinned = {key for key in cache._entries if cache.pinned(key)}
+    assert len(still_pinned) == len(pinned_before) - 4 and still_pinned < pinned_before  # the other text keeps its pins
+    assert run(engine, prompt=pinned_text + " Now a question?", cache_salt="a").cached_tokens == 30  # still served
+    with pytest.raises(InvalidRequest):
+        engine.unpin("")
+
+
+def test_strict_context_refuses_what_the_default_caps(tiny_llama):
+    context = kv_geometry(tiny_llama[0].config).max_context
+    engine = make_engine(tiny_llama, max_new_tokens_limit=context)
+    prompt = text_of_length(20)
+    _, _, capped = engine.plan_request(GenerationParams(prompt=prompt, max_new_tokens=context))
+    assert capped == context - 20
+    with pytest.raises(InvalidRequest, match=f"the context holds {context} tokens, but {context + 20} were asked for"):
+        engine.generate(GenerationParams(prompt=prompt, max_new_tokens=context, strict_context=True))
+    fits = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=3, strict_context=True))
+    assert fits.generated_tokens == 3
+
+
 def test_warm_without_text_is_invalid(tiny_llama):
     with pytest.raises(InvalidRequest):
         make_engine(tiny_llama).warm("")

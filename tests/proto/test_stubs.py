@@ -30,8 +30,7 @@ def test_every_rpc_of_the_design_is_in_the_contract() -> None:
     inference_rpcs = set(inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].methods_by_name)
     assert cache_rpcs == {"Lookup", "Fetch", "Store", "Stats", "Delete", "Pin", "Unpin", "Describe"}
     assert inference_rpcs == {"Generate", "GenerateBatch", "GenerateMany", "Warm", "Unpin", "VerifyCorrectness", "Stats",
-                              "ModelInfo",
-                              "Tokenize", "Detokenize"}
+                              "ModelInfo", "Tokenize", "Detokenize"}
 
 
 def test_generate_request_names_clients_rely_on() -> None:

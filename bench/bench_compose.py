@@ -104,7 +104,7 @@ def measure(runs: int) -> Summary:
         project = ComposeProject(f"kvboost-bench-{os.getpid()}")
         try:
             healthy_s = project.up()
-            stub = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(project.address("INFERENCE")))
+            stub = inference_pb2_grpc.InferenceServiceStub(project.channel("INFERENCE"))
             count = lambda text: len(stub.Tokenize(pb.TokenizeRequest(prompt=text), timeout=60).token_ids)  # noqa: E731
             document = build_document(count)
             warmed = stub.Warm(pb.WarmRequest(text=document), timeout=600)
@@ -113,10 +113,10 @@ def measure(runs: int) -> Summary:
                 baseline.append(ttft_ms(stub, document + question(2 * n), pb.BASELINE))
                 cached.append(ttft_ms(stub, document + question(2 * n + 1), pb.PREFIX_CACHE))
             read_mode = stub.Stats(pb.ServiceStatsRequest(), timeout=10).read_mode
-            fetch_bytes = daemon_bytes_read(project.address("DAEMON"))
+            fetch_bytes = daemon_bytes_read(project.channel("DAEMON"))
             project.down()
             project.up()
-            stub = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(project.address("INFERENCE")))
+            stub = inference_pb2_grpc.InferenceServiceStub(project.channel("INFERENCE"))
             after = ttft_ms(stub, document + question(10_000), pb.PREFIX_CACHE)
         finally:
             project.down(volumes=True)
@@ -128,8 +128,8 @@ def measure(runs: int) -> Summary:
                    after.kv_reuse_ratio, runs)
 
 
-def daemon_bytes_read(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
+def daemon_bytes_read(channel: grpc.Channel) -> int:
+    with channel:
         return cache_pb2_grpc.CacheServiceStub(channel).Stats(cache_pb2.CacheStatsRequest(), timeout=10).bytes_read
 
 

@@ -177,7 +177,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                         help="initial LMDB map size; 0 = 2 x budget + 64M; grows when full [KVBOOST_MAP_SIZE]")
     parser.add_argument("--metrics-port", type=int, default=env("KVBOOST_METRICS_PORT", "0"),
                         help="Prometheus /metrics HTTP port on the listen host, 0 = off [KVBOOST_METRICS_PORT]")
-    parser.add_argument("--auth-token-file", type=Path, default=env("KVBOOST_AUTH_TOKEN_FILE"),
+    parser.add_argument("--auth-token-file", type=_optional_path, default=env("KVBOOST_AUTH_TOKEN_FILE"),
                         help="file holding a bearer token; callers then send 'authorization: Bearer <token>' "
                              "(health checks stay open) [KVBOOST_AUTH_TOKEN_FILE]")
     parser.add_argument("--tenants-file", type=Path, default=env("KVBOOST_TENANTS_FILE"),

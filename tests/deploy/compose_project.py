@@ -1,6 +1,7 @@
 """One `docker compose` project for tests and benchmarks: its own name, free loopback ports, health states."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -8,12 +9,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from tests.conftest import pick_free_port
 from tests.deploy.docker_engine import docker
 
 ROOT = Path(__file__).resolve().parents[2]
 L2_REPLICA_FILE = ROOT / "tests" / "deploy" / "compose.l2-replica.yaml"
 PUBLISHED = ("DAEMON", "METRICS", "INFERENCE", "GATEWAY", "REDIS", "DAEMON_B", "INFERENCE_B")
+# The secret each published gRPC port checks (compose.yaml's secrets service makes them).
+TOKEN_OF = {"DAEMON": "daemon.token", "DAEMON_B": "daemon.token", "INFERENCE": "service.token",
+            "INFERENCE_B": "service.token"}
 
 
 @dataclass
@@ -31,6 +37,16 @@ class ComposeProject:
 
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
+
+    def secret(self, name: str) -> str:
+        """A file of the stack's kvboost-secrets volume (daemon.token, service.token, gateway.key), read
+        through the running inference service, which mounts it."""
+        return self.compose("exec", "-T", "inference", "cat", f"/secrets/{name}", timeout=60).stdout.strip()
+
+    def channel(self, name: str) -> grpc.Channel:
+        """A channel to a published gRPC port that sends the token that port checks."""
+        token = self.secret(TOKEN_OF[name])
+        return grpc.intercept_channel(grpc.insecure_channel(self.address(name)), _BearerToken(token))
 
     def compose(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         files = [item for path in self.files for item in ("-f", str(path))]
@@ -65,3 +81,33 @@ class ComposeProject:
 
     def logs(self, service: str) -> str:
         return self.compose("logs", "--no-color", service).stdout
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call, as a deployment's clients do."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(details.method, details.timeout, tuple(details.metadata or ()) + self._metadata,
+                            details.credentials, details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)

@@ -36,17 +36,22 @@ GRPC_SERVICES = ("cache-daemon", "inference")
 DELIBERATE_OVERRIDES = {
     "KVBOOST_MAX_BYTES": "a container deployment gets a 4 GiB budget instead of 1 GiB",
     "KVBOOST_METRICS_PORT": "Prometheus metrics are on in compose (off by default)",
+    # Denied by default: each listener checks a token the secrets service makes (docs/operations.md "Security").
+    "KVBOOST_AUTH_TOKEN_FILE": "the daemon and the service require a token; the gateway sends the service's",
+    "KVBOOST_CACHE_AUTH_TOKEN_FILE": "the service presents the daemon's token",
+    "KVBOOST_GATEWAY_API_KEY_FILE": "HTTP clients need the gateway's key",
+    "KVBOOST_L2_KEY_FILE": "the l2 profile's MAC key is always at hand",
 }
-_INTERPOLATION = re.compile(r"^\$\{(KVBOOST_[A-Z0-9_]+):-([^}]*)\}$")
+_INTERPOLATION = re.compile(r"^\$\{(KVBOOST_[A-Z0-9_]+):?-([^}]*)\}$")
 
 
 def resolve(value) -> str:
-    """A compose value with `${NAME:-default}` resolved to its default (the only form used here)."""
+    """A compose value with `${NAME:-default}` or `${NAME-default}` resolved to its default (the only forms used)."""
     text = str(value)
     match = _INTERPOLATION.match(text)
     if match:
         return match.group(2)
-    assert "$" not in text, f"only whole-value ${{NAME:-default}} interpolation is used, got {text!r}"
+    assert "$" not in text, f"only whole-value ${{NAME:-default}} / ${{NAME-default}} interpolation is used, got {text!r}"
     return text
 
 
@@ -128,6 +133,23 @@ def test_environment_defaults_match_the_parser_defaults(service) -> None:
         parser_default = getattr(parse(service, []), action.dest)
         assert _convert(action, resolve(raw)) == _convert(action, parser_default), (
             f"{service}: compose default of {name} is {resolve(raw)!r}, the parser's is {parser_default!r}")
+
+
+def test_every_secret_a_service_reads_is_made_by_the_secrets_service_and_mounted() -> None:
+    secrets = COMPOSE["services"]["secrets"]
+    made = set(re.findall(r'\("([a-z0-9.]+)", lambda', secrets["entrypoint"][-1]))
+    assert made == {"daemon.token", "service.token", "gateway.key", "l2.key"}
+    assert secrets["volumes"] == ["kvboost-secrets:/secrets"] and secrets["restart"] == "no"
+    for service in ("cache-daemon", "inference", "gateway"):
+        spec = COMPOSE["services"][service]
+        read = {resolve(value) for value in spec["environment"].values() if resolve(value).startswith("/secrets/")}
+        assert read and {path.removeprefix("/secrets/") for path in read} <= made, (service, read)
+        assert "kvboost-secrets:/secrets:ro" in spec["volumes"], service
+    assert COMPOSE["services"]["cache-daemon"]["depends_on"]["secrets"] == {"condition": "service_completed_successfully"}
+    # The daemon's token is the one the service presents; the service's the one the gateway sends.
+    daemon, service, gateway = (COMPOSE["services"][name]["environment"] for name in ("cache-daemon", "inference", "gateway"))
+    assert resolve(daemon["KVBOOST_AUTH_TOKEN_FILE"]) == resolve(service["KVBOOST_CACHE_AUTH_TOKEN_FILE"])
+    assert resolve(service["KVBOOST_AUTH_TOKEN_FILE"]) == resolve(gateway["KVBOOST_AUTH_TOKEN_FILE"])
 
 
 def test_deliberate_overrides_are_valid_values() -> None:
@@ -215,7 +237,7 @@ def test_health_checks_ask_the_grpc_health_service_on_the_listen_port(service) -
 def test_lmdb_lives_on_a_named_volume_at_the_data_dir() -> None:
     daemon = compose_args("cache-daemon")
     volumes = COMPOSE["services"]["cache-daemon"]["volumes"]
-    # LMDB on its volume; the l2 profile's MAC key read-only from its own (made by the l2-key service).
+    # LMDB on its volume; its token and the L2 records' MAC key read-only from their own (made by the secrets service).
     assert volumes == [f"kvboost-lmdb:{daemon.data_dir}", "kvboost-secrets:/secrets:ro"]
     assert "kvboost-lmdb" in COMPOSE["volumes"]
     assert f"VOLUME {daemon.data_dir}" in DOCKERFILE
@@ -225,7 +247,7 @@ def test_the_service_sees_the_daemons_volume_at_the_same_path_for_colocated_read
     daemon = compose_args("cache-daemon")
     service = COMPOSE["services"]["inference"]
     # Describe names the daemon's data dir; the service opens that same path, so the mount must match.
-    assert service["volumes"] == [f"kvboost-lmdb:{daemon.data_dir}"]
+    assert service["volumes"] == [f"kvboost-lmdb:{daemon.data_dir}", "kvboost-secrets:/secrets:ro"]
     assert service["environment"]["KVBOOST_CACHE_LOCAL_READ"].endswith("-auto}")
 
 
@@ -316,7 +338,7 @@ def test_the_l2_replica_override_is_a_second_pair_on_its_own_volume_and_namespac
     daemon = parse("cache-daemon", override["cache-daemon-b"]["command"])
     service = parse("inference", override["inference-b"]["command"])
     assert service.cache_addr == f"cache-daemon-b:{port_of(daemon.listen)}"
-    assert override["inference-b"]["volumes"] == [f"kvboost-lmdb-b:{daemon.data_dir}"]
+    assert override["inference-b"]["volumes"] == [f"kvboost-lmdb-b:{daemon.data_dir}", "kvboost-secrets:/secrets:ro"]
     assert override["cache-daemon-b"]["volumes"] == [f"kvboost-lmdb-b:{daemon.data_dir}", "kvboost-secrets:/secrets:ro"]
     assert override["cache-daemon-b"]["pid"] == override["inference-b"]["pid"] == "service:pid-namespace-b"
     assert published("inference-b", {"services": override}) == {50051: "127.0.0.1:50053"}
@@ -324,5 +346,5 @@ def test_the_l2_replica_override_is_a_second_pair_on_its_own_volume_and_namespac
     assert compose_args("cache-daemon").l2 == ""
     args = parse("cache-daemon", COMPOSE["services"]["cache-daemon"]["command"], {"KVBOOST_L2": "redis://redis:6379"})
     assert daemon_config.parse_l2_address(args.l2).nodes == (("redis", 6379),)
-    assert ("KVBOOST_L2=redis://redis:6379 KVBOOST_L2_KEY_FILE=/secrets/l2.key docker compose --profile l2 up"
+    assert ("KVBOOST_L2=redis://redis:6379 docker compose --profile l2 up"
             in (ROOT / "compose.yaml").read_text())

@@ -30,7 +30,7 @@ DOCUMENT = " ".join(f"Ferry {i} leaves pier {i % 7} at {8 + i % 12}:{(i * 7) % 6
                     for i in range(48))
 QUESTION = " Question: which pier does ferry 9 leave from? Answer:"
 MAX_NEW_TOKENS = 12
-SERVICES = ("pid-namespace", "cache-daemon", "inference", "gateway")
+SERVICES = ("pid-namespace", "cache-daemon", "inference", "gateway")  # and the secrets service, which exits
 
 
 def report(request, line: str) -> None:
@@ -74,11 +74,11 @@ def stack(images):
 
 
 def service_stub(project: ComposeProject, name: str = "INFERENCE"):
-    return inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(project.address(name)))
+    return inference_pb2_grpc.InferenceServiceStub(project.channel(name))
 
 
 def daemon_stats(project: ComposeProject, name: str = "DAEMON") -> cache_pb2.CacheStatsReply:
-    with grpc.insecure_channel(project.address(name)) as channel:
+    with project.channel(name) as channel:
         return cache_pb2_grpc.CacheServiceStub(channel).Stats(cache_pb2.CacheStatsRequest(), timeout=10)
 
 
@@ -88,9 +88,25 @@ def cached_generate(stub) -> pb.GenerationResult:
 
 def test_every_service_is_healthy(stack) -> None:
     states = stack.states()
+    assert states.pop("secrets")[0] == "exited", "the secrets service ran once"
     assert set(states) == set(SERVICES), states
     assert all(state == "running" for state, _ in states.values()), states
     assert all(health == "healthy" for name, (_, health) in states.items() if name != "pid-namespace"), states
+
+
+def test_every_listener_denies_calls_without_its_secret(stack) -> None:
+    for name, stub_class, call, request in (
+            ("DAEMON", cache_pb2_grpc.CacheServiceStub, "Stats", cache_pb2.CacheStatsRequest()),
+            ("INFERENCE", inference_pb2_grpc.InferenceServiceStub, "Stats", pb.ServiceStatsRequest())):
+        with grpc.insecure_channel(stack.address(name)) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                getattr(stub_class(channel), call)(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://{stack.address('GATEWAY')}/v1", api_key="not-the-key",
+                      max_retries=0).models.list()
+    secrets = {name: stack.secret(name) for name in ("daemon.token", "service.token", "gateway.key")}
+    assert len(set(secrets.values())) == 3 and all(len(value) >= 32 for value in secrets.values())
 
 
 def test_warmed_generation_through_the_published_port_is_baseline_identical_from_the_locked_map(stack) -> None:
@@ -109,8 +125,8 @@ def test_stats_report_the_locked_map_as_read_mode(stack) -> None:
 
 
 def test_the_gateway_answers_the_openai_sdk(stack) -> None:
-    client = openai.OpenAI(base_url=f"http://{stack.address('GATEWAY')}/v1", api_key="unused", max_retries=0,
-                           timeout=300)
+    client = openai.OpenAI(base_url=f"http://{stack.address('GATEWAY')}/v1", api_key=stack.secret("gateway.key"),
+                           max_retries=0, timeout=300)
     model = client.models.list().data[0].id
     completion = client.completions.create(model=model, prompt=DOCUMENT + QUESTION, max_tokens=MAX_NEW_TOKENS,
                                            temperature=0)
@@ -152,9 +168,9 @@ def test_the_cache_survives_down_and_up(stack) -> None:
 
 def test_the_l2_profile_shares_chunks_between_two_replicas(stack) -> None:
     shared = ComposeProject(f"{stack.name}-l2", files=(*stack.files, L2_REPLICA_FILE), profiles=("l2",),
-                            environment={"KVBOOST_L2": "redis://redis:6379", "KVBOOST_L2_KEY_FILE": "/secrets/l2.key"})
+                            environment={"KVBOOST_L2": "redis://redis:6379"})
     try:
-        shared.compose("run", "--rm", "l2-key", timeout=120)  # the records' MAC key, once, in its volume
+        # The secrets service makes the records' MAC key (and the tokens) first, once, in its volume.
         shared.up("inference", "inference-b")  # each replica with its daemon, Redis and PID namespace
         replica_a, replica_b = service_stub(shared), service_stub(shared, "INFERENCE_B")
         warmed = replica_a.Warm(pb.WarmRequest(text=DOCUMENT), timeout=300)
@@ -169,7 +185,7 @@ def test_the_l2_profile_shares_chunks_between_two_replicas(stack) -> None:
 
 
 def test_down_with_volumes_removes_them(stack) -> None:
-    # The LMDB volume, and the (empty, without the l2 profile) volume for the l2 profile's MAC key.
+    # The LMDB volume, and the secrets' volume.
     assert sorted(volume.rsplit("_", 1)[1] for volume in stack.volumes()) == ["kvboost-lmdb", "kvboost-secrets"]
     stack.down(volumes=True)
     assert stack.volumes() == []

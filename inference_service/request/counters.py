@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass
 class _Counters:
     requests: int = 0
     prompt_tokens: int = 0
-    cached_tokens: int = 0
-    recomputed_tokens: int = 0
+    cached_tokens: int = 0  # whole chunks and partial chunks
+    partial_cached_tokens: int = 0  # of cached_tokens, those from a stored partial chunk
+    recomputed_tokens: int = 0  # of cached_tokens, those whose K/V repair recomputed
+    computed_tokens: int = 0  # prompt tokens prefilled (not cached)
     chunks_fetched: int = 0
     chunks_stored: int = 0
     bytes_fetched: int = 0
@@ -25,13 +27,15 @@ class EngineStats:
         self._lock = threading.Lock()
 
     def add_request(self, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int,
-                    chunks_fetched: int, bytes_fetched: int, ttft_ms: float | None) -> None:
+                    chunks_fetched: int, bytes_fetched: int, ttft_ms: float | None, partial_cached_tokens: int = 0) -> None:
         with self._lock:
             counters = self._counters
             counters.requests += 1
             counters.prompt_tokens += prompt_tokens
             counters.cached_tokens += cached_tokens
+            counters.partial_cached_tokens += partial_cached_tokens
             counters.recomputed_tokens += recomputed_tokens
+            counters.computed_tokens += prompt_tokens - cached_tokens
             counters.chunks_fetched += chunks_fetched
             counters.bytes_fetched += bytes_fetched
             if ttft_ms is not None:

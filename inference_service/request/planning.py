@@ -211,7 +211,8 @@ def record_outcome(parts: EngineParts, params: GenerationParams, mode: str, prom
     parts.counters.add_request(prompt.num_tokens, num_cached, context.num_recomputed_tokens,
                                context.num_fetched_blobs if count_fetched else 0,
                                context.num_bytes_fetched if count_fetched else 0,
-                               outcome.ttft_ms if outcome.generated_tokens else None)
+                               outcome.ttft_ms if outcome.generated_tokens else None,
+                               min(context.num_partial_tokens, num_cached))
     logger.info("[%s] %s%s: %d prompt tokens, %d cached, ttft %.1f ms, %d generated (%s)%s",
                 params.request_id, mode, label, outcome.prompt_tokens, outcome.cached_tokens, outcome.ttft_ms,
                 outcome.generated_tokens, outcome.finish_reason, " degraded" if outcome.degraded else "")

@@ -35,6 +35,7 @@ class AssembledContext:
     content_hits: dict[int, bytes] = field(default_factory=dict)  # looked up, not reused yet
     # The stored partial chunk placed after the leading chunks (its tokens are in num_cached_tokens); None: none.
     partial_key: bytes | None = None
+    num_partial_tokens: int = 0  # of num_cached_tokens, those the partial chunk held
 
     @property
     def num_fetched_blobs(self) -> int:
@@ -140,7 +141,8 @@ def fetch_prefix_run(
         return AssembledContext(None, None, num_bytes_fetched=num_bytes, degraded=degraded)
     placed_partial = partial is not None and num_placed == len(chunks)
     return AssembledContext(keys, values, chunks[num_placed - 1].end, min(num_placed, run), num_bytes_fetched=num_bytes,
-                            degraded=degraded, partial_key=partial.key if placed_partial else None)
+                            degraded=degraded, partial_key=partial.key if placed_partial else None,
+                            num_partial_tokens=len(partial.chunk.token_ids) if placed_partial else 0)
 
 
 def report_corrupt(store: ChunkStore, key: bytes) -> None:

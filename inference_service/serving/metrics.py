@@ -19,6 +19,10 @@ COUNTERS = {
     "requests": ("kvboost_engine_requests", "requests finished"),
     "prompt_tokens": ("kvboost_engine_prompt_tokens", "prompt tokens of finished requests"),
     "cached_tokens": ("kvboost_engine_cached_tokens", "prompt tokens whose K/V came from the cache"),
+    "partial_cached_tokens": ("kvboost_engine_partial_cached_tokens",
+                              "of the cached prompt tokens, those from stored partial chunks (the rest: whole chunks)"),
+    "recomputed_tokens": ("kvboost_engine_recomputed_tokens", "cached prompt tokens whose K/V repair recomputed"),
+    "computed_tokens": ("kvboost_engine_computed_tokens", "prompt tokens prefilled because nothing cached held them"),
 }
 
 

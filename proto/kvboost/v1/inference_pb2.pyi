@@ -256,7 +256,7 @@ class ServiceStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceStatsReply(_message.Message):
-    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes", "read_mode", "stream_fetches")
+    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes", "read_mode", "stream_fetches", "partial_cached_tokens", "computed_tokens")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,8 @@ class ServiceStatsReply(_message.Message):
     KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     READ_MODE_FIELD_NUMBER: _ClassVar[int]
     STREAM_FETCHES_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     rejected: int
     prompt_tokens: int
@@ -295,7 +297,9 @@ class ServiceStatsReply(_message.Message):
     kv_budget_bytes: int
     read_mode: str
     stream_fetches: int
-    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., read_mode: _Optional[str] = ..., stream_fetches: _Optional[int] = ...) -> None: ...
+    partial_cached_tokens: int
+    computed_tokens: int
+    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., read_mode: _Optional[str] = ..., stream_fetches: _Optional[int] = ..., partial_cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -43,6 +43,11 @@ def test_a_warmed_unaligned_document_is_reused_to_its_last_token(tiny_model):
     assert store.lookups == [(5, 0), (0, 7)]
     plan = plan_prompt(engine.namespace, tokenize_prompt(tokenizer, DOCUMENT)[0:1], 8)
     assert store.fetches[0] == [*plan.prefix_keys, plan.tail_key]
+    # Counted by source: 24 tokens from whole chunks, 6 from the partial one, the rest prefilled.
+    stats = engine.stats()
+    prompt_tokens = len(tokenize_prompt(tokenizer, DOCUMENT + QUESTION)[0])
+    assert (stats["cached_tokens"], stats["partial_cached_tokens"]) == (30, 6)
+    assert stats["computed_tokens"] == stats["prompt_tokens"] - 30 == prompt_tokens - 30
 
 
 def test_the_chunk_that_held_the_partial_hit_is_stored_whole_afterwards(tiny_llama):

@@ -1,6 +1,7 @@
 """The step loop: requests arrive from any thread; one thread admits, plans and executes, one step at a time."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -33,13 +34,13 @@ class EngineCore:
                  max_queue: int, pad_token_id: int = 0) -> None:
         batched = not has_sliding_layers(parts.model.config)
         if not batched:
-            limits = SchedulerLimits(limits.max_prefill_tokens, limits.max_forward_tokens, batch_prefills=False)
+            limits = dataclasses.replace(limits, batch_prefills=False)
         capacity = max(parts.geometry.max_context, parts.max_prompt_tokens) + 1  # the longest prompt still runs
-        # Rows held at once: num_slots; a request alone may still decode its n completions (up to MAX_CHOICES);
-        # spare slots let ended rows' write-backs drain while new rows start.
+        # One slot per row: at least one per running request (limits.max_running_requests) and a request's n
+        # completions (up to MAX_CHOICES); spare slots let ended rows' write-backs drain while new rows start.
         spare = max(4, num_slots // 2)
         ledger = SlotLedger(max(num_slots, MAX_CHOICES) + spare, kv_budget_bytes,
-                            bytes_per_token(parts.geometry, parts.dtype), max_rows=num_slots)
+                            bytes_per_token(parts.geometry, parts.dtype))
         self.owner = KvOwner(ledger, parts.model.config, parts.geometry, capacity, parts.device, parts.dtype)
         self.scheduler = Scheduler(limits, self.owner.ledger)
         self.executor = Executor(parts.model, self.owner, self.scheduler, batched, pad_token_id)

@@ -76,8 +76,10 @@ class Engine:
         )
         use_engine_attention(model)  # after the namespace: the engine's forwards pick grouped SDPA per call
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.core = EngineCore(self.parts, SchedulerLimits(config.max_prefill_tokens, config.max_forward_tokens),
-                               config.max_running_requests, config.kv_cache_bytes, config.max_queue, pad or 0)
+        limits = SchedulerLimits(config.max_prefill_tokens, config.max_forward_tokens,
+                                 max_running_requests=config.max_running_requests)
+        self.core = EngineCore(self.parts, limits, config.max_running_requests, config.kv_cache_bytes, config.max_queue,
+                               pad or 0)
         self.core.start()
 
     # What callers read most; everything else is on self.parts.

@@ -23,10 +23,15 @@ class SchedulerLimits:
     max_prefill_tokens: int = 512  # prompt tokens prefilled per step before the running rows decode again
     max_forward_tokens: int = FORWARD_TOKENS  # prompt tokens of short prefills batched in one forward
     batch_prefills: bool = True  # False: every prefill piece runs alone (models with sliding-window layers)
+    # Requests admitted at once (prefilling or decoding); a request with n completions counts once, its n rows
+    # are bounded by the ledger's slots. Counting requests, not rows, keeps one request with many completions
+    # from holding every place while single-row requests wait behind it.
+    max_running_requests: int = 16
 
     def __post_init__(self) -> None:
         assert self.max_prefill_tokens > 0, f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}"
         assert self.max_forward_tokens > 0, f"max_forward_tokens must be positive, got {self.max_forward_tokens}"
+        assert self.max_running_requests > 0, f"max_running_requests must be positive, got {self.max_running_requests}"
 
 
 @dataclass(slots=True)
@@ -58,8 +63,8 @@ class StepPlan:
 
 
 class Scheduler:
-    """First come, first admitted while the ledger has slots and bytes; a request that does not fit blocks the ones
-    behind it, so a large request is never starved by small ones. In each step, prefills whose rest fits one
+    """First come, first admitted while fewer than max_running_requests run and the ledger has slots and bytes; a
+    request that does not fit blocks the ones behind it, so a large request is never starved by small ones. In each step, prefills whose rest fits one
     forward go first (a short question is not held up by a long document), and the oldest longer prefill always
     gets a piece of at least max_forward_tokens, so it is never starved either."""
 
@@ -88,7 +93,8 @@ class Scheduler:
     def admit(self) -> list[SequenceState]:
         """The waiting requests that start now, in arrival order, with their slots reserved."""
         admitted = []
-        while self.waiting and self.ledger.can_admit(self.waiting[0].num_reserved_tokens, self.waiting[0].num_rows):
+        while (self.waiting and len(self.prefilling) + len(self.running) < self.limits.max_running_requests
+               and self.ledger.can_admit(self.waiting[0].num_reserved_tokens, self.waiting[0].num_rows)):
             state = self.waiting.popleft()
             state.slots = self.ledger.admit(state.num_reserved_tokens, state.num_rows)
             self.prefilling.append(state)

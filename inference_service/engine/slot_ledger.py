@@ -12,15 +12,13 @@ class SlotLedger:
     Reserving the whole request up front means the budget can never run out mid-decode (nothing is preempted
     or recomputed); a request that does not fit waits. Slots are handed out lowest first, so the running
     rows stay packed together (a decode step runs over the slots from the lowest to the highest in use).
-    max_rows bounds the rows held at once, except that a request alone may take up to num_slots (n completions).
-    A row's bytes and its place among max_rows come back when it ends (`release_row`); its slot only once the
-    write-back reading it is done (`free`), so slots beyond max_rows give such slots room to drain.
+    A row's bytes come back when it ends (`release_row`); its slot only once the write-back reading it is done
+    (`free`). How many requests run at once is the scheduler's limit, not the ledger's.
     """
 
     num_slots: int
     budget_bytes: int
     bytes_per_token: int
-    max_rows: int = 0  # 0: num_slots
     _free: list[int] = field(default_factory=list)
     _bytes_by_slot: dict[int, int] = field(default_factory=dict)
     bytes_in_use: int = 0
@@ -29,7 +27,6 @@ class SlotLedger:
         assert self.num_slots > 0, f"num_slots must be positive, got {self.num_slots}"
         assert self.budget_bytes > 0 and self.bytes_per_token > 0, "the budget and bytes per token must be positive"
         self._free = list(range(self.num_slots))
-        self.max_rows = self.max_rows or self.num_slots
 
     @property
     def num_free_slots(self) -> int:
@@ -47,8 +44,7 @@ class SlotLedger:
         return num_rows <= self.num_slots and self.bytes_for(num_tokens, num_rows) <= self.budget_bytes
 
     def can_admit(self, num_tokens: int, num_rows: int = 1) -> bool:
-        rows_in_use = len(self._bytes_by_slot)
-        return (num_rows <= len(self._free) and (rows_in_use == 0 or rows_in_use + num_rows <= self.max_rows)
+        return (num_rows <= len(self._free)
                 and self.bytes_in_use + self.bytes_for(num_tokens, num_rows) <= self.budget_bytes)
 
     def admit(self, num_tokens: int, num_rows: int = 1) -> list[int]:
@@ -61,7 +57,7 @@ class SlotLedger:
         return slots
 
     def release_row(self, slot: int) -> None:
-        """The row in `slot` ended: its bytes and its place among max_rows are free; the slot is not, yet."""
+        """The row in `slot` ended: its bytes are free; the slot is not, yet."""
         assert slot in self._bytes_by_slot, f"slot {slot} holds no row"
         self.bytes_in_use -= self._bytes_by_slot.pop(slot)
 

@@ -44,7 +44,7 @@ class EngineConfig:
     check_layers: int = 1  # cacheblend: leading layers run on every non-exact token to measure deviation
     kv_group_size: int = 0  # quantization group (tokens for keys, channels for values) at 8 and 4 bits; 0: 64 at 8, 128 at 4
     kv_keys_before_rope: bool = False  # at 8 and 4 bits, keys are quantized un-rotated (where the RoPE allows it)
-    # The step loop: rows decoded together (a request with n completions takes n), the K/V memory they may hold
+    # The step loop: requests running at once (a request with n completions decodes as n rows, one K/V slot each), the K/V memory they may hold
     # (reserved at admission: prompt + max_new_tokens per row), prompt tokens prefilled per step, prompt tokens of
     # short prefills batched in one forward, and requests waiting before new ones are refused.
     max_running_requests: int = 16

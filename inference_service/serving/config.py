@@ -46,7 +46,7 @@ class ServiceConfig:
     kv_group_size: int = 0  # 0: the codec's default for the bits (64 at 8 bits, 128 at 4)
     kv_keys_before_rope: bool = False  # at 8 and 4 bits, quantize keys un-rotated (opt-in: see --help)
     max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
-    max_running_requests: int = 16  # rows decoded together (a request with n completions takes n)
+    max_running_requests: int = 16  # requests running at once (one with n completions decodes as n rows)
     kv_cache_bytes: int = 2 * 1024**3  # K/V memory reserved by running requests (prompt + max_new_tokens per row)
     max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps
     metrics_port: int = 0  # Prometheus /metrics HTTP port on the listen host; 0 = off
@@ -166,7 +166,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
              "tokens took ~45 ms longer, so it is off by default; models whose RoPE cannot be moved always store "
              "keys as computed (KVBOOST_KV_KEYS_BEFORE_ROPE=1)")
     add("--max-queue", type=int, default=default("MAX_QUEUE", defaults.max_queue), help="requests waiting for the model before RESOURCE_EXHAUSTED (KVBOOST_MAX_QUEUE)")
-    add("--max-running-requests", type=int, default=default("MAX_RUNNING_REQUESTS", defaults.max_running_requests), help="rows decoded together, one K/V slot each (a request with n completions takes n); more wait (KVBOOST_MAX_RUNNING_REQUESTS)")
+    add("--max-running-requests", type=int, default=default("MAX_RUNNING_REQUESTS", defaults.max_running_requests), help="requests prefilling or decoding at once; more wait. A request with n completions counts once and decodes as n rows, one K/V slot each (the slots: max(this, 16) plus spares) (KVBOOST_MAX_RUNNING_REQUESTS)")
     add("--kv-cache-bytes", type=int, default=default("KV_CACHE_BYTES", defaults.kv_cache_bytes), help="K/V memory the running requests may reserve, in bytes: each reserves prompt + max_new_tokens per row when it is admitted, so nothing runs out mid-decode; a request that does not fit waits, one that could never fit is INVALID_ARGUMENT (KVBOOST_KV_CACHE_BYTES)")
     add("--max-prefill-tokens", type=int, default=default("MAX_PREFILL_TOKENS", defaults.max_prefill_tokens), help="prompt tokens prefilled between two decode steps: a long prompt runs in pieces while others decode (KVBOOST_MAX_PREFILL_TOKENS)")
     add("--metrics-port", type=int, default=default("METRICS_PORT", defaults.metrics_port), help="Prometheus /metrics HTTP port on the listen host (the step loop's running rows, waiting requests, K/V bytes reserved and budget; request counters); 0 = off (KVBOOST_METRICS_PORT)")

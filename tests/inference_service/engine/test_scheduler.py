@@ -45,6 +45,21 @@ def test_a_request_that_does_not_fit_the_budget_blocks_the_ones_behind_it():
     assert [(state.seq_id, state.slots) for state in scheduler.admit()] == [(2, [0]), (3, [1])]
 
 
+def test_max_running_requests_counts_requests_not_their_rows():
+    scheduler = make_scheduler(num_slots=24, max_running_requests=4)
+    scheduler.add(make_state(1, 20, rows=16))  # 16 completions of one request
+    for seq_id in (2, 3, 4, 5):
+        scheduler.add(make_state(seq_id, 20))
+    # Beside the 16 rows, three single-row requests still start: four requests run; the fifth waits for a place.
+    assert [(state.seq_id, len(state.slots)) for state in scheduler.admit()] == [(1, 16), (2, 1), (3, 1), (4, 1)]
+    assert [state.seq_id for state in scheduler.waiting] == [5]
+    looked_up(scheduler, {})
+    for state in list(scheduler.prefilling):
+        scheduler.prefilled(state.seq_id)
+    scheduler.remove(2)  # a short request ends: its place goes to the next one at once
+    assert [state.seq_id for state in scheduler.admit()] == [5]
+
+
 def test_n_completions_reserve_n_slots_and_n_times_the_bytes():
     scheduler = make_scheduler(num_slots=4, budget_tokens=1000)
     scheduler.add(make_state(1, 40, new=10, rows=3))

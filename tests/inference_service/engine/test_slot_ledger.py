@@ -31,17 +31,16 @@ def test_the_budget_and_the_slots_both_bound_admission():
         ledger.release(3)
 
 
-def test_max_rows_bounds_rows_held_at_once_but_a_request_alone_may_take_more():
-    ledger = SlotLedger(num_slots=16, budget_bytes=10_000, bytes_per_token=1, max_rows=2)
-    assert ledger.admit(10, num_rows=3) == [0, 1, 2]  # alone: its three completions run
-    assert not ledger.can_admit(10)  # beside it, nothing more (3 rows held, 2 allowed)
-    for slot in (0, 1, 2):
-        ledger.release(slot)
-    assert ledger.admit(10) == [0] and ledger.admit(10) == [1] and not ledger.can_admit(10)
+def test_rows_are_bounded_by_free_slots_only():
+    ledger = SlotLedger(num_slots=4, budget_bytes=10_000, bytes_per_token=1)
+    assert ledger.admit(10, num_rows=3) == [0, 1, 2]  # three completions of one request
+    assert ledger.can_admit(10) and not ledger.can_admit(10, num_rows=2)
+    assert ledger.admit(10) == [3] and not ledger.can_admit(0)
+    assert not ledger.fits_at_all(10, num_rows=5) and ledger.fits_at_all(10, num_rows=4)
 
 
 def test_a_rows_bytes_come_back_when_it_ends_and_its_slot_when_nothing_reads_it():
-    ledger = SlotLedger(num_slots=3, budget_bytes=100, bytes_per_token=1, max_rows=1)
+    ledger = SlotLedger(num_slots=3, budget_bytes=100, bytes_per_token=1)
     assert ledger.admit(100) == [0]
     ledger.release_row(0)  # the row ended; its write-back still reads slot 0
     assert ledger.bytes_in_use == 0 and ledger.num_rows == 0

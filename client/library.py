@@ -17,7 +17,7 @@ from client.request_builders import (
     build_warm_request,
     parse_mode,
 )
-from client.results import GenerationResult, ModelInfo, ServiceStats, VerifyReport, WarmResult
+from client.results import GenerationResult, ModelInfo, ServiceStats, UnpinResult, VerifyReport, WarmResult
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 # Generation on a CPU can take minutes for long prompts; calls fail after this many seconds.
@@ -138,6 +138,18 @@ class KVBoostClient:
         """Computes and stores every full chunk of `text` (or of the chat prefix `messages`)."""
         request = build_warm_request(text, messages=messages, content_addressed=content_addressed, pin=pin)
         return WarmResult.from_proto(self._rpc.call("Warm", self._stub.Warm, request, timeout))
+
+    def unpin(
+        self,
+        text: str | None = None,
+        *,
+        messages: Iterable[MessageLike] | None = None,
+        content_addressed: bool = False,
+        timeout: float | None = None,
+    ) -> UnpinResult:
+        """Clears the pins a `warm(..., pin=True)` of the same text (or messages) set: those chunks may be evicted."""
+        request = build_warm_request(text, messages=messages, content_addressed=content_addressed)
+        return UnpinResult.from_proto(self._rpc.call("Unpin", self._stub.Unpin, request, timeout))
 
     def verify_correctness(
         self,

@@ -145,6 +145,14 @@ class ServiceStats(_FromProto):
     kv_budget_bytes: int
     read_mode: str  # "locked_map", "stream" or "remote": how the service reads cached blobs
     stream_fetches: int
+    partial_cached_tokens: int  # of cached_tokens, those from stored partial chunks
+    computed_tokens: int  # prompt tokens prefilled
+
+
+@dataclass(slots=True, frozen=True)
+class UnpinResult(_FromProto):
+    chunks_unpinned: int
+    token_count: int
 
 
 @dataclass(slots=True, frozen=True)

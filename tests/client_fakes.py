@@ -85,6 +85,11 @@ class FakeInference(_Recorder, inference_pb2_grpc.InferenceServiceServicer):
             alignment_warning=f"{tail} tail tokens not stored" if tail else "",
         )
 
+
+    def Unpin(self, request, context):
+        self._record(request, context)
+        tokens = len(request.text.split())
+        return inference_pb2.UnpinResult(chunks_unpinned=-(-tokens // FAKE_CHUNK_SIZE), token_count=tokens)
     def VerifyCorrectness(self, request, context):
         self._record(request, context)
         prompts = list(request.prompts) or ["built-in one", "built-in two"]

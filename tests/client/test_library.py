@@ -209,6 +209,14 @@ def test_warm_returns_the_warm_result(client, inference) -> None:
         client.warm()
 
 
+def test_unpin_sends_the_warm_ups_text_and_returns_the_count(client, inference) -> None:
+    result = client.unpin("one two three four five six", content_addressed=True)
+    assert result.to_dict() == {"chunks_unpinned": 2, "token_count": 6}
+    assert inference.requests[0].text == "one two three four five six" and not inference.requests[0].pin
+    with pytest.raises(InvalidArgumentError, match="give exactly one of text, messages"):
+        client.unpin()
+
+
 def test_verify_stats_and_model_info(client, inference) -> None:
     report = client.verify_correctness(["same", "differs"], max_new_tokens=8, mode="chunk_kv_reuse")
     assert (report.identical, report.total) == (1, 2)

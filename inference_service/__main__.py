@@ -14,6 +14,7 @@ from inference_service.store.grpc_store import GrpcStoreOptions, GrpcChunkStore
 from inference_service.store.protocol import ChunkStore, NullStore
 from inference_service.serving.config import ServiceConfig, parse_config
 from inference_service.errors import UnsupportedArchitecture
+from kvboost_common.catalogue import CatalogueError
 from inference_service.serving.server import build_server
 
 logger = logging.getLogger("inference_service")
@@ -67,7 +68,8 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
     )
     if isinstance(store, (GrpcChunkStore, ColocatedStore)) and store.check():
         logger.info("cache daemon at %s answers", store.address)
-    return Engine(loaded.model, loaded.tokenizer, engine_config, store, model_id=loaded.model_id)
+    return Engine(loaded.model, loaded.tokenizer, engine_config, store, model_id=loaded.model_id,
+                  weights_id=loaded.weights_id)
 
 
 def _auto(value: str) -> str | None:
@@ -91,7 +93,7 @@ async def serve(config: ServiceConfig) -> int:
     if loading.done():
         try:
             engine = loading.result()
-        except (UnsupportedArchitecture, OSError, ValueError) as error:
+        except (UnsupportedArchitecture, CatalogueError, OSError, ValueError) as error:
             logger.error("cannot serve %s: %s", config.model, error)
             status = 2
         except Exception:

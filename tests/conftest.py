@@ -46,7 +46,7 @@ def real_model_guard(request, monkeypatch):
     from inference_service.model import weights
     from tests import factories
 
-    real_dir = (weights.model_cache_dir() / weights.DEFAULT_MODEL).resolve()
+    models_dir = weights.model_cache_dir().resolve()
 
     def refuse(what: str):
         def refused(*args, **kwargs):
@@ -57,11 +57,16 @@ def real_model_guard(request, monkeypatch):
     resolve = weights.resolve_model_path
 
     def resolve_guarded(name_or_path: str) -> str:
-        if name_or_path and Path(name_or_path).expanduser().resolve() == real_dir:
-            refuse(f"its converted folder {real_dir}")()
-        return resolve(name_or_path)
+        # Any catalogue model (by name, by its GGUF or by its converted folder) lives under the model cache.
+        if name_or_path and models_dir in Path(name_or_path).expanduser().resolve().parents:
+            refuse(f"a converted folder under {models_dir}")()
+        resolved = resolve(name_or_path)
+        if models_dir in Path(resolved).resolve().parents:
+            refuse(f"{resolved}")()
+        return resolved
 
     monkeypatch.setattr(weights, "prepare_default_model", refuse("prepare_default_model"))
+    monkeypatch.setattr(weights, "prepare_model", refuse("prepare_model"))
     monkeypatch.setattr(weights, "resolve_model_path", resolve_guarded)
     monkeypatch.setattr(factories, "load_smollm2", refuse("load_smollm2"))
     yield

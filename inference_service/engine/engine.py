@@ -28,6 +28,7 @@ from inference_service.kv.repair import MASKABLE_ATTENTION, RepairOptions
 from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_parameters
 from inference_service.model.attention import use_engine_attention
 from inference_service.model.kv_buffers import kv_geometry
+from inference_service.model.weights import state_fingerprint
 from inference_service.store.protocol import ChunkStore
 
 ShouldStop = Callable[[], bool]
@@ -40,8 +41,12 @@ logger = logging.getLogger(__name__)
 class Engine:
     """The product's front to the model: requests, batches, warm-up, verification, info and stats."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig, store: ChunkStore, model_id: str = "") -> None:
+    def __init__(self, model, tokenizer, config: EngineConfig, store: ChunkStore, model_id: str = "",
+                 weights_id: str = "") -> None:
         self.model_id = model_id or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+        # The namespace names the weights, not the name they were asked for by: a catalogue name and a path
+        # to the same file share chunks; other weights under the same name never do.
+        self.weights_id = weights_id or getattr(model, "kvboost_weights_id", "") or state_fingerprint(model)
         geometry = kv_geometry(model.config)
         counters = EngineStats()
         # Rotary parameters for moving stored keys: re-rotating content hits, un-rotating keys before they
@@ -56,7 +61,7 @@ class Engine:
         self.parts = EngineParts(
             model=model, tokenizer=tokenizer, config=config, store=store,
             namespace=namespace_digest(NamespaceSpec(
-                model_id=self.model_id,
+                weights_id=self.weights_id,
                 config_json=canonical_config_json(model.config),
                 dtype=dtype_name(model.dtype),
                 tokenizer_id=tokenizer_identity(tokenizer),

@@ -46,7 +46,7 @@ def tokenizer_identity(tokenizer) -> str:
 class NamespaceSpec:
     """Everything that makes two chunks' K/V bytes incompatible."""
 
-    model_id: str
+    weights_id: str  # a fingerprint of the weights (never the name they were asked for by)
     config_json: str  # canonical JSON of the model config (see canonical_json)
     dtype: str
     tokenizer_id: str

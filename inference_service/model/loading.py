@@ -22,9 +22,10 @@ _DTYPES = {
 class LoadedModel:
     model: Any  # a transformers causal LM in eval mode
     tokenizer: Any
-    model_id: str  # the name or path asked for; part of the cache namespace
+    model_id: str  # the name or path asked for (what /v1/models and logs show)
     path: str  # where the weights were read from
     architecture: ArchitectureCheck
+    weights_id: str = ""  # the weights' fingerprint (weights.weights_fingerprint): the model part of the namespace
 
 
 def pick_device_dtype(device: str | None = None, dtype: str | None = None) -> tuple[torch.device, torch.dtype]:
@@ -56,5 +57,8 @@ def load_model(name_or_path: str, device: str | None = None, dtype: str | None =
     logger.info("loading %s from %s on %s as %s", model_id, path, chosen_device, chosen_dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=chosen_dtype).to(chosen_device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(model, tokenizer, model_id, path, architecture)
+    weights_id = weights.weights_fingerprint(path) or weights.state_fingerprint(model)
+    model.kvboost_weights_id = weights_id  # an Engine built on this model keys its chunks by it
+    logger.info("weights fingerprint %s", weights_id)
+    return LoadedModel(model, tokenizer, model_id, path, architecture, weights_id)
 

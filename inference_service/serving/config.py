@@ -143,7 +143,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--model", default=default("MODEL", defaults.model), help="HF model name or local folder (KVBOOST_MODEL); the default is the embedded SmolLM2")
+    add("--model", default=default("MODEL", defaults.model), help="a catalogue name (SmolLM2-135M-Instruct, the embedded default; qwen2.5-coder-0.5b, qwen2.5-coder-1.5b after `make model MODEL=NAME`), a .gguf file (converted once) or a local HF folder (KVBOOST_MODEL). The cache namespace follows the weights' fingerprint, not this name")
     add("--cache-addr", default=default("CACHE_ADDR", defaults.cache_addr), help="cache daemon HOST:PORT or unix:PATH; empty runs without a cache (KVBOOST_CACHE_ADDR)")
     add("--listen", default=default("LISTEN", defaults.listen), help="HOST:PORT to serve on, or unix:PATH for a socket on this host (KVBOOST_LISTEN)")
     add("--device", default=default("DEVICE", defaults.device), help="auto, cpu, cuda or cuda:N (KVBOOST_DEVICE)")

@@ -15,14 +15,14 @@ from inference_service.kv.chunk_keys import (
 from inference_service.kv.namespace import Namespace, NamespaceSpec, namespace_digest
 
 # The namespace of make_spec(), pinned so any change to the canonical JSON or hashing shows up here.
-PINNED_NAMESPACE_HEX = "342857f0f03976f021d0952dd199cb5964699007fb724622376e1e28896b9178"
+PINNED_NAMESPACE_HEX = "0da9b99c86049bf12f11053f17cbc6e1161210b2f156e539488fff4d26fc85ce"
 # prefix_keys(that namespace, [[1, 2, 3, 4], [5, 6, 7, 8]])[1]
-PINNED_SECOND_PREFIX_KEY_HEX = "eac37a87631d46620fa2cc72bcf661ab0986b6bcccee7584cfc1b1fba87769c5"
+PINNED_SECOND_PREFIX_KEY_HEX = "609e4b852e0f3d366c0bd82a46879a25e97108388759c4d58212f070fee47d09"
 
 
 def make_spec(**overrides) -> NamespaceSpec:
     fields = dict(
-        model_id="tiny-llama",
+        weights_id="state-sha256:tiny-llama",
         config_json='{"layers":2}',
         dtype="float32",
         tokenizer_id="byte-tok",
@@ -58,7 +58,8 @@ def test_namespace_digest_is_sha256_of_sorted_compact_json():
     # Sorted keys, no whitespace; config_json is a string field, so its quotes are escaped.
     expected_json = (
         '{"chunk_size":4,"config_json":"{\\"layers\\":2}","dtype":"float32","format_version":1,'
-        '"kv_cache_bits":16,"model_id":"tiny-llama","tenant_salt":"","tokenizer_id":"byte-tok"}'
+        '"kv_cache_bits":16,"tenant_salt":"","tokenizer_id":"byte-tok",'
+        '"weights_id":"state-sha256:tiny-llama"}'
     )
     namespace = namespace_digest(make_spec())
     assert namespace == sha256(expected_json.encode())
@@ -73,7 +74,7 @@ def test_namespace_digest_is_sha256_of_sorted_compact_json():
         {"chunk_size": 8},
         {"kv_cache_bits": 8},
         {"kv_cache_bits": 4},
-        {"model_id": "tiny-qwen2"},
+        {"weights_id": "state-sha256:tiny-qwen2"},
         {"config_json": '{"layers":3}'},
         {"tokenizer_id": "other-tok"},
         {"format_version": 2},

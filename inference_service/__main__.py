@@ -58,6 +58,7 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
         selective_tokens=config.selective_tokens,
         sink_tokens=config.sink_tokens,
         overlap_tokens=config.overlap_tokens,
+        guard_threshold=config.guard_threshold,
         kv_group_size=config.kv_group_size,
         kv_keys_before_rope=config.kv_keys_before_rope,
         max_running_requests=config.max_running_requests,

@@ -252,6 +252,7 @@ class Engine:
             "chunk_size": self.config.chunk_size,
             "kv_cache_bits": self.config.kv_cache_bits,
             "namespace_hex": self.namespace.hex(),
+            "weights_id": self.weights_id,
             "default_recompute_strategy": self.config.default_recompute_strategy,
         }
 

@@ -98,6 +98,8 @@ def _run_whole(seq: Sequence, buffers: Buffers) -> int:
             # Named before the context counts the content chunks: only chunks before the first one are exact.
             pending = exact_pending_chunks(parts.namespace, prompt, context, reused, seq.request_id)
             context.num_recomputed_tokens = reused.num_recomputed_tokens
+            context.repair_checked, context.repair_risk = reused.repair_checked, reused.repair_risk
+            context.fidelity_guard = reused.fidelity_guard
             context.num_bytes_fetched += reused.num_bytes_fetched
             context.num_cached_chunks += reused.num_content_chunks
             context.degraded = reused.degraded

@@ -138,8 +138,10 @@ class Sequence:
         if self.source is not None:  # counted as the shared prefix gave it: what the store held of it
             num_cached = min(self.source.num_cached, self.num_shared_tokens)
         if index > 0:
-            return outcome_of(self.params, self.mode, self.prompt.num_tokens, num_cached,
-                              context.num_recomputed_tokens, decoded, context.degraded, index)
+            outcome = outcome_of(self.params, self.mode, self.prompt.num_tokens, num_cached,
+                                 context.num_recomputed_tokens, decoded, context.degraded, index)
+            outcome.repair_risk, outcome.fidelity_guard = context.repair_risk, context.fidelity_guard
+            return outcome
         label = self.label + (f" {self.params.n} choices" if self.params.n > 1 else "")
         return record_outcome(self.parts, self.params, self.mode, self.prompt, context, num_cached, decoded,
                               count_fetched=self.count_fetched, label=label)

@@ -20,6 +20,10 @@ class RepairOptions:
     selective_tokens: int = 16  # selective: APPROX tokens recomputed after each seam
     sink_tokens: int = 0  # selective, cacheblend: the first tokens of the prompt are always recomputed
     check_layers: int = 1  # cacheblend: leading layers recomputed for every non-EXACT token
+    # cacheblend: the fidelity guard. When the K/V error left unrepaired at the check layer (risk, see
+    # _residual_risk) exceeds this share, every non-EXACT token is recomputed (the answer is then full
+    # prefill's). 0 disables the guard.
+    guard_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         assert self.strategy in STRATEGIES, f"strategy must be one of {STRATEGIES}, got {self.strategy!r}"
@@ -27,6 +31,7 @@ class RepairOptions:
         assert self.selective_tokens >= 0, f"selective_tokens must be >= 0, got {self.selective_tokens}"
         assert self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}"
         assert self.check_layers >= 1, f"check_layers must be >= 1, got {self.check_layers}"
+        assert self.guard_threshold >= 0.0, f"guard_threshold must be >= 0, got {self.guard_threshold}"
 
 
 @dataclass(slots=True)
@@ -34,6 +39,8 @@ class RepairResult:
     cache: object  # transformers DynamicCache holding all S positions
     last_logits: torch.Tensor  # [vocab], float32, for the last prompt token
     num_recomputed: int  # APPROX tokens whose K/V were recomputed through the last layer
+    risk: float = 0.0  # cacheblend: the share of check-layer K/V error the chosen tokens left unrepaired
+    guarded: bool = False  # the fidelity guard fired: every APPROX token was recomputed
 
 
 def seam_positions(status: torch.Tensor, seams: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,8 +124,9 @@ def repair_prefill(
     runner = _LayerwiseForward(model, keys, values)
     _check_inputs(runner, input_ids, status)
     status = status.to(keys[0].device)
+    risk, guarded = 0.0, False
     if options.strategy == "cacheblend":
-        chosen, hidden = _cacheblend(runner, input_ids, status, options, token_scores)
+        chosen, hidden, risk, guarded = _cacheblend(runner, input_ids, status, options, token_scores)
     else:
         chosen = (status == MISSING).nonzero().flatten()
         if options.strategy == "selective":
@@ -130,6 +138,8 @@ def repair_prefill(
         cache=_cache_over(runner.config, keys, values),
         last_logits=runner.logits(hidden[:, -1:])[0, -1].float(),
         num_recomputed=int((status[chosen] == APPROX).sum()),
+        risk=risk,
+        guarded=guarded,
     )
 
 
@@ -140,13 +150,16 @@ def _cacheblend(runner: _LayerwiseForward, input_ids, status, options: RepairOpt
     fresh K/V are spliced in, their deviation from the cached ones picks the tokens, and layers c.. run
     on the picked tokens only, attending to cached K/V everywhere else.
 
-    Returns (chosen positions [n], hidden states after the last layer [1, n, hidden]).
+    The fidelity guard (options.guard_threshold > 0): when the chosen tokens leave more than that share
+    of the check layer's K/V error unrepaired, every non-EXACT token runs the later layers instead.
+
+    Returns (chosen positions [n], hidden states after the last layer [1, n, hidden], risk, guarded).
     """
     live = (status != EXACT).nonzero().flatten()
     check = min(options.check_layers, runner.num_layers)
     hidden = runner.run(runner.embed(input_ids, live), live, range(check))
     if check == runner.num_layers:
-        return live, hidden
+        return live, hidden, 0.0, False
     approx = (status == APPROX).nonzero().flatten()
     cached_keys = runner.keys[check][:, :, approx].clone()  # [1, kv_heads, #approx, head_dim]
     cached_values = runner.values[check][:, :, approx].clone()
@@ -157,8 +170,25 @@ def _cacheblend(runner: _LayerwiseForward, input_ids, status, options: RepairOpt
     )
     scores = deviation if token_scores is None else token_scores.to(deviation)
     chosen = select_tokens(scores, status, options.recompute_ratio, options.sink_tokens)
+    risk = _residual_risk(deviation, approx, chosen, cached_keys, cached_values)
+    guarded = 0.0 < options.guard_threshold < risk
+    if guarded:
+        chosen = live
     rows = torch.searchsorted(live, chosen)  # chosen ⊆ live, both sorted
-    return chosen, runner.run(hidden[:, rows], chosen, range(check, runner.num_layers))
+    return chosen, runner.run(hidden[:, rows], chosen, range(check, runner.num_layers)), risk, guarded
+
+
+def _residual_risk(deviation: torch.Tensor, approx: torch.Tensor, chosen: torch.Tensor,
+                   cached_keys: torch.Tensor, cached_values: torch.Tensor) -> float:
+    """Squared K/V deviation at the check layer of the APPROX tokens left unchosen, relative to the squared
+    norm of all APPROX tokens' cached K/V there: 0 when repair fixes everything that deviates."""
+    if approx.numel() == 0:
+        return 0.0
+    left = torch.ones(deviation.numel(), dtype=torch.bool, device=deviation.device)
+    left[chosen] = False
+    unrepaired = float(deviation[approx][left[approx]].sum())
+    norm = float(cached_keys.float().pow(2).sum() + cached_values.float().pow(2).sum())
+    return unrepaired / norm if norm > 0 else 0.0
 
 
 def _cache_over(config, keys: list[torch.Tensor], values: list[torch.Tensor]):

@@ -13,6 +13,8 @@ class _Counters:
     partial_cached_tokens: int = 0  # of cached_tokens, those from a stored partial chunk
     recomputed_tokens: int = 0  # of cached_tokens, those whose K/V repair recomputed
     computed_tokens: int = 0  # prompt tokens prefilled (not cached)
+    guard_checks: int = 0  # requests whose content hits cacheblend's risk was measured for
+    guard_fallbacks: int = 0  # of those, the ones the fidelity guard recomputed in full
     chunks_fetched: int = 0
     chunks_stored: int = 0
     bytes_fetched: int = 0
@@ -41,6 +43,11 @@ class EngineStats:
             if ttft_ms is not None:
                 counters.requests_with_first_token += 1
                 counters.total_ttft_ms += ttft_ms
+
+    def add_guard(self, fell_back: bool) -> None:
+        with self._lock:
+            self._counters.guard_checks += 1
+            self._counters.guard_fallbacks += fell_back
 
     def add_stored(self, chunks: int, num_bytes: int) -> None:
         with self._lock:

@@ -146,6 +146,7 @@ def repair_options(parts: EngineParts, params: GenerationParams | None = None) -
         selective_tokens=pick("selective_tokens", config.selective_tokens),
         sink_tokens=pick("sink_tokens", config.sink_tokens),
         check_layers=min(config.check_layers, max(1, parts.geometry.num_layers - 1)),
+        guard_threshold=config.guard_threshold,
     )
 
 
@@ -208,6 +209,9 @@ def record_outcome(parts: EngineParts, params: GenerationParams, mode: str, prom
     """
     outcome = outcome_of(params, mode, prompt.num_tokens, num_cached, context.num_recomputed_tokens, decoded,
                          context.degraded, index)
+    outcome.repair_risk, outcome.fidelity_guard = context.repair_risk, context.fidelity_guard
+    if context.repair_checked:
+        parts.counters.add_guard(context.fidelity_guard)
     parts.counters.add_request(prompt.num_tokens, num_cached, context.num_recomputed_tokens,
                                context.num_fetched_blobs if count_fetched else 0,
                                context.num_bytes_fetched if count_fetched else 0,

@@ -42,6 +42,7 @@ class EngineConfig:
     sink_tokens: int = 0  # content-hit tokens among the first N of a prompt are always recomputed
     overlap_tokens: int = 0  # the first N tokens of every content-hit run are recomputed with their real left context
     check_layers: int = 1  # cacheblend: leading layers run on every non-exact token to measure deviation
+    guard_threshold: float = 0.0  # cacheblend: recompute every content hit above this risk (0: guard off)
     kv_group_size: int = 0  # quantization group (tokens for keys, channels for values) at 8 and 4 bits; 0: 64 at 8, 128 at 4
     kv_keys_before_rope: bool = False  # at 8 and 4 bits, keys are quantized un-rotated (where the RoPE allows it)
     # The step loop: requests running at once (a request with n completions decodes as n rows, one K/V slot each), the K/V memory they may hold
@@ -69,6 +70,7 @@ class EngineConfig:
         assert self.default_recompute_strategy in RECOMPUTE_STRATEGIES, (
             f"default_recompute_strategy must be one of {RECOMPUTE_STRATEGIES}, got {self.default_recompute_strategy!r}")
         assert 0.0 < self.recompute_ratio <= 1.0, f"recompute_ratio must be in (0, 1], got {self.recompute_ratio}"
+        assert self.guard_threshold >= 0.0, f"guard_threshold must be >= 0, got {self.guard_threshold}"
         assert self.selective_tokens >= 0, f"selective_tokens must be >= 0, got {self.selective_tokens}"
         assert self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}"
         assert self.overlap_tokens >= 0, f"overlap_tokens must be >= 0, got {self.overlap_tokens}"
@@ -198,6 +200,8 @@ class GenerationOutcome:
     degraded: bool  # the cache was unreachable for this request
     request_id: str
     index: int = 0  # which of the request's n completions
+    repair_risk: float = 0.0  # cacheblend: check-layer K/V error left unrepaired (share)
+    fidelity_guard: bool = False  # the guard recomputed every content-hit token
 
 
 @dataclass(slots=True, frozen=True)

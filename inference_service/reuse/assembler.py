@@ -36,6 +36,9 @@ class AssembledContext:
     # The stored partial chunk placed after the leading chunks (its tokens are in num_cached_tokens); None: none.
     partial_key: bytes | None = None
     num_partial_tokens: int = 0  # of num_cached_tokens, those the partial chunk held
+    repair_checked: bool = False  # cacheblend measured the content hits' risk (see kv.repair)
+    repair_risk: float = 0.0
+    fidelity_guard: bool = False  # the guard recomputed every content-hit token
 
     @property
     def num_fetched_blobs(self) -> int:

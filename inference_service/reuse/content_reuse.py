@@ -45,6 +45,9 @@ class ContentPrefill:
     value_buffer: torch.Tensor
     num_exact_tokens: int  # tokens [0, n) have exact K/V: only chunks inside may be stored
     degraded: bool = False  # the cache became unreachable while fetching content hits
+    repair_checked: bool = False  # cacheblend measured the risk
+    repair_risk: float = 0.0  # the check layer's K/V error left unrepaired (share)
+    fidelity_guard: bool = False  # the guard fired: every content-hit token was recomputed
 
 
 def place_content_hits(
@@ -165,6 +168,9 @@ def prefill_with_content_hits(
         value_buffer=placed.value_buffer,
         num_exact_tokens=exact_prefix_length(placed.status),
         degraded=placed.degraded,
+        repair_checked=options.strategy == "cacheblend",
+        repair_risk=result.risk,
+        fidelity_guard=result.guarded,
     )
 
 

@@ -43,6 +43,7 @@ class ServiceConfig:
     selective_tokens: int = 16
     sink_tokens: int = 0
     overlap_tokens: int = 0
+    guard_threshold: float = 0.0  # --fidelity-guard; 0: off
     kv_group_size: int = 0  # 0: the codec's default for the bits (64 at 8 bits, 128 at 4)
     kv_keys_before_rope: bool = False  # at 8 and 4 bits, quantize keys un-rotated (opt-in: see --help)
     max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
@@ -81,6 +82,8 @@ class ServiceConfig:
         _require(self.selective_tokens >= 0, f"--selective-tokens must be >= 0, got {self.selective_tokens}")
         _require(self.sink_tokens >= 0, f"--sink-tokens must be >= 0, got {self.sink_tokens}")
         _require(self.overlap_tokens >= 0, f"--overlap-k must be >= 0, got {self.overlap_tokens}")
+        _require(self.guard_threshold >= 0 and self.guard_threshold == self.guard_threshold,
+                 f"--fidelity-guard must be a share >= 0 (0 = off), got {self.guard_threshold}")
         _require(0 <= self.kv_group_size <= 65535, f"--kv-group-size must be in 0..65535, got {self.kv_group_size}")
         _require(self.max_queue > 0, f"--max-queue must be positive, got {self.max_queue}")
         _require(self.max_running_requests > 0, f"--max-running-requests must be positive, got {self.max_running_requests}")
@@ -157,6 +160,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--recompute-ratio", type=float, default=default("RECOMPUTE_RATIO", defaults.recompute_ratio), help="cacheblend: share of content-hit tokens recomputed in the later layers, (0, 1] (KVBOOST_RECOMPUTE_RATIO)")
     add("--selective-tokens", type=int, default=default("SELECTIVE_TOKENS", defaults.selective_tokens), help="selective: content-hit tokens recomputed after each seam (KVBOOST_SELECTIVE_TOKENS)")
     add("--sink-tokens", type=int, default=default("SINK_TOKENS", defaults.sink_tokens), help="selective, cacheblend: content-hit tokens among the first N of a prompt are always recomputed (KVBOOST_SINK_TOKENS)")
+    add("--fidelity-guard", dest="guard_threshold", type=float, default=default("FIDELITY_GUARD", defaults.guard_threshold), help="cacheblend: when the content hits' K/V error left unrepaired at the check layer exceeds this share, recompute every content-hit token (the answer is then full prefill's); 0 = off; docs/benchmarks.md has the measured trade-off (KVBOOST_FIDELITY_GUARD)")
     add("--overlap-k", dest="overlap_tokens", type=int, default=default("OVERLAP_K", defaults.overlap_tokens), help="the first K tokens of every content-hit run are recomputed with their real left context, whatever the strategy (KVBOOST_OVERLAP_K)")
     add("--kv-group-size", type=int, default=default("KV_GROUP_SIZE", defaults.kv_group_size), help="quantization group at 8 and 4 bits: tokens per key scale, channels per value scale; 0 picks 64 at 8 bits, 128 at 4 (KVBOOST_KV_GROUP_SIZE)")
     add("--kv-keys-before-rope", action=argparse.BooleanOptionalAction,

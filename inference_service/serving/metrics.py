@@ -23,6 +23,9 @@ COUNTERS = {
                               "of the cached prompt tokens, those from stored partial chunks (the rest: whole chunks)"),
     "recomputed_tokens": ("kvboost_engine_recomputed_tokens", "cached prompt tokens whose K/V repair recomputed"),
     "computed_tokens": ("kvboost_engine_computed_tokens", "prompt tokens prefilled because nothing cached held them"),
+    "guard_checks": ("kvboost_engine_guard_checks", "requests whose content hits the fidelity guard measured"),
+    "guard_fallbacks": ("kvboost_engine_guard_fallbacks",
+                        "requests the fidelity guard sent to full recompute of their content hits"),
 }
 
 

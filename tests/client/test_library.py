@@ -28,7 +28,7 @@ from tests.conftest import pick_free_port
 GENERATION_RESULT_FIELDS = [
     "output_text", "generated_tokens", "ttft_ms", "total_ms", "tokens_per_sec", "kv_reuse_ratio",
     "prompt_tokens", "cached_tokens", "recomputed_tokens", "mode", "finish_reason", "output_token_ids",
-    "degraded", "request_id", "index",
+    "degraded", "request_id", "index", "repair_risk", "fidelity_guard",
 ]
 
 
@@ -119,7 +119,7 @@ def test_generate_streams_text_then_holds_the_result(client, inference) -> None:
         "output_text": "Hello world", "generated_tokens": 2, "ttft_ms": 12.5, "total_ms": 20.0,
         "tokens_per_sec": 100.0, "kv_reuse_ratio": 0.75, "prompt_tokens": 8, "cached_tokens": 6,
         "recomputed_tokens": 1, "mode": "BASELINE", "finish_reason": "length", "output_token_ids": (11, 12),
-        "degraded": False, "request_id": "req-1", "index": 0,
+        "degraded": False, "request_id": "req-1", "index": 0, "repair_risk": 0.0, "fidelity_guard": False,
     }
     json.dumps(result.to_dict())  # serialisable as it is
     sent = inference.requests[0]

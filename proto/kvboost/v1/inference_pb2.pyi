@@ -112,7 +112,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
-    __slots__ = ("output_text", "generated_tokens", "ttft_ms", "total_ms", "tokens_per_sec", "kv_reuse_ratio", "prompt_tokens", "cached_tokens", "recomputed_tokens", "mode", "finish_reason", "output_token_ids", "degraded", "request_id", "index")
+    __slots__ = ("output_text", "generated_tokens", "ttft_ms", "total_ms", "tokens_per_sec", "kv_reuse_ratio", "prompt_tokens", "cached_tokens", "recomputed_tokens", "mode", "finish_reason", "output_token_ids", "degraded", "request_id", "index", "repair_risk", "fidelity_guard")
     OUTPUT_TEXT_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class GenerationResult(_message.Message):
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_RISK_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_GUARD_FIELD_NUMBER: _ClassVar[int]
     output_text: str
     generated_tokens: int
     ttft_ms: float
@@ -143,7 +145,9 @@ class GenerationResult(_message.Message):
     degraded: bool
     request_id: str
     index: int
-    def __init__(self, output_text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_sec: _Optional[float] = ..., kv_reuse_ratio: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., degraded: _Optional[bool] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+    repair_risk: float
+    fidelity_guard: bool
+    def __init__(self, output_text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_sec: _Optional[float] = ..., kv_reuse_ratio: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., degraded: _Optional[bool] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ..., repair_risk: _Optional[float] = ..., fidelity_guard: _Optional[bool] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("text", "token_ids", "result", "index", "logprobs", "prompt_logprobs")
@@ -256,7 +260,7 @@ class ServiceStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceStatsReply(_message.Message):
-    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes", "read_mode", "stream_fetches", "partial_cached_tokens", "computed_tokens")
+    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes", "read_mode", "stream_fetches", "partial_cached_tokens", "computed_tokens", "guard_checks", "guard_fallbacks")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +282,8 @@ class ServiceStatsReply(_message.Message):
     STREAM_FETCHES_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GUARD_CHECKS_FIELD_NUMBER: _ClassVar[int]
+    GUARD_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     rejected: int
     prompt_tokens: int
@@ -299,14 +305,16 @@ class ServiceStatsReply(_message.Message):
     stream_fetches: int
     partial_cached_tokens: int
     computed_tokens: int
-    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., read_mode: _Optional[str] = ..., stream_fetches: _Optional[int] = ..., partial_cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+    guard_checks: int
+    guard_fallbacks: int
+    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., read_mode: _Optional[str] = ..., stream_fetches: _Optional[int] = ..., partial_cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., guard_checks: _Optional[int] = ..., guard_fallbacks: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfoReply(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "device", "num_layers", "num_kv_heads", "head_dim", "max_context", "chunk_size", "kv_cache_bits", "namespace_hex", "default_recompute_strategy")
+    __slots__ = ("model", "architecture", "dtype", "device", "num_layers", "num_kv_heads", "head_dim", "max_context", "chunk_size", "kv_cache_bits", "namespace_hex", "default_recompute_strategy", "weights_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +327,7 @@ class ModelInfoReply(_message.Message):
     KV_CACHE_BITS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_HEX_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_RECOMPUTE_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -331,7 +340,8 @@ class ModelInfoReply(_message.Message):
     kv_cache_bits: int
     namespace_hex: str
     default_recompute_strategy: RecomputeStrategy
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_context: _Optional[int] = ..., chunk_size: _Optional[int] = ..., kv_cache_bits: _Optional[int] = ..., namespace_hex: _Optional[str] = ..., default_recompute_strategy: _Optional[_Union[RecomputeStrategy, str]] = ...) -> None: ...
+    weights_id: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_context: _Optional[int] = ..., chunk_size: _Optional[int] = ..., kv_cache_bits: _Optional[int] = ..., namespace_hex: _Optional[str] = ..., default_recompute_strategy: _Optional[_Union[RecomputeStrategy, str]] = ..., weights_id: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "messages", "add_special_tokens", "add_generation_prompt")

@@ -162,3 +162,25 @@ def test_attention_without_a_4d_mask_falls_back_to_prefix_reuse(tiny_llama, monk
     outcome = run(engine, segments=SEGMENTS, mode="chunk_kv_reuse")
     assert outcome.cached_tokens == 0
     assert outcome.output_token_ids == reference_ids(model, prompt_ids(tiny_llama[1]))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_the_fidelity_guard_reports_and_falls_back_to_plain_generate(fixture, request):
+    model_and_tokenizer = request.getfixturevalue(fixture)
+    tokenizer = model_and_tokenizer[1]
+    expected = reference_ids(model_and_tokenizer[0], prompt_ids(tokenizer))
+    measured = content_engine(model_and_tokenizer)
+    first = run(measured, segments=SEGMENTS, mode="chunk_kv_reuse", recompute_strategy="cacheblend",
+                recompute_ratio=0.15)
+    assert first.repair_risk > 0 and not first.fidelity_guard
+    assert (measured.stats()["guard_checks"], measured.stats()["guard_fallbacks"]) == (1, 0)
+    guarded = content_engine(model_and_tokenizer, guard_threshold=first.repair_risk / 2)
+    outcome = run(guarded, segments=SEGMENTS, mode="chunk_kv_reuse", recompute_strategy="cacheblend",
+                  recompute_ratio=0.15)
+    assert outcome.fidelity_guard and outcome.repair_risk == pytest.approx(first.repair_risk)
+    assert outcome.recomputed_tokens == outcome.cached_tokens == document_tokens(tokenizer)
+    assert outcome.output_token_ids == expected  # every content hit recomputed: plain generate's answer
+    assert (guarded.stats()["guard_checks"], guarded.stats()["guard_fallbacks"]) == (1, 1)
+    result = convert.generation_result(outcome)
+    assert result.fidelity_guard and result.repair_risk == pytest.approx(first.repair_risk)
+    assert convert.stats_reply(guarded.stats()).guard_fallbacks == 1

@@ -308,3 +308,37 @@ def test_cacheblend_repairs_real_documents_on_smollm2(smollm2):
     assert kl_none > 1e-3, "documents warmed alone must be approximate in the new context"
     assert kl_to_full(strategy="cacheblend", recompute_ratio=0.3) < kl_none
     assert kl_to_full(strategy="cacheblend", recompute_ratio=1.0) < 1e-6
+
+
+# ---- the fidelity guard --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_guard_measures_risk_and_falls_back_to_full_prefill(kind):
+    model = make_model(kind, num_layers=4)
+    input_ids, keys, values, status, _ = reused_documents_prompt(model)
+    logits, full_keys, _ = full_prefill(model, input_ids)
+    risks = [run_repair(model, input_ids, keys, values, status, strategy="cacheblend", recompute_ratio=ratio).risk
+             for ratio in (0.05, 0.15, 0.5, 1.0)]
+    assert risks[0] > 0 and risks == sorted(risks, reverse=True) and risks[-1] == 0.0  # more repaired, less left
+    unguarded = run_repair(model, input_ids, keys, values, status, strategy="cacheblend", recompute_ratio=0.15)
+    calm = run_repair(model, input_ids, keys, values, status, strategy="cacheblend", recompute_ratio=0.15,
+                      guard_threshold=risks[1] * 2)
+    assert not calm.guarded and calm.num_recomputed == unguarded.num_recomputed == 18
+    torch.testing.assert_close(calm.last_logits, unguarded.last_logits, atol=0, rtol=0)
+    fired = run_repair(model, input_ids, keys, values, status, strategy="cacheblend", recompute_ratio=0.15,
+                       guard_threshold=risks[1] / 2)
+    assert fired.guarded and fired.num_recomputed == 120 and fired.risk == pytest.approx(risks[1])
+    torch.testing.assert_close(fired.last_logits, logits, atol=1e-4, rtol=0)  # full prefill's answer
+    torch.testing.assert_close(fired.cache.layers[3].keys, full_keys[3], atol=1e-4, rtol=0)
+    assert (unguarded.last_logits - logits).abs().max() > 1e-3  # the guard changed something
+
+
+def test_the_guard_is_off_at_zero_and_only_measures_cacheblend():
+    model = make_model("llama", num_layers=4)
+    input_ids, keys, values, status, _ = reused_documents_prompt(model)
+    assert not run_repair(model, input_ids, keys, values, status, strategy="cacheblend", guard_threshold=0.0).guarded
+    selective = run_repair(model, input_ids, keys, values, status, strategy="selective", guard_threshold=1e-12)
+    assert (selective.risk, selective.guarded) == (0.0, False)
+    with pytest.raises(AssertionError, match="guard_threshold"):
+        RepairOptions(guard_threshold=-0.1)

@@ -11,6 +11,15 @@ hits, mean first-token KL, and bytes stored.
 
     python bench/bench_accuracy.py            # 100 questions, all 52 identity prompts
     python bench/bench_accuracy.py --quick    # 24 questions, 12 identity prompts
+
+The fidelity guard (--fidelity-guard on the service) is tuned and checked on two splits of the questions: on
+the development split every column runs and each cacheblend request reports its risk (the check layer's K/V
+error left unrepaired); the threshold kept is the largest whose guarded answers (full prefill's where the risk
+exceeds it) stay within --guard-target of full prefill's accuracy there. The held-out split then runs a real
+guarded engine at that threshold beside the other columns. Accuracy comes with a 95% bootstrap interval.
+
+    python bench/bench_accuracy.py --model qwen2.5-coder-0.5b --no-identity --questions 120 \
+        --columns "full prefill,reuse none,selective,cacheblend 15%,cacheblend 30%"
 """
 from __future__ import annotations
 
@@ -47,6 +56,7 @@ class Column:
     bits: int = 16
     strategy: str | None = None  # repair of content hits (CHUNK_KV_REUSE columns)
     ratio: float | None = None  # cacheblend recompute ratio; 0.0 plots `none`
+    guard: float = 0.0  # the fidelity guard's threshold (0: off)
 
 
 def columns() -> list[Column]:
@@ -63,9 +73,10 @@ def columns() -> list[Column]:
     ]
 
 
-def make_engine(loaded, bits: int, chunk_size: int, keys_before_rope: bool = False) -> Engine:
+def make_engine(loaded, bits: int, chunk_size: int, keys_before_rope: bool = False, guard: float = 0.0) -> Engine:
     """An engine with its own in-process store (so columns never share chunks), warmed up once."""
-    config = EngineConfig(chunk_size=chunk_size, kv_cache_bits=bits, kv_keys_before_rope=keys_before_rope)
+    config = EngineConfig(chunk_size=chunk_size, kv_cache_bits=bits, kv_keys_before_rope=keys_before_rope,
+                          guard_threshold=guard)
     engine = Engine(loaded.model, loaded.tokenizer, config, InMemoryStore(), model_id=loaded.model_id)
     engine.generate(GenerationParams(prompt="Warm-up.", max_new_tokens=1, mode="baseline"))
     return engine
@@ -82,13 +93,16 @@ def ask(engine: Engine, column: Column, max_new_tokens: int, **prompt):
     return outcome, first_logits
 
 
-def run_questions(loaded, documents, questions, chunk_size: int, max_new_tokens: int) -> dict:
-    cols = columns()
-    engines = [make_engine(loaded, column.bits, chunk_size) for column in cols]
+def run_questions(loaded, documents, questions, chunk_size: int, max_new_tokens: int,
+                  cols: list[Column] | None = None) -> dict:
+    cols = cols or columns()
+    assert cols[0].name == "full prefill", "full prefill runs first: it is every column's reference"
+    engines = [make_engine(loaded, column.bits, chunk_size, guard=column.guard) for column in cols]
     for engine in engines:
         for document in documents:
             engine.warm(document_segment(document), content_addressed=True)
-    rows = {column.name: {"correct": [], "agree": [], "kl": [], "ttft_ms": [], "reuse": [], "recomputed": []}
+    rows = {column.name: {"correct": [], "agree": [], "kl": [], "ttft_ms": [], "reuse": [], "recomputed": [],
+                          "risk": [], "guarded": []}
             for column in cols}
     for number, question in enumerate(questions):
         segments = chat_segments(loaded.tokenizer, documents, question)
@@ -104,6 +118,8 @@ def run_questions(loaded, documents, questions, chunk_size: int, max_new_tokens:
             row["ttft_ms"].append(outcome.ttft_ms)
             row["reuse"].append(outcome.kv_reuse_ratio)
             row["recomputed"].append(outcome.recomputed_tokens / max(1, outcome.cached_tokens))
+            row["risk"].append(outcome.repair_risk)
+            row["guarded"].append(outcome.fidelity_guard)
         if (number + 1) % 10 == 0:
             print(f"  {number + 1}/{len(questions)} questions", flush=True)
     for engine in engines:
@@ -170,6 +186,46 @@ STORAGE = (("16-bit", 16, False), ("8-bit", 8, False), ("8-bit, keys before RoPE
            ("4-bit", 4, False), ("4-bit, keys before RoPE", 4, True))
 
 
+def bootstrap_interval(values: list[bool], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean of values (questions resampled with replacement)."""
+    import random
+
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(draws))
+    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+
+
+def guarded_answers(full: dict, blend: dict, threshold: float) -> tuple[list[bool], list[float], float]:
+    """(correct, TTFT ms, share fallen back) had the guard run at threshold on these questions: full prefill's
+    answer and TTFT where the risk exceeds it (an upper bound on the guarded request's cost), cacheblend's
+    elsewhere."""
+    fired = [0.0 < threshold < risk for risk in blend["risk"]]
+    correct = [f_ok if fire else b_ok for fire, f_ok, b_ok in zip(fired, full["correct"], blend["correct"])]
+    ttft = [f_ms if fire else b_ms for fire, f_ms, b_ms in zip(fired, full["ttft_ms"], blend["ttft_ms"])]
+    return correct, ttft, sum(fired) / max(1, len(fired))
+
+
+def guard_curve(rows: dict, column: str) -> list[dict]:
+    """The trade-off of the guard over every threshold that changes a decision on these questions."""
+    full, blend = rows["full prefill"], rows[column]
+    full_ttft = statistics.median(full["ttft_ms"])
+    thresholds = sorted({risk for risk in blend["risk"] if risk > 0}) + [float("inf")]
+    curve = []
+    for threshold in [t * (1 - 1e-9) for t in thresholds[:-1]] + [thresholds[-1]]:
+        correct, ttft, fallen = guarded_answers(full, blend, threshold)
+        curve.append({"threshold": threshold, "accuracy": statistics.mean(correct), "fallback_share": fallen,
+                      "ttft_ratio": statistics.median(ttft) / full_ttft})
+    return curve
+
+
+def tune_guard(rows: dict, column: str, target: float) -> float:
+    """The largest threshold (fewest fallbacks) whose guarded accuracy is within target of full prefill's."""
+    floor = statistics.mean(rows["full prefill"]["correct"]) - target
+    passing = [point["threshold"] for point in guard_curve(rows, column) if point["accuracy"] >= floor]
+    return max(passing) if passing else min(r for r in rows[column]["risk"] if r > 0) * 0.5
+
+
 def summarize(run: dict) -> list[dict]:
     rows = run["rows"]
     full_ttft = statistics.median(rows["full prefill"]["ttft_ms"])
@@ -177,8 +233,10 @@ def summarize(run: dict) -> list[dict]:
     for column in run["columns"]:
         row = rows[column.name]
         ttft = statistics.median(row["ttft_ms"])
+        low, high = bootstrap_interval(row["correct"])
         table.append({
-            "column": column.name, "ratio": column.ratio,
+            "column": column.name, "ratio": column.ratio, "accuracy_ci": [low, high],
+            "fallback_share": statistics.mean(row["guarded"]) if row["guarded"] else 0.0,
             "accuracy": statistics.mean(row["correct"]), "agreement": statistics.mean(row["agree"]),
             "first_token_kl": statistics.mean(row["kl"]), "ttft_ms": ttft, "ttft_ratio": ttft / full_ttft,
             "reused": statistics.mean(row["reuse"]), "recomputed": statistics.mean(row["recomputed"]),
@@ -194,13 +252,15 @@ def print_tables(table: list[dict], identity: dict) -> None:
 
 
 def print_questions(table: list[dict]) -> None:
-    header = (f"{'column':<16} {'accuracy':>8} {'agree':>6} {'1st-tok KL':>10} {'TTFT ms':>8} {'x full':>6} "
-              f"{'reused':>6} {'recomp':>6}")
+    header = (f"{'column':<22} {'accuracy':>8} {'95% CI':>13} {'agree':>6} {'1st-tok KL':>10} {'TTFT ms':>8} "
+              f"{'x full':>6} {'reused':>6} {'recomp':>6} {'guarded':>7}")
     print(header)
     print("-" * len(header))
     for r in table:
-        print(f"{r['column']:<16} {r['accuracy']:>8.3f} {r['agreement']:>6.3f} {r['first_token_kl']:>10.4f} "
-              f"{r['ttft_ms']:>8.1f} {r['ttft_ratio']:>6.2f} {r['reused']:>6.2f} {r['recomputed']:>6.2f}")
+        low, high = r["accuracy_ci"]
+        print(f"{r['column']:<22} {r['accuracy']:>8.3f} {f'[{low:.3f}, {high:.3f}]':>13} {r['agreement']:>6.3f} "
+              f"{r['first_token_kl']:>10.4f} {r['ttft_ms']:>8.1f} {r['ttft_ratio']:>6.2f} {r['reused']:>6.2f} "
+              f"{r['recomputed']:>6.2f} {r['fallback_share']:>7.2f}")
 
 
 def print_identity(identity: dict) -> None:
@@ -215,7 +275,7 @@ def print_identity(identity: dict) -> None:
               f"{r['token_agreement']:>11.3f} {r['first_token_kl']:>10.2e} {r['bytes_stored']:>12d} {fewer:>7.2f} {fewer_fp16:>17.2f}")
 
 
-def write_plot(table: list[dict], path: Path) -> None:
+def write_plot(table: list[dict], path: Path, model_name: str = "SmolLM2-135M") -> None:
     plt = pyplot()
     by_name = {r["column"]: r for r in table}
     blend = sorted((r for r in table if r["ratio"] is not None), key=lambda r: r["ratio"])
@@ -223,13 +283,34 @@ def write_plot(table: list[dict], path: Path) -> None:
     for axis, key, label in ((axes[0], "accuracy", "answer accuracy"), (axes[1], "ttft_ratio", "TTFT / full prefill")):
         axis.plot([r["ratio"] for r in blend], [r[key] for r in blend], marker="o", label="content reuse + cacheblend")
         for name, style in (("full prefill", "k--"), ("prefix cache", "c:"), ("selective", "m-.")):
-            axis.axhline(by_name[name][key], color=style[0], linestyle=style[1:], label=name)
+            if name in by_name:
+                axis.axhline(by_name[name][key], color=style[0], linestyle=style[1:], label=name)
         for name, marker in (("int8 (cb 15%)", "s"), ("int4 (cb 15%)", "^")):
-            axis.plot([0.15], [by_name[name][key]], marker=marker, linestyle="", label=name)
+            if name in by_name:
+                axis.plot([0.15], [by_name[name][key]], marker=marker, linestyle="", label=name)
         axis.set_xlabel("recompute ratio (0 = repair none)")
         axis.set_ylabel(label)
         axis.legend(fontsize=7)
-    figure.suptitle("SmolLM2-135M, RAG questions over documents reused in new orders")
+    figure.suptitle(f"{model_name}, RAG questions over documents reused in new orders")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def write_tradeoff_plot(table: list[dict], curve: list[dict], model_name: str, path: Path) -> None:
+    """Accuracy against TTFT (× full prefill): every column of the held-out split, and the guard's curve over
+    thresholds measured on the development split."""
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(6, 4.5))
+    axis.plot([point["ttft_ratio"] for point in curve], [point["accuracy"] for point in curve], color="0.6",
+              marker=".", label="guard thresholds (development split)")
+    for row in table:
+        low, high = row["accuracy_ci"]
+        axis.errorbar([row["ttft_ratio"]], [row["accuracy"]], yerr=[[row["accuracy"] - low], [high - row["accuracy"]]],
+                      marker="o", capsize=3, linestyle="", label=row["column"])
+    axis.set_xlabel("TTFT / full prefill (median)")
+    axis.set_ylabel("answer accuracy (held-out split, 95% CI)")
+    axis.set_title(f"{model_name}: accuracy against TTFT", fontsize=9)
+    axis.legend(fontsize=6)
     figure.tight_layout()
     figure.savefig(path)
 
@@ -251,6 +332,14 @@ def main(argv: list[str] | None = None) -> None:
                         "quantized-storage agreement on the identity prompts)")
     parser.add_argument("--no-questions", action="store_true", help="only the identity table (skips the RAG "
                         "questions' columns)")
+    parser.add_argument("--columns", help="comma-separated column names to run (default: all); full prefill always "
+                        "runs first: " + ", ".join(column.name for column in columns()))
+    parser.add_argument("--guard-column", default="cacheblend 15%", help="the cacheblend column the fidelity "
+                        "guard is tuned on and checked with (default: %(default)s); '' skips the guard")
+    parser.add_argument("--guard-target", type=float, default=0.02, help="accuracy the guarded answers may lose "
+                        "against full prefill on the development split (default: %(default)s)")
+    parser.add_argument("--dev-fraction", type=float, default=0.5,
+                        help="share of the questions that tunes the guard; the rest is held out (default: %(default)s)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
@@ -262,8 +351,31 @@ def main(argv: list[str] | None = None) -> None:
     documents = build_documents()
     questions = build_questions(documents, num_questions)
     started = time.perf_counter()
-    run = None if args.no_questions else run_questions(loaded, documents, questions, args.chunk_size,
-                                                        args.max_new_tokens)
+    cols = columns()
+    if args.columns:
+        wanted = {name.strip() for name in args.columns.split(",")} | {"full prefill"}
+        unknown = wanted - {column.name for column in cols}
+        if unknown:
+            parser.error(f"unknown columns {sorted(unknown)}; choose from {[column.name for column in cols]}")
+        cols = [column for column in cols if column.name in wanted]
+    guard_column = next((column for column in cols if column.name == args.guard_column), None)
+    run, guard = None, {}
+    if not args.no_questions and guard_column is not None:
+        split = max(1, min(len(questions) - 1, round(len(questions) * args.dev_fraction)))
+        print(f"development split: {split} questions; held out: {len(questions) - split}", flush=True)
+        dev = run_questions(loaded, documents, questions[:split], args.chunk_size, args.max_new_tokens, cols)
+        threshold = tune_guard(dev["rows"], guard_column.name, args.guard_target)
+        curve = guard_curve(dev["rows"], guard_column.name)
+        guarded = Column(f"{guard_column.name} + guard", guard_column.mode, guard_column.bits, guard_column.strategy,
+                         guard_column.ratio, guard=threshold)
+        print(f"guard threshold tuned on the development split: {threshold:.4g}", flush=True)
+        run = run_questions(loaded, documents, questions[split:], args.chunk_size, args.max_new_tokens,
+                            cols + [guarded])
+        guard = {"threshold": threshold, "target": args.guard_target, "column": guard_column.name,
+                 "dev_questions": split, "held_out_questions": len(questions) - split,
+                 "dev_table": summarize(dev), "dev_curve": curve}
+    elif not args.no_questions:
+        run = run_questions(loaded, documents, questions, args.chunk_size, args.max_new_tokens, cols)
     identity = {} if args.no_identity else run_identity(
         loaded, identity_prompts(loaded, documents, questions, num_identity), args.identity_chunk_size,
         args.identity_new_tokens)
@@ -271,12 +383,25 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size {args.chunk_size}, "
           f"{num_questions} questions over 4-6 of {len(documents)} documents, greedy {args.max_new_tokens} tokens, "
           f"TTFT median, {time.perf_counter() - started:.0f} s\n")
+    if guard:
+        print(f"development split ({guard['dev_questions']} questions):")
+        print_questions(guard["dev_table"])
+        print(f"\nthe guard on {guard['column']}, development split: threshold -> accuracy, share fallen back, "
+              f"TTFT x full (fallbacks at full prefill's TTFT)")
+        for point in guard["dev_curve"][:: max(1, len(guard["dev_curve"]) // 12)] + guard["dev_curve"][-1:]:
+            print(f"  {point['threshold']:>10.4g}  {point['accuracy']:.3f}  {point['fallback_share']:.2f}  "
+                  f"{point['ttft_ratio']:.2f}")
+        print(f"kept: {guard['threshold']:.4g} (largest within {guard['target']:.2f} of full prefill)\n")
+        print(f"held-out split ({guard['held_out_questions']} questions):")
     print_tables(table, identity)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"accuracy-{stamp}.json").write_text(json.dumps({"table": table, "identity": identity}, indent=2))
+    (args.out / f"accuracy-{stamp}.json").write_text(json.dumps({"table": table, "identity": identity,
+                                                                 "guard": guard}, indent=2))
     if table:
-        write_plot(table, args.out / f"accuracy-{stamp}.png")
+        write_plot(table, args.out / f"accuracy-{stamp}.png", loaded.model_id)
+    if guard:
+        write_tradeoff_plot(table, guard["dev_curve"], loaded.model_id, args.out / f"accuracy-tradeoff-{stamp}.png")
     print(f"\nwrote {args.out}/accuracy-{stamp}.json and .png")
 
 

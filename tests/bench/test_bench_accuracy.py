@@ -33,3 +33,44 @@ def test_identity_table_has_every_storage_row(capsys, smollm2, tmp_path):
     before = {name: row["keys_before_rope"] for name, row in written["identity"].items()}
     assert written["table"] == [] and before == {"16-bit": False, "8-bit": False, "8-bit, keys before RoPE": True,
                                                  "4-bit": False, "4-bit, keys before RoPE": True}
+
+
+def test_the_guard_is_tuned_to_the_largest_threshold_within_the_target():
+    import bench_accuracy
+
+    rows = {
+        "full prefill": {"correct": [True, True, True, False], "ttft_ms": [100.0, 100.0, 100.0, 100.0]},
+        "cb": {"correct": [False, True, True, False], "ttft_ms": [30.0, 30.0, 30.0, 30.0],
+               "risk": [0.5, 0.1, 0.2, 0.05]},
+    }
+    # Only question 0 loses an answer; it has the highest risk, so any threshold below 0.5 recovers it.
+    assert bench_accuracy.tune_guard(rows, "cb", target=0.0) == pytest.approx(0.5, rel=1e-6)
+    assert bench_accuracy.tune_guard(rows, "cb", target=0.25) == float("inf")  # never falling back loses 0.25
+    correct, ttft, share = bench_accuracy.guarded_answers(rows["full prefill"], rows["cb"], 0.15)
+    assert correct == [True, True, True, False] and ttft == [100.0, 30.0, 100.0, 30.0] and share == 0.5
+    curve = bench_accuracy.guard_curve(rows, "cb")
+    assert [point["fallback_share"] for point in curve] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert curve[-1]["accuracy"] == 0.5 and curve[0]["accuracy"] == 0.75
+
+
+def test_the_bootstrap_interval_brackets_the_mean():
+    import bench_accuracy
+
+    values = [True] * 30 + [False] * 70
+    low, high = bench_accuracy.bootstrap_interval(values)
+    assert low < 0.3 < high and high - low < 0.25
+    assert bench_accuracy.bootstrap_interval([True] * 10) == (1.0, 1.0)
+
+
+@pytest.mark.slow
+def test_the_guard_runs_end_to_end_on_two_splits(capsys, smollm2, tmp_path):
+    import bench_accuracy
+
+    bench_accuracy.main(["--no-identity", "--questions", "4", "--columns", "cacheblend 15%", "--threads", "1",
+                         "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "guard threshold tuned on the development split" in out and "cacheblend 15% + guard" in out
+    written = json.loads(next(tmp_path.glob("accuracy-*.json")).read_text())
+    assert written["guard"]["dev_questions"] == 2 and written["guard"]["held_out_questions"] == 2
+    assert [row["column"] for row in written["table"]] == ["full prefill", "cacheblend 15%", "cacheblend 15% + guard"]
+    assert list(tmp_path.glob("accuracy-tradeoff-*.png"))

@@ -11,16 +11,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence, TypeVar
 
+import numpy as np
+
 from cache_daemon import eviction
 from kvboost_common.checksum import crc32
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
 from cache_daemon.errors import BudgetExceeded, NotFound, check_blob_fits
 from cache_daemon.index import EntryIndex, NamespaceUsage, Share
-from cache_daemon.store import LmdbStore, Put
+from cache_daemon.store import Continuation, LmdbStore, Put
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE_OWNER_PREFIX = b"namespace_owner:"  # info DB: + stored namespace -> tenant name
+# Continuations indexed per parent key; past it, the least valuable (eviction's retention score) leaves the
+# index (its blob stays, still found by its own key), so a hot parent's index cannot grow without limit.
+MAX_CHILDREN = 32
 
 T = TypeVar("T")
 
@@ -203,6 +208,33 @@ class ChunkCache:
                 hits.append((index, best))
         return hits
 
+    def continuation(self, namespace: bytes, parent: bytes, token_ids: bytes) -> tuple[ChunkKey, int] | None:
+        """The stored chunk of `namespace` indexed under `parent` whose leading token ids agree longest with
+        token_ids (packed uint32), and how many agree (>= 1); None when none shares a first token. Ties go
+        to the chunk eviction would keep longest, then to the one holding more tokens. Counts as a hit of
+        that chunk."""
+        children = self.store.children(parent)
+        if not children or not token_ids:
+            return None
+        wanted = np.frombuffer(token_ids, dtype="<u4")
+        best: tuple[int, float, int, ChunkKey] | None = None
+        for (child, child_tokens), entry in zip(children, self.store.get_entries([key for key, _ in children])):
+            if entry is None or entry.namespace != namespace:
+                continue
+            shared = _common_prefix(wanted, np.frombuffer(child_tokens, dtype="<u4"))
+            if shared == 0:
+                continue
+            rank = (shared, eviction.retention_score(entry, self.half_life), len(child_tokens), child)
+            if best is None or rank[:3] > best[:3]:
+                best = rank
+        with self._lock:
+            if best is None:
+                self._counters.misses += 1
+                return None
+            self._pending_hits.update([best[3]])
+            self._counters.hits += 1
+        return best[3], best[0]
+
     def read(self, key: ChunkKey, copy_out: Callable[[memoryview], T], verify: bool = True) -> tuple[Entry, T] | None:
         """The chunk's metadata and copy_out(blob view), or None when absent or (verify) corrupted.
 
@@ -252,8 +284,9 @@ class ChunkCache:
             to_put = [chunk for chunk in new_chunks if chunk.key in admitted]
             slots = index.reserve_slots(len(to_put))
             puts = [(chunk.key, chunk.to_entry(now, slot), chunk.blob) for chunk, slot in zip(to_put, slots)]
+            continuations, unindexed = self._plan_continuations(to_put, {key for key, _ in victims})
             try:
-                self._commit(puts=puts, deletes=victims)
+                self._commit(puts=puts, deletes=victims, continuations=continuations, unindexed=unindexed)
             except BaseException:
                 index.release_slots(slots)
                 raise
@@ -267,6 +300,29 @@ class ChunkCache:
                          len(plan.victims), plan.bytes_freed, len(plan.rejected), self.max_bytes)
         return PutResult(stored=len(puts), already_present=len(chunks) - len(new_chunks), evicted=num_evicted,
                          bytes_stored=bytes_stored)
+
+    def _plan_continuations(self, admitted: Sequence[IncomingChunk],
+                            leaving: set[ChunkKey]) -> tuple[list[Continuation], list[ChunkKey]]:
+        """The continuations to index for chunks being stored, and the children that leave the index to keep
+        each parent at MAX_CHILDREN (the least valuable first; a new child counts as the most valuable).
+        The caller holds _write_lock."""
+        by_parent: dict[bytes, list[IncomingChunk]] = {}
+        for chunk in admitted:
+            if chunk.parent_key and chunk.token_ids:
+                by_parent.setdefault(chunk.parent_key, []).append(chunk)
+        continuations: list[Continuation] = []
+        unindexed: list[ChunkKey] = []
+        for parent, chunks in by_parent.items():
+            chunks = chunks[-MAX_CHILDREN:]
+            continuations += [(chunk.key, parent, chunk.token_ids) for chunk in chunks]
+            existing = [key for key, _ in self.store.children(parent) if key not in leaving]
+            excess = len(existing) + len(chunks) - MAX_CHILDREN
+            if excess > 0:
+                entries = self.store.get_entries(existing)
+                ranked = sorted(zip(existing, entries), key=lambda pair: -1.0 if pair[1] is None else
+                                eviction.retention_score(pair[1], self.half_life))
+                unindexed += [key for key, _ in ranked[:excess]]
+        return continuations, unindexed
 
     def _plan_admission(self, incoming: list[tuple[ChunkKey, int]],
                         shares: list[Share | None]) -> eviction.AdmissionPlan:
@@ -372,11 +428,13 @@ class ChunkCache:
         return len(updates)
 
     def _commit(self, puts: Sequence[Put] = (), updates: Sequence[tuple[ChunkKey, Entry]] = (),
-                deletes: Sequence[tuple[ChunkKey, Entry]] = ()) -> None:
+                deletes: Sequence[tuple[ChunkKey, Entry]] = (), continuations: Sequence[Continuation] = (),
+                unindexed: Sequence[ChunkKey] = ()) -> None:
         """Writes one transaction, then mirrors it in the index. The caller holds _write_lock."""
-        if not (puts or updates or deletes):
+        if not (puts or updates or deletes or continuations or unindexed):
             return
-        self.store.write(puts=puts, updates=updates, deletes=deletes)
+        self.store.write(puts=puts, updates=updates, deletes=deletes, continuations=continuations,
+                         unindexed=unindexed)
         if deletes:
             with self._lock:
                 for key, _ in deletes:
@@ -421,6 +479,13 @@ def _verified(view: memoryview, entry: Entry, copy_out: Callable[[memoryview], T
     if len(view) != entry.size_bytes or crc32(view) != entry.checksum:
         return _CORRUPTED
     return copy_out(view)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading values a and b share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def _first_of_each_key(chunks) -> list[IncomingChunk]:

@@ -48,6 +48,10 @@ class IncomingChunk:
     checksum: int
     pinned: bool
     blob: bytes
+    # The prefix key this chunk chains from and its token ids (packed uint32): indexed as a continuation of
+    # that parent when both are given (see ChunkCache.continuation).
+    parent_key: bytes = b""
+    token_ids: bytes = b""
 
     def __post_init__(self) -> None:
         assert len(self.key) == DIGEST_SIZE, f"key must be {DIGEST_SIZE} bytes, got {len(self.key)}"

@@ -18,6 +18,21 @@ def check_digest(value: bytes, what: str) -> None:
         raise InvalidCacheRequest(f"{what} must be {DIGEST_SIZE} bytes, got {len(value)}")
 
 
+MAX_CONTINUATION_TOKENS = 4096  # token ids a continuation carries (chunks are at most this long)
+
+
+def check_continuation(parent_key: bytes, token_ids: bytes, what: str) -> None:
+    """A continuation's parent key and packed token ids: both or neither, well formed."""
+    if not parent_key and not token_ids:
+        return
+    if not parent_key or not token_ids:
+        raise InvalidCacheRequest(f"{what}: give both the parent key and the token ids of a continuation, or neither")
+    check_digest(parent_key, f"{what} parent key")
+    if len(token_ids) % 4 or len(token_ids) > 4 * MAX_CONTINUATION_TOKENS:
+        raise InvalidCacheRequest(f"{what} token ids must be little-endian uint32 values (a multiple of 4 bytes), "
+                                  f"at most {MAX_CONTINUATION_TOKENS} of them; got {len(token_ids)} bytes")
+
+
 def chunk_meta(key: ChunkKey, entry: Entry) -> cache_pb2.ChunkMeta:
     return cache_pb2.ChunkMeta(
         key=key, namespace=entry.namespace, content_key=entry.content_key, num_tokens=entry.num_tokens,
@@ -88,6 +103,7 @@ class StoreStreamAssembler:
         check_digest(meta.namespace, "ChunkMeta.namespace")
         if meta.content_key:
             check_digest(meta.content_key, "ChunkMeta.content_key")
+        check_continuation(meta.parent_key, meta.token_ids, "ChunkMeta")
         check_blob_fits(meta.key, meta.size_bytes, self.max_blob_bytes)
         self._check_stream_bounds(meta.size_bytes)
         self._meta, self._pieces, self._num_received, self._crc = meta, [], 0, 0
@@ -126,6 +142,7 @@ class StoreStreamAssembler:
         self.chunks.append(IncomingChunk(
             key=ChunkKey(meta.key), namespace=meta.namespace, content_key=meta.content_key,
             num_tokens=meta.num_tokens, checksum=meta.checksum, pinned=meta.pinned, blob=b"".join(self._pieces),
+            parent_key=meta.parent_key, token_ids=meta.token_ids,
         ))
         self._meta, self._pieces = None, []
 

@@ -15,7 +15,7 @@ from cache_daemon.errors import InvalidCacheRequest, PermissionDenied, StoreStre
 from cache_daemon.executors import DaemonExecutors
 from cache_daemon.metrics import Refusals
 from cache_daemon.store import BLOB_DB_VERSION
-from cache_daemon.framing import (StoreStreamAssembler, check_digest, chunk_meta, encode_data_frames,
+from cache_daemon.framing import (StoreStreamAssembler, check_continuation, check_digest, chunk_meta, encode_data_frames,
                                   encode_header_frame)
 from cache_daemon.tiered import TieredCache
 from cache_daemon.tenancy import PLAIN, KeySpace, Tenancy, Tenant, current_tenant
@@ -76,6 +76,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         prefix_keys = checked_keys(request.prefix_keys, "LookupRequest.prefix_keys")
         content_keys = checked_content_keys(request.content_keys, len(prefix_keys))
         partial_keys = checked_keys(request.partial_keys, "LookupRequest.partial_keys")
+        check_continuation(request.continue_parent, request.continue_tokens, "LookupRequest continue_parent/tokens")
         space = self._space()
         arguments = (space.scope(request.namespace), space.scope_all(prefix_keys),
                      [space.scope_optional(key) for key in content_keys], space.scope_all(partial_keys))
@@ -85,11 +86,17 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 result = await self._executors.run(self._executors.l2, self._lookup_with_l2, arguments)
         else:
             result = self._cache.lookup(*arguments)
+        continuation = None
+        if request.continue_parent:  # LMDB's own index: L2 records carry no continuations
+            l1 = self._cache.l1 if isinstance(self._cache, TieredCache) else self._cache
+            continuation = l1.continuation(arguments[0], space.scope(request.continue_parent), request.continue_tokens)
         return cache_pb2.LookupReply(
             prefix_run=result.prefix_run, prefix_hit=result.prefix_hit,
             content_hits=[cache_pb2.ContentHit(index=index, stored_key=space.unscope(key))
                           for index, key in result.content_hits],
             partial_index=result.partial_index,
+            continuation_key=b"" if continuation is None else space.unscope(continuation[0]),
+            continuation_tokens=0 if continuation is None else continuation[1],
         )
 
     def _lookup_with_l2(self, arguments: tuple) -> object:
@@ -164,7 +171,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         count in the tenant's share of the budget."""
         space = self._tenancy.space_of(tenant)
         scoped = [dataclasses.replace(chunk, key=ChunkKey(space.scope(chunk.key)), namespace=space.scope(chunk.namespace),
-                                      content_key=space.scope_optional(chunk.content_key)) for chunk in chunks]
+                                      content_key=space.scope_optional(chunk.content_key),
+                                      parent_key=space.scope(chunk.parent_key) if chunk.parent_key else b"")
+                  for chunk in chunks]
         new_owners = self._tenancy.new_namespaces(tenant, (chunk.namespace for chunk in scoped))
         if new_owners:
             self._cache.record_owners(new_owners)

@@ -22,6 +22,8 @@ BLOBS_DB = b"blobs"  # key -> blob bytes
 META_DB = b"meta"  # key -> encoded Entry
 CONTENT_DB = b"content"  # content key -> prefix keys (sorted duplicates)
 INFO_DB = b"info"  # facts about the environment itself, such as its identity
+CHILDREN_DB = b"children"  # parent key + child key (64 bytes) -> the child's token ids (packed uint32)
+PARENTS_DB = b"parents"  # child key -> parent key: what deleting the child must remove from CHILDREN_DB
 ENVIRONMENT_ID_KEY = b"environment_id"  # 16 random bytes, written once when the environment is created
 META_VERSION_KEY = b"meta_version"  # the _META_VERSION every value in META_DB has
 # The layout co-located readers rely on (see DescribeReply.blob_db_version): BLOBS_DB maps a prefix key
@@ -42,6 +44,7 @@ assert META_DTYPE.itemsize == _META.size and _META_V1.size == _NAMESPACE_OFFSET 
 
 T = TypeVar("T")
 Put = tuple[ChunkKey, Entry, bytes]
+Continuation = tuple[ChunkKey, bytes, bytes]  # (child key, parent key, packed token ids)
 
 
 def encode_entry(entry: Entry) -> bytes:
@@ -113,13 +116,15 @@ class LmdbStore:
         self.path = path
         self._lock_file = _lock_exclusively(path / "owner.lock")
         # meminit=False: blob pages are overwritten whole, zeroing them first is wasted work.
-        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True, meminit=False)
+        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=6, subdir=True, meminit=False)
         stale_readers = self._env.reader_check()
         if stale_readers:
             logger.info("cleared %d stale LMDB readers left by a dead process", stale_readers)
         self._blobs = self._env.open_db(BLOBS_DB)
         self._meta = self._env.open_db(META_DB)
         self._content = self._env.open_db(CONTENT_DB, dupsort=True)
+        self._children = self._env.open_db(CHILDREN_DB)
+        self._parents = self._env.open_db(PARENTS_DB)
         info_db = self._info = self._env.open_db(INFO_DB)
         self.environment_id = self._ensure_environment_id(info_db)
         self._ensure_meta_version(info_db)
@@ -238,6 +243,18 @@ class LmdbStore:
             return [[ChunkKey(key) for key in cursor.iternext_dup()] if cursor.set_key(content_key) else []
                     for content_key in content_keys]
 
+    def children(self, parent: bytes) -> list[tuple[ChunkKey, bytes]]:
+        """(child key, packed token ids) of every chunk indexed as a continuation of parent."""
+        with self._gate.shared(), self._env.begin(db=self._children) as txn:
+            cursor = txn.cursor()
+            found = []
+            if cursor.set_range(parent):
+                for key, value in cursor:
+                    if key[:DIGEST_SIZE] != parent:
+                        break
+                    found.append((ChunkKey(key[DIGEST_SIZE:]), bytes(value)))
+            return found
+
     def read_blob(self, key: ChunkKey, copy_out: Callable[[memoryview], T]) -> T | None:
         """copy_out(view of the blob) inside a short read txn; it must copy what it keeps."""
         with self._gate.shared(), self._env.begin(db=self._blobs, buffers=True) as txn:
@@ -245,13 +262,17 @@ class LmdbStore:
             return None if view is None else copy_out(memoryview(view))
 
     def write(self, puts: Sequence[Put] = (), updates: Sequence[tuple[ChunkKey, Entry]] = (),
-              deletes: Sequence[tuple[ChunkKey, Entry]] = ()) -> None:
-        """Puts new chunks, rewrites metadata, deletes chunks: all in one transaction."""
+              deletes: Sequence[tuple[ChunkKey, Entry]] = (), continuations: Sequence[Continuation] = (),
+              unindexed: Sequence[ChunkKey] = ()) -> None:
+        """Puts new chunks, rewrites metadata, deletes chunks, indexes continuations (of chunks put now) and
+        drops chunks from the continuation index (unindexed; their blobs stay): all in one transaction."""
         with self._write_lock:
             while True:
                 try:
                     with self._gate.shared(), self._env.begin(write=True) as txn:
                         self._apply(txn, puts, updates, deletes)
+                        self._apply_continuations(txn, [key for key, _ in deletes] + list(unindexed),
+                                                  continuations)
                     return
                 except lmdb.MapFullError:
                     self._grow_map(sum(len(blob) for _, _, blob in puts))
@@ -272,6 +293,16 @@ class LmdbStore:
             # Only rewrite metadata of chunks still stored: an update never resurrects a deleted key.
             if txn.get(key, db=self._meta) is not None:
                 txn.put(key, encode_entry(entry), db=self._meta)
+
+    def _apply_continuations(self, txn, removed: Sequence[ChunkKey], continuations: Sequence[Continuation]) -> None:
+        for child in removed:
+            parent = txn.get(child, db=self._parents)
+            if parent is not None:
+                txn.delete(bytes(parent) + child, db=self._children)
+                txn.delete(child, db=self._parents)
+        for child, parent, token_ids in continuations:
+            txn.put(parent + child, token_ids, db=self._children)
+            txn.put(child, parent, db=self._parents)
 
     def _grow_map(self, bytes_needed: int) -> None:
         with self._gate.exclusive():

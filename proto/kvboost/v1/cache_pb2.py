@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvboost/v1/cache.proto\x12\nkvboost.v1\"\xb7\x01\n\tChunkMeta\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63ontent_key\x18\x03 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nsize_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\r\x12\x11\n\tfrequency\x18\x07 \x01(\x01\x12\x18\n\x10last_access_unix\x18\x08 \x01(\x01\x12\x0e\n\x06pinned\x18\t \x01(\x08\"A\n\x0b\x43hunkHeader\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.kvboost.v1.ChunkMeta\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\"P\n\nChunkFrame\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvboost.v1.ChunkHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"c\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x13\n\x0bprefix_keys\x18\x02 \x03(\x0c\x12\x14\n\x0c\x63ontent_keys\x18\x03 \x03(\x0c\x12\x14\n\x0cpartial_keys\x18\x04 \x03(\x0c\"/\n\nContentHit\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nstored_key\x18\x02 \x01(\x0c\"\x91\x01\n\x0bLookupReply\x12\x12\n\nprefix_run\x18\x01 \x01(\r\x12\x12\n\nprefix_hit\x18\x02 \x03(\x08\x12,\n\x0c\x63ontent_hits\x18\x03 \x03(\x0b\x32\x16.kvboost.v1.ContentHit\x12\x1a\n\rpartial_index\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_partial_index\"5\n\x0c\x46\x65tchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x17\n\x0freader_verifies\x18\x02 \x01(\x08\"\\\n\nStoreReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\x12\x0f\n\x07\x65victed\x18\x03 \x01(\r\x12\x14\n\x0c\x62ytes_stored\x18\x04 \x01(\x04\"&\n\x11\x43\x61\x63heStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\"S\n\x0eNamespaceStats\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06pinned\x18\x04 \x01(\x04\"\x96\x02\n\x0f\x43\x61\x63heStatsReply\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x11\n\tcorrupted\x18\x07 \x01(\x04\x12\x12\n\nbytes_read\x18\x08 \x01(\x04\x12\x15\n\rbytes_written\x18\t \x01(\x04\x12\x10\n\x08map_size\x18\n \x01(\x04\x12.\n\nnamespaces\x18\x0b \x03(\x0b\x32\x1a.kvboost.v1.NamespaceStats\x12\x1f\n\x02l2\x18\x0c \x01(\x0b\x32\x13.kvboost.v1.L2Stats\"\xec\x01\n\x07L2Stats\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x0c\n\x04hits\x18\x03 \x01(\x04\x12\x0e\n\x06misses\x18\x04 \x01(\x04\x12\x0e\n\x06writes\x18\x05 \x01(\x04\x12\x16\n\x0e\x64ropped_writes\x18\x06 \x01(\x04\x12\x11\n\tcorrupted\x18\x07 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x08 \x01(\x04\x12\x15\n\rqueued_writes\x18\t \x01(\x04\x12\x0e\n\x06\x66orged\x18\n \x01(\x04\x12\x19\n\x11promotion_batches\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61lls_in_flight\x18\x0c \x01(\r\"C\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x11\n\tcorrupted\x18\x03 \x01(\x08\"3\n\x0b\x44\x65leteReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_freed\x18\x02 \x01(\x04\"\x1a\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\",\n\x08PinReply\x12\x0f\n\x07updated\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x03(\x0c\"\x11\n\x0f\x44\x65scribeRequest\"w\n\rDescribeReply\x12\x10\n\x08\x64\x61ta_dir\x18\x01 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x02 \x01(\x0c\x12\x10\n\x08map_size\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x62lob_db_version\x18\x05 \x01(\r2\xf7\x03\n\x0c\x43\x61\x63heService\x12<\n\x06Lookup\x12\x19.kvboost.v1.LookupRequest\x1a\x17.kvboost.v1.LookupReply\x12;\n\x05\x46\x65tch\x12\x18.kvboost.v1.FetchRequest\x1a\x16.kvboost.v1.ChunkFrame0\x01\x12\x39\n\x05Store\x12\x16.kvboost.v1.ChunkFrame\x1a\x16.kvboost.v1.StoreReply(\x01\x12\x43\n\x05Stats\x12\x1d.kvboost.v1.CacheStatsRequest\x1a\x1b.kvboost.v1.CacheStatsReply\x12<\n\x06\x44\x65lete\x12\x19.kvboost.v1.DeleteRequest\x1a\x17.kvboost.v1.DeleteReply\x12\x33\n\x03Pin\x12\x16.kvboost.v1.PinRequest\x1a\x14.kvboost.v1.PinReply\x12\x35\n\x05Unpin\x12\x16.kvboost.v1.PinRequest\x1a\x14.kvboost.v1.PinReply\x12\x42\n\x08\x44\x65scribe\x12\x1b.kvboost.v1.DescribeRequest\x1a\x19.kvboost.v1.DescribeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvboost/v1/cache.proto\x12\nkvboost.v1\"\xde\x01\n\tChunkMeta\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63ontent_key\x18\x03 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nsize_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\r\x12\x11\n\tfrequency\x18\x07 \x01(\x01\x12\x18\n\x10last_access_unix\x18\x08 \x01(\x01\x12\x0e\n\x06pinned\x18\t \x01(\x08\x12\x12\n\nparent_key\x18\n \x01(\x0c\x12\x11\n\ttoken_ids\x18\x0b \x01(\x0c\"A\n\x0b\x43hunkHeader\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.kvboost.v1.ChunkMeta\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\"P\n\nChunkFrame\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvboost.v1.ChunkHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"\x95\x01\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x13\n\x0bprefix_keys\x18\x02 \x03(\x0c\x12\x14\n\x0c\x63ontent_keys\x18\x03 \x03(\x0c\x12\x14\n\x0cpartial_keys\x18\x04 \x03(\x0c\x12\x17\n\x0f\x63ontinue_parent\x18\x05 \x01(\x0c\x12\x17\n\x0f\x63ontinue_tokens\x18\x06 \x01(\x0c\"/\n\nContentHit\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nstored_key\x18\x02 \x01(\x0c\"\xc8\x01\n\x0bLookupReply\x12\x12\n\nprefix_run\x18\x01 \x01(\r\x12\x12\n\nprefix_hit\x18\x02 \x03(\x08\x12,\n\x0c\x63ontent_hits\x18\x03 \x03(\x0b\x32\x16.kvboost.v1.ContentHit\x12\x1a\n\rpartial_index\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x63ontinuation_key\x18\x05 \x01(\x0c\x12\x1b\n\x13\x63ontinuation_tokens\x18\x06 \x01(\rB\x10\n\x0e_partial_index\"5\n\x0c\x46\x65tchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x17\n\x0freader_verifies\x18\x02 \x01(\x08\"\\\n\nStoreReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\x12\x0f\n\x07\x65victed\x18\x03 \x01(\r\x12\x14\n\x0c\x62ytes_stored\x18\x04 \x01(\x04\"&\n\x11\x43\x61\x63heStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\"S\n\x0eNamespaceStats\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06pinned\x18\x04 \x01(\x04\"\x96\x02\n\x0f\x43\x61\x63heStatsReply\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x11\n\tcorrupted\x18\x07 \x01(\x04\x12\x12\n\nbytes_read\x18\x08 \x01(\x04\x12\x15\n\rbytes_written\x18\t \x01(\x04\x12\x10\n\x08map_size\x18\n \x01(\x04\x12.\n\nnamespaces\x18\x0b \x03(\x0b\x32\x1a.kvboost.v1.NamespaceStats\x12\x1f\n\x02l2\x18\x0c \x01(\x0b\x32\x13.kvboost.v1.L2Stats\"\xec\x01\n\x07L2Stats\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x0c\n\x04hits\x18\x03 \x01(\x04\x12\x0e\n\x06misses\x18\x04 \x01(\x04\x12\x0e\n\x06writes\x18\x05 \x01(\x04\x12\x16\n\x0e\x64ropped_writes\x18\x06 \x01(\x04\x12\x11\n\tcorrupted\x18\x07 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x08 \x01(\x04\x12\x15\n\rqueued_writes\x18\t \x01(\x04\x12\x0e\n\x06\x66orged\x18\n \x01(\x04\x12\x19\n\x11promotion_batches\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61lls_in_flight\x18\x0c \x01(\r\"C\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x11\n\tcorrupted\x18\x03 \x01(\x08\"3\n\x0b\x44\x65leteReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_freed\x18\x02 \x01(\x04\"\x1a\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\",\n\x08PinReply\x12\x0f\n\x07updated\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x03(\x0c\"\x11\n\x0f\x44\x65scribeRequest\"w\n\rDescribeReply\x12\x10\n\x08\x64\x61ta_dir\x18\x01 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x02 \x01(\x0c\x12\x10\n\x08map_size\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x62lob_db_version\x18\x05 \x01(\r2\xf7\x03\n\x0c\x43\x61\x63heService\x12<\n\x06Lookup\x12\x19.kvboost.v1.LookupRequest\x1a\x17.kvboost.v1.LookupReply\x12;\n\x05\x46\x65tch\x12\x18.kvboost.v1.FetchRequest\x1a\x16.kvboost.v1.ChunkFrame0\x01\x12\x39\n\x05Store\x12\x16.kvboost.v1.ChunkFrame\x1a\x16.kvboost.v1.StoreReply(\x01\x12\x43\n\x05Stats\x12\x1d.kvboost.v1.CacheStatsRequest\x1a\x1b.kvboost.v1.CacheStatsReply\x12<\n\x06\x44\x65lete\x12\x19.kvboost.v1.DeleteRequest\x1a\x17.kvboost.v1.DeleteReply\x12\x33\n\x03Pin\x12\x16.kvboost.v1.PinRequest\x1a\x14.kvboost.v1.PinReply\x12\x35\n\x05Unpin\x12\x16.kvboost.v1.PinRequest\x1a\x14.kvboost.v1.PinReply\x12\x42\n\x08\x44\x65scribe\x12\x1b.kvboost.v1.DescribeRequest\x1a\x19.kvboost.v1.DescribeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,41 +32,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvboost.v1.cache_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHUNKMETA']._serialized_start=39
-  _globals['_CHUNKMETA']._serialized_end=222
-  _globals['_CHUNKHEADER']._serialized_start=224
-  _globals['_CHUNKHEADER']._serialized_end=289
-  _globals['_CHUNKFRAME']._serialized_start=291
-  _globals['_CHUNKFRAME']._serialized_end=371
-  _globals['_LOOKUPREQUEST']._serialized_start=373
-  _globals['_LOOKUPREQUEST']._serialized_end=472
-  _globals['_CONTENTHIT']._serialized_start=474
-  _globals['_CONTENTHIT']._serialized_end=521
-  _globals['_LOOKUPREPLY']._serialized_start=524
-  _globals['_LOOKUPREPLY']._serialized_end=669
-  _globals['_FETCHREQUEST']._serialized_start=671
-  _globals['_FETCHREQUEST']._serialized_end=724
-  _globals['_STOREREPLY']._serialized_start=726
-  _globals['_STOREREPLY']._serialized_end=818
-  _globals['_CACHESTATSREQUEST']._serialized_start=820
-  _globals['_CACHESTATSREQUEST']._serialized_end=858
-  _globals['_NAMESPACESTATS']._serialized_start=860
-  _globals['_NAMESPACESTATS']._serialized_end=943
-  _globals['_CACHESTATSREPLY']._serialized_start=946
-  _globals['_CACHESTATSREPLY']._serialized_end=1224
-  _globals['_L2STATS']._serialized_start=1227
-  _globals['_L2STATS']._serialized_end=1463
-  _globals['_DELETEREQUEST']._serialized_start=1465
-  _globals['_DELETEREQUEST']._serialized_end=1532
-  _globals['_DELETEREPLY']._serialized_start=1534
-  _globals['_DELETEREPLY']._serialized_end=1585
-  _globals['_PINREQUEST']._serialized_start=1587
-  _globals['_PINREQUEST']._serialized_end=1613
-  _globals['_PINREPLY']._serialized_start=1615
-  _globals['_PINREPLY']._serialized_end=1659
-  _globals['_DESCRIBEREQUEST']._serialized_start=1661
-  _globals['_DESCRIBEREQUEST']._serialized_end=1678
-  _globals['_DESCRIBEREPLY']._serialized_start=1680
-  _globals['_DESCRIBEREPLY']._serialized_end=1799
-  _globals['_CACHESERVICE']._serialized_start=1802
-  _globals['_CACHESERVICE']._serialized_end=2305
+  _globals['_CHUNKMETA']._serialized_end=261
+  _globals['_CHUNKHEADER']._serialized_start=263
+  _globals['_CHUNKHEADER']._serialized_end=328
+  _globals['_CHUNKFRAME']._serialized_start=330
+  _globals['_CHUNKFRAME']._serialized_end=410
+  _globals['_LOOKUPREQUEST']._serialized_start=413
+  _globals['_LOOKUPREQUEST']._serialized_end=562
+  _globals['_CONTENTHIT']._serialized_start=564
+  _globals['_CONTENTHIT']._serialized_end=611
+  _globals['_LOOKUPREPLY']._serialized_start=614
+  _globals['_LOOKUPREPLY']._serialized_end=814
+  _globals['_FETCHREQUEST']._serialized_start=816
+  _globals['_FETCHREQUEST']._serialized_end=869
+  _globals['_STOREREPLY']._serialized_start=871
+  _globals['_STOREREPLY']._serialized_end=963
+  _globals['_CACHESTATSREQUEST']._serialized_start=965
+  _globals['_CACHESTATSREQUEST']._serialized_end=1003
+  _globals['_NAMESPACESTATS']._serialized_start=1005
+  _globals['_NAMESPACESTATS']._serialized_end=1088
+  _globals['_CACHESTATSREPLY']._serialized_start=1091
+  _globals['_CACHESTATSREPLY']._serialized_end=1369
+  _globals['_L2STATS']._serialized_start=1372
+  _globals['_L2STATS']._serialized_end=1608
+  _globals['_DELETEREQUEST']._serialized_start=1610
+  _globals['_DELETEREQUEST']._serialized_end=1677
+  _globals['_DELETEREPLY']._serialized_start=1679
+  _globals['_DELETEREPLY']._serialized_end=1730
+  _globals['_PINREQUEST']._serialized_start=1732
+  _globals['_PINREQUEST']._serialized_end=1758
+  _globals['_PINREPLY']._serialized_start=1760
+  _globals['_PINREPLY']._serialized_end=1804
+  _globals['_DESCRIBEREQUEST']._serialized_start=1806
+  _globals['_DESCRIBEREQUEST']._serialized_end=1823
+  _globals['_DESCRIBEREPLY']._serialized_start=1825
+  _globals['_DESCRIBEREPLY']._serialized_end=1944
+  _globals['_CACHESERVICE']._serialized_start=1947
+  _globals['_CACHESERVICE']._serialized_end=2450
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ChunkMeta(_message.Message):
-    __slots__ = ("key", "namespace", "content_key", "num_tokens", "size_bytes", "checksum", "frequency", "last_access_unix", "pinned")
+    __slots__ = ("key", "namespace", "content_key", "num_tokens", "size_bytes", "checksum", "frequency", "last_access_unix", "pinned", "parent_key", "token_ids")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class ChunkMeta(_message.Message):
     FREQUENCY_FIELD_NUMBER: _ClassVar[int]
     LAST_ACCESS_UNIX_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     namespace: bytes
     content_key: bytes
@@ -26,7 +28,9 @@ class ChunkMeta(_message.Message):
     frequency: float
     last_access_unix: float
     pinned: bool
-    def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., content_key: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., frequency: _Optional[float] = ..., last_access_unix: _Optional[float] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    parent_key: bytes
+    token_ids: bytes
+    def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., content_key: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., frequency: _Optional[float] = ..., last_access_unix: _Optional[float] = ..., pinned: _Optional[bool] = ..., parent_key: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
     __slots__ = ("meta", "found")
@@ -45,16 +49,20 @@ class ChunkFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "prefix_keys", "content_keys", "partial_keys")
+    __slots__ = ("namespace", "prefix_keys", "content_keys", "partial_keys", "continue_parent", "continue_tokens")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_KEYS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_PARENT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     prefix_keys: _containers.RepeatedScalarFieldContainer[bytes]
     content_keys: _containers.RepeatedScalarFieldContainer[bytes]
     partial_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., content_keys: _Optional[_Iterable[bytes]] = ..., partial_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    continue_parent: bytes
+    continue_tokens: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., content_keys: _Optional[_Iterable[bytes]] = ..., partial_keys: _Optional[_Iterable[bytes]] = ..., continue_parent: _Optional[bytes] = ..., continue_tokens: _Optional[bytes] = ...) -> None: ...
 
 class ContentHit(_message.Message):
     __slots__ = ("index", "stored_key")
@@ -65,16 +73,20 @@ class ContentHit(_message.Message):
     def __init__(self, index: _Optional[int] = ..., stored_key: _Optional[bytes] = ...) -> None: ...
 
 class LookupReply(_message.Message):
-    __slots__ = ("prefix_run", "prefix_hit", "content_hits", "partial_index")
+    __slots__ = ("prefix_run", "prefix_hit", "content_hits", "partial_index", "continuation_key", "continuation_tokens")
     PREFIX_RUN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HITS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_KEY_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prefix_run: int
     prefix_hit: _containers.RepeatedScalarFieldContainer[bool]
     content_hits: _containers.RepeatedCompositeFieldContainer[ContentHit]
     partial_index: int
-    def __init__(self, prefix_run: _Optional[int] = ..., prefix_hit: _Optional[_Iterable[bool]] = ..., content_hits: _Optional[_Iterable[_Union[ContentHit, _Mapping]]] = ..., partial_index: _Optional[int] = ...) -> None: ...
+    continuation_key: bytes
+    continuation_tokens: int
+    def __init__(self, prefix_run: _Optional[int] = ..., prefix_hit: _Optional[_Iterable[bool]] = ..., content_hits: _Optional[_Iterable[_Union[ContentHit, _Mapping]]] = ..., partial_index: _Optional[int] = ..., continuation_key: _Optional[bytes] = ..., continuation_tokens: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("keys", "reader_verifies")

@@ -3,6 +3,7 @@ dequantize and rotate into the buffers what a hit brings back. Write-back, prefi
 placement only do I/O and bookkeeping around these functions."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -64,7 +65,7 @@ def _unrotated(keys: torch.Tensor, start: int, rope: RopeParams) -> torch.Tensor
 def decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: int, shape: tuple[int, ...],
                verify: bool, same_position: bool = True, rope: RopeParams | None = None,
                device: torch.device | str = "cpu", borrow: bool = False,
-               on_corrupt: Callable[[bytes], None] | None = None):
+               on_corrupt: Callable[[bytes], None] | None = None, leading: bool = False):
     """The decoded chunk, or None (logged) when the blob cannot stand for this chunk.
 
     shape: (layers, kv_heads, any, head_dim) of the model's K/V. same_position: the blob must have been
@@ -73,7 +74,9 @@ def decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: in
     the tensors are decoded (dequantized): the buffers' device. borrow: the tensors may share the blob's
     read-only memory (placed before the blob goes away). on_corrupt(key): told of a blob that fails its
     checksum, does not decode or decodes to NaN or infinity, so the store can drop it. The header's size
-    and shape are checked before anything is decoded, allocated or copied to the device.
+    and shape are checked before anything is decoded, allocated or copied to the device. leading: the blob may
+    hold more tokens than num_tokens (a continuation sharing its first num_tokens with the prompt): only
+    those leading tokens are returned.
     """
     kind = "chunk" if same_position else "content hit"
     if blob is None or key != expected_key:
@@ -84,14 +87,20 @@ def decode_hit(expected_key: bytes, key: bytes, blob, start: int, num_tokens: in
         # Size and shape from the 48-byte header first: nothing is allocated or copied for a blob that
         # cannot stand for this chunk, whatever dims its header claims.
         header = read_header(blob)
+        if leading and len(header.shape) == 4 and header.shape[2] >= num_tokens > 0:
+            expected = (shape[0], shape[1], header.shape[2], shape[3])
         if header.shape != expected or (same_position and header.start_position != start):
             raise UnexpectedShape(f"shape {header.shape} at {header.start_position}, expected {expected} at {start}")
         if header.keys_before_rope and rope is None:
             logger.warning("%s at position %d stores its keys un-rotated and this model's RoPE cannot rotate them: "
                            "recomputing it", kind, start)
             return None
-        return decode_chunk(blob, device=device, verify=verify, borrow=borrow, expected_shape=expected,
-                            check_finite=True)
+        decoded = decode_chunk(blob, device=device, verify=verify, borrow=borrow, expected_shape=expected,
+                               check_finite=True)
+        if expected[2] != num_tokens:  # a longer continuation: its first num_tokens tokens' K/V are exact here
+            decoded = dataclasses.replace(decoded, keys=decoded.keys[:, :, :num_tokens],
+                                          values=decoded.values[:, :, :num_tokens])
+        return decoded
     except UnexpectedShape as error:
         logger.warning("%s at position %d has %s: recomputing it", kind, start, error)
         return None

@@ -162,13 +162,15 @@ def new_chunks(parts: EngineParts, prompt: PromptPlan, context: AssembledContext
     index = context.num_cached_chunks
     chunks, prefix_keys = list(prompt.chunks.chunks[index:]), list(prompt.prefix_keys[index:])
     content_keys: list[bytes | None] = list(prompt.content_keys[index:])
+    parent_keys = [prompt.parent_key(i) for i in range(index, len(prompt.chunks.chunks))]
     tail = prompt.tail_chunk()
     if tail is not None and context.partial_key != prompt.tail_key:
         chunks.append(tail)
         prefix_keys.append(prompt.tail_key)
         content_keys.append(None)
+        parent_keys.append(prompt.parent_key(len(prompt.chunks.chunks)))
     return PendingChunks(parts.namespace, tuple(chunks), tuple(prefix_keys), tuple(content_keys), new_kv, num_cached,
-                         request_id=request_id, head_kv=buffers)
+                         request_id=request_id, head_kv=buffers, parent_keys=tuple(parent_keys))
 
 
 def answer_chunks(prompt: PromptPlan, answer_ids: Sequence[int], chunk_size: int,
@@ -179,10 +181,12 @@ def answer_chunks(prompt: PromptPlan, answer_ids: Sequence[int], chunk_size: int
     extended = plan_prompt(prompt.namespace, [list(prompt.token_ids) + list(answer_ids)], chunk_size)
     first = len(prompt.chunks.chunks)  # the prompt's whole chunks went with the prompt's own write-back
     chunks, prefix_keys = list(extended.chunks.chunks[first:]), list(extended.prefix_keys[first:])
+    parent_keys = [extended.parent_key(i) for i in range(first, len(extended.chunks.chunks))]
     tail = extended.tail_chunk()
     if tail is not None:
         chunks.append(tail)
         prefix_keys.append(extended.tail_key)
+        parent_keys.append(extended.parent_key(len(extended.chunks.chunks)))
     if not chunks:
         return None
     keys, values = buffers  # [layers, kv_heads, capacity, head_dim]
@@ -190,7 +194,7 @@ def answer_chunks(prompt: PromptPlan, answer_ids: Sequence[int], chunk_size: int
     new_kv = [(keys[layer : layer + 1, :, start:end], values[layer : layer + 1, :, start:end])
               for layer in range(keys.shape[0])]
     return PendingChunks(prompt.namespace, tuple(chunks), tuple(prefix_keys), (None,) * len(chunks), new_kv, start,
-                         request_id=request_id)
+                         request_id=request_id, parent_keys=tuple(parent_keys))
 
 
 def submit_write_back(parts: EngineParts, pending: PendingChunks | None) -> None:

@@ -9,7 +9,7 @@ from typing import Iterator, TypeVar
 
 import torch
 
-from inference_service.store.protocol import StoreUnavailable, ChunkStore
+from inference_service.store.protocol import ChunkStore, ContinuationQuery, StoreUnavailable
 from inference_service.kv.blobs import decode_hit, place_hit_
 from inference_service.kv.prompts import PromptPlan
 from inference_service.kv.chunking import Chunk
@@ -47,10 +47,12 @@ class AssembledContext:
 
 @dataclass(slots=True, frozen=True)
 class PartialHit:
-    """A stored partial chunk that continues the prefix run: its key and the tokens it holds."""
+    """A stored chunk that continues the prefix run: its key and the prompt's tokens whose K/V it gives (its
+    first len(chunk.token_ids) tokens; leading: it may hold more, where the prompt went another way)."""
 
     key: bytes
     chunk: Chunk
+    leading: bool = False
 
 
 def empty_context(degraded: bool = False) -> AssembledContext:
@@ -70,8 +72,10 @@ def assemble_context(
 
     Never raises for store trouble: an unreachable store gives an empty, degraded context; a bad or
     missing blob ends the reused run there. rope: rotates keys stored un-rotated into place (such blobs
-    end the run when it is None). After the run of whole chunks, the longest stored partial chunk that
-    the prompt continues (a warmed text's tail) is placed too, found by a second Lookup.
+    end the run when it is None). After the run of whole chunks, a second Lookup finds the stored chunk
+    (whole or partial) chained from the run's last key that shares the most leading tokens with the prompt
+    (reuse inside a chunk: a follow-up question, the next turn of a chat), and those tokens' K/V are placed
+    too. A daemon without that index still answers the longest stored partial chunk the prompt continues.
     """
     content_keys = list(prompt.content_keys) if with_content_hits else None
     try:
@@ -91,11 +95,15 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
     start, candidates = prompt.partial_candidates(run)
     if not candidates:
         return None
-    found = store.lookup(namespace, [], None, candidates).partial_index
-    if found is None:
-        return None
-    length = len(candidates) - found  # candidates run longest first
-    return PartialHit(candidates[found], Chunk(prompt.token_ids[start : start + length], start, 0))
+    tokens = tuple(prompt.token_ids[start : start + len(candidates)])  # the partial candidates' tokens
+    found = store.lookup(namespace, [], None, candidates, ContinuationQuery(prompt.parent_key(run), tokens))
+    exact = 0 if found.partial_index is None else len(candidates) - found.partial_index  # longest first
+    shared = min(found.continuation_tokens, len(tokens))
+    if shared > exact:
+        return PartialHit(found.continuation_key, Chunk(tokens[:shared], start, 0), leading=True)
+    if exact:
+        return PartialHit(candidates[found.partial_index], Chunk(tokens[:exact], start, 0))
+    return None
 
 
 def fetch_prefix_run(
@@ -114,6 +122,7 @@ def fetch_prefix_run(
     if partial is not None:
         chunks.append(partial.chunk)
         keys_to_fetch.append(partial.key)
+    leading_index = run if partial is not None and partial.leading else -1
     keys, values = buffers
     shape = (keys.shape[0], keys.shape[1], chunks[-1].end, keys.shape[3])
     verify = not getattr(store, "verifies_blobs", False)  # one checksum per blob is enough
@@ -125,9 +134,10 @@ def fetch_prefix_run(
         lent = getattr(blobs, "lent", False)  # views into shared memory: decode each before taking the next
         if not lent:
             blobs = prefetched(blobs)
-        for chunk, expected_key, (key, blob) in zip(chunks, keys_to_fetch, blobs):
+        for index, (chunk, expected_key, (key, blob)) in enumerate(zip(chunks, keys_to_fetch, blobs)):
             decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify, rope=rope,
-                                 device=keys.device, borrow=lent, on_corrupt=lambda key: report_corrupt(store, key))
+                                 device=keys.device, borrow=lent, on_corrupt=lambda key: report_corrupt(store, key),
+                                 leading=index == leading_index)
             span = slice(chunk.start, chunk.end)
             if decoded is None or not place_hit_(keys[:, :, span], values[:, :, span], decoded, chunk.start, rope):
                 break

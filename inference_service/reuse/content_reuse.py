@@ -191,4 +191,5 @@ def exact_pending_chunks(
         for layer_keys, layer_values in zip(prefilled.key_buffer, prefilled.value_buffer)
     ]
     return PendingChunks(namespace, chunks[first:last], prompt.prefix_keys[first:last],
-                         prompt.content_keys[first:last], new_kv, start, request_id=request_id)
+                         prompt.content_keys[first:last], new_kv, start, request_id=request_id,
+                         parent_keys=tuple(prompt.parent_key(i) for i in range(first, last)))

@@ -34,9 +34,12 @@ class PendingChunks:
     # K/V buffers [layers, kv_heads, capacity, head_dim] whose positions [0, kv_start) hold the tokens before
     # the prefill (fetched): a chunk that starts before kv_start (after a partial hit) takes them from here.
     head_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The prefix key each chunk chains from (reuse inside a chunk indexes chunks under it); () : not indexed.
+    parent_keys: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.chunks) == len(self.prefix_keys) == len(self.content_keys), "one key of each kind per chunk"
+        assert not self.parent_keys or len(self.parent_keys) == len(self.chunks), "one parent key per chunk"
         assert self.head_kv is not None or all(chunk.start >= self.kv_start for chunk in self.chunks), (
             "every chunk lies in the prefill's tokens, or the head K/V holds its start")
 
@@ -50,7 +53,8 @@ class PendingChunks:
             return self
         return dataclasses.replace(self, chunks=tuple(self.chunks[i] for i in keep),
                                    prefix_keys=tuple(self.prefix_keys[i] for i in keep),
-                                   content_keys=tuple(self.content_keys[i] for i in keep))
+                                   content_keys=tuple(self.content_keys[i] for i in keep),
+                                   parent_keys=tuple(self.parent_keys[i] for i in keep) if self.parent_keys else ())
 
     def chunk_kv(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [layers, kv_heads, chunk length, head_dim] of one of the chunks."""
@@ -66,10 +70,12 @@ def encode_pending(pending: PendingChunks, bits: int, group_size: int = DEFAULT_
                    rope: RopeParams | None = None) -> list[StoreItem]:
     """Store items for the pending chunks, encoded by kv.blobs.encode_chunk_kv (rope: see there)."""
     items = []
-    for chunk, key, content in zip(pending.chunks, pending.prefix_keys, pending.content_keys):
+    parents = pending.parent_keys or (b"",) * len(pending.chunks)
+    for chunk, key, content, parent in zip(pending.chunks, pending.prefix_keys, pending.content_keys, parents):
         keys, values = pending.chunk_kv(chunk)
         blob = encode_chunk_kv(keys, values, chunk.start, bits, group_size, rope)
-        items.append(StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin))
+        items.append(StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin,
+                               parent, tuple(chunk.token_ids) if parent else ()))
     return items
 
 

@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Iterator
 
 import grpc
 
-from inference_service.store.protocol import StoreUnavailable, StoreLookup, StoreItem
+from inference_service.store.protocol import ContinuationQuery, StoreItem, StoreLookup, StoreUnavailable, pack_token_ids
 from kvboost_common.checksum import crc32
 from kvboost_common.frames import MAX_FRAME_BYTES
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
@@ -73,16 +73,21 @@ class GrpcChunkStore:
         return "remote"
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
-               partial_keys: list[bytes] | None = None) -> StoreLookup:
+               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None) -> StoreLookup:
         request = cache_pb2.LookupRequest(namespace=namespace, prefix_keys=prefix_keys, content_keys=content_keys or [],
                                           partial_keys=partial_keys or [])
+        if continuation is not None and continuation.token_ids:
+            request.continue_parent, request.continue_tokens = continuation.parent, continuation.packed()
         stub = self._available_stub()
         try:
             reply = stub.Lookup(request, timeout=self.options.rpc_timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
             raise self._failure("Lookup", error) from error
         partial = reply.partial_index if reply.HasField("partial_index") else None
-        return StoreLookup(reply.prefix_run, {hit.index: hit.stored_key for hit in reply.content_hits}, partial)
+        # An older daemon leaves the continuation fields unset: reuse then stops at exact partial chunks.
+        found = bool(reply.continuation_key) and reply.continuation_tokens > 0
+        return StoreLookup(reply.prefix_run, {hit.index: hit.stored_key for hit in reply.content_hits}, partial,
+                           reply.continuation_key if found else None, reply.continuation_tokens if found else 0)
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
         keys = list(keys)
@@ -225,6 +230,8 @@ def iter_store_frames(items: Iterable[StoreItem]) -> Iterator[cache_pb2.ChunkFra
             key=item.key, namespace=item.namespace, content_key=item.content_key or b"",
             num_tokens=item.num_tokens, size_bytes=len(item.blob), checksum=crc32(item.blob), pinned=item.pin,
         )
+        if item.parent_key and item.token_ids:
+            meta.parent_key, meta.token_ids = item.parent_key, pack_token_ids(item.token_ids)
         yield cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=meta))
         view = memoryview(item.blob)
         for start in range(0, len(view), MAX_FRAME_BYTES):

@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from inference_service.store.protocol import StoreLookup, StoreItem
+from inference_service.store.protocol import ContinuationQuery, StoreItem, StoreLookup, common_prefix
 
 
 @dataclass(slots=True)
@@ -19,6 +19,7 @@ class _Entry:
     num_tokens: int
     blob: bytearray  # writable, so decoding shares it instead of copying; never written after store
     pin: bool
+    token_ids: tuple[int, ...] = ()
 
 
 class InMemoryStore:
@@ -28,6 +29,7 @@ class InMemoryStore:
         self.degraded = False
         self._entries: dict[bytes, _Entry] = {}
         self._content_index: dict[bytes, bytes] = {}  # content key -> newest prefix key stored with it
+        self._children: dict[bytes, dict[bytes, None]] = {}  # parent key -> child keys, in storing order
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -35,7 +37,7 @@ class InMemoryStore:
             return len(self._entries)
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
-               partial_keys: list[bytes] | None = None) -> StoreLookup:
+               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None) -> StoreLookup:
         with self._lock:
             run = 0
             while run < len(prefix_keys) and self._holds(namespace, prefix_keys[run]):
@@ -46,7 +48,14 @@ class InMemoryStore:
                 if index >= run and stored is not None and self._holds(namespace, stored):
                     content_hits[index] = stored
             partial = next((i for i, key in enumerate(partial_keys or ()) if self._holds(namespace, key)), None)
-        return StoreLookup(run, content_hits, partial)
+            best_key, best_shared = None, 0
+            if continuation is not None:
+                for child in self._children.get(continuation.parent, ()):
+                    if self._holds(namespace, child):
+                        shared = common_prefix(continuation.token_ids, self._entries[child].token_ids)
+                        if shared > best_shared:
+                            best_key, best_shared = child, shared
+        return StoreLookup(run, content_hits, partial, best_key, best_shared)
 
     def _holds(self, namespace: bytes, key: bytes) -> bool:
         entry = self._entries.get(key)
@@ -61,7 +70,10 @@ class InMemoryStore:
         with self._lock:
             for item in items:
                 self._entries[item.key] = _Entry(
-                    item.namespace, item.content_key, item.num_tokens, bytearray(item.blob), item.pin)
+                    item.namespace, item.content_key, item.num_tokens, bytearray(item.blob), item.pin,
+                    tuple(item.token_ids))
+                if item.parent_key and item.token_ids:
+                    self._children.setdefault(item.parent_key, {})[item.key] = None
                 if item.content_key is not None:
                     self._content_index[item.content_key] = item.key
         return len(items)

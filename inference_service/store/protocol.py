@@ -1,8 +1,9 @@
 """The engine's view of a chunk store (lookup, fetch, store) and the always-miss store."""
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, Sequence
 
 
 class StoreUnavailable(Exception):
@@ -14,9 +15,39 @@ class StoreLookup:
     prefix_run: int  # how many leading prefix keys hit, in order
     content_hits: dict[int, bytes] = field(default_factory=dict)  # chunk index -> stored prefix key
     partial_index: int | None = None  # index of the first stored partial key asked for; None: none
+    # The stored continuation of the asked parent sharing the most leading tokens (None: none), and how many.
+    continuation_key: bytes | None = None
+    continuation_tokens: int = 0
 
     def __post_init__(self) -> None:
         assert self.prefix_run >= 0, f"prefix_run must be >= 0, got {self.prefix_run}"
+        assert (self.continuation_key is None) == (self.continuation_tokens == 0), "a continuation shares tokens"
+
+
+@dataclass(slots=True, frozen=True)
+class ContinuationQuery:
+    """Reuse inside a chunk: the stored chunk chained from `parent` whose leading tokens agree longest with
+    token_ids (the prompt's tokens after its run of whole chunks)."""
+
+    parent: bytes
+    token_ids: tuple[int, ...]
+
+    def packed(self) -> bytes:
+        return pack_token_ids(self.token_ids)
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Little-endian uint32 each: the wire form of token ids in the cache protocol."""
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    shared = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        shared += 1
+    return shared
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,6 +58,10 @@ class StoreItem:
     num_tokens: int
     blob: bytes
     pin: bool = False
+    # The prefix key this chunk chains from and its token ids: the daemon indexes the chunk as a continuation
+    # of that parent (reuse inside a chunk). Empty: not indexed.
+    parent_key: bytes = b""
+    token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.num_tokens > 0, f"a stored chunk holds tokens, got {self.num_tokens}"
@@ -41,9 +76,10 @@ class ChunkStore(Protocol):
     # "remote" (ServiceStatsReply.read_mode).
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
-               partial_keys: list[bytes] | None = None) -> StoreLookup:
+               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None) -> StoreLookup:
         """Which chunks are stored; moves no blob bytes. partial_keys are tried in order, the first stored
-        one is reported. Raises StoreUnavailable."""
+        one is reported; continuation: the stored chunk sharing the most leading tokens (a store that keeps
+        no such index answers none). Raises StoreUnavailable."""
         ...
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
@@ -68,7 +104,7 @@ class NullStore:
     degraded = False
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
-               partial_keys: list[bytes] | None = None) -> StoreLookup:
+               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None) -> StoreLookup:
         return StoreLookup(0, {})
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:

@@ -453,9 +453,9 @@ class RecordingCache(InMemoryStore):
         self.calls: list[str] = []
         self.on_store = lambda: self.calls.append("store")
 
-    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None) -> StoreLookup:
+    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None, continuation=None) -> StoreLookup:
         self.calls.append("lookup")
-        return super().lookup(namespace, prefix_keys, content_keys, partial_keys)
+        return super().lookup(namespace, prefix_keys, content_keys, partial_keys, continuation)
 
     def fetch(self, keys):
         self.calls.append("fetch")
@@ -471,7 +471,7 @@ class UnreachableCache:
         self.degraded = True
         self.calls = threading.local()
 
-    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None):
+    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None, continuation=None):
         raise StoreUnavailable("daemon down")
 
     def fetch(self, keys):

@@ -18,9 +18,9 @@ class RecordingStore(InMemoryStore):
         self.lookups: list[tuple[int, int]] = []  # (prefix keys, partial keys) per Lookup
         self.fetches: list[list[bytes]] = []
 
-    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None):
+    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None, continuation=None):
         self.lookups.append((len(prefix_keys), len(partial_keys or ())))
-        return super().lookup(namespace, prefix_keys, content_keys, partial_keys)
+        return super().lookup(namespace, prefix_keys, content_keys, partial_keys, continuation)
 
     def fetch(self, keys):
         self.fetches.append(list(keys))
@@ -65,7 +65,7 @@ def test_the_chunk_that_held_the_partial_hit_is_stored_whole_afterwards(tiny_lla
     assert outcome.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, longer)[0])
 
 
-def test_a_prompt_that_leaves_the_text_inside_the_tail_reuses_the_whole_chunks_only(tiny_llama):
+def test_a_prompt_that_leaves_the_text_inside_the_tail_reuses_it_to_the_last_shared_token(tiny_llama):
     model, tokenizer = tiny_llama
     engine = make_engine(tiny_llama)
     engine.warm(DOCUMENT)
@@ -73,7 +73,7 @@ def test_a_prompt_that_leaves_the_text_inside_the_tail_reuses_the_whole_chunks_o
 
     outcome = run(engine, prompt=changed, mode="prefix_cache")
 
-    assert outcome.cached_tokens == 24
+    assert outcome.cached_tokens == 28  # 3 whole chunks, then the stored tail's first 4 tokens
     assert outcome.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, changed)[0])
 
 
@@ -81,13 +81,13 @@ def test_a_prompt_ending_inside_the_stored_tail_runs_only_its_last_token(tiny_ll
     model, tokenizer = tiny_llama
     engine = make_engine(tiny_llama)
     engine.warm(DOCUMENT)
-    prefix = DOCUMENT[:27]  # ends 3 tokens into the 6-token tail: the 3-token partial key is not stored
+    prefix = DOCUMENT[:27]  # ends 3 tokens into the 6-token tail: the stored tail shares those 3
 
     exact = run(engine, prompt=DOCUMENT, mode="prefix_cache")
     shorter = run(engine, prompt=prefix, mode="prefix_cache")
 
     assert exact.cached_tokens == 29  # all but the last token, which always runs
-    assert shorter.cached_tokens == 24
+    assert shorter.cached_tokens == 26  # 3 whole chunks and 2 of the tail's tokens: all but the last
     assert exact.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, DOCUMENT)[0])
     assert shorter.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, prefix)[0])
 

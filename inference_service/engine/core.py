@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable, Iterable
 
@@ -20,6 +21,10 @@ from inference_service.errors import EngineFatal, EngineStopped, InvalidRequest,
 from inference_service.model.batch_forward import has_sliding_layers
 
 logger = logging.getLogger(__name__)
+
+# A request whose prompt chunks this process is still writing back waits (at most this long) for them to land
+# instead of recomputing them: a follow-up sent right after a long first question finds its document.
+HOLD_FOR_WRITE_BACK_S = 10.0
 
 
 class EngineCore:
@@ -48,13 +53,20 @@ class EngineCore:
         self.on_fatal: Callable[[BaseException], None] | None = None  # the process must restart (serving exits)
         self.num_steps = 0
         self._inbox: deque[Sequence] = deque()
+        self._held: list[tuple[float, Sequence]] = []  # (deadline, request) waiting for a write-back of its chunks
         self._wake = threading.Condition()
+        self._writeback = parts.writeback
+        self._writeback.on_settled = self._wake_up
         self._stopping = False
         self._thread: threading.Thread | None = None
 
     @property
     def num_waiting(self) -> int:
-        return len(self._inbox) + self.scheduler.num_waiting
+        return len(self._inbox) + len(self._held) + self.scheduler.num_waiting
+
+    def _wake_up(self) -> None:
+        with self._wake:
+            self._wake.notify()
 
     def submit(self, seqs: Iterable[Sequence]) -> None:
         """Queues the requests (all or none); callable from any thread.
@@ -94,7 +106,8 @@ class EngineCore:
         """Requests still waiting fail with EngineStopped; running ones finish; then the loop ends."""
         with self._wake:
             self._stopping = True
-            waiting, self._inbox = list(self._inbox), deque()
+            waiting, self._inbox = list(self._inbox) + [seq for _, seq in self._held], deque()
+            self._held = []
             self._wake.notify()
         stopped = EngineStopped("the service shut down before this request started")
         for seq in waiting:
@@ -105,11 +118,27 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_work()
 
+    def _release_held(self, arrived: list[Sequence]) -> list[Sequence]:
+        """The arrivals and held requests that may start: those none of whose prompt chunks is being written
+        back by this process, or that waited HOLD_FOR_WRITE_BACK_S for it. The rest are held (FIFO kept)."""
+        now = time.monotonic()
+        candidates = self._held + [(now + HOLD_FOR_WRITE_BACK_S, seq) for seq in arrived]
+        ready: list[Sequence] = []
+        held: list[tuple[float, Sequence]] = []
+        for deadline, seq in candidates:
+            keys = [*seq.prompt.prefix_keys, *([seq.prompt.tail_key] if seq.prompt.tail_key else [])]
+            if seq.mode != "baseline" and now < deadline and self._writeback.storing(keys):
+                held.append((deadline, seq))
+            else:
+                ready.append(seq)
+        self._held = held
+        return ready
+
     @torch.inference_mode()
     def step(self) -> None:
         with self._wake:
             arrived, self._inbox = list(self._inbox), deque()
-        for seq in arrived:
+        for seq in self._release_held(arrived):
             self.executor.sequences[seq.seq_id] = seq
             self.scheduler.add(seq.state)
         self.owner.collect()
@@ -126,6 +155,9 @@ class EngineCore:
         while True:
             with self._wake:
                 while not self._stopping and not self.has_work():
+                    if self._held:  # released by a write-back ending (it wakes us) or by its deadline
+                        self._wake.wait(timeout=0.05)
+                        break
                     self._wake.wait()
                 if self._stopping and not self.scheduler.has_work() and not self._inbox:
                     return

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable
@@ -92,6 +93,14 @@ class WriteBack:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-writeback")
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
+        self._in_flight: Counter[bytes] = Counter()  # prefix keys queued or being stored
+        self.on_settled: Callable[[], None] | None = None  # told after each write-back ends (stored or failed)
+
+    def storing(self, keys) -> bool:
+        """Whether any of these prefix keys is queued or being stored now (a request that needs it had better
+        wait for it than recompute it)."""
+        with self._lock:
+            return any(key in self._in_flight for key in keys)
 
     def submit(self, pending: PendingChunks, on_done: Callable[[int, BaseException | None], None] | None = None) -> None:
         """Queues the chunks; returns at once. on_done(stored count, error) runs on the write-back thread once they
@@ -100,6 +109,8 @@ class WriteBack:
             if on_done is not None:
                 on_done(0, None)
             return
+        with self._lock:
+            self._in_flight.update(pending.prefix_keys)
         future = self._executor.submit(self._store_in_background, pending, on_done)
         with self._lock:
             self._pending.add(future)
@@ -127,8 +138,13 @@ class WriteBack:
         except Exception as error:  # a background thread has no caller to raise to
             failure = error
             logger.exception("[%s] write-back of %d chunks failed", pending.request_id, len(pending.chunks))
+        with self._lock:
+            self._in_flight.subtract(pending.prefix_keys)
+            self._in_flight = +self._in_flight  # drops the keys at zero
         if on_done is not None:
             on_done(stored, failure)
+        if self.on_settled is not None:
+            self.on_settled()
 
     def _forget(self, future: Future) -> None:
         with self._lock:

@@ -1,0 +1,1 @@
+"""Peers our benchmarks measure against, built from registry packages."""

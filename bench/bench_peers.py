@@ -276,7 +276,8 @@ class OurStack:
         self.processes = []
 
 
-def start_peer(work_dir: Path, threads: int, slots: int, context_per_slot: int) -> tuple[llama_cpp.LlamaServer | None, str]:
+def start_peer(work_dir: Path, threads: int, slots: int, context_per_slot: int,
+               extra: tuple[str, ...] = ()) -> tuple[llama_cpp.LlamaServer | None, str]:
     """(the running llama-server, its command line) or (None, why it was skipped)."""
     from inference_service.model.weights import embedded_gguf_dir
 
@@ -285,7 +286,7 @@ def start_peer(work_dir: Path, threads: int, slots: int, context_per_slot: int) 
     try:
         binaries = llama_cpp.build()
         gguf = llama_cpp.f32_gguf(embedded_gguf_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf", binaries)
-        command = llama_cpp.server_command(binaries, gguf, pick_free_port(), threads, slots, context_per_slot)
+        command = llama_cpp.server_command(binaries, gguf, pick_free_port(), threads, slots, context_per_slot) + list(extra)
         server = llama_cpp.LlamaServer(command, int(command[command.index("--port") + 1]), work_dir / "llama-server.log")
         return server.start(), " ".join(command)
     except llama_cpp.PeerUnavailable as error:
@@ -296,7 +297,10 @@ def start_peer(work_dir: Path, threads: int, slots: int, context_per_slot: int) 
 
 
 def print_report(results: dict) -> None:
-    print(f"\n{results['header']}\nllama-server: {results['peer_command']}\n")
+    print(f"\n{results['header']}\nllama-server: {results['peer_command']}")
+    if "clients_peer_command" in results:
+        print(f"llama-server for the clients workload: {results['clients_peer_command']}")
+    print()
     if "decode" in results:
         line = "one stream, 128 tokens, decode tokens/s: " + ", ".join(
             f"{name} {row['decode_tps']:.1f}" for name, row in results["decode"].items())
@@ -376,12 +380,16 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(value) for value in args.clients.split(",")]
     results: dict = {"workloads": chosen, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     with ExitStack() as stack:
-        work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-peers-")))
+        work_dir = Path(tempfile.mkdtemp(prefix="kvboost-peers-"))  # kept: the servers' logs are there
+        print(f"logs in {work_dir}", flush=True)
         ours_stack = OurStack(work_dir, args.threads).start()
         stack.callback(lambda: ours_stack.stop())
         ours = Server("ours", ours_stack.base_url, "SmolLM2-135M-Instruct")
+        # 8 slots (llama-server's usual setting, and its default 8 GiB host prompt cache) for one client at a
+        # time; the clients workload gets a server of its own with a slot per client and -cram 0: with 16 slots
+        # and the default prompt cache this build exits after its first request (measured, 2026-11-25).
         peer, peer_command = (None, "llama-server skipped: --no-peer") if args.no_peer else start_peer(
-            work_dir, args.threads, max(counts + [8]), 4608)
+            work_dir, args.threads, 8, 4608)
         if peer is not None:
             stack.callback(peer.stop)
         results["peer_command"] = peer_command
@@ -397,7 +405,19 @@ def main(argv: list[str] | None = None) -> int:
                 results["decode"] = run_decode(servers, client, args.runs)
             if "clients" in chosen:
                 print("clients ...", flush=True)
-                results["clients"] = run_clients(servers, counts, max(1, args.runs - 1))
+                many, many_command = (None, peer_command) if peer is None else start_peer(
+                    work_dir, args.threads, max(counts), 4608, ("-cram", "0"))
+                results["clients_peer_command"] = many_command
+                print(many_command, flush=True)
+                many_servers = [ours] + ([Server("llama-server", many.base_url, extra={"cache_prompt": True})]
+                                         if many is not None else [])
+                try:
+                    for server in many_servers[1:]:
+                        server.chat([{"role": "user", "content": "Hello."}], 4, client)
+                    results["clients"] = run_clients(many_servers, counts, max(1, args.runs - 1))
+                finally:
+                    if many is not None:
+                        many.stop()
             texts = documents(args.documents)
             if "followups" in chosen:
                 print("follow-ups ...", flush=True)

@@ -385,11 +385,12 @@ def main(argv: list[str] | None = None) -> int:
         ours_stack = OurStack(work_dir, args.threads).start()
         stack.callback(lambda: ours_stack.stop())
         ours = Server("ours", ours_stack.base_url, "SmolLM2-135M-Instruct")
-        # 8 slots (llama-server's usual setting, and its default 8 GiB host prompt cache) for one client at a
-        # time; the clients workload gets a server of its own with a slot per client and -cram 0: with 16 slots
-        # and the default prompt cache this build exits after its first request (measured, 2026-11-25).
+        # -cram 0: this build's host-memory prompt cache (8 GiB by default) makes the server stop ("cleaning up
+        # before exit" in its log) after its first request with 16 slots, and after a few hundred with 8
+        # (measured 2026-11-25); without it each slot still keeps its own prompt's K/V for the next request.
+        # 8 slots for one client at a time; the clients workload gets a server with a slot per client.
         peer, peer_command = (None, "llama-server skipped: --no-peer") if args.no_peer else start_peer(
-            work_dir, args.threads, 8, 4608)
+            work_dir, args.threads, 8, 4608, ("-cram", "0"))
         if peer is not None:
             stack.callback(peer.stop)
         results["peer_command"] = peer_command

@@ -420,11 +420,22 @@ def main(argv: list[str] | None = None) -> int:
                     if many is not None:
                         many.stop()
             texts = documents(args.documents)
+
+            def renew_peer() -> None:
+                """A fresh llama-server for each stateful workload: this build stops by itself ("cleaning up
+                before exit", no error logged) after a few hundred requests (measured 2026-11-25)."""
+                if peer is not None:
+                    peer.stop()
+                    peer.start()
+                    servers[1].chat([{"role": "user", "content": "Hello."}], 4, client)
+
             if "followups" in chosen:
+                renew_peer()
                 print("follow-ups ...", flush=True)
                 results["followups"] = run_followups(servers, ours, client, texts)
                 results["agreement"] = agreement(results["followups"])
             if "chat" in chosen:
+                renew_peer()
                 print("chat ...", flush=True)
                 results["chat"] = run_chat(servers, ours, client, args.turns, args.answer_tokens)
             if "restart" in chosen and "followups" in chosen:

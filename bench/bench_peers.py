@@ -183,7 +183,13 @@ def run_clients(servers: list[Server], counts: list[int], runs: int) -> dict:
     return results
 
 
-def run_followups(servers: list[Server], ours: Server | None, client: httpx.Client, texts: list[str]) -> dict:
+PEER_FAILURES = (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError)
+
+
+def run_followups(servers: list[Server], ours: Server | None, client: httpx.Client, texts: list[str],
+                  restart_peer=None) -> dict:
+    """restart_peer(): a new llama-server after it stopped by itself; the document is asked again from the start
+    (at most 3 times), and the row says so."""
     rows = []
     for index, text in enumerate(texts):
         first_q = f"According to document {index + 1}, what is the first fact it lists?"
@@ -191,8 +197,16 @@ def run_followups(servers: list[Server], ours: Server | None, client: httpx.Clie
         row = {"document": index + 1}
         for server in servers:
             messages = [{"role": "system", "content": "Answer from the document.\n" + text}]
-            first = server.chat(messages + [{"role": "user", "content": first_q}], 32, client)
-            second = server.chat(messages + [{"role": "user", "content": second_q}], 8, client)
+            for attempt in range(3):
+                try:
+                    first = server.chat(messages + [{"role": "user", "content": first_q}], 32, client)
+                    second = server.chat(messages + [{"role": "user", "content": second_q}], 8, client)
+                    break
+                except PEER_FAILURES:
+                    if server.name == "ours" or restart_peer is None or attempt == 2:
+                        raise
+                    row["peer_restarts"] = row.get("peer_restarts", 0) + 1
+                    restart_peer()
             row[server.name] = {"first": asdict(first), "second": asdict(second)}
         if ours is not None:  # BASELINE: the follow-up again without reuse
             messages = [{"role": "system", "content": "Answer from the document.\n" + text},
@@ -214,7 +228,8 @@ def row_line(row: dict) -> str:
     return "; ".join(parts)
 
 
-def run_chat(servers: list[Server], ours: Server | None, client: httpx.Client, turns: int, answer_tokens: int) -> dict:
+def run_chat(servers: list[Server], ours: Server | None, client: httpx.Client, turns: int, answer_tokens: int,
+             restart_peer=None) -> dict:
     questions = ["When does the library open?", "And the pool?", "How much is the museum?",
                  "Is the market open on weekends?", "Which place opens earliest?", "Anything else I should know?",
                  "Which one costs the most?", "Where can I go on Fridays?"]
@@ -225,7 +240,14 @@ def run_chat(servers: list[Server], ours: Server | None, client: httpx.Client, t
         for server in servers:
             history = histories[server.name]
             history.append({"role": "user", "content": questions[turn % len(questions)]})
-            reply = server.chat(history, answer_tokens, client)
+            try:
+                reply = server.chat(history, answer_tokens, client)
+            except PEER_FAILURES:
+                if server.name == "ours" or restart_peer is None:
+                    raise
+                row["peer_restarted"] = True  # this turn then finds nothing cached on llama-server's side
+                restart_peer()
+                reply = server.chat(history, answer_tokens, client)
             row[server.name] = asdict(reply)
             if ours is not None and server is ours:
                 row["baseline"] = asdict(ours.chat(history, 1, client, kvboost={"mode": "baseline"}))
@@ -324,6 +346,11 @@ def print_report(results: dict) -> None:
                     cells.append(f"{name} {reply['prompt_tokens']:>5} {reply['recomputed_tokens']:>5} {reply['ttft_ms']:>7.0f}")
             print(f"  {row.get('document', row.get('turn')):>3}: " + " | ".join(cells))
         print("  medians: " + ", ".join(f"{name} TTFT {value:.0f} ms" for name, value in median_ttfts(rows, key).items()))
+    restarts = sum(row.get("peer_restarts", 0) for row in results.get("followups", {}).get("rows", ())) + sum(
+        bool(row.get("peer_restarted")) for row in results.get("chat", {}).get("rows", ()))
+    if restarts:
+        print(f"\nllama-server stopped by itself {restarts} times (its log: 'cleaning up before exit', no error) and "
+              "was restarted; the document was asked again from its first question (a chat turn: from nothing cached)")
     if "agreement" in results:
         agreement = results["agreement"]
         print(f"\ngreedy agreement of first answers: {agreement['same']}/{agreement['total']} identical texts, "
@@ -432,12 +459,12 @@ def main(argv: list[str] | None = None) -> int:
             if "followups" in chosen:
                 renew_peer()
                 print("follow-ups ...", flush=True)
-                results["followups"] = run_followups(servers, ours, client, texts)
+                results["followups"] = run_followups(servers, ours, client, texts, renew_peer)
                 results["agreement"] = agreement(results["followups"])
             if "chat" in chosen:
                 renew_peer()
                 print("chat ...", flush=True)
-                results["chat"] = run_chat(servers, ours, client, args.turns, args.answer_tokens)
+                results["chat"] = run_chat(servers, ours, client, args.turns, args.answer_tokens, renew_peer)
             if "restart" in chosen and "followups" in chosen:
                 print("restart ...", flush=True)
                 ours_stack.stop()

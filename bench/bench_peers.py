@@ -68,7 +68,11 @@ class Server:
                 "stream": True, "stream_options": {"include_usage": True}, **self.extra, **fields}
         reply, started, first, last = Reply(), time.perf_counter(), None, None
         pieces, timings, usage = [], {}, {}
-        with client.stream("POST", f"{self.base_url}/v1/chat/completions", json=body, timeout=600) as response:
+        # Connection: close, for both servers: this llama-server build stops ("cleaning up before exit") when a
+        # kept-alive connection sends another request after a streamed reply (measured 2026-11-25); a new
+        # loopback connection per request costs well under a millisecond.
+        with client.stream("POST", f"{self.base_url}/v1/chat/completions", json=body, timeout=600,
+                           headers={"Connection": "close"}) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"{self.name}: HTTP {response.status_code}: {response.read()[:300]!r}")
             for line in response.iter_lines():

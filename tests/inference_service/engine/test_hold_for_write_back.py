@@ -49,8 +49,7 @@ def test_a_follow_up_waits_for_the_write_back_it_needs(tiny_llama):
         follow_up = submit(engine, DOCUMENT + " second?")
         baseline = submit(engine, DOCUMENT + " third?", mode="baseline")
         assert baseline["done"].wait(30), "BASELINE needs nothing stored: it never waits"
-        time.sleep(0.3)
-        assert not follow_up["done"].is_set(), "held while its chunks are being written back"
+        assert not follow_up["done"].wait(0.3), "held while its chunks are being written back"
         store.gate.set()
         assert follow_up["done"].wait(30) and follow_up["error"] is None
         outcome = follow_up["outcome"]

@@ -157,7 +157,7 @@ async def models(request: Request) -> Response:
     served = await gateway.served_model()
     return JSONResponse({"object": "list", "data": [{
         "id": served, "object": "model", "created": gateway.started, "owned_by": "kvboost", "root": info.model,
-        "max_model_len": info.max_context,
+        "max_model_len": info.max_context, "dtype": info.dtype, "device": info.device,
     }]})
 
 

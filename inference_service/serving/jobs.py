@@ -55,6 +55,19 @@ class Job(Generic[T]):
         while (update := await self._updates.get()) is not _DONE:
             yield update
 
+    async def update_batches(self) -> AsyncIterator[list[Any]]:
+        """Like `updates`, but each step hands over everything queued by then, in order: one update while the
+        reader keeps up, several once it falls behind (a slow stream writer)."""
+        while (update := await self._updates.get()) is not _DONE:
+            batch = [update]
+            while not self._updates.empty():
+                update = self._updates.get_nowait()
+                if update is _DONE:
+                    yield batch
+                    return
+                batch.append(update)
+            yield batch
+
     async def result(self) -> T:
         return await asyncio.shield(self._future)
 

@@ -33,8 +33,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         except Exception as error:
             await abort_with(context, error, request.request_id)
         try:
-            async for event in job.updates():
-                yield event
+            async for batch in job.update_batches():
+                for event in coalesce(batch):
+                    yield event
             outcomes = await job.result()
         except Exception as error:
             await abort_with(context, error, params.request_id)
@@ -145,3 +146,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             return await job.result()
         finally:
             job.cancel()
+
+
+def coalesce(events: list[pb.GenerateEvent]) -> list[pb.GenerateEvent]:
+    """Merges consecutive token events of the same completion into one message (text, token ids and logprobs
+    appended in order), so a reader that fell behind gets what accumulated in few messages, nothing lost."""
+    merged: list[pb.GenerateEvent] = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if last is None or last.index != event.index or event.HasField("result") or last.HasField("result") \
+                or len(event.prompt_logprobs):
+            merged.append(event)
+            continue
+        last.text += event.text
+        last.token_ids.extend(event.token_ids)
+        last.logprobs.extend(event.logprobs)
+    return merged

@@ -53,7 +53,7 @@ class FakeUpstream:
         return self.calls[-1]
 
     async def model_info(self) -> pb.ModelInfoReply:
-        return pb.ModelInfoReply(model="tiny", max_context=4096)
+        return pb.ModelInfoReply(model="tiny", max_context=4096, dtype="bfloat16", device="cpu")
 
     async def health_status(self, service: str = "", timeout_s: float = 2.0) -> str:
         return "NOT_SERVING"
@@ -139,6 +139,12 @@ def test_served_model_name_is_listed_and_accepted():
     response, _ = send([token("x", 1), result()], "POST", "/v1/completions", config=config,
                        json={"model": "my-model", "prompt": "a"})
     assert response.status_code == 200 and response.json()["model"] == "my-model"
+
+
+def test_models_reports_the_services_dtype_and_device():
+    listed, _ = send([], "GET", "/v1/models")
+    entry = listed.json()["data"][0]
+    assert (entry["dtype"], entry["device"]) == ("bfloat16", "cpu")
 
 
 def test_unknown_routes_and_methods_are_openai_shaped():

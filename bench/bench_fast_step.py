@@ -130,22 +130,30 @@ def run_sweep(model, tokenizer, steps: list[str], count: int, max_new_tokens: in
               f"{diverged}; {cached} prompt tokens from the cache; {time.perf_counter() - started:.0f} s")
 
 
-def time_steps(models: dict, tokenizer, steps: list[str], cases: list[str], rounds: int, steps_per_round: int) -> None:
-    """Per case, an engine per (dtype, step kind) holds the same rows; their decode steps alternate round by round.
+def time_steps(models: dict, tokenizer, steps: list[str], cases: list[str], rounds: int, steps_per_round: int,
+               thread_counts: list[int]) -> None:
+    """Per case, an engine per (dtype, step kind) holds the same rows; their decode steps alternate round by round,
+    at each of thread_counts in turn (torch's intra-op threads, set before each engine's steps).
     models: {dtype name: model}."""
-    engines = {f"{dtype} {step}": build_engine(model, tokenizer, step) for dtype, model in models.items()
-               for step in steps}
-    chosen = {label: engine.stats()["decode_step"] for label, engine in engines.items()}
+    import torch
+
+    built = {f"{dtype} {step}": build_engine(model, tokenizer, step) for dtype, model in models.items()
+             for step in steps}
+    engines = {(f"{label} {threads}t" if len(thread_counts) > 1 else label): (engine, threads)
+               for label, engine in built.items() for threads in thread_counts}
+    chosen = {label: engine.stats()["decode_step"] for label, engine in built.items()}
     print(f"engines (dtype, decode step asked: step run) {chosen}; {rounds} rounds of {steps_per_round} steps each, "
           "alternating")
     first = next(iter(engines))
     for case in cases:
         num_rows, context = parse_case(case)
-        stops = {label: _start_rows(engine, tokenizer, num_rows, context, rounds * steps_per_round + 8)
-                 for label, engine in engines.items()}
+        stops = {label: _start_rows(engine, tokenizer, num_rows, context,
+                                    len(thread_counts) * rounds * steps_per_round + 8)
+                 for label, engine in built.items()}
         times: dict[str, list[float]] = {label: [] for label in engines}
         for _ in range(rounds):
-            for label, engine in engines.items():
+            for label, (engine, threads) in engines.items():
+                torch.set_num_threads(threads)
                 for _ in range(steps_per_round):
                     began = time.perf_counter()
                     engine.core.step()
@@ -153,13 +161,13 @@ def time_steps(models: dict, tokenizer, steps: list[str], cases: list[str], roun
         base = statistics.median(times[first])
         for label in engines:
             median = statistics.median(times[label])
-            print(f"  {num_rows:2d} row(s) x ~{context} tokens, {label:22s}: {median * 1000:7.1f} ms per step, "
+            print(f"  {num_rows:2d} row(s) x ~{context} tokens, {label:25s}: {median * 1000:7.1f} ms per step, "
                   f"{num_rows / median:6.1f} tokens/s, {base / median:.2f}x {first}")
-        for label, engine in engines.items():
+        for label, engine in built.items():
             stops[label].set()
             while engine.core.has_work():
                 engine.core.step()
-    for engine in engines.values():
+    for engine in built.values():
         engine.stop(30)
 
 
@@ -194,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="ROWSxCONTEXT: rows decoding together, each after about CONTEXT prompt tokens")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per case")
     parser.add_argument("--steps-per-round", type=int, default=6, help="decode steps of one kind per round")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[0],
+                        help="torch intra-op threads (0: torch's default); several: the timing alternates between them")
     parser.add_argument("--skip-timing", action="store_true", help="only the sweep")
     parser.add_argument("--sweep", type=int, default=0, help="prompts in the identity sweep (0: no sweep)")
     parser.add_argument("--sweep-tokens", type=int, default=64, help="greedy tokens per sweep prompt")
@@ -203,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    thread_counts = [threads or torch.get_num_threads() for threads in args.threads]
+    torch.set_num_threads(thread_counts[0])
     if args.model == "tiny":
         from tests.factories import build_tiny_model
         model, tokenizer = build_tiny_model("llama")
@@ -214,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     # nn.Module.to converts in place: each dtype gets its own copy of the float32 model
     models = {dtype: copy.deepcopy(model).to(getattr(torch, dtype)) if dtype != "float32" else model
               for dtype in args.dtypes}
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, {torch.get_num_threads()} threads")
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, threads {thread_counts}")
     if not args.skip_timing:
-        time_steps(models, tokenizer, args.steps, args.cases, args.rounds, args.steps_per_round)
+        time_steps(models, tokenizer, args.steps, args.cases, args.rounds, args.steps_per_round, thread_counts)
+        torch.set_num_threads(thread_counts[0])
     if args.sweep:
         dtype = args.dtypes[0]
         print(f"\nsweep at {dtype}")

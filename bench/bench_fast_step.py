@@ -171,6 +171,49 @@ def time_steps(models: dict, tokenizer, steps: list[str], cases: list[str], roun
         engine.stop(30)
 
 
+def compare_compile(model, context: int, num_steps: int) -> None:
+    """torch.compile (inductor) of the lean step against the same step eager: compile time, step time, bitwise.
+    One row; attention over a fixed capacity (masked) so that every step has the same shapes: one compilation."""
+    import torch
+
+    from inference_service.model.decode_step import LeanStep
+    from inference_service.model.kv_buffers import kv_geometry
+
+    capacity = context + 2 * num_steps + 8
+    geometry = kv_geometry(model.config)
+    generator = torch.Generator().manual_seed(0)
+    buffers = []
+    for _ in range(2):  # eager and compiled each write their own K/V
+        shape = (geometry.num_layers, 1, geometry.num_kv_heads, capacity, geometry.head_dim)
+        keys = (torch.randn(shape, generator=generator.manual_seed(0)) * 0.5).to(model.dtype)
+        buffers.append((keys, keys.flip(-1).clone()))
+    step = LeanStep(model)
+    raw = LeanStep.__call__.__wrapped__  # without inference_mode, which compiled graphs cannot mutate buffers under
+
+    def run(which, position: int, fn):
+        keys, values = buffers[which]
+        positions = torch.tensor([position])
+        mask = (torch.arange(capacity)[None, :] <= positions[:, None])[:, None, None, :]
+        return fn(step, keys, values, torch.tensor([[42]]), positions, positions, capacity, mask)
+
+    compiled = torch.compile(raw, dynamic=False)
+    with torch.no_grad():
+        started = time.perf_counter()
+        got = run(1, context, compiled)
+        compile_s = time.perf_counter() - started
+        expected = run(0, context, raw)
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for index in range(1, num_steps):
+            for which, (name, fn) in enumerate((("eager", raw), ("compiled", compiled))):
+                began = time.perf_counter()
+                run(which, context + index, fn)
+                times[name].append(time.perf_counter() - began)
+    eager, fast = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    print(f"\ntorch.compile of the lean step (inductor, static shapes, 1 row over {capacity} columns): first call "
+          f"{compile_s:.1f} s; step {fast * 1000:.1f} ms vs {eager * 1000:.1f} ms eager ({eager / fast:.2f}x); logits "
+          f"{'bitwise equal' if torch.equal(expected, got) else f'differ by up to {float((expected - got).abs().max()):.2g}'}")
+
+
 def _start_rows(engine, tokenizer, num_rows: int, context: int, num_steps: int) -> threading.Event:
     """num_rows greedy rows of about `context` prompt tokens, stepped until each decodes; set the event to end them."""
     from inference_service.engine.engine import GenerationParams
@@ -204,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-per-round", type=int, default=6, help="decode steps of one kind per round")
     parser.add_argument("--threads", type=int, nargs="+", default=[0],
                         help="torch intra-op threads (0: torch's default); several: the timing alternates between them")
-    parser.add_argument("--skip-timing", action="store_true", help="only the sweep")
+    parser.add_argument("--skip-timing", action="store_true", help="only the sweep (and --compile)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also torch.compile of the lean step against it eager (compile time, step time, bitwise)")
     parser.add_argument("--sweep", type=int, default=0, help="prompts in the identity sweep (0: no sweep)")
     parser.add_argument("--sweep-tokens", type=int, default=64, help="greedy tokens per sweep prompt")
     parser.add_argument("--sweep-wave", type=int, default=16, help="sweep prompts submitted at once")
@@ -227,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_timing:
         time_steps(models, tokenizer, args.steps, args.cases, args.rounds, args.steps_per_round, thread_counts)
         torch.set_num_threads(thread_counts[0])
+    if args.compile:
+        compare_compile(models[args.dtypes[0]], parse_case(args.cases[0])[1], 2 * args.steps_per_round + 1)
     if args.sweep:
         dtype = args.dtypes[0]
         print(f"\nsweep at {dtype}")

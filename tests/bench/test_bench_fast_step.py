@@ -28,3 +28,12 @@ def test_sweep_cases_share_system_prompts_and_agreement_counts_divergence() -> N
     assert len(set(cases)) == 200 and len({case[0] for case in cases}) == len(bench_fast_step.SYSTEMS)
     # Two prompts: one identical, one diverging at its third token (of 4): 1 identical, 6/8 tokens in place.
     assert bench_fast_step.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 3, 4], [5, 6, 9, 9]]) == (1, 0.75, 2)
+
+
+@pytest.mark.slow  # an inductor compilation: 10-30 s of C++ builds on a 2-core machine
+def test_it_compares_torch_compile_of_the_lean_step_with_it_eager(capsys) -> None:
+    assert bench_fast_step.main(["--model", "tiny", "--cases", "1x20", "--skip-timing", "--compile",
+                                 "--steps-per-round", "2"]) == 0
+    assert re.search(r"torch.compile of the lean step \(inductor, static shapes, 1 row over \d+ columns\): first call "
+                     r"[\d.]+ s; step [\d.]+ ms vs [\d.]+ ms eager \([\d.]+x\); logits (bitwise equal|differ by up to )",
+                     capsys.readouterr().out)

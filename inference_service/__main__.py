@@ -43,8 +43,9 @@ def make_store(config: ServiceConfig) -> ChunkStore:
 def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
     """Checks the architecture from the config, then loads the weights (slow: runs off the event loop)."""
     from inference_service.engine.engine import Engine, EngineConfig  # torch and transformers load here
-    from inference_service.model.loading import load_model
+    from inference_service.model.loading import load_model, set_threads
 
+    set_threads(config.threads)
     loaded = load_model(config.model, device=_auto(config.device), dtype=_auto(config.dtype), strict=config.strict)
     engine_config = EngineConfig(
         chunk_size=config.chunk_size,
@@ -66,6 +67,7 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
         max_prefill_tokens=config.max_prefill_tokens,
         max_queue=config.max_queue,
         max_answer_tokens_stored=config.max_answer_tokens_stored,
+        decode_step=config.decode_step,
     )
     if isinstance(store, (GrpcChunkStore, ColocatedStore)) and store.check():
         logger.info("cache daemon at %s answers", store.address)

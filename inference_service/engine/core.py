@@ -48,7 +48,8 @@ class EngineCore:
                             bytes_per_token(parts.geometry, parts.dtype))
         self.owner = KvOwner(ledger, parts.model.config, parts.geometry, capacity, parts.device, parts.dtype)
         self.scheduler = Scheduler(limits, self.owner.ledger)
-        self.executor = Executor(parts.model, self.owner, self.scheduler, batched, pad_token_id)
+        self.executor = Executor(parts.model, self.owner, self.scheduler, batched, pad_token_id,
+                                 parts.config.decode_step)
         self.max_queue = max_queue
         self.on_fatal: Callable[[BaseException], None] | None = None  # the process must restart (serving exits)
         self.num_steps = 0

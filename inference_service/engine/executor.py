@@ -22,6 +22,8 @@ from inference_service.errors import EngineError, EngineFatal
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.forward import decode_step
 from inference_service.model.kv_buffers import build_cache
+from inference_service.model.step_choice import choose_decode_step
+from inference_service.model.step_names import DEFAULT_DECODE_STEP
 
 if TYPE_CHECKING:  # annotations only: the core builds both and hands them in
     from inference_service.engine.kv_owner import KvOwner
@@ -33,10 +35,16 @@ logger = logging.getLogger(__name__)
 class Executor:
     """The only part of the engine that runs forwards; every sequence it knows is in `sequences` by seq id."""
 
-    def __init__(self, model, owner: KvOwner, scheduler: Scheduler, batched: bool, pad_token_id: int = 0) -> None:
+    def __init__(self, model, owner: KvOwner, scheduler: Scheduler, batched: bool, pad_token_id: int = 0,
+                 decode_step: str = DEFAULT_DECODE_STEP) -> None:
+        """decode_step: the batched step asked for (model.step_names.DECODE_STEPS); the model's own forward runs
+        instead where it cannot run exactly as asked (logged, and named in the owner's stats)."""
         self.model, self.owner, self.scheduler = model, owner, scheduler
         self.batched = batched  # False: rows decode one at a time, each in its own cache (sliding-window models)
         self.pad_token_id = pad_token_id
+        choice = choose_decode_step(model, decode_step)  # says why when the model cannot take it
+        owner.buffers.step = choice.step if batched else None
+        owner.decode_step = choice.name if batched else "transformers"
         self.sequences: dict[int, Sequence] = {}
 
     # ---- admission and prefill --------------------------------------------------------------------
@@ -194,11 +202,14 @@ class Executor:
 
     def _store_answer(self, seq: Sequence, row: Row) -> None:
         """The prompt's tail and the answer's K/V (first completion only) as chunks, so the next turn of a
-        conversation reuses the whole previous turn; only K/V that are exact, of single-segment prompts."""
+        conversation reuses the whole previous turn; only K/V that are exact, of single-segment prompts (a decode
+        step that rounds differently from the model's forward, --decode-step onednn, computes answers' K/V that
+        another service sharing the cache would take as exact: they are not stored)."""
         limit = seq.parts.config.max_answer_tokens_stored
         answer = row.decoder.token_ids[:-1][:limit]  # the last token was never fed back: it has no K/V
-        if (not answer or not self.batched or seq.approximate or seq.mode == "baseline" or seq.context.degraded
-                or seq.params.segments):
+        exact_step = self.owner.buffers.step is None or not self.owner.buffers.step.packed
+        if (not answer or not self.batched or not exact_step or seq.approximate or seq.mode == "baseline"
+                or seq.context.degraded or seq.params.segments):
             return
         pending = answer_chunks(seq.prompt, answer, seq.parts.config.chunk_size, self.owner.views(row.slot),
                                 seq.request_id)

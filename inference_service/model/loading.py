@@ -44,6 +44,13 @@ def pick_device_dtype(device: str | None = None, dtype: str | None = None) -> tu
     return chosen_device, _DTYPES[dtype]
 
 
+def set_threads(num_threads: int) -> None:
+    """torch's intra-op threads for the model (0: torch's default, one per core); logged either way."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    logger.info("torch intra-op threads: %d%s", torch.get_num_threads(), "" if num_threads else " (torch's default)")
+
+
 def load_model(name_or_path: str, device: str | None = None, dtype: str | None = None, strict: bool = True) -> LoadedModel:
     """Checks the architecture from the config first, then loads weights and tokenizer from disk.
 

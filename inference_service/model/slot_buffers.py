@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from inference_service.model.attention import engine_call_kwargs
+from inference_service.model.decode_step import LeanStep
 from inference_service.model.kv_buffers import KVGeometry
 
 
@@ -54,6 +55,7 @@ class SlotBuffers:
         self.values = torch.empty(shape, device=device, dtype=dtype)
         self.config, self.capacity, self.device = config, capacity, device
         self.finite_until = [0] * num_slots  # columns [0, n) of each slot hold finite values
+        self.step: LeanStep | None = None  # decode through the model's own forward when None (step_choice)
         self._caches: dict[tuple[int, int], tuple[DynamicCache, list[SlotLayer]]] = {}
 
     @property
@@ -92,18 +94,27 @@ class SlotBuffers:
         position_tensor = torch.tensor(positions, device=self.device)
         # mask: [rows, 1, 1, length], True where a row may attend: its own columns up to its position.
         mask = (column_ids[None, :] <= position_tensor[:, None])[:, None, None, :]
-        cache, layers = self._cache(first, last + 1)
+        token_tensor = torch.tensor(token_ids, device=self.device).view(num_rows, 1)
         column_tensor = torch.tensor(columns, device=self.device)
-        for layer in layers:
-            layer.prepare(column_tensor, length)
-        output = model(input_ids=torch.tensor(token_ids, device=self.device).view(num_rows, 1),
-                       attention_mask=mask, position_ids=position_tensor.view(num_rows, 1), past_key_values=cache,
-                       use_cache=True, **engine_call_kwargs())
-        logits = output.logits[:, -1].float()  # [num_rows, vocab], row i for slot first + i
+        if self.step is not None:
+            logits = self.step(self.keys[:, first : last + 1], self.values[:, first : last + 1], token_tensor,
+                               position_tensor, column_tensor, length, mask)
+        else:
+            logits = self._model_forward(model, first, last + 1, token_tensor, position_tensor, column_tensor,
+                                         length, mask)
         order = [slot - first for slot in rows]
         if order == list(range(num_rows)):
             return logits
         return logits[torch.tensor(order, device=self.device)]
+
+    def _model_forward(self, model, first: int, end: int, token_ids: torch.Tensor, positions: torch.Tensor,
+                       columns: torch.Tensor, length: int, mask: torch.Tensor) -> torch.Tensor:
+        cache, layers = self._cache(first, end)
+        for layer in layers:
+            layer.prepare(columns, length)
+        output = model(input_ids=token_ids, attention_mask=mask, position_ids=positions.view(-1, 1),
+                       past_key_values=cache, use_cache=True, **engine_call_kwargs())
+        return output.logits[:, -1].float()  # [rows, vocab], row i for slot first + i
 
     def _keep_finite(self, slots: list[int], length: int) -> None:
         """Zeroes the columns up to `length` that decoding rows read masked but nothing has written yet."""

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from inference_service.errors import InvalidRequest
+from inference_service.model.step_names import DECODE_STEPS, DEFAULT_DECODE_STEP
 
 MODES = ("baseline", "prefix_cache", "chunk_kv_reuse")
 RECOMPUTE_STRATEGIES = ("none", "selective", "cacheblend")
@@ -56,6 +57,7 @@ class EngineConfig:
     # Generated tokens whose K/V are written back with the prompt's tail when a request ends (its first
     # completion), so a conversation's next turn reuses the answer; 0: answers are not stored.
     max_answer_tokens_stored: int = 1024
+    decode_step: str = DEFAULT_DECODE_STEP  # the batched decode step (model/step_names.py)
 
     @property
     def keys_before_rope(self) -> bool:
@@ -82,6 +84,7 @@ class EngineConfig:
         assert self.max_queue > 0, f"max_queue must be positive, got {self.max_queue}"
         assert self.max_answer_tokens_stored >= 0, "max_answer_tokens_stored must be >= 0"
         assert 0 <= self.kv_group_size <= 65535, f"kv_group_size must be in 0..65535, got {self.kv_group_size}"
+        assert self.decode_step in DECODE_STEPS, f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}"
 
 
 @dataclass(slots=True, frozen=True)

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
 from inference_service.request.types import MODES, RECOMPUTE_STRATEGIES
+from inference_service.model.step_names import DECODE_STEPS, DEFAULT_DECODE_STEP
 from inference_service.model.weights import DEFAULT_MODEL
 from inference_service.store.colocated import LOCAL_READ_MODES
 from kvboost_common.addresses import check_listen_address, is_local, is_unix, split_host_port
@@ -33,6 +34,8 @@ class ServiceConfig:
     listen: str = DEFAULT_LISTEN
     device: str = "auto"  # auto: cuda when present, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    threads: int = 0  # torch intra-op threads; 0: torch's default (the machine's cores)
+    decode_step: str = DEFAULT_DECODE_STEP  # the batched decode step: lean (exact), onednn (faster, opt-in), transformers
     chunk_size: int = 128
     kv_cache_bits: int = 16
     tenant_salt: str = ""
@@ -74,6 +77,8 @@ class ServiceConfig:
             raise ValueError(f"--listen must be HOST:PORT or unix:PATH, got {self.listen!r}") from None
         _require(self.device in DEVICES or self.device.startswith("cuda:"), f"--device must be one of {DEVICES} or cuda:N, got {self.device!r}")
         _require(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.threads >= 0, f"--threads must be >= 0 (0: torch's default), got {self.threads}")
+        _require(self.decode_step in DECODE_STEPS, f"--decode-step must be one of {DECODE_STEPS}, got {self.decode_step!r}")
         _require(self.chunk_size > 0, f"--chunk-size must be positive, got {self.chunk_size}")
         _require(self.kv_cache_bits in (4, 8, 16), f"--kv-cache-bits must be 4, 8 or 16, got {self.kv_cache_bits}")
         _require(self.default_mode in MODES, f"--default-mode must be one of {MODES}, got {self.default_mode!r}")
@@ -151,6 +156,16 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--listen", default=default("LISTEN", defaults.listen), help="HOST:PORT to serve on, or unix:PATH for a socket on this host (KVBOOST_LISTEN)")
     add("--device", default=default("DEVICE", defaults.device), help="auto, cpu, cuda or cuda:N (KVBOOST_DEVICE)")
     add("--dtype", default=default("DTYPE", defaults.dtype), choices=DTYPES, help="weights and K/V dtype (KVBOOST_DTYPE)")
+    add("--threads", type=int, default=default("THREADS", defaults.threads),
+        help="torch intra-op CPU threads for the model; 0 keeps torch's default (one per core). On a machine whose "
+             "cores other processes also use, fewer threads than cores avoids threads waiting on each other "
+             "(docs/performance.md) (KVBOOST_THREADS)")
+    add("--decode-step", default=default("DECODE_STEP", defaults.decode_step), choices=DECODE_STEPS,
+        help="how each batched decode step runs: lean = the model's own ops without transformers' per-call "
+             "overhead, bitwise its forward (checked at start-up; the model's forward runs where it cannot); "
+             "onednn = lean with the weights packed for oneDNN, faster on CPU but rounded differently, so greedy "
+             "output may differ from model.generate (opt-in; agreement measured in docs/performance.md); "
+             "transformers = the model's own forward (KVBOOST_DECODE_STEP)")
     add("--chunk-size", type=int, default=default("CHUNK_SIZE", defaults.chunk_size), help="tokens per cached chunk (KVBOOST_CHUNK_SIZE)")
     add("--kv-cache-bits", type=int, default=default("KV_CACHE_BITS", defaults.kv_cache_bits), choices=(4, 8, 16), help="stored K/V precision (KVBOOST_KV_CACHE_BITS)")
     add("--tenant-salt", default=default("TENANT_SALT", defaults.tenant_salt), help="isolates this service's cache entries from other tenants (KVBOOST_TENANT_SALT)")

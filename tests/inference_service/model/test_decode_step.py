@@ -1,0 +1,106 @@
+"""The lean decode step against transformers' own forward: bitwise equal where it runs, refused where it cannot."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from inference_service.model import step_choice
+from inference_service.model.attention import use_engine_attention
+from inference_service.model.decode_step import LeanStep, RmsNorm, lean_step_support
+from inference_service.model.forward import prefill
+from inference_service.model.kv_buffers import build_cache, kv_geometry
+from inference_service.model.slot_buffers import SlotBuffers
+from inference_service.model.step_choice import choose_decode_step, probe_mismatch
+from tests.factories import build_tiny_model
+
+PROMPTS = {0: list(range(5, 25)), 2: list(range(30, 37)), 3: list(range(40, 52))}  # slot 1 stays free
+
+
+def tiny(kind: str, dtype: torch.dtype = torch.float32):
+    model, _ = build_tiny_model(kind)
+    model = model.to(dtype)
+    use_engine_attention(model)
+    return model
+
+
+def prefilled_slots(model) -> SlotBuffers:
+    """Slots 0, 2, 3 prefilled with their prompts' K/V (the model's own prefill)."""
+    slots = SlotBuffers(model.config, kv_geometry(model.config), num_slots=4, capacity=40, device=torch.device("cpu"),
+                        dtype=model.dtype)
+    slots.keys.zero_()
+    slots.values.zero_()
+    for slot, prompt in PROMPTS.items():
+        prefill(model, build_cache(model.config, *slots.views(slot), 0), torch.tensor(prompt), 0)
+        slots.written(slot, len(prompt))
+    return slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_lean_step_writes_and_returns_bitwise_what_the_models_forward_does(kind, dtype):
+    model = tiny(kind, dtype)
+    reference, lean = prefilled_slots(model), prefilled_slots(model)
+    lean.step = LeanStep(model)
+    rows = {slot: (7 + slot, len(prompt)) for slot, prompt in PROMPTS.items()}
+    for step in range(6):
+        if step == 3:  # a lone row, then the rows in another order than their slots
+            rows = {2: rows[2]}
+        if step == 4:
+            rows = {3: (11, len(PROMPTS[3]) + 4), 0: (12, len(PROMPTS[0]) + 4)}
+        expected, got = reference.decode(model, rows), lean.decode(model, rows)
+        assert got.dtype == torch.float32 and torch.equal(expected, got), f"step {step}"
+        rows = {slot: (int(row_logits.argmax()), position + 1)
+                for (slot, (_, position)), row_logits in zip(rows.items(), expected)}
+    assert torch.equal(reference.keys, lean.keys) and torch.equal(reference.values, lean.values)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_engine_chooses_the_lean_step_after_its_probe(kind):
+    choice = choose_decode_step(tiny(kind))
+    assert (choice.name, choice.reason) == ("lean", "") and isinstance(choice.step, LeanStep)
+    assert not choice.step.packed
+
+
+def test_a_step_that_rounds_differently_is_refused_and_the_models_forward_runs(monkeypatch):
+    model = tiny("llama")
+
+    class Perturbed(LeanStep):
+        """The first norm's epsilon doubled: logits a rounding apart from the model's."""
+
+        def __init__(self, model, pack_rows: int = 0) -> None:
+            super().__init__(model, pack_rows)
+            first = self.layers[0]
+            self.layers[0] = dataclasses.replace(first, input_norm=RmsNorm(first.input_norm.weight,
+                                                                           first.input_norm.eps * 2))
+
+    assert "differ" in probe_mismatch(model, Perturbed(model))
+    monkeypatch.setattr(step_choice, "LeanStep", Perturbed)
+    choice = choose_decode_step(model, "lean")
+    assert choice.step is None and choice.name == "transformers" and "differ" in choice.reason
+
+
+def test_models_the_lean_step_does_not_repeat_run_the_models_forward_and_say_why():
+    sliding = tiny("mistral_sliding")
+    assert "sliding-window" in lean_step_support(sliding)
+    eager, _ = build_tiny_model("llama")
+    eager.set_attn_implementation("eager")
+    assert "attention 'eager'" in lean_step_support(eager)
+    from transformers import GemmaConfig, GemmaForCausalLM
+    gemma = GemmaForCausalLM(GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
+    assert "model type 'gemma'" in lean_step_support(gemma)
+    choice = choose_decode_step(gemma)
+    assert choice.step is None and choice.name == "transformers" and "gemma" in choice.reason
+    assert choose_decode_step(tiny("llama"), "transformers") == step_choice.StepChoice(None, "transformers", "")
+
+
+def test_the_onednn_step_rounds_close_to_the_models_forward():
+    model = tiny("llama")
+    reference, packed = prefilled_slots(model), prefilled_slots(model)
+    packed.step = choose_decode_step(model, "onednn").step
+    assert packed.step is not None and packed.step.packed
+    rows = {slot: (7 + slot, len(prompt)) for slot, prompt in PROMPTS.items()}
+    expected, got = reference.decode(model, rows), packed.decode(model, rows)
+    assert torch.allclose(expected, got, rtol=1e-4, atol=1e-5)

@@ -1,10 +1,35 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_UNSPECIFIED: _ClassVar[KvEventKind]
+    KV_EVENT_STORED: _ClassVar[KvEventKind]
+    KV_EVENT_PROMOTED: _ClassVar[KvEventKind]
+    KV_EVENT_EVICTED: _ClassVar[KvEventKind]
+    KV_EVENT_DELETED: _ClassVar[KvEventKind]
+    KV_EVENT_CLEARED: _ClassVar[KvEventKind]
+
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KvTier]
+    KV_TIER_L1: _ClassVar[KvTier]
+    KV_TIER_L2: _ClassVar[KvTier]
+KV_EVENT_UNSPECIFIED: KvEventKind
+KV_EVENT_STORED: KvEventKind
+KV_EVENT_PROMOTED: KvEventKind
+KV_EVENT_EVICTED: KvEventKind
+KV_EVENT_DELETED: KvEventKind
+KV_EVENT_CLEARED: KvEventKind
+KV_TIER_UNSPECIFIED: KvTier
+KV_TIER_L1: KvTier
+KV_TIER_L2: KvTier
 
 class ChunkMeta(_message.Message):
     __slots__ = ("key", "namespace", "content_key", "num_tokens", "size_bytes", "checksum", "frequency", "last_access_unix", "pinned", "parent_key", "token_ids")
@@ -231,3 +256,91 @@ class DescribeReply(_message.Message):
     max_bytes: int
     blob_db_version: int
     def __init__(self, data_dir: _Optional[str] = ..., environment_id: _Optional[bytes] = ..., map_size: _Optional[int] = ..., max_bytes: _Optional[int] = ..., blob_db_version: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("incarnation", "from_sequence", "skip_snapshot", "snapshot_page_size")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    from_sequence: int
+    skip_snapshot: bool
+    snapshot_page_size: int
+    def __init__(self, incarnation: _Optional[str] = ..., from_sequence: _Optional[int] = ..., skip_snapshot: _Optional[bool] = ..., snapshot_page_size: _Optional[int] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("sequence", "kind", "tier", "namespace", "prefix_key", "content_key", "num_tokens", "tenant", "parent_key", "unix_time")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    kind: KvEventKind
+    tier: KvTier
+    namespace: bytes
+    prefix_key: bytes
+    content_key: bytes
+    num_tokens: int
+    tenant: str
+    parent_key: bytes
+    unix_time: float
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., tier: _Optional[_Union[KvTier, str]] = ..., namespace: _Optional[bytes] = ..., prefix_key: _Optional[bytes] = ..., content_key: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., unix_time: _Optional[float] = ...) -> None: ...
+
+class KvEventsLost(_message.Message):
+    __slots__ = ("incarnation", "resume_sequence", "reason")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    resume_sequence: int
+    reason: str
+    def __init__(self, incarnation: _Optional[str] = ..., resume_sequence: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class KvSnapshotEntry(_message.Message):
+    __slots__ = ("namespace", "prefix_key", "content_key", "num_tokens", "tenant", "parent_key")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    prefix_key: bytes
+    content_key: bytes
+    num_tokens: int
+    tenant: str
+    parent_key: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., prefix_key: _Optional[bytes] = ..., content_key: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
+
+class KvSnapshotPage(_message.Message):
+    __slots__ = ("entries", "last")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[KvSnapshotEntry]
+    last: bool
+    def __init__(self, entries: _Optional[_Iterable[_Union[KvSnapshotEntry, _Mapping]]] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class WatchEventsReply(_message.Message):
+    __slots__ = ("incarnation", "events", "lost", "snapshot")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    events: KvEventBatch
+    lost: KvEventsLost
+    snapshot: KvSnapshotPage
+    def __init__(self, incarnation: _Optional[str] = ..., events: _Optional[_Union[KvEventBatch, _Mapping]] = ..., lost: _Optional[_Union[KvEventsLost, _Mapping]] = ..., snapshot: _Optional[_Union[KvSnapshotPage, _Mapping]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...

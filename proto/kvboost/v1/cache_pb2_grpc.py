@@ -74,6 +74,11 @@ class CacheServiceStub:
                 request_serializer=kvboost_dot_v1_dot_cache__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=kvboost_dot_v1_dot_cache__pb2.DescribeReply.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvboost.v1.CacheService/WatchEvents',
+                request_serializer=kvboost_dot_v1_dot_cache__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvboost_dot_v1_dot_cache__pb2.WatchEventsReply.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -139,6 +144,17 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """KV events: every chunk stored, promoted from L2, evicted or deleted, and every clear, in order, from a
+        cursor. A consumer that fell behind the bounded history, or names another incarnation, is answered
+        `lost` and then a paged snapshot of the keys held, so it resyncs instead of guessing. Publishing never
+        blocks Store or Lookup: a consumer that reads too slowly loses events and is told so the same way.
+        A tenant token sees only its own tenant's events, keys as that tenant computes them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +197,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=kvboost_dot_v1_dot_cache__pb2.DescribeRequest.FromString,
                     response_serializer=kvboost_dot_v1_dot_cache__pb2.DescribeReply.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvboost_dot_v1_dot_cache__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvboost_dot_v1_dot_cache__pb2.WatchEventsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +420,33 @@ class CacheService:
             '/kvboost.v1.CacheService/Describe',
             kvboost_dot_v1_dot_cache__pb2.DescribeRequest.SerializeToString,
             kvboost_dot_v1_dot_cache__pb2.DescribeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvboost.v1.CacheService/WatchEvents',
+            kvboost_dot_v1_dot_cache__pb2.WatchEventsRequest.SerializeToString,
+            kvboost_dot_v1_dot_cache__pb2.WatchEventsReply.FromString,
             options,
             channel_credentials,
             insecure,

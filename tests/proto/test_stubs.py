@@ -28,7 +28,7 @@ def test_every_rpc_of_the_design_is_in_the_contract() -> None:
 
     cache_rpcs = set(cache_pb2.DESCRIPTOR.services_by_name["CacheService"].methods_by_name)
     inference_rpcs = set(inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].methods_by_name)
-    assert cache_rpcs == {"Lookup", "Fetch", "Store", "Stats", "Delete", "Pin", "Unpin", "Describe"}
+    assert cache_rpcs == {"Lookup", "Fetch", "Store", "Stats", "Delete", "Pin", "Unpin", "Describe", "WatchEvents"}
     assert inference_rpcs == {"Generate", "GenerateBatch", "GenerateMany", "Warm", "Unpin", "VerifyCorrectness", "Stats",
                               "ModelInfo", "Tokenize", "Detokenize"}
 

@@ -28,7 +28,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         arrival = time.perf_counter()
         try:
             params = convert.generation_params(request, arrival)
-            job = self._submit(context, params.request_id, lambda engine, job: engine.submit(
+            job = await self._submit(context, params.request_id, lambda engine, job: engine.submit(
                 params, lambda event: job.emit(convert.token_event(event)), job.should_stop, job.on_done))
         except Exception as error:
             await abort_with(context, error, request.request_id)
@@ -126,13 +126,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             raise ModelNotLoaded("the model is still loading")
         return self.engine
 
-    def _submit(self, context: grpc.aio.ServicerContext, name: str,
-                submit: Callable[[Engine, Job[Any]], None]) -> Job[Any]:
-        """A Job for the request, handed to the engine by submit(engine, job); raises what the engine refuses."""
+    async def _submit(self, context: grpc.aio.ServicerContext, name: str,
+                      submit: Callable[[Engine, Job[Any]], None]) -> Job[Any]:
+        """A Job for the request, handed to the engine by submit(engine, job); raises what the engine refuses.
+
+        submit tokenizes, templates and hashes the prompt (milliseconds for a long one): on a worker thread, so the
+        event loop keeps streaming other requests' tokens meanwhile and the step loop never does it.
+        """
         engine = self._engine()
         job: Job[Any] = Job(asyncio.get_running_loop(), context.time_remaining(), name)
         try:
-            submit(engine, job)
+            await asyncio.to_thread(submit, engine, job)
+        except asyncio.CancelledError:
+            job.cancel()  # the caller went away while the prompt was planned: the engine drops it at its next step
+            raise
         except Exception as error:
             if isinstance(error, QueueFull):
                 self.num_rejected += 1
@@ -141,7 +148,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     async def _run(self, context: grpc.aio.ServicerContext, name: str,
                    submit: Callable[[Engine, Job[Any]], None]) -> Any:
-        job = self._submit(context, name, submit)
+        job = await self._submit(context, name, submit)
         try:
             return await job.result()
         finally:

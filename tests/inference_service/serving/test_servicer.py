@@ -401,6 +401,8 @@ def test_stats_and_metrics_show_the_step_loops_state(engine) -> None:
     async def scenario():
         async with serving(engine, metrics_port=port) as (_, stub, _health):
             await generate(stub, prompt=PROMPT, max_new_tokens=2)
+            # the row leaves the running batch once its write-back has encoded it: just after the last event
+            await wait_until(lambda: engine.stats().get("running_rows", 0) == 0, what="the row to leave")
             stats = await stub.Stats(pb.ServiceStatsRequest(), timeout=5)
             scraped = await asyncio.to_thread(
                 lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
@@ -412,3 +414,37 @@ def test_stats_and_metrics_show_the_step_loops_state(engine) -> None:
     samples = dict(line.rsplit(" ", 1) for line in scraped.splitlines() if line and not line.startswith("#"))
     assert float(samples["kvboost_engine_kv_budget_bytes"]) == budget
     assert float(samples["kvboost_engine_running_rows"]) == 0 and "kvboost_engine_kv_bytes_in_use" in samples
+
+
+def test_a_slow_prompt_plan_never_blocks_the_event_loop(engine, monkeypatch):
+    """Generate's prompt is tokenized, templated and hashed (engine.submit) on a worker thread: while one request's
+    plan takes 0.4 s, the event loop keeps running (other streams' tokens keep flowing)."""
+    original = engine.submit
+    threads = []
+
+    def slow_submit(*args, **kwargs):
+        threads.append(threading.current_thread())
+        time.sleep(0.4)  # stands in for a very long prompt's tokenization and hashing
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", slow_submit)
+
+    async def scenario():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        async with serving(engine) as (_, stub, _health):
+            loop_thread = threading.current_thread()  # the server runs on this test's event loop
+            task = asyncio.create_task(ticker())
+            events = await generate(stub, prompt=PROMPT, max_new_tokens=2)
+            task.cancel()
+        assert events[-1].HasField("result")
+        assert threads and all(thread is not loop_thread for thread in threads)
+        assert ticks >= 10, f"the event loop stalled while the prompt was planned ({ticks} ticks in 0.4 s)"
+
+    run(scenario())

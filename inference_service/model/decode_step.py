@@ -6,6 +6,12 @@ projection, RMSNorm and the gated MLP. LeanStep calls those ops in that order on
 its logits are bitwise the model's own (step_choice checks it at start-up on a probe); what it leaves out is the
 per-call machinery around them (output dataclasses, Cache objects, mask preprocessing, kwargs merging, hooks).
 
+With `split` (the default on a CPU with two or more cores) every projection's weight rows are cut in two halves
+and the halves run at once, one on the calling thread and one on torch's inter-op pool (TorchScript fork, no
+GIL): on this machine MKL's one-row fp32 product is single-threaded and reads weights at ~18 GB/s of the ~53 GB/s
+the memory gives, so two halves read at nearly twice the rate. Each output element is the same dot product over
+the same inputs in the same kernel, so the logits stay bitwise the model's own (step_choice's probe checks it).
+
 With `packed_matmuls` the projections run as oneDNN linears over weights reordered once into oneDNN's blocked
 layout instead of transformers' F.linear (MKL on CPU): on this machine's AMD cores that reads the weights ~1.8x
 faster at one row and ~2.2x at 16 (docs/performance.md), but it sums in another order, so it is not exact.
@@ -13,6 +19,7 @@ faster at one row and ~2.2x at 16 (docs/performance.md), but it sums in another 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +72,33 @@ def packed_matmul_support(device: torch.device, dtype: torch.dtype) -> str:
     return ""
 
 
+@torch.jit.script
+def _linears(x: torch.Tensor, weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    return [F.linear(x, weight, bias) for weight, bias in zip(weights, biases)]
+
+
+@torch.jit.script
+def _split_linears(x: torch.Tensor, firsts: List[torch.Tensor], first_biases: List[Optional[torch.Tensor]],
+                   seconds: List[torch.Tensor], second_biases: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    """F.linear(x, W, b) for each projection, the second halves of W's rows on the inter-op pool meanwhile."""
+    future = torch.jit.fork(_linears, x, seconds, second_biases)
+    heads = _linears(x, firsts, first_biases)
+    tails = torch.jit.wait(future)
+    return [torch.cat([head, tail], dim=-1) for head, tail in zip(heads, tails)]
+
+
+SPLIT_ALIGN = 64  # rows: where a weight may be cut and each output still be the same dot product as uncut
+
+
+def split_support(device: torch.device) -> str:
+    """Why split projections cannot help here; '' when they can."""
+    if device.type != "cpu":
+        return f"split projections are a CPU path; the model is on {device.type}"
+    if torch.get_num_interop_threads() < 2:
+        return "torch's inter-op pool has one thread"
+    return ""
+
+
 @dataclass(slots=True, frozen=True)
 class Linear:
     """y = x W^T + b, through F.linear (what nn.Linear runs) or a oneDNN linear over weights packed once."""
@@ -72,19 +106,37 @@ class Linear:
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout
+    halves: tuple[torch.Tensor, torch.Tensor] | None = None  # the weight's rows cut in two (views, no copy)
+    bias_halves: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     @classmethod
-    def of(cls, module: torch.nn.Linear, pack_rows: int = 0) -> Linear:
-        """pack_rows > 0: packs the weight for oneDNN, tuned for that many rows per call."""
+    def of(cls, module: torch.nn.Linear, pack_rows: int = 0, split: bool = False) -> Linear:
+        """pack_rows > 0: packs the weight for oneDNN, tuned for that many rows per call. split: keeps views of
+        the two halves of the weight's rows (and of the bias) for project()."""
         weight = module.weight.detach()
         bias = None if module.bias is None else module.bias.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, pack_rows) if pack_rows else None
-        return cls(weight, bias, packed)
+        if not split:
+            return cls(weight, bias, packed)
+        # the cut on a multiple of SPLIT_ALIGN rows: MKL's kernels handle a ragged tail of rows in another order
+        # (a 260-row weight cut at 130 rounds differently from the whole; cut at 128 it does not)
+        # (a weight too small to cut keeps all its rows in the first half and none in the second)
+        cut = min(weight.shape[0], max(SPLIT_ALIGN, weight.shape[0] // 2 // SPLIT_ALIGN * SPLIT_ALIGN))
+        bias_halves = (None, None) if bias is None else (bias[:cut], bias[cut:])
+        return cls(weight, bias, packed, (weight[:cut], weight[cut:]), bias_halves)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def project(x: torch.Tensor, linears: tuple[Linear, ...]) -> list[torch.Tensor]:
+    """Each linear applied to x: the halves of all of them at once when they are split, else one by one."""
+    if linears[0].halves is None:
+        return [linear(x) for linear in linears]
+    return _split_linears(x, [linear.halves[0] for linear in linears], [linear.bias_halves[0] for linear in linears],
+                          [linear.halves[1] for linear in linears], [linear.bias_halves[1] for linear in linears])
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,8 +171,10 @@ class LayerWeights:
 class LeanStep:
     """One token for each of a step's rows, over the K/V owner's slots (see SlotBuffers.decode)."""
 
-    def __init__(self, model, pack_rows: int = 0) -> None:
-        """pack_rows > 0: projections through oneDNN packed weights (not exact; see the module docstring)."""
+    def __init__(self, model, pack_rows: int = 0, split: bool = False) -> None:
+        """pack_rows > 0: projections through oneDNN packed weights (not exact; see the module docstring).
+        split: every projection's weight halves run at once on two threads (exact; see the module docstring)."""
+        assert not (pack_rows and split), "packed and split projections are two different steps"
         decoder = model.model
         config = model.config
         self.head_dim = decoder.layers[0].self_attn.head_dim
@@ -129,9 +183,10 @@ class LeanStep:
         self.embedding = decoder.embed_tokens.weight.detach()
         self.rotary = decoder.rotary_emb  # the module itself: every RoPE type computes cos/sin as the model does
         self.final_norm = _norm(decoder.norm)
-        self.lm_head = Linear.of(model.lm_head, pack_rows)
-        self.layers = [_layer(layer, pack_rows) for layer in decoder.layers]
+        self.lm_head = Linear.of(model.lm_head, pack_rows, split)
+        self.layers = [_layer(layer, pack_rows, split) for layer in decoder.layers]
         self.packed = bool(pack_rows)
+        self.split = split
 
     @torch.inference_mode()
     def __call__(self, keys: torch.Tensor, values: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
@@ -150,17 +205,18 @@ class LeanStep:
             attended = self._attention(layer, layer.input_norm(hidden), keys[index], values[index], rows, columns,
                                        length, mask, cos, sin)
             hidden = hidden + attended
-            normed = layer.post_norm(hidden)
-            hidden = hidden + layer.down(layer.act(layer.gate(normed)) * layer.up(normed))
-        return self.lm_head(self.final_norm(hidden))[:, -1].float()
+            gate, up = project(layer.post_norm(hidden), (layer.gate, layer.up))
+            hidden = hidden + project(layer.act(gate) * up, (layer.down,))[0]
+        return project(self.final_norm(hidden), (self.lm_head,))[0][:, -1].float()
 
     def _attention(self, layer: LayerWeights, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    rows: torch.Tensor, columns: torch.Tensor, length: int, mask: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
-        query = layer.q(x).view(num_rows, 1, -1, self.head_dim).transpose(1, 2)  # [rows, heads, 1, head_dim]
-        key = layer.k(x).view(num_rows, 1, -1, self.head_dim).transpose(1, 2)  # [rows, kv_heads, 1, head_dim]
-        value = layer.v(x).view(num_rows, 1, -1, self.head_dim).transpose(1, 2)
+        query, key, value = project(x, (layer.q, layer.k, layer.v))
+        query = query.view(num_rows, 1, -1, self.head_dim).transpose(1, 2)  # [rows, heads, 1, head_dim]
+        key = key.view(num_rows, 1, -1, self.head_dim).transpose(1, 2)  # [rows, kv_heads, 1, head_dim]
+        value = value.view(num_rows, 1, -1, self.head_dim).transpose(1, 2)
         query = (query * cos) + (_rotate_half(query) * sin)
         key = (key * cos) + (_rotate_half(key) * sin)
         keys[rows, :, columns] = key[:, :, 0]  # keys: [rows, kv_heads, capacity, head_dim]
@@ -170,7 +226,7 @@ class LeanStep:
         output = F.scaled_dot_product_attention(query, keys[:, :, :length], values[:, :, :length], attn_mask=mask,
                                                 dropout_p=0.0, scale=layer.scaling, is_causal=False)
         output = output.reshape(num_rows, -1, 1, self.head_dim).transpose(1, 2).contiguous()  # [rows, 1, heads, dim]
-        return layer.o(output.reshape(num_rows, 1, -1).contiguous())
+        return project(output.reshape(num_rows, 1, -1).contiguous(), (layer.o,))[0]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -182,14 +238,14 @@ def _norm(module) -> RmsNorm:
     return RmsNorm(module.weight.detach(), module.variance_epsilon)
 
 
-def _layer(layer, pack_rows: int) -> LayerWeights:
+def _layer(layer, pack_rows: int, split: bool) -> LayerWeights:
     attention, mlp = layer.self_attn, layer.mlp
     return LayerWeights(
         input_norm=_norm(layer.input_layernorm),
-        q=Linear.of(attention.q_proj, pack_rows), k=Linear.of(attention.k_proj, pack_rows),
-        v=Linear.of(attention.v_proj, pack_rows), o=Linear.of(attention.o_proj, pack_rows),
+        q=Linear.of(attention.q_proj, pack_rows, split), k=Linear.of(attention.k_proj, pack_rows, split),
+        v=Linear.of(attention.v_proj, pack_rows, split), o=Linear.of(attention.o_proj, pack_rows, split),
         scaling=attention.scaling,
         post_norm=_norm(layer.post_attention_layernorm),
-        gate=Linear.of(mlp.gate_proj, pack_rows), up=Linear.of(mlp.up_proj, pack_rows),
-        down=Linear.of(mlp.down_proj, pack_rows),
+        gate=Linear.of(mlp.gate_proj, pack_rows, split), up=Linear.of(mlp.up_proj, pack_rows, split),
+        down=Linear.of(mlp.down_proj, pack_rows, split),
         act=mlp.act_fn)

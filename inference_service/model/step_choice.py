@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.model.decode_step import LeanStep, lean_step_support, packed_matmul_support
+from inference_service.model.decode_step import LeanStep, lean_step_support, packed_matmul_support, split_support
 from inference_service.model.kv_buffers import kv_geometry
 from inference_service.model.slot_buffers import SlotBuffers
 from inference_service.model.step_names import DECODE_STEPS, DEFAULT_DECODE_STEP
@@ -27,10 +27,22 @@ class StepChoice:
 
 def choose_decode_step(model, asked: str = DEFAULT_DECODE_STEP) -> StepChoice:
     """The step asked for when the model supports it and a probe step agrees with the model's forward (bitwise for
-    lean, within rounding for onednn); otherwise the model's own forward, with the reason (logged)."""
+    split and lean, within rounding for onednn); otherwise the model's own forward, with the reason (logged). split
+    that cannot run here (one inter-op thread, not a CPU, a probe that differs) becomes lean, with the reason."""
     assert asked in DECODE_STEPS, f"decode step must be one of {DECODE_STEPS}, got {asked!r}"
     if asked == "transformers":
         return StepChoice(None, asked, "")
+    if asked == "split":
+        reason = lean_step_support(model) or split_support(model.device)
+        if not reason:
+            step = LeanStep(model, split=True)
+            reason = probe_mismatch(model, step)
+            if not reason:
+                logger.info("decode step: split (projections on two threads, bitwise the model's forward)")
+                return StepChoice(step, asked, "")
+        logger.info("decode step split is off for this model (%s); trying lean", reason)
+        fallback = choose_decode_step(model, "lean")
+        return StepChoice(fallback.step, fallback.name, reason + (f"; {fallback.reason}" if fallback.reason else ""))
     reason = lean_step_support(model)
     if not reason and asked == "onednn":
         reason = packed_matmul_support(model.device, model.dtype)

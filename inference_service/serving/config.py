@@ -35,7 +35,7 @@ class ServiceConfig:
     device: str = "auto"  # auto: cuda when present, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     threads: int = 0  # torch intra-op threads; 0: torch's default (the machine's cores)
-    decode_step: str = DEFAULT_DECODE_STEP  # the batched decode step: lean (exact), onednn (faster, opt-in), transformers
+    decode_step: str = DEFAULT_DECODE_STEP  # the batched decode step: split, lean (exact), onednn (faster, opt-in), transformers
     chunk_size: int = 128
     kv_cache_bits: int = 16
     tenant_salt: str = ""
@@ -161,7 +161,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
              "cores other processes also use, fewer threads than cores avoids threads waiting on each other "
              "(docs/performance.md) (KVBOOST_THREADS)")
     add("--decode-step", default=default("DECODE_STEP", defaults.decode_step), choices=DECODE_STEPS,
-        help="how each batched decode step runs: lean = the model's own ops without transformers' per-call "
+        help="how each batched decode step runs: split (default) = lean with each weight's rows read by two threads "
+             "at once (CPU), bitwise the model's forward (checked at start-up; lean runs where it cannot); "
+             "lean = the model's own ops without transformers' per-call "
              "overhead, bitwise its forward (checked at start-up; the model's forward runs where it cannot); "
              "onednn = lean with the weights packed for oneDNN, faster on CPU but rounded differently, so greedy "
              "output may differ from model.generate (opt-in; agreement measured in docs/performance.md); "

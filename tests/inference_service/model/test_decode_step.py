@@ -8,7 +8,7 @@ import torch
 
 from inference_service.model import step_choice
 from inference_service.model.attention import use_engine_attention
-from inference_service.model.decode_step import LeanStep, RmsNorm, lean_step_support
+from inference_service.model.decode_step import Linear, LeanStep, RmsNorm, lean_step_support, project, split_support
 from inference_service.model.forward import prefill
 from inference_service.model.kv_buffers import build_cache, kv_geometry
 from inference_service.model.slot_buffers import SlotBuffers
@@ -37,12 +37,13 @@ def prefilled_slots(model) -> SlotBuffers:
     return slots
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["lean", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_the_lean_step_writes_and_returns_bitwise_what_the_models_forward_does(kind, dtype):
+def test_the_lean_step_writes_and_returns_bitwise_what_the_models_forward_does(kind, dtype, split):
     model = tiny(kind, dtype)
     reference, lean = prefilled_slots(model), prefilled_slots(model)
-    lean.step = LeanStep(model)
+    lean.step = LeanStep(model, split=split)
     rows = {slot: (7 + slot, len(prompt)) for slot, prompt in PROMPTS.items()}
     for step in range(6):
         if step == 3:  # a lone row, then the rows in another order than their slots
@@ -58,9 +59,34 @@ def test_the_lean_step_writes_and_returns_bitwise_what_the_models_forward_does(k
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_the_engine_chooses_the_lean_step_after_its_probe(kind):
-    choice = choose_decode_step(tiny(kind))
+    choice = choose_decode_step(tiny(kind), "lean")
     assert (choice.name, choice.reason) == ("lean", "") and isinstance(choice.step, LeanStep)
-    assert not choice.step.packed
+    assert not choice.step.packed and not choice.step.split
+
+
+@pytest.mark.skipif(bool(split_support(torch.device("cpu"))), reason="torch's inter-op pool has one thread here")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_default_step_is_split_after_its_probe(kind):
+    choice = choose_decode_step(tiny(kind))
+    assert (choice.name, choice.reason) == ("split", "") and choice.step.split and not choice.step.packed
+
+
+def test_a_weight_is_cut_on_aligned_rows_and_a_small_one_not_at_all():
+    """A cut inside MKL's row blocks rounds differently (a 260-row head cut at 130 did); at 128 it does not."""
+    head = Linear.of(torch.nn.Linear(64, 260, bias=True), split=True)
+    assert [half.shape[0] for half in head.halves] == [128, 132] and head.bias_halves[0].shape[0] == 128
+    small = Linear.of(torch.nn.Linear(64, 32, bias=False), split=True)
+    assert [half.shape[0] for half in small.halves] == [32, 0]
+    x = torch.randn(3, 1, 64)
+    for linear, module_rows in ((head, 260), (small, 32)):
+        whole = torch.nn.functional.linear(x, linear.weight, linear.bias)
+        assert torch.equal(project(x, (linear,))[0], whole) and whole.shape[-1] == module_rows
+
+
+def test_split_falls_back_to_lean_with_the_reason(monkeypatch):
+    monkeypatch.setattr(step_choice, "split_support", lambda device: "torch's inter-op pool has one thread")
+    choice = choose_decode_step(tiny("llama"))
+    assert choice.name == "lean" and not choice.step.split and "one thread" in choice.reason
 
 
 def test_a_step_that_rounds_differently_is_refused_and_the_models_forward_runs(monkeypatch):

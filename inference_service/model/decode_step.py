@@ -18,6 +18,7 @@ faster at one row and ~2.2x at 16 (docs/performance.md), but it sums in another 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -72,12 +73,13 @@ def packed_matmul_support(device: torch.device, dtype: torch.dtype) -> str:
     return ""
 
 
-@torch.jit.script
+# TorchScript, deprecated in torch 2.x but the one way eager code has to run a function on torch's inter-op pool
+# without the GIL (torch.jit.fork); torch is pinned, and tests/inference_service/model/test_decode_step.py fails
+# loudly if a later torch changes what these return.
 def _linears(x: torch.Tensor, weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
     return [F.linear(x, weight, bias) for weight, bias in zip(weights, biases)]
 
 
-@torch.jit.script
 def _split_linears(x: torch.Tensor, firsts: List[torch.Tensor], first_biases: List[Optional[torch.Tensor]],
                    seconds: List[torch.Tensor], second_biases: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
     """F.linear(x, W, b) for each projection, the second halves of W's rows on the inter-op pool meanwhile."""
@@ -88,6 +90,12 @@ def _split_linears(x: torch.Tensor, firsts: List[torch.Tensor], first_biases: Li
 
 
 SPLIT_ALIGN = 64  # rows: where a weight may be cut and each output still be the same dot product as uncut
+
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
+    _linears = torch.jit.script(_linears)
+    _split_linears = torch.jit.script(_split_linears)
 
 
 def split_support(device: torch.device) -> str:

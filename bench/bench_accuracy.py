@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-questions", action="store_true", help="only the identity table (skips the RAG "
                         "questions' columns)")
     parser.add_argument("--columns", help="comma-separated column names to run (default: all); full prefill always "
-                        "runs first: " + ", ".join(column.name for column in columns()))
+                        "runs first: " + ", ".join(column.name for column in columns()).replace("%", "%%"))
     parser.add_argument("--guard-column", default="cacheblend 15%", help="the cacheblend column the fidelity "
                         "guard is tuned on and checked with (default: %(default)s); '' skips the guard")
     parser.add_argument("--guard-target", type=float, default=0.02, help="accuracy the guarded answers may lose "

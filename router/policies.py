@@ -16,14 +16,18 @@ class Candidate:
     cost: float = 0.0  # the prefix policy's expected cost (scoring.expected_cost)
 
 
-def rank(policy: str, candidates: Sequence[Candidate], turn: int, num_replicas: int) -> list[int]:
+def rank(policy: str, candidates: Sequence[Candidate], turn: int) -> list[int]:
     """Replica indices, best first.
 
-    turn: how many requests round-robin has placed so far; it starts its ranking at that replica.
+    turn: how many requests round-robin has placed so far; it starts its ranking at that candidate (in index
+    order), so the healthy replicas take turns evenly.
     """
     assert policy in POLICIES, f"policy must be one of {POLICIES}, got {policy!r}"
+    assert candidates, "rank needs at least one candidate"
     if policy == "round-robin":
-        ordered = sorted(candidates, key=lambda c: (c.index - turn) % num_replicas)
+        by_index = sorted(candidates, key=lambda c: c.index)
+        start = turn % len(by_index)
+        ordered = by_index[start:] + by_index[:start]
     elif policy == "least-loaded":
         ordered = sorted(candidates, key=lambda c: (c.load, c.num_routed, c.index))
     else:

@@ -53,7 +53,7 @@ class Router:
         ranked = rank(self.policy, [
             Candidate(replica.index, replica.load, replica.num_routed,
                       expected_cost(num_tokens, estimates[replica.index], replica.load, self.weights))
-            for replica in candidates], self._turn, len(self.replicas))
+            for replica in candidates], self._turn)
         self._turn += 1
         best = estimates[ranked[0]]
         self.num_expected_exact_tokens += best.exact_tokens

@@ -23,7 +23,8 @@ logger = logging.getLogger("router")
 SHUTDOWN_GRACE_S = 5.0
 
 
-async def prepare(config: RouterConfig, replicas: Sequence[Replica]) -> tuple[Router, RequestKeys | None, ReplicaMonitor]:
+async def prepare(config: RouterConfig,
+                  replicas: Sequence[Replica]) -> tuple[Router, RequestKeys | None, ReplicaMonitor]:
     """Start-up checks, then the parts that serve. Raises StartupError, TokenizerNotFound, OSError or ValueError."""
     identity = await agreed_model(replicas, config.startup_timeout_s)
     logger.info("every replica serves %s", identity.describe())

@@ -183,7 +183,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="PEM certificate chain to serve TLS (KVBOOST_ROUTER_TLS_CERT)")
     add("--tls-key", default=default("ROUTER_TLS_KEY", given("tls_key")),
         help="PEM private key to serve TLS (KVBOOST_ROUTER_TLS_KEY)")
-    add("--replica-auth-token-file", default=default("ROUTER_REPLICA_AUTH_TOKEN_FILE", given("replica_auth_token_file")),
+    add("--replica-auth-token-file",
+        default=default("ROUTER_REPLICA_AUTH_TOKEN_FILE", given("replica_auth_token_file")),
         help="bearer token file for the router's own calls to the replicas (ModelInfo, Tokenize at start, Stats, "
              "health) (KVBOOST_ROUTER_REPLICA_AUTH_TOKEN_FILE)")
     add("--replica-tls", action="store_true", default=default("ROUTER_REPLICA_TLS", given("replica_tls")),

@@ -14,6 +14,8 @@ from router.routing import Router
 PER_REPLICA: tuple[tuple[str, str, str, Callable[[Replica], float]], ...] = (
     ("kvboost_router_replica_healthy", "1 while the replica serves the agreed model and answers", "gauge",
      lambda replica: float(replica.healthy)),
+    ("kvboost_router_replica_degraded", "1 while the service says its daemon is out of reach (its cache counts "
+     "for nothing)", "gauge", lambda replica: float(replica.degraded)),
     ("kvboost_router_replica_load", "running + queued requests there (this router's in-flight ones included)",
      "gauge", lambda replica: replica.load),
     ("kvboost_router_replica_in_flight", "requests this router has in flight there", "gauge",

@@ -39,7 +39,8 @@ async def model_identity(replica: Replica, deadline: float) -> ModelIdentity:
             return ModelIdentity.from_reply(reply)
         except grpc.aio.AioRpcError as error:
             if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise StartupError(f"{replica.name} refused ModelInfo: {error.code().name}: {error.details()}") from None
+                raise StartupError(f"{replica.name} refused ModelInfo: {error.code().name}: "
+                                   f"{error.details()}") from None
             if time.monotonic() + _RETRY_S >= deadline:
                 raise StartupError(f"{replica.name} did not answer ModelInfo in time ({error.code().name}: "
                                    f"{error.details()}); is it running? (--startup-timeout)") from None

@@ -24,7 +24,8 @@ def events(*batch: cache_pb2.KvEvent, incarnation: str = INCARNATION) -> cache_p
     return cache_pb2.WatchEventsReply(incarnation=incarnation, events=cache_pb2.KvEventBatch(events=batch))
 
 
-def lost(resume_sequence: int, incarnation: str = INCARNATION, reason: str = "new incarnation") -> cache_pb2.WatchEventsReply:
+def lost(resume_sequence: int, incarnation: str = INCARNATION,
+         reason: str = "new incarnation") -> cache_pb2.WatchEventsReply:
     return cache_pb2.WatchEventsReply(incarnation=incarnation, lost=cache_pb2.KvEventsLost(
         incarnation=incarnation, resume_sequence=resume_sequence, reason=reason))
 

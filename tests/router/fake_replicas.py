@@ -76,7 +76,8 @@ class FakeReplica(inference_pb2_grpc.InferenceServiceServicer):
 
 @asynccontextmanager
 async def router_in_front(num_replicas: int = 2, policy: str = "round-robin", keys: RequestKeys | None = None,
-                          token_file: Path | None = None, warm: str = "picked") -> AsyncIterator[tuple[Any, list[FakeReplica], Router]]:
+                          token_file: Path | None = None,
+                          warm: str = "picked") -> AsyncIterator[tuple[Any, list[FakeReplica], Router]]:
     """(router stub, fake replicas, router): replicas and router on free loopback ports, stopped on exit."""
     fakes = [FakeReplica(f"fake-{index}") for index in range(num_replicas)]
     servers = []

@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
 from router.config import ReplicaAddress, RouterConfig
+from router.monitor import SERVICE_NAME
 from router.replicas import Replica, open_channel
 from router.request_keys import RequestKeys
 from router.routing import Router
@@ -28,6 +30,13 @@ class FakeReplica(inference_pb2_grpc.InferenceServiceServicer):
         self.calls: list[tuple[str, Any, dict[str, str]]] = []
         self.fail: grpc.StatusCode | None = None
         self.fail_after: int | None = None
+        self.info = pb.ModelInfoReply(model=name, namespace_hex="00" * 32, chunk_size=4, kv_cache_bits=16)
+        self.stats = pb.ServiceStatsReply(requests=5, cached_tokens=10, cache_address=name)
+        self.health = health.aio.HealthServicer()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(SERVICE_NAME, status)
 
     def methods(self) -> list[str]:
         return [method for method, _, _ in self.calls]
@@ -63,11 +72,11 @@ class FakeReplica(inference_pb2_grpc.InferenceServiceServicer):
 
     async def Stats(self, request, context):
         await self._enter("Stats", request, context)
-        return pb.ServiceStatsReply(requests=5, cached_tokens=10, cache_address=self.name)
+        return self.stats
 
     async def ModelInfo(self, request, context):
         await self._enter("ModelInfo", request, context)
-        return pb.ModelInfoReply(model=self.name)
+        return self.info
 
     async def Tokenize(self, request, context):
         await self._enter("Tokenize", request, context)
@@ -78,21 +87,25 @@ class FakeReplica(inference_pb2_grpc.InferenceServiceServicer):
 async def router_in_front(num_replicas: int = 2, policy: str = "round-robin", keys: RequestKeys | None = None,
                           token_file: Path | None = None,
                           warm: str = "picked") -> AsyncIterator[tuple[Any, list[FakeReplica], Router]]:
-    """(router stub, fake replicas, router): replicas and router on free loopback ports, stopped on exit."""
+    """(router stub, fake replicas, router): replicas and router on free loopback ports, stopped on exit. The
+    replicas' health says SERVING; `router.servers[i]` stops replica i (router.replicas[i])."""
     fakes = [FakeReplica(f"fake-{index}") for index in range(num_replicas)]
     servers = []
     replicas = []
     for index, fake in enumerate(fakes):
         server = grpc.aio.server()
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(fake, server)
+        health_pb2_grpc.add_HealthServicer_to_server(fake.health, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
+        await fake.set_serving(True)
         servers.append(server)
         address = ReplicaAddress(f"127.0.0.1:{port}", "127.0.0.1:1")
         replica = Replica(index, address, open_channel(address.service, False, "", 1 << 22))
         replica.healthy = True
         replicas.append(replica)
     router = Router(replicas, policy)
+    router.servers = servers
     config = RouterConfig(replicas=tuple(replica.address for replica in replicas), listen="127.0.0.1:0",
                           policy=policy, auth_token_file=str(token_file or ""), warm=warm)
     front = build_server(config, router, keys)

@@ -36,7 +36,6 @@ class EventFeed:
         self._snapshot: DaemonHoldings | None = None  # being filled between `lost` and the last page
         self.num_events = 0
         self.num_resyncs = 0
-        self.last_lost_reason = ""
 
     @property
     def live(self) -> bool:
@@ -68,7 +67,6 @@ class EventFeed:
         self._incarnation = lost.incarnation
         self._next_sequence = lost.resume_sequence
         self._snapshot = DaemonHoldings()
-        self.last_lost_reason = lost.reason
         self.num_resyncs += 1
 
     def _receive_page(self, page: cache_pb2.KvSnapshotPage) -> None:

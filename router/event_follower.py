@@ -27,8 +27,6 @@ class EventFollower:
         self.feed = feed
         self.metadata = metadata
         self.snapshot_page_size = snapshot_page_size
-        self.connected = False
-        self.num_reconnects = 0
 
     async def run(self) -> None:
         backoff = FIRST_BACKOFF_S
@@ -36,8 +34,6 @@ class EventFollower:
             if await self._follow_once():
                 backoff = FIRST_BACKOFF_S  # it was live: the next break is a new outage
             self.feed.interrupted()
-            self.connected = False
-            self.num_reconnects += 1
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
@@ -50,11 +46,13 @@ class EventFollower:
         delivered = False
         try:
             async for reply in call:
+                if reply.WhichOneof("body") == "lost":
+                    logger.info("%s: its daemon says events were lost (%s): resyncing from a snapshot", self.name,
+                                reply.lost.reason)
+                elif not delivered:
+                    logger.info("%s: following its daemon's events from where they stopped", self.name)
                 self.feed.receive(reply)
-                if not delivered:
-                    logger.info("%s: following its daemon's events (%s)", self.name,
-                                "resumed" if reply.WhichOneof("body") == "events" else "resyncing")
-                delivered = self.connected = True
+                delivered = True
         except grpc.aio.AioRpcError as error:
             level = logging.ERROR if error.code() in _CONFIGURATION_ERRORS else logging.WARNING
             logger.log(level, "%s: daemon events stream: %s: %s", self.name, error.code().name, error.details())

@@ -19,9 +19,8 @@ _REMOVED = (cache_pb2.KV_EVENT_EVICTED, cache_pb2.KV_EVENT_DELETED)
 
 @dataclass(slots=True, frozen=True)
 class HeldChunk:
-    namespace: bytes
+    namespace: bytes  # one shared object per namespace (DaemonHoldings interns them): the index may be large
     content_key: bytes  # empty when the chunk is not content-addressed
-    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -58,6 +57,7 @@ class DaemonHoldings:
 
     def __init__(self) -> None:
         self._tenants: dict[str, TenantHoldings] = {}
+        self._namespaces: dict[bytes, bytes] = {}
 
     @property
     def num_chunks(self) -> int:
@@ -69,7 +69,7 @@ class DaemonHoldings:
             return
         holdings = self._tenants.setdefault(event.tenant, TenantHoldings())
         if event.kind in _ADDED:
-            holdings.add(event.prefix_key, HeldChunk(event.namespace, event.content_key, event.num_tokens))
+            holdings.add(event.prefix_key, self._chunk(event.namespace, event.content_key))
         elif event.kind in _REMOVED:
             holdings.remove(event.prefix_key)
         elif event.kind == cache_pb2.KV_EVENT_CLEARED:
@@ -77,18 +77,21 @@ class DaemonHoldings:
 
     def replace_with(self, other: DaemonHoldings) -> None:
         """Takes over what `other` holds (a finished snapshot); this object stays the one lookups see."""
-        self._tenants = other._tenants
+        self._tenants, self._namespaces = other._tenants, other._namespaces
 
     def add_snapshot(self, entries: Iterable[cache_pb2.KvSnapshotEntry]) -> None:
         for entry in entries:
             holdings = self._tenants.setdefault(entry.tenant, TenantHoldings())
-            holdings.add(entry.prefix_key, HeldChunk(entry.namespace, entry.content_key, entry.num_tokens))
+            holdings.add(entry.prefix_key, self._chunk(entry.namespace, entry.content_key))
 
     def holds_prefix(self, prefix_key: bytes, tenant: str | None = None) -> bool:
         return any(prefix_key in holdings.chunks for holdings in self._of(tenant))
 
     def holds_content(self, content_key: bytes, tenant: str | None = None) -> bool:
         return any(content_key in holdings.content for holdings in self._of(tenant))
+
+    def _chunk(self, namespace: bytes, content_key: bytes) -> HeldChunk:
+        return HeldChunk(self._namespaces.setdefault(namespace, namespace), content_key)
 
     def _of(self, tenant: str | None) -> list[TenantHoldings]:
         if tenant is None:

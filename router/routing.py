@@ -16,11 +16,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True, frozen=True)
 class Route:
-    """Replicas to try, best first (a request that fails before its first token goes to the second), and
-    the reuse the first was expected to give."""
+    """Replicas to try, best first: a request that fails before its first token goes to the second."""
 
     replicas: tuple[Replica, ...]
-    expected: ReuseEstimate = ReuseEstimate(0, 0)
 
 
 class Router:
@@ -58,7 +56,7 @@ class Router:
         best = estimates[ranked[0]]
         self.num_expected_exact_tokens += best.exact_tokens
         self.num_expected_content_tokens += best.content_tokens
-        return Route(tuple(self.replicas[index] for index in ranked), best)
+        return Route(tuple(self.replicas[index] for index in ranked))
 
     def _estimate(self, replica: Replica, plans: Sequence[PromptPlan | None], mode: int) -> ReuseEstimate:
         """The reuse a replica would give these plans; none from a degraded replica (its daemon is out of reach)

@@ -37,7 +37,7 @@ def test_old_holdings_answer_until_the_snapshot_completes():
     assert feed.holdings.holds_prefix(key("a")) and not feed.holdings.holds_prefix(key("b"))
     feed.receive(snapshot("c", incarnation="inc-2"))
     assert [feed.holdings.holds_prefix(key(name)) for name in "abc"] == [False, True, True]
-    assert feed.cursor == Cursor("inc-2", 50) and feed.last_lost_reason == "cursor behind history"
+    assert feed.cursor == Cursor("inc-2", 50) and feed.num_resyncs == 2
 
 
 def test_a_key_in_the_snapshot_and_again_as_an_event_is_held_once():

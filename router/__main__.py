@@ -34,6 +34,7 @@ async def prepare(config: RouterConfig,
     if router.keys_requests:
         source = tokenizer_source(identity.model, config.tokenizer)
         tokenizer = await asyncio.to_thread(load_tokenizer, source)
+        # One replica is enough: the agreed namespace digests every replica's tokenizer too.
         await check_tokenizer(tokenizer, source, replicas[0])
         logger.info("tokenizer from %s tokenizes as %s does", source, replicas[0].name)
         keys = RequestKeys(tokenizer, identity)

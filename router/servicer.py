@@ -60,7 +60,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServiceServicer):
         return await self._unary("VerifyCorrectness", request, context, self.router.route())
 
     async def Stats(self, request: pb.ServiceStatsRequest, context: grpc.aio.ServicerContext) -> pb.ServiceStatsReply:
-        return sum_stats(await self._everywhere("Stats", request, context))
+        return sum_stats(await self._everywhere("Stats", request, context, all_needed=False))
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoReply:
         return await self._unary("ModelInfo", request, context, self.router.route())
@@ -86,17 +86,21 @@ class RouterServicer(inference_pb2_grpc.InferenceServiceServicer):
         except UpstreamError as error:
             await context.abort(error.code, error.details)
 
-    async def _everywhere(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> list[Any]:
-        """Every healthy replica's reply to the same call; the first failure is the caller's status."""
+    async def _everywhere(self, method: str, request: Any, context: grpc.aio.ServicerContext,
+                          all_needed: bool = True) -> list[Any]:
+        """Every healthy replica's reply to the same call. all_needed: any failure is the caller's status (a
+        pin left behind matters); else the replies that came, failing only when none did (Stats)."""
         replicas = [replica for replica in self.router.replicas if replica.healthy] or self.router.replicas
         outcomes = await asyncio.gather(*(forwarding.unary([replica], method, request, context)
                                           for replica in replicas), return_exceptions=True)
         for outcome in outcomes:
-            if isinstance(outcome, UpstreamError):
-                await context.abort(outcome.code, outcome.details)
-            if isinstance(outcome, BaseException):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, UpstreamError):
                 raise outcome
-        return list(outcomes)
+        replies = [outcome for outcome in outcomes if not isinstance(outcome, UpstreamError)]
+        failures = [outcome for outcome in outcomes if isinstance(outcome, UpstreamError)]
+        if failures and (all_needed or not replies):
+            await context.abort(failures[0].code, failures[0].details)
+        return replies
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str, default: str) -> str:

@@ -203,3 +203,17 @@ def snapshot_of(namespace: bytes, prefix_keys) -> cache_pb2.WatchEventsReply:
     return cache_pb2.WatchEventsReply(incarnation=INCARNATION, snapshot=cache_pb2.KvSnapshotPage(
         entries=[cache_pb2.KvSnapshotEntry(namespace=namespace, prefix_key=key, num_tokens=4) for key in prefix_keys],
         last=True))
+
+
+def test_stats_leave_out_a_replica_that_fails_and_unpin_does_not():
+    async def scenario():
+        async with router_in_front() as (stub, fakes, _):
+            fakes[1].fail = grpc.StatusCode.INTERNAL
+            stats = await stub.Stats(pb.ServiceStatsRequest())
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Unpin(pb.WarmRequest(text="doc"))
+            return stats, refused.value
+
+    stats, error = asyncio.run(scenario())
+    assert stats.requests == 5 and stats.cache_address == "fake-0"
+    assert (error.code(), error.details()) == (grpc.StatusCode.INTERNAL, "fake-1 says no")

@@ -215,15 +215,14 @@ def test_a_replica_killed_mid_stream_fails_that_stream_and_later_requests_go_els
     model_dir = save_tiny_model(tmp_path / "tiny-model")
     with ExitStack() as stack:
         pairs, services = [], []
+        # At exit, whichever service processes the list then holds (replica 0 is replaced below).
+        stack.callback(lambda: [service.terminate() for service in services if service.process.poll() is None])
         for index in range(2):
             daemon = start_daemon(tmp_path / f"lmdb-{index}", pick_free_port())
             stack.callback(daemon.terminate)
-            service_port = pick_free_port()
-            service = start_service(str(model_dir), daemon.address, service_port, tmp_path / f"service-{index}.log",
-                                    "--chunk-size", str(CHUNK_SIZE))
-            stack.callback(lambda service=service: service.process.poll() is None and service.terminate())
-            pairs.append((service.address, daemon.address))
-            services.append(service)
+            services.append(start_service(str(model_dir), daemon.address, pick_free_port(),
+                                          tmp_path / f"service-{index}.log", "--chunk-size", str(CHUNK_SIZE)))
+            pairs.append((services[-1].address, daemon.address))
         router = start_router(pairs, pick_free_port(), pick_free_port(), tmp_path / "router.log",
                               "--policy", "round-robin")
         stack.callback(router.terminate)

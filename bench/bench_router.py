@@ -11,6 +11,7 @@ from L1, p50/p99 TTFT, requests/s, and requests per replica (max/min).
     flock /tmp/kvboost-bench.lock python bench/bench_router.py --json bench/results/router.json \\
         --plot docs/router.png                                     # SmolLM2, 3 replicas, 12 documents, 60 s
     flock /tmp/kvboost-bench.lock python bench/bench_router.py --l2 ...   # every daemon on one shared L2
+    flock /tmp/kvboost-bench.lock python bench/bench_router.py --overhead 40   # the router's own cost, 1 replica
     python bench/bench_router.py --model tiny --replicas 2 --documents 4 --warmup 2 --duration 4   # smoke
 """
 from __future__ import annotations
@@ -202,6 +203,34 @@ def run_policy(args, policy: str, l2_url: str | None, model: str, texts: list[st
                          (promoted_after - promoted_before) * args.chunk_size, served)
 
 
+def first_token_ms(stub, prompt: str) -> float:
+    started = time.perf_counter()
+    for _ in stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=1), timeout=600):
+        return (time.perf_counter() - started) * 1000
+    raise RuntimeError("Generate ended without an event")
+
+
+def measure_overhead(model: str, text: str, budget: int, chunk_size: int, rounds: int,
+                     workdir: Path) -> tuple[float, float]:
+    """(p50 TTFT direct, p50 TTFT through the router) on one replica: the document warmed, then a new question
+    each round, asked directly and through the router in turn."""
+    from tests.conftest import pick_free_port
+    from tests.e2e.router_process import start_router
+
+    with ExitStack() as stack:
+        pairs = start_replicas(stack, workdir, model, 1, budget, chunk_size, None)
+        router = start_router(pairs, pick_free_port(), pick_free_port(), workdir / "router.log")
+        stack.callback(router.terminate)
+        direct_times, routed_times = [], []
+        with grpc.insecure_channel(pairs[0][0]) as channel, router.stub() as routed:
+            direct = inference_pb2_grpc.InferenceServiceStub(channel)
+            direct.Warm(pb.WarmRequest(text=text), timeout=600)
+            for turn in range(rounds):
+                direct_times.append(first_token_ms(direct, f"{text}\nQuestion d{turn}: who keeps it?\nAnswer:"))
+                routed_times.append(first_token_ms(routed, f"{text}\nQuestion r{turn}: who keeps it?\nAnswer:"))
+        return statistics.median(direct_times), statistics.median(routed_times)
+
+
 def bytes_per_token(model_path: str) -> int:
     from transformers import AutoConfig
 
@@ -264,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--l2", action="store_true",
                         help="every daemon on one redis-server (emptied before each policy)")
+    parser.add_argument("--overhead", type=int, default=0, metavar="ROUNDS",
+                        help="instead of the policies: TTFT on one replica, direct against through the router")
     parser.add_argument("--json", type=Path, help="write the reports here")
     parser.add_argument("--plot", type=Path, help="write a PNG here")
     args = parser.parse_args(argv)
@@ -286,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         budget = int(args.l1_documents * mean_tokens * bytes_per_token(path))
         print(f"{args.documents} documents of ~{mean_tokens:.0f} tokens; L1 budget {budget / 2**20:.0f} MiB per "
               f"daemon (~{args.l1_documents:g} documents)", flush=True)
+        if args.overhead:
+            direct, routed = measure_overhead(model, texts[0], budget, args.chunk_size, args.overhead, workdir)
+            print(f"one replica, {args.overhead} rounds: p50 TTFT direct {direct:.1f} ms, through the router "
+                  f"{routed:.1f} ms ({routed - direct:+.1f} ms)")
+            return 0
         l2_url = None
         if args.l2:
             from tests.conftest import pick_free_port

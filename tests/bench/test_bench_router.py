@@ -31,3 +31,10 @@ def test_a_smoke_run_on_the_tiny_model_reports_every_policy(tmp_path):
     reports = [PolicyReport(**row) for row in json.loads(out.read_text())]
     assert status == 0 and [report.policy for report in reports] == ["round-robin", "least-loaded", "prefix"]
     assert all(report.requests > 0 and sum(report.per_replica) >= report.requests for report in reports)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_smoke_run_of_the_overhead_measure(capsys):
+    assert main(["--model", "tiny", "--documents", "1", "--sheets", "1", "--chunk-size", "32", "--overhead", "2"]) == 0
+    assert "through the router" in capsys.readouterr().out

@@ -89,7 +89,7 @@ bench: setup model
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_batch_costs.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_compose.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_peers.py
-	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --json bench/results/router.json --plot docs/router.png
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --json bench/results/router.json
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --l2 --json bench/results/router-l2.json
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --overhead 40
 

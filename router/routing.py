@@ -1,7 +1,6 @@
 """Where a request goes: the policy's ranking of the healthy replicas, scored from their daemons' holdings."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -11,7 +10,6 @@ from router.policies import Candidate, rank
 from router.replicas import Replica
 from router.scoring import CostWeights, ReuseEstimate, estimate_reuse, expected_cost
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)

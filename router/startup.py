@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Sequence
 
@@ -13,7 +12,6 @@ from kvboost_keys.prompts import tokenize_messages
 from router.model_identity import ModelIdentity, agreed_identity
 from router.replicas import Replica
 
-logger = logging.getLogger(__name__)
 
 _RETRY_S = 0.25
 # Text that exercises what tokenizers disagree on: a special token written out, digits, accents, whitespace.

@@ -11,7 +11,6 @@ from router.replicas import Replica
 from router.scoring import CostWeights, ReuseEstimate, estimate_reuse, expected_cost
 
 
-
 @dataclass(slots=True, frozen=True)
 class Route:
     """Replicas to try, best first: a request that fails before its first token goes to the second."""

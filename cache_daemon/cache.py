@@ -17,8 +17,9 @@ from cache_daemon import eviction
 from kvboost_common.checksum import crc32
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
 from cache_daemon.errors import BudgetExceeded, NotFound, check_blob_fits
+from cache_daemon.events import DEFAULT_HISTORY, ChunkEvent, EventJournal, EventKind
 from cache_daemon.index import EntryIndex, NamespaceUsage, Share
-from cache_daemon.store import Continuation, LmdbStore, Put
+from cache_daemon.store import Continuation, HeldChunk, LmdbStore, Put
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +89,19 @@ class ChunkCache:
     flush) run one at a time under `_write_lock`; they plan from the index, commit, then apply
     the change to the index under `_index_lock` (held for that O(k log n) update, and by stats).
     The index loads from LMDB's metadata after the constructor returns when
-    `load_in_background`; writers wait for it, readers do not need it."""
+    `load_in_background`; writers wait for it, readers do not need it.
+
+    Every change of what LMDB holds is published to `events` after its commit and before
+    `_write_lock` is released, so events are in commit order and never name a chunk before it
+    can be read."""
 
 
     def __init__(self, store: LmdbStore, max_bytes: int, half_life: float,
                  clock: Callable[[], float] = time.time, load_in_background: bool = False,
-                 share_budgets: Mapping[str, int] | None = None) -> None:
+                 share_budgets: Mapping[str, int] | None = None, events: EventJournal | None = None) -> None:
         """share_budgets: tenant -> max_bytes, the tenants whose chunks are evicted within a share
-        of their own (a tenant owns the namespaces recorded by `record_owners`)."""
+        of their own (a tenant owns the namespaces recorded by `record_owners`). events: where
+        changes are published (a journal of the default history when not given)."""
         assert max_bytes > 0, f"max_bytes must be positive, got {max_bytes}"
         assert half_life > 0, f"half_life must be positive (math.inf for no decay), got {half_life}"
         self.store = store
@@ -110,6 +116,7 @@ class ChunkCache:
         self._load_error: BaseException | None = None
         self._pending_hits: Counter[ChunkKey] = Counter()
         self._counters = Counters()
+        self.events = events if events is not None else EventJournal()
         if load_in_background:
             threading.Thread(target=self._load, name="index-loader", daemon=True).start()
         else:
@@ -119,10 +126,10 @@ class ChunkCache:
 
     @classmethod
     def open(cls, data_dir: Path, map_size: int, max_bytes: int, half_life: float,
-             share_budgets: Mapping[str, int] | None = None) -> ChunkCache:
+             share_budgets: Mapping[str, int] | None = None, event_history: int = DEFAULT_HISTORY) -> ChunkCache:
         """Serves reads at once; writes wait until the index is loaded (about 1 s per million chunks)."""
         return cls(LmdbStore(data_dir, map_size), max_bytes, half_life, load_in_background=True,
-                   share_budgets=share_budgets)
+                   share_budgets=share_budgets, events=EventJournal(event_history))
 
     def _load(self) -> None:
         started = time.perf_counter()
@@ -258,15 +265,16 @@ class ChunkCache:
             # The key may have been evicted and stored again since `entry` was read.
             if current is None or (current.checksum, current.size_bytes) != (entry.checksum, entry.size_bytes):
                 return
-            self._delete_locked([key])
+            self.events.publish(self._removal_events(EventKind.DELETED, self._delete_locked([key])))
             with self._lock:
                 self._counters.corrupted += 1
         logger.error("chunk %s failed its CRC-32 check (%d bytes expected): deleted, served as a miss",
                      key.hex(), entry.size_bytes)
 
-    def put_many(self, chunks: Sequence[IncomingChunk]) -> PutResult:
+    def put_many(self, chunks: Sequence[IncomingChunk], kind: EventKind = EventKind.STORED) -> PutResult:
         """Commits new chunks in one transaction, evicting to stay inside the budget. Keys already
-        stored are left as they are (bytes, frequency and pin). Costs O((new + evicted) log n)."""
+        stored are left as they are (bytes, frequency and pin). Costs O((new + evicted) log n).
+        kind: how the new chunks are published (PROMOTED for copies out of L2)."""
         for chunk in chunks:
             check_blob_fits(chunk.key, len(chunk.blob), self.max_bytes)
         with self._writing():
@@ -290,6 +298,9 @@ class ChunkCache:
             except BaseException:
                 index.release_slots(slots)
                 raise
+            self.events.publish(self._removal_events(EventKind.EVICTED, victims) + [
+                ChunkEvent(kind, chunk.namespace, chunk.key, chunk.content_key, chunk.num_tokens, chunk.parent_key, now)
+                for chunk in to_put])
             bytes_stored = sum(entry.size_bytes for _, entry, _ in puts)
             num_evicted = len(plan.victims) + len(plan.rejected)
             with self._lock:
@@ -376,7 +387,9 @@ class ChunkCache:
     def delete_keys(self, keys: Sequence[ChunkKey], corrupted: bool = False) -> DeleteResult:
         """corrupted: a reader found these blobs failing their checksum; they count in Stats.corrupted."""
         with self._writing():
-            result = self._delete_locked(keys)
+            removed = self._delete_locked(keys)
+            self.events.publish(self._removal_events(EventKind.DELETED, removed))
+            result = _deleted(removed)
             if corrupted and result.deleted:
                 with self._lock:
                     self._counters.corrupted += result.deleted
@@ -390,13 +403,26 @@ class ChunkCache:
             keys = [self._index.key_of(slot) for slot in self._index.slots_in_namespace(namespace)]
             if not keys:
                 raise NotFound(f"namespace {namespace.hex()[:16]} has no entries")
-            return self._delete_locked(keys)
+            removed = self._delete_locked(keys)
+            self.events.publish([ChunkEvent(EventKind.CLEARED, namespace, unix_time=self._clock())])
+            return _deleted(removed)
 
-    def _delete_locked(self, keys: Sequence[ChunkKey]) -> DeleteResult:
+    def _delete_locked(self, keys: Sequence[ChunkKey]) -> list[tuple[ChunkKey, Entry]]:
+        """Deletes the keys that are stored; returns them with their metadata. The caller holds _write_lock."""
         unique = list(dict.fromkeys(keys))
         targets = [(key, entry) for key, entry in zip(unique, self.store.get_entries(unique)) if entry is not None]
         self._commit(deletes=targets)
-        return DeleteResult(deleted=len(targets), bytes_freed=sum(entry.size_bytes for _, entry in targets))
+        return targets
+
+    def _removal_events(self, kind: EventKind, removed: Sequence[tuple[ChunkKey, Entry]]) -> list[ChunkEvent]:
+        now = self._clock()
+        return [ChunkEvent(kind, entry.namespace, key, entry.content_key, entry.num_tokens, unix_time=now)
+                for key, entry in removed]
+
+    def held_chunks(self, after: bytes, limit: int) -> list[HeldChunk]:
+        """Up to `limit` stored chunks whose keys sort after `after` (b"": from the first), in key order, read
+        in one short read transaction: a snapshot of the cache is paged with many, never holding one open."""
+        return self.store.held_page(after, limit)
 
     def set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> PinResult:
         """Raises NotFound when none of the keys is stored."""
@@ -486,6 +512,10 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
+
+
+def _deleted(removed: Sequence[tuple[ChunkKey, Entry]]) -> DeleteResult:
+    return DeleteResult(deleted=len(removed), bytes_freed=sum(entry.size_bytes for _, entry in removed))
 
 
 def _first_of_each_key(chunks) -> list[IncomingChunk]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from cache_daemon.events import DEFAULT_HISTORY
 from cache_daemon.l2.address import L2Address, parse_l2_address
 from cache_daemon.l2.record_auth import MAKE_KEY_HINT
 from cache_daemon.l2.tls import L2TlsFiles
@@ -57,6 +58,7 @@ class DaemonConfig:
     max_store_chunks: int = 65536  # chunks in one Store stream; more: RESOURCE_EXHAUSTED
     max_store_bytes: int = 0  # blob bytes in one Store stream (held in RAM until it ends); 0 = --max-bytes
     store_deadline_s: float = 120.0  # a Store stream must end within this long (server side); 0 = never
+    event_history: int = DEFAULT_HISTORY  # KV events kept for watchers that reconnect or fall behind
 
     def __post_init__(self) -> None:
         _require(self.max_bytes > 0, f"--max-bytes must be positive, got {self.max_bytes}")
@@ -86,6 +88,7 @@ class DaemonConfig:
         _require(self.max_store_chunks >= 1, f"--max-store-chunks must be >= 1, got {self.max_store_chunks}")
         _require(self.max_store_bytes >= 0, f"--max-store-bytes must be >= 0, got {self.max_store_bytes}")
         _require(self.store_deadline_s >= 0, f"--store-deadline must be >= 0, got {self.store_deadline_s}")
+        _require(self.event_history >= 1, f"--event-history must be >= 1, got {self.event_history}")
         if self.l2:
             address = parse_l2_address(self.l2)  # ValueError with the reason
             _require(self.l2_key_file is not None,
@@ -259,6 +262,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--store-deadline", type=float, default=env("KVBOOST_STORE_DEADLINE", "120"),
                         help="seconds within which a Store stream must end (server side, whatever the client's "
                              "deadline); later is RESOURCE_EXHAUSTED; 0 = never [KVBOOST_STORE_DEADLINE]")
+    parser.add_argument("--event-history", type=int, default=env("KVBOOST_EVENT_HISTORY", str(DEFAULT_HISTORY)),
+                        help="KV events (WatchEvents) kept in memory, about 250 bytes each: a watcher that "
+                             "reconnects within them resumes from its cursor, one further behind (or reading "
+                             "more slowly than Stores publish) is answered 'lost' and gets a snapshot of the held "
+                             "keys instead [KVBOOST_EVENT_HISTORY]")
     parser.add_argument("--log-level", default=env("KVBOOST_LOG_LEVEL", "INFO"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="[KVBOOST_LOG_LEVEL]")
     return parser
@@ -285,6 +293,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             l2_tls_key_file=args.l2_tls_key_file, l2_promote_batch=args.l2_promote_batch,
             tenancy_secret_file=args.tenancy_secret_file, max_store_chunks=args.max_store_chunks,
             max_store_bytes=args.max_store_bytes, store_deadline_s=args.store_deadline,
+            event_history=args.event_history,
         )
     except ValueError as error:
         parser.error(str(error))

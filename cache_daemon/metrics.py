@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from kvboost_common.metrics_http import serve_collector
 from cache_daemon.cache import CacheStats, ChunkCache
+from cache_daemon.events import JournalStats
 
 
 REFUSAL_REASONS = ("unauthenticated", "permission_denied", "store_limit", "store_deadline")
@@ -69,6 +70,7 @@ class CacheCollector(Collector):
             for reason, count in self._refusals.snapshot().items():
                 refused.add_metric([reason], count)
             yield refused
+        yield from _event_metrics(self._cache.events.stats())
         if self._namespace_owner is not None:
             yield self._tenant_bytes(stats)
         l2_stats = getattr(self._cache, "l2_stats", None)  # a TieredCache: LMDB under a shared L2
@@ -85,6 +87,24 @@ class CacheCollector(Collector):
         for tenant, num_bytes in sorted(totals.items()):
             tenant_bytes.add_metric([tenant], num_bytes)
         return tenant_bytes
+
+
+def _event_metrics(events: JournalStats) -> Iterator[Metric]:
+    published = CounterMetricFamily("kvboost_events_published", "KV events published to WatchEvents, by kind.",
+                                    labels=["kind"])
+    for kind, count in events.published.items():
+        published.add_metric([kind.value], count)
+    yield published
+    lost = CounterMetricFamily("kvboost_events_lost", "Watch streams answered 'lost' (then resynced from a snapshot), "
+                               "by reason.", labels=["reason"])
+    for reason, count in events.lost.items():
+        lost.add_metric([reason], count)
+    yield lost
+    yield _counter("kvboost_events_dropped", "Events watchers did not receive one by one (too slow, or reconnected "
+                   "behind the history) and resynced from a snapshot instead.", events.num_dropped)
+    yield _gauge("kvboost_events_watchers", "Open WatchEvents streams.", events.num_watchers)
+    yield _gauge("kvboost_events_history", "Events held for watchers (at most --event-history).", events.num_held)
+    yield _gauge("kvboost_events_next_sequence", "Sequence the next daemon-wide event gets.", events.next_sequence)
 
 
 def _l2_metrics(l2) -> Iterator[Metric]:

@@ -68,7 +68,7 @@ def open_cache(config: DaemonConfig, tenants_by_token: dict[str, Tenant] | None 
         except ValueError as error:
             raise StartupError(str(error)) from error
     cache = ChunkCache.open(config.data_dir, config.initial_map_size, config.max_bytes, config.half_life,
-                            share_budgets(tenants_by_token))
+                            share_budgets(tenants_by_token), config.event_history)
     address = config.l2_address()
     if address is None:
         return cache
@@ -101,6 +101,7 @@ def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: healt
     elif config.tenants_file is not None:
         tenants_by_token = tenants_by_token or load_tenants_file(config.tenants_file)
         tenancy = open_tenancy(cache, tenants_by_token, config.tenancy_secret_file)
+        cache.events.set_owner_lookup(tenancy.owner_of)  # each tenant's events also go into a log of its own
         interceptors.append(TokenTableInterceptor(tenants_by_token, current_tenant, count_unauthenticated))
     interceptors.append(UndecodableRequestInterceptor())  # innermost: unauthenticated calls are refused first
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
@@ -173,8 +174,10 @@ class CacheDaemon:
         return daemon
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight RPCs finish, flush frequencies, sync and close LMDB."""
+        """Stop accepting, end the event watches (they never finish by themselves), let in-flight RPCs
+        finish, flush frequencies, sync and close LMDB."""
         await self._health.enter_graceful_shutdown()
+        self.cache.events.close()
         await self.server.stop(self.config.shutdown_grace_s)
         for task in (self._flusher, self._heap_trimmer):
             if task is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -19,6 +20,7 @@ from cache_daemon.framing import (StoreStreamAssembler, check_continuation, chec
                                   encode_header_frame)
 from cache_daemon.tiered import TieredCache
 from cache_daemon.tenancy import PLAIN, KeySpace, Tenancy, Tenant, current_tenant
+from cache_daemon.watch import EventView, watch_events
 
 MAX_KEYS_PER_REQUEST = 65536
 
@@ -248,6 +250,25 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                                        map_size=store.map_size, max_bytes=self._cache.max_bytes,
                                        blob_db_version=BLOB_DB_VERSION)
 
+    async def WatchEvents(self, request: cache_pb2.WatchEventsRequest,
+                          context) -> AsyncIterator[cache_pb2.WatchEventsReply]:
+        log_name, view = self._event_view()
+        run_blocking = functools.partial(self._executors.run, self._executors.fetch)
+        async for reply in watch_events(self._cache.events, log_name, view, request, self._cache.held_chunks,
+                                        run_blocking):
+            yield reply
+
+    def _event_view(self) -> tuple[str | None, EventView]:
+        """The log the caller follows (None: the daemon-wide one) and what it sees of it: a tenant its own
+        log, an admin every tenant's events, each under its tenant's name and keys."""
+        tenant = self._caller()
+        if tenant is None:
+            return None, EventView()
+        tenancy = self._tenancy
+        if tenant.admin:
+            return None, EventView(tenancy.owner_of, tenancy.space_named)
+        return tenant.name, EventView(tenancy.owner_of, tenancy.space_named, only_tenant=tenant.name)
+
     async def Pin(self, request: cache_pb2.PinRequest, context) -> cache_pb2.PinReply:
         return await self._set_pinned(request, pinned=True)
 
@@ -310,6 +331,9 @@ def add_cache_servicer(servicer: CacheServicer, server: grpc.aio.Server) -> None
             servicer.Unpin, messages.PinRequest.FromString, messages.PinReply.SerializeToString),
         "Describe": grpc.unary_unary_rpc_method_handler(
             servicer.Describe, messages.DescribeRequest.FromString, messages.DescribeReply.SerializeToString),
+        "WatchEvents": grpc.unary_stream_rpc_method_handler(
+            servicer.WatchEvents, messages.WatchEventsRequest.FromString,
+            messages.WatchEventsReply.SerializeToString),
     }
     service_name = messages.DESCRIPTOR.services_by_name["CacheService"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))

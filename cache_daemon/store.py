@@ -45,6 +45,7 @@ assert META_DTYPE.itemsize == _META.size and _META_V1.size == _NAMESPACE_OFFSET 
 T = TypeVar("T")
 Put = tuple[ChunkKey, Entry, bytes]
 Continuation = tuple[ChunkKey, bytes, bytes]  # (child key, parent key, packed token ids)
+HeldChunk = tuple[ChunkKey, Entry, bytes]  # (key, metadata, parent key; b"" when not indexed as a continuation)
 
 
 def encode_entry(entry: Entry) -> bytes:
@@ -216,6 +217,22 @@ class LmdbStore:
                 # iternext() yields the current entry before stepping: step past the last one read.
                 if len(keys) < batch_size or not cursor.next():
                     return
+
+    def held_page(self, after: bytes, limit: int) -> list[HeldChunk]:
+        """Up to `limit` stored chunks with keys after `after` (b"": from the first), in key order, each with
+        its parent key from the continuation index, in one short read transaction."""
+        with self._gate.shared(), self._env.begin() as txn:
+            cursor = txn.cursor(db=self._meta)
+            positioned = cursor.set_range(after) if after else cursor.first()
+            if positioned and cursor.key() == after:
+                positioned = cursor.next()
+            page: list[HeldChunk] = []
+            while positioned and len(page) < limit:
+                key = cursor.key()
+                parent = txn.get(key, db=self._parents)
+                page.append((ChunkKey(key), decode_entry(cursor.value()), b"" if parent is None else parent))
+                positioned = cursor.next()
+            return page
 
     def get_entries(self, keys: Sequence[bytes]) -> list[Entry | None]:
         """Each key's metadata as committed, None when absent (one read txn for all)."""

@@ -128,6 +128,10 @@ class Tenancy:
     def space_of(self, tenant: Tenant) -> KeySpace:
         return PLAIN if tenant.admin else self._spaces[tenant.name]
 
+    def space_named(self, name: str) -> KeySpace | None:
+        """The key space of the tenant called `name`; None for an admin or a name not in the tenants file."""
+        return self._spaces.get(name)
+
     def owner_of(self, stored_namespace: bytes) -> str | None:
         return self._owners.get(stored_namespace)
 

@@ -8,7 +8,9 @@ from typing import Callable, Sequence, TypeVar
 
 from cache_daemon.cache import CacheStats, ChunkCache, DeleteResult, LookupResult, PinResult, PutResult
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
+from cache_daemon.store import HeldChunk
 from cache_daemon.errors import BudgetExceeded, L2NotAcknowledged, NotFound
+from cache_daemon.events import EventJournal, EventKind
 from cache_daemon.l2.redis_tier import L2Hit, L2Unavailable, RedisTier
 from cache_daemon.l2.writer import WriteBehindQueue
 
@@ -41,7 +43,9 @@ class TieredCache:
     L2 hits into LMDB (so Fetch and co-located readers serve them from L1), and counts the rest
     as misses. Store commits to LMDB first; L2 gets the chunks behind (bounded queue) or, with
     sync_writes, before Store replies. Pins, budget and eviction stay LMDB's; L2 evicts by its
-    own maxmemory policy. An unreachable L2 turns into LMDB-only service, never a failed call."""
+    own maxmemory policy. An unreachable L2 turns into LMDB-only service, never a failed call.
+    KV events report LMDB alone: Redis evicts by itself without telling any daemon, so what L2
+    holds cannot be followed as events."""
 
 
     def __init__(self, l1: ChunkCache, l2: RedisTier, sync_writes: bool = False,
@@ -67,6 +71,10 @@ class TieredCache:
     @property
     def max_bytes(self) -> int:
         return self.l1.max_bytes
+
+    @property
+    def events(self) -> EventJournal:
+        return self.l1.events
 
     def lookup(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
                partial_keys: Sequence[bytes] = ()) -> LookupResult:
@@ -128,7 +136,7 @@ class TieredCache:
         with self._lock:
             self._num_promotion_batches += 1
         try:
-            promoted.num_stored += self.l1.put_many([_incoming(hit) for hit in found]).stored
+            promoted.num_stored += self.l1.put_many([_incoming(hit) for hit in found], EventKind.PROMOTED).stored
         except BudgetExceeded as error:
             logger.warning("L2 hits not promoted into LMDB: %s", error)
 
@@ -202,6 +210,9 @@ class TieredCache:
 
     def entry(self, key: ChunkKey) -> Entry | None:
         return self.l1.entry(key)
+
+    def held_chunks(self, after: bytes, limit: int) -> list[HeldChunk]:
+        return self.l1.held_chunks(after, limit)
 
     def set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> PinResult:
         return self.l1.set_pinned(keys, pinned)

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_FREE_PACKAGES = ("cache_daemon", "kvboost_common", "http_gateway")
+TORCH_FREE_PACKAGES = ("cache_daemon", "kvboost_common", "kvboost_keys", "http_gateway")
+# The router loads the replicas' tokenizer through transformers' tokenizers backend, the one transformers module
+# that does not pull torch in; it never names torch, and no other router module names transformers.
+ROUTER_TOKENIZER_MODULE = "router/tokenizer.py"
+ROUTER_TRANSFORMERS_IMPORTS = {"transformers.tokenization_utils_tokenizers",
+                               "transformers.tokenization_utils_tokenizers.PreTrainedTokenizerFast"}
 # Rooms of inference_service, by floor: a module imports from its own room or from a lower floor only.
 # serving (gRPC) -> engine (the step loop) -> request (one request's plan, sampling, outcome) -> reuse (K/V from
 # and to the store) -> kv (K/V maths, prompts and keys, blobs, repair) -> model | store -> errors.
@@ -19,12 +24,14 @@ ROOM_FLOORS = {"__main__": 7, "serving": 6, "engine": 5, "request": 4, "reuse": 
 ALLOWED_PACKAGES = {
     "kvboost_common": {"kvboost_common"},
     "cache_daemon": {"cache_daemon", "kvboost_common", "kvboost"},
-    "inference_service": {"inference_service", "kvboost_common", "kvboost"},
+    "kvboost_keys": {"kvboost_keys"},
+    "inference_service": {"inference_service", "kvboost_common", "kvboost_keys", "kvboost"},
+    "router": {"router", "kvboost_common", "kvboost_keys", "kvboost"},
     "client": {"client", "kvboost_common", "kvboost"},
     "http_gateway": {"http_gateway", "kvboost_common", "kvboost"},
 }
-FIRST_PARTY = {"cache_daemon", "inference_service", "client", "kvboost_common", "kvboost", "http_gateway", "bench",
-               "tests"}
+FIRST_PARTY = {"cache_daemon", "inference_service", "client", "kvboost_common", "kvboost_keys", "kvboost", "http_gateway",
+               "router", "bench", "tests"}
 
 
 def imported_modules(path: Path, root: Path = ROOT) -> list[str]:
@@ -59,16 +66,35 @@ def test_torch_free_packages_never_name_torch(package):
         assert not heavy, f"{path.relative_to(ROOT)} imports {heavy}; {package} must stay torch-free"
 
 
-def test_torch_free_packages_load_no_torch_when_imported():
-    # What really loads, through every transitive import, in a clean interpreter.
+def loaded_heavy_modules(packages: tuple[str, ...], heavy: tuple[str, ...]) -> str:
+    """The modules of `heavy` top-level packages loaded, in a clean interpreter, by importing every module of
+    `packages` (every transitive import counts)."""
     probe = ("import importlib, pkgutil, sys\n"
-             f"for top in {TORCH_FREE_PACKAGES!r}:\n"
+             f"for top in {packages!r}:\n"
              "    package = importlib.import_module(top)\n"
              "    for info in pkgutil.walk_packages(package.__path__, top + '.'):\n"
              "        importlib.import_module(info.name)\n"
-             "print(sorted(name for name in sys.modules if name.split('.')[0] in ('torch', 'transformers')))\n")
+             f"print(sorted(name for name in sys.modules if name.split('.')[0] in {heavy!r}))\n")
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert loaded.stdout.strip() == "[]"
+    return loaded.stdout.strip()
+
+
+def test_torch_free_packages_load_no_torch_when_imported():
+    assert loaded_heavy_modules(TORCH_FREE_PACKAGES, ("torch", "transformers")) == "[]"
+
+
+def test_the_router_never_names_torch_and_names_transformers_in_one_module():
+    for path in sources("router"):
+        names = imported_modules(path)
+        assert not [name for name in names if name.split(".")[0] == "torch"], f"{path.relative_to(ROOT)} imports torch"
+        transformers = {name for name in names if name.split(".")[0] == "transformers"}
+        allowed = ROUTER_TRANSFORMERS_IMPORTS if str(path.relative_to(ROOT)) == ROUTER_TOKENIZER_MODULE else set()
+        assert transformers <= allowed, f"{path.relative_to(ROOT)} imports {sorted(transformers - allowed)}"
+
+
+def test_the_router_loads_no_torch_when_imported():
+    # Its tokenizer module loads transformers' tokenizers backend, which must not drag torch in.
+    assert loaded_heavy_modules(("router",), ("torch",)) == "[]"
 
 
 def test_every_inference_service_module_sits_in_a_known_room():

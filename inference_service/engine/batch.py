@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence as Seq
 
 from inference_service.request.planning import EngineParts, ShouldStop, plan_request
-from inference_service.kv.prompts import PromptPlan
+from kvboost_keys.prompts import PromptPlan
 from inference_service.engine.sequence import OnDone, Sequence
 from inference_service.request.types import GenerationOutcome, GenerationParams
 from inference_service.errors import InvalidRequest, PromptTooLong

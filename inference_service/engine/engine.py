@@ -14,14 +14,14 @@ from inference_service.request.generation import OnToken, eos_token_ids
 from inference_service.request.logprobs import token_text
 from inference_service.request.planning import EngineParts, plan_request, plan_warm, repair_options, salted
 from inference_service.engine.scheduler import SchedulerLimits
-from inference_service.kv.prompts import PromptPlan, tokenize_messages
+from kvboost_keys.prompts import PromptPlan, tokenize_messages
 from inference_service.engine.sequence import OnDone, Sequence, WarmSpec
 from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.request.verification import BUILTIN_PROMPTS, compare_modes
 from inference_service.reuse.writeback import WriteBack
 from inference_service.errors import InvalidRequest
 from inference_service.kv import codec
-from inference_service.kv.namespace import (
+from kvboost_keys.namespace import (
     NamespaceSpec, canonical_config_json, dtype_name, namespace_digest, tokenizer_identity,
 )
 from inference_service.kv.repair import MASKABLE_ATTENTION, RepairOptions

@@ -10,7 +10,7 @@ import torch
 from inference_service.reuse.assembler import AssembledContext, empty_context
 from inference_service.request.generation import DecodeResult, OnToken, RowDecoder
 from inference_service.request.planning import EngineParts, outcome_of, record_outcome
-from inference_service.kv.prompts import PromptPlan
+from kvboost_keys.prompts import PromptPlan
 from inference_service.request.types import GenerationOutcome, GenerationParams, TokenLogprob, WarmOutcome
 from inference_service.reuse.writeback import PendingChunks
 from inference_service.errors import RequestCancelled

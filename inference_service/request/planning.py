@@ -12,13 +12,11 @@ import torch
 from inference_service.reuse.assembler import AssembledContext
 from inference_service.request.counters import EngineStats
 from inference_service.request.generation import DecodeResult
-from inference_service.kv.prompts import (
-    PromptPlan, plan_prompt, tokenize_document, tokenize_messages, tokenize_prompt, tokenize_segments,
-)
+from kvboost_keys.prompts import PromptPlan, plan_prompt, tokenize_request, tokenize_warm
 from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams
 from inference_service.reuse.writeback import PendingChunks, WriteBack
 from inference_service.errors import InvalidRequest, PromptTooLong
-from inference_service.kv.namespace import Namespace, salted_namespace
+from kvboost_keys.namespace import Namespace, salted_namespace
 from inference_service.kv.repair import RepairOptions
 from inference_service.kv.rope import RopeParams
 from inference_service.model.kv_buffers import KVGeometry
@@ -86,7 +84,7 @@ def plan_request(parts: EngineParts, params: GenerationParams) -> tuple[str, Pro
     outside = [token_id for token_id in params.stop_token_ids if token_id >= vocab_size]
     if outside:
         raise InvalidRequest(f"stop_token_ids {outside[:5]} are outside the vocabulary (0..{vocab_size - 1})")
-    prompt = plan_segments(parts, _tokenize(parts, params))
+    prompt = plan_segments(parts, tokenize_request(parts.tokenizer, params.prompt, params.messages, params.segments))
     max_context = parts.geometry.max_context
     if params.strict_context and prompt.num_tokens + params.max_new_tokens > max_context:
         raise InvalidRequest(f"the context holds {max_context} tokens, but {prompt.num_tokens + params.max_new_tokens} "
@@ -110,26 +108,12 @@ def plan_warm(parts: EngineParts, text: str | None, messages, content_addressed:
     """Chunks and keys of a warm-up (and of the Unpin that undoes its pins): a chat prefix without the
     generation prompt, a document chunked as a segment (content-addressed: every chunk also keyed by its
     content), or raw text keyed by prefix only. Raises InvalidRequest (neither text nor messages) or PromptTooLong."""
-    if messages:
-        segments = tokenize_messages(parts.tokenizer, messages, add_generation_prompt=False)
-    elif text and content_addressed:
-        segments = tokenize_document(parts.tokenizer, text)
-    elif text:
-        segments = tokenize_prompt(parts.tokenizer, text)
-    else:
+    if not text and not messages:
         raise InvalidRequest("Warm needs text or messages")
-    prompt = plan_segments(parts, segments)
+    prompt = plan_segments(parts, tokenize_warm(parts.tokenizer, text, messages, content_addressed))
     if content_addressed:
         return prompt
     return dataclasses.replace(prompt, content_keys=(None,) * len(prompt.prefix_keys))
-
-
-def _tokenize(parts: EngineParts, params: GenerationParams) -> list[list[int]]:
-    if params.prompt:
-        return tokenize_prompt(parts.tokenizer, params.prompt)
-    if params.messages:
-        return tokenize_messages(parts.tokenizer, params.messages)
-    return tokenize_segments(parts.tokenizer, params.segments or ())
 
 
 def repair_options(parts: EngineParts, params: GenerationParams | None = None) -> RepairOptions:

@@ -110,7 +110,7 @@ class GenerationParams:
     logprobs: int | None = None  # None: off; k: each generated token's logprob and its k best alternatives
     prompt_logprobs: int | None = None  # None: off; k: every prompt token's logprob with k alternatives
     n: int = 1  # completions sampled from the one prefilled prompt
-    cache_salt: str = ""  # mixed into the cache namespace (kv.namespace.salted_namespace)
+    cache_salt: str = ""  # mixed into the cache namespace (kvboost_keys.namespace.salted_namespace)
     min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()

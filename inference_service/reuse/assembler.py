@@ -11,8 +11,8 @@ import torch
 
 from inference_service.store.protocol import ChunkStore, ContinuationQuery, StoreUnavailable
 from inference_service.kv.blobs import decode_hit, place_hit_
-from inference_service.kv.prompts import PromptPlan
-from inference_service.kv.chunking import Chunk
+from kvboost_keys.prompts import PromptPlan
+from kvboost_keys.chunking import Chunk
 from inference_service.kv.rope import RopeParams
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import torch
 from inference_service.reuse.assembler import AssembledContext, report_corrupt
 from inference_service.kv.blobs import decode_hit, place_hit_
 from inference_service.store.protocol import StoreUnavailable, ChunkStore
-from inference_service.kv.prompts import PromptPlan
+from kvboost_keys.prompts import PromptPlan
 from inference_service.kv.repair import APPROX, EXACT, MISSING, RepairOptions, exact_prefix_length, repair_prefill
 from inference_service.kv.rope import RopeParams
 from inference_service.model.kv_buffers import KVGeometry, build_cache

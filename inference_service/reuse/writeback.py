@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from inference_service.store.protocol import StoreUnavailable, ChunkStore, StoreItem
-from inference_service.kv.chunking import Chunk
+from kvboost_keys.chunking import Chunk
 from inference_service.kv.blobs import DEFAULT_GROUP_SIZE, encode_chunk_kv
 from inference_service.kv.rope import RopeParams
 from inference_service.model.kv_buffers import LayerKV, stack_layers

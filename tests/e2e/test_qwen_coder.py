@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
-from inference_service.kv.prompts import tokenize_messages, tokenize_prompt
+from kvboost_keys.prompts import tokenize_messages, tokenize_prompt
 from inference_service.model import weights
 from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions
 from kvboost.v1 import inference_pb2 as pb

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.kv.prompts import tokenize_prompt
+from kvboost_keys.prompts import tokenize_prompt
 
 from inference_service.model.weights import DEFAULT_MODEL
 from kvboost.v1 import inference_pb2 as pb

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
-from inference_service.kv.prompts import tokenize_messages
+from kvboost_keys.prompts import tokenize_messages
 from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions
 from tests.conftest import pick_free_port
 from tests.e2e.daemon_process import start_daemon

@@ -9,7 +9,7 @@ import torch
 from inference_service.store.grpc_store import GrpcStoreOptions, GrpcChunkStore
 from tests.conftest import wait_for
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
-from inference_service.kv.prompts import tokenize_messages, tokenize_prompt
+from kvboost_keys.prompts import tokenize_messages, tokenize_prompt
 from tests.e2e.daemon_process import start_daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]

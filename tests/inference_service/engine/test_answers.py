@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
-from inference_service.kv.prompts import tokenize_prompt
+from kvboost_keys.prompts import tokenize_prompt
 from inference_service.store.memory import InMemoryStore
 from tests.inference_service.engine.test_engine import reference_ids, text_of_length
 
@@ -76,7 +76,7 @@ def test_smollm2_chat_turns_recompute_only_their_new_message(smollm2):
     engine = Engine(model, tokenizer, EngineConfig(chunk_size=32), InMemoryStore(), model_id=path)
     messages = [("system", "You are a concise assistant for a bakery. Answer in one sentence."),
                 ("user", "What bread is best for sandwiches?")]
-    from inference_service.kv.prompts import tokenize_messages
+    from kvboost_keys.prompts import tokenize_messages
     for turn, question in enumerate(["And for toast?", "Which one keeps longest?", "Thanks, bye."]):
         prompt_ids = tokenize_messages(tokenizer, messages)[0]
         outcome = engine.generate(GenerationParams(messages=tuple(messages), max_new_tokens=24, mode="prefix_cache"))

@@ -15,7 +15,7 @@ from inference_service.store.protocol import StoreUnavailable
 from inference_service.store.memory import InMemoryStore
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
 from inference_service.errors import InvalidRequest
-from inference_service.kv.prompts import plan_prompt, tokenize_messages, tokenize_prompt
+from kvboost_keys.prompts import plan_prompt, tokenize_messages, tokenize_prompt
 from tests.factories import build_tiny_model
 
 SYSTEM = "The quick brown fox jumps over the lazy dog. " * 2  # 90 byte tokens: 11 chunks of 8 and a tail

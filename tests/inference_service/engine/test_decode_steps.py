@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
-from inference_service.kv.prompts import tokenize_prompt
+from kvboost_keys.prompts import tokenize_prompt
 from inference_service.store.memory import InMemoryStore
 from inference_service.model.decode_step import split_support
 from tests.factories import build_tiny_model

@@ -9,7 +9,7 @@ from inference_service.model.attention import ENGINE_ATTENTION
 from inference_service.serving import proto_convert as convert
 from inference_service.engine import engine as engine_module
 from inference_service.engine.engine import GenerationParams
-from inference_service.kv.prompts import tokenize_segments
+from kvboost_keys.prompts import tokenize_segments
 from kvboost.v1 import inference_pb2 as pb
 from tests.inference_service.engine.test_engine import make_engine, reference_ids, run
 

@@ -15,7 +15,7 @@ from inference_service.request.generation import NonFiniteLogits, RowDecoder
 from inference_service.errors import InvalidRequest
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.slot_buffers import SlotBuffers
-from inference_service.kv.prompts import tokenize_prompt
+from kvboost_keys.prompts import tokenize_prompt
 from inference_service.store.memory import InMemoryStore
 from tests.conftest import wait_for
 from tests.inference_service.engine.test_engine import reference_ids, text_of_length

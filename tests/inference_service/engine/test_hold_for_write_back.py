@@ -7,7 +7,7 @@ import time
 
 from inference_service.engine import core as core_module
 from inference_service.engine.engine import GenerationParams
-from inference_service.kv.prompts import tokenize_prompt
+from kvboost_keys.prompts import tokenize_prompt
 from inference_service.store.memory import InMemoryStore
 from tests.inference_service.engine.test_engine import make_engine, reference_ids, text_of_length
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
-from inference_service.kv.prompts import tokenize_prompt
+from kvboost_keys.prompts import tokenize_prompt
 from inference_service.store.memory import InMemoryStore
 from tests.inference_service.engine.test_engine import reference_ids, text_of_length
 

@@ -9,7 +9,7 @@ from inference_service.reuse.assembler import assemble_context
 from inference_service.store.memory import InMemoryStore
 from inference_service.kv.codec import decode_chunk
 from inference_service.engine.engine import Engine, EngineConfig
-from inference_service.kv.prompts import plan_prompt
+from kvboost_keys.prompts import plan_prompt
 from inference_service.kv.rope import rope_parameters
 from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
 from inference_service.model.forward import prefill

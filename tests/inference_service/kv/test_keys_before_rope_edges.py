@@ -15,7 +15,7 @@ from inference_service.reuse.assembler import assemble_context
 from inference_service.store.memory import InMemoryStore
 from inference_service.kv.codec import decode_chunk
 from inference_service.reuse.content_reuse import place_content_hits
-from inference_service.kv.prompts import plan_prompt
+from kvboost_keys.prompts import plan_prompt
 from inference_service.kv.repair import APPROX, EXACT, MISSING
 from inference_service.kv.rope import rope_parameters
 from inference_service.model.kv_buffers import KVGeometry, allocate_kv, build_cache, kv_geometry

@@ -5,8 +5,8 @@ import pytest
 
 from inference_service.store.protocol import StoreUnavailable
 from inference_service.store.memory import InMemoryStore
-from inference_service.kv.chunking import plan_segments
-from inference_service.kv.prompts import tokenize_prompt, tokenize_segments
+from kvboost_keys.chunking import plan_segments
+from kvboost_keys.prompts import tokenize_prompt, tokenize_segments
 from tests.inference_service.engine.test_engine import make_engine, reference_ids, run
 from tests.inference_service.engine.test_engine_content import DOC_A, DOC_B, QUESTION, content_engine
 

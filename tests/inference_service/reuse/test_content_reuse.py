@@ -7,7 +7,7 @@ import torch
 from inference_service.reuse.assembler import assemble_context
 from inference_service.store.memory import InMemoryStore
 from inference_service.reuse.content_reuse import exact_pending_chunks, place_content_hits, prefill_with_content_hits
-from inference_service.kv.prompts import plan_prompt
+from kvboost_keys.prompts import plan_prompt
 from inference_service.kv.repair import APPROX, EXACT, MISSING, RepairOptions
 from inference_service.kv.rope import rerotate_keys, rope_parameters
 from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry

@@ -1,7 +1,7 @@
 """A text's partial last chunk is stored and reused to its last token; outputs stay those of model.generate."""
 from __future__ import annotations
 
-from inference_service.kv.prompts import plan_prompt, tokenize_prompt
+from kvboost_keys.prompts import plan_prompt, tokenize_prompt
 from inference_service.store.memory import InMemoryStore
 from tests.inference_service.engine.test_engine import (  # noqa: F401 (tiny_model is a fixture)
     make_engine, reference_ids, run, text_of_length, tiny_model,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.kv.prompts import tokenize_prompt
+from kvboost_keys.prompts import tokenize_prompt
 from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions
 from inference_service.store.memory import InMemoryStore
 from tests.daemon_support import running_daemon

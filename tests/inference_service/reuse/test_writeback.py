@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from inference_service.kv.chunking import Chunk
+from kvboost_keys.chunking import Chunk
 from inference_service.kv.codec import read_header
 from inference_service.reuse.writeback import PendingChunks, encode_pending
 from inference_service.kv.blobs import group_size_for

@@ -367,7 +367,7 @@ def test_bearer_token_guards_every_rpc_but_health(engine, tmp_path) -> None:
 # --- continuous batching -----------------------------------------------------------------------------
 
 def test_concurrent_streams_share_the_running_batch_and_match_generate_alone(engine, tiny_llama) -> None:
-    from inference_service.kv.prompts import tokenize_prompt
+    from kvboost_keys.prompts import tokenize_prompt
     from tests.inference_service.engine.test_batch import reference_ids
 
     model, tokenizer = tiny_llama

@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from inference_service.kv.chunking import Chunk, ChunkPlan, plan_segments
-from inference_service.kv.chunk_keys import (
+from kvboost_keys.chunking import Chunk, ChunkPlan, plan_segments
+from kvboost_keys.chunk_keys import (
     ContentKey, PrefixKey, content_key, hash_prefix_chunk, partial_prefix_keys, prefix_keys,
 )
-from inference_service.kv.namespace import Namespace
+from kvboost_keys.namespace import Namespace
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,6 +82,30 @@ def tokenize_document(tokenizer, text: str) -> list[list[int]]:
     """A document as it appears as a later, not final, segment: alone, without special tokens, followed
     by an empty segment so its partial last chunk is a chunk (stored and content-keyed) as it is there."""
     return [list(tokenizer(text, add_special_tokens=False)["input_ids"]), []]
+
+
+def tokenize_request(tokenizer, prompt: str | None, messages: Sequence[tuple[str, str]] | None,
+                     segments: Sequence[str] | None) -> list[list[int]]:
+    """A Generate request's segments as the service tokenizes them: the prompt as is, else the messages through
+    the chat template (generation prompt added), else the segments."""
+    if prompt:
+        return tokenize_prompt(tokenizer, prompt)
+    if messages:
+        return tokenize_messages(tokenizer, messages)
+    return tokenize_segments(tokenizer, segments or ())
+
+
+def tokenize_warm(tokenizer, text: str | None, messages: Sequence[tuple[str, str]] | None,
+                  content_addressed: bool) -> list[list[int]]:
+    """A Warm request's segments: a chat prefix without the generation prompt, a document chunked as a later
+    segment (content-addressed), or raw text. Raises ValueError when neither text nor messages are given."""
+    if messages:
+        return tokenize_messages(tokenizer, messages, add_generation_prompt=False)
+    if text and content_addressed:
+        return tokenize_document(tokenizer, text)
+    if text:
+        return tokenize_prompt(tokenizer, text)
+    raise ValueError("Warm needs text or messages")
 
 
 def plan_prompt(namespace: Namespace, segments: Sequence[Sequence[int]], chunk_size: int) -> PromptPlan:

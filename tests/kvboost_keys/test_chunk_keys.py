@@ -8,11 +8,11 @@ import typing
 
 import pytest
 
-from inference_service.kv import chunk_keys as keys
-from inference_service.kv.chunk_keys import (
+from kvboost_keys import chunk_keys as keys
+from kvboost_keys.chunk_keys import (
     ContentKey, PrefixKey, content_key, encode_token_ids, hash_prefix_chunk, partial_prefix_keys, prefix_keys,
 )
-from inference_service.kv.namespace import Namespace, NamespaceSpec, namespace_digest
+from kvboost_keys.namespace import Namespace, NamespaceSpec, namespace_digest
 
 # The namespace of make_spec(), pinned so any change to the canonical JSON or hashing shows up here.
 PINNED_NAMESPACE_HEX = "0da9b99c86049bf12f11053f17cbc6e1161210b2f156e539488fff4d26fc85ce"

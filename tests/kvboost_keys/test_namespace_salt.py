@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import hashlib
 
-from inference_service.kv.chunk_keys import prefix_keys
-from inference_service.kv.namespace import Namespace, salted_namespace
+from kvboost_keys.chunk_keys import prefix_keys
+from kvboost_keys.namespace import Namespace, salted_namespace
 
 NAMESPACE = Namespace(bytes(range(32)))
 

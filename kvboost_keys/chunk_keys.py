@@ -5,7 +5,7 @@ import hashlib
 import struct
 from typing import Iterable, NewType, Sequence
 
-from inference_service.kv.namespace import Namespace
+from kvboost_keys.namespace import Namespace
 
 # Commits to a chunk's tokens and to every token before it (at the same positions): equal
 # prefix keys mean the K/V are interchangeable as they are, with no repair.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.kv.chunking import Chunk, ChunkPlan, find_cuts, plan_chunks, plan_segments
+from kvboost_keys.chunking import Chunk, ChunkPlan, find_cuts, plan_chunks, plan_segments
 
 PERIOD = 0  # the sentence-end token in the boundary tests
 

@@ -1,0 +1,354 @@
+"""Routing policies compared: round-robin, least-loaded and prefix-aware, on replicas whose L1s cannot each hold
+the whole working set.
+
+Per policy, a fresh stack on loopback: N replicas (a daemon with an L1 budget of about --l1-documents documents,
+and a service with one torch thread each) behind `python -m router`, optionally every daemon on one redis-server
+as a shared L2. Clients ask questions about random documents through the router: --warmup seconds first (not
+measured), then --duration seconds measured. Reported per policy: where the measured prompt tokens came from
+(L1 of the chosen replica, L2, computed), the share of cacheable tokens (whole chunks of the document) served
+from L1, p50/p99 TTFT, requests/s, and requests per replica (max/min).
+
+    flock /tmp/kvboost-bench.lock python bench/bench_router.py --json bench/results/router.json \\
+        --plot docs/router.png                                     # SmolLM2, 3 replicas, 12 documents, 60 s
+    flock /tmp/kvboost-bench.lock python bench/bench_router.py --l2 ...   # every daemon on one shared L2
+    flock /tmp/kvboost-bench.lock python bench/bench_router.py --overhead 40   # the router's own cost, 1 replica
+    python bench/bench_router.py --model tiny --replicas 2 --documents 4 --warmup 2 --duration 4   # smoke
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+from kvboost.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
+from kvboost.v1 import inference_pb2 as pb  # noqa: E402
+from kvboost.v1 import inference_pb2_grpc  # noqa: E402
+
+POLICIES = ("round-robin", "least-loaded", "prefix")
+BYTES_PER_VALUE = 4  # CPU serving keeps K/V in float32, and 16-bit storage stores them as computed
+
+
+@dataclass
+class Sample:
+    ttft_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    cacheable_tokens: int  # the document's whole chunks: what an L1 holding the document gives
+
+
+@dataclass
+class PolicyReport:
+    policy: str
+    l2: bool
+    requests: int = 0
+    errors: int = 0
+    requests_per_s: float = 0.0
+    ttft_ms_p50: float = 0.0
+    ttft_ms_p99: float = 0.0
+    share_l1: float = 0.0  # of measured prompt tokens
+    share_l2: float = 0.0
+    share_computed: float = 0.0
+    cacheable_from_l1: float = 0.0  # of the cacheable tokens, those from the chosen replica's L1
+    per_replica: list[int] = field(default_factory=list)  # requests each replica served while measured
+    spread: float = 0.0  # max / min of per_replica
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else 0.0
+
+
+def summarize(policy: str, l2: bool, samples: list[Sample], errors: int, seconds: float, l2_tokens: int,
+              per_replica: list[int]) -> PolicyReport:
+    """The report of one measured phase. l2_tokens: tokens the daemons promoted from L2 meanwhile."""
+    prompt = sum(sample.prompt_tokens for sample in samples) or 1
+    cached = sum(sample.cached_tokens for sample in samples)
+    from_l1 = max(0, cached - l2_tokens)
+    cacheable = sum(sample.cacheable_tokens for sample in samples) or 1
+    cacheable_l1 = sum(min(sample.cached_tokens, sample.cacheable_tokens) for sample in samples) - l2_tokens
+    ttfts = [sample.ttft_ms for sample in samples]
+    return PolicyReport(
+        policy=policy, l2=l2, requests=len(samples), errors=errors, requests_per_s=len(samples) / seconds,
+        ttft_ms_p50=percentile(ttfts, 0.5), ttft_ms_p99=percentile(ttfts, 0.99),
+        share_l1=from_l1 / prompt, share_l2=l2_tokens / prompt, share_computed=(prompt - cached) / prompt,
+        cacheable_from_l1=max(0, cacheable_l1) / cacheable, per_replica=per_replica,
+        spread=max(per_replica) / max(1, min(per_replica)) if per_replica else 0.0)
+
+
+def documents(count: int, sheets_per_document: int, seed: int = 11) -> list[str]:
+    """count documents of sheets_per_document fact sheets each (~100 SmolLM2 tokens a sheet), distinct openings."""
+    from rag_dataset import build_documents, document_segment
+
+    sheets = [document_segment(document) for document in build_documents()]
+    rng = random.Random(seed)
+    return [f"Document {index + 1} of the archive.\n" + "\n".join(rng.sample(sheets, sheets_per_document))
+            for index in range(count)]
+
+
+class Clients:
+    """Threads asking questions about random documents through the router until stopped; samples are kept
+    only while `measuring` is set."""
+
+    def __init__(self, address: str, texts: list[str], cacheable: list[int], num_clients: int,
+                 max_new_tokens: int) -> None:
+        self.address, self.texts, self.cacheable = address, texts, cacheable
+        self.max_new_tokens = max_new_tokens
+        self.samples: list[Sample] = []
+        self.errors = 0
+        self.measuring = threading.Event()
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(seed,), daemon=True) for seed in range(num_clients)]
+
+    def __enter__(self) -> Clients:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(timeout=600)
+
+    def _run(self, seed: int) -> None:
+        rng = random.Random(seed)
+        with grpc.insecure_channel(self.address) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            turn = 0
+            while not self.stopping.is_set():
+                index, turn = rng.randrange(len(self.texts)), turn + 1
+                prompt = f"{self.texts[index]}\nQuestion {seed}.{turn}: which sheet names a keeper?\nAnswer:"
+                measured = self.measuring.is_set()
+                started = time.perf_counter()
+                first = result = None
+                try:
+                    for event in stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=self.max_new_tokens),
+                                               timeout=600):
+                        first = first or time.perf_counter()
+                        result = event.result if event.HasField("result") else None
+                except grpc.RpcError:
+                    if measured:
+                        self.errors += 1
+                    continue
+                if measured and self.measuring.is_set() and result is not None:
+                    self.samples.append(Sample((first - started) * 1000, result.prompt_tokens, result.cached_tokens,
+                                               self.cacheable[index]))
+
+
+def start_replicas(stack: ExitStack, workdir: Path, model: str, num_replicas: int, budget: int, chunk_size: int,
+                   l2_url: str | None) -> list[tuple[str, str]]:
+    from tests.conftest import pick_free_port
+    from tests.e2e.daemon_process import start_daemon
+    from tests.e2e.service_process import start_service
+
+    pairs = []
+    for index in range(num_replicas):
+        l2 = ("--l2", l2_url) if l2_url else ()
+        daemon = start_daemon(workdir / f"lmdb-{index}", pick_free_port(), "--max-bytes", str(budget), *l2)
+        stack.callback(daemon.terminate)
+        service = start_service(model, daemon.address, pick_free_port(), workdir / f"service-{index}.log",
+                                "--chunk-size", str(chunk_size), "--threads", "1", timeout_s=300)
+        stack.callback(service.terminate)
+        pairs.append((service.address, daemon.address))
+    return pairs
+
+
+def counters(pairs: list[tuple[str, str]]) -> tuple[list[int], int]:
+    """(requests each service has served, chunks all daemons promoted from L2) so far."""
+    requests, promoted = [], 0
+    for service, daemon in pairs:
+        with grpc.insecure_channel(service) as channel:
+            stats = inference_pb2_grpc.InferenceServiceStub(channel).Stats(pb.ServiceStatsRequest(), timeout=30)
+            requests.append(stats.requests)
+        with grpc.insecure_channel(daemon) as channel:
+            promoted += cache_pb2_grpc.CacheServiceStub(channel).Stats(cache_pb2.CacheStatsRequest(), timeout=30).l2.hits
+    return requests, promoted
+
+
+def run_policy(args, policy: str, l2_url: str | None, model: str, texts: list[str], budget: int,
+               workdir: Path) -> PolicyReport:
+    from tests.conftest import pick_free_port
+    from tests.e2e.router_process import start_router
+
+    with ExitStack() as stack:
+        pairs = start_replicas(stack, workdir, model, args.replicas, budget, args.chunk_size, l2_url)
+        router = start_router(pairs, pick_free_port(), pick_free_port(), workdir / "router.log", "--policy", policy)
+        stack.callback(router.terminate)
+        with router.stub() as stub:
+            counts = [len(stub.Tokenize(pb.TokenizeRequest(prompt=text), timeout=60).token_ids) for text in texts]
+        cacheable = [count - count % args.chunk_size for count in counts]
+        with Clients(router.address, texts, cacheable, args.clients, args.max_new_tokens) as clients:
+            time.sleep(args.warmup)
+            requests_before, promoted_before = counters(pairs)
+            clients.measuring.set()
+            started = time.monotonic()
+            time.sleep(args.duration)
+            clients.measuring.clear()
+            seconds = time.monotonic() - started
+            requests_after, promoted_after = counters(pairs)
+        served = [after - before for after, before in zip(requests_after, requests_before)]
+        return summarize(policy, l2_url is not None, clients.samples, clients.errors, seconds,
+                         (promoted_after - promoted_before) * args.chunk_size, served)
+
+
+def first_token_ms(stub, prompt: str) -> float:
+    started = time.perf_counter()
+    for _ in stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=1), timeout=600):
+        return (time.perf_counter() - started) * 1000
+    raise RuntimeError("Generate ended without an event")
+
+
+def measure_overhead(model: str, text: str, budget: int, chunk_size: int, rounds: int,
+                     workdir: Path) -> tuple[float, float]:
+    """(p50 TTFT direct, p50 TTFT through the router) on one replica: the document warmed, then a new question
+    each round, asked directly and through the router in turn."""
+    from tests.conftest import pick_free_port
+    from tests.e2e.router_process import start_router
+
+    with ExitStack() as stack:
+        pairs = start_replicas(stack, workdir, model, 1, budget, chunk_size, None)
+        router = start_router(pairs, pick_free_port(), pick_free_port(), workdir / "router.log")
+        stack.callback(router.terminate)
+        direct_times, routed_times = [], []
+        with grpc.insecure_channel(pairs[0][0]) as channel, router.stub() as routed:
+            direct = inference_pb2_grpc.InferenceServiceStub(channel)
+            direct.Warm(pb.WarmRequest(text=text), timeout=600)
+            for turn in range(rounds):
+                direct_times.append(first_token_ms(direct, f"{text}\nQuestion d{turn}: who keeps it?\nAnswer:"))
+                routed_times.append(first_token_ms(routed, f"{text}\nQuestion r{turn}: who keeps it?\nAnswer:"))
+        return statistics.median(direct_times), statistics.median(routed_times)
+
+
+def bytes_per_token(model_path: str) -> int:
+    from transformers import AutoConfig
+
+    from inference_service.model.kv_buffers import kv_geometry
+
+    geometry = kv_geometry(AutoConfig.from_pretrained(model_path))
+    return 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * BYTES_PER_VALUE
+
+
+def format_report(reports: list[PolicyReport]) -> str:
+    lines = [f"{'policy':14} {'L2':3} {'req':>5} {'req/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'L1':>6} {'L2':>6} "
+             f"{'comp':>6} {'cacheable from L1':>18} {'per replica':>14} {'spread':>6} {'err':>4}"]
+    for report in reports:
+        lines.append(f"{report.policy:14} {'yes' if report.l2 else 'no':3} {report.requests:5d} "
+                     f"{report.requests_per_s:6.2f} {report.ttft_ms_p50:8.0f} {report.ttft_ms_p99:8.0f} "
+                     f"{report.share_l1:6.1%} {report.share_l2:6.1%} {report.share_computed:6.1%} "
+                     f"{report.cacheable_from_l1:18.1%} {str(report.per_replica):>14} {report.spread:6.2f} "
+                     f"{report.errors:4d}")
+    return "\n".join(lines)
+
+
+def write_plot(reports: list[PolicyReport], path: Path) -> None:
+    from bench.plotting import pyplot
+
+    plt = pyplot()
+    labels = [f"{report.policy}{' +L2' if report.l2 else ''}" for report in reports]
+    figure, (ttft_axis, share_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    positions = range(len(reports))
+    ttft_axis.bar([p - 0.2 for p in positions], [r.ttft_ms_p50 for r in reports], 0.4, label="p50")
+    ttft_axis.bar([p + 0.2 for p in positions], [r.ttft_ms_p99 for r in reports], 0.4, label="p99")
+    ttft_axis.set_xticks(list(positions), labels, rotation=20)
+    ttft_axis.set_yscale("log")  # a prefix hit and a full prefill differ fifty-fold
+    ttft_axis.set_ylabel("TTFT, ms (log)")
+    ttft_axis.legend()
+    bottom = [0.0] * len(reports)
+    for name, values in (("L1", [r.share_l1 for r in reports]), ("L2", [r.share_l2 for r in reports]),
+                         ("computed", [r.share_computed for r in reports])):
+        share_axis.bar(list(positions), values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    share_axis.set_xticks(list(positions), labels, rotation=20)
+    share_axis.set_ylabel("share of prompt tokens")
+    share_axis.legend()
+    figure.suptitle("Routing policies: TTFT and where prompt tokens came from")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="a catalogue name, a folder, or `tiny`")
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--documents", type=int, default=12)
+    parser.add_argument("--sheets", type=int, default=16, help="fact sheets per document (~100 SmolLM2 tokens each)")
+    parser.add_argument("--l1-documents", type=float, default=5.0, help="documents one daemon's L1 budget holds")
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--warmup", type=float, default=30.0, help="seconds of questions before measuring")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds measured")
+    parser.add_argument("--max-new-tokens", type=int, default=4)
+    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--l2", action="store_true",
+                        help="every daemon on one redis-server (emptied before each policy)")
+    parser.add_argument("--overhead", type=int, default=0, metavar="ROUNDS",
+                        help="instead of the policies: TTFT on one replica, direct against through the router")
+    parser.add_argument("--json", type=Path, help="write the reports here")
+    parser.add_argument("--plot", type=Path, help="write a PNG here")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "bench"))
+    with tempfile.TemporaryDirectory(prefix="bench-router-") as scratch, ExitStack() as stack:
+        workdir = Path(scratch)
+        model = args.model
+        if model == "tiny":
+            from tests.e2e.stack_process import save_tiny_model
+
+            model = str(save_tiny_model(workdir / "tiny-model"))
+        from transformers import AutoTokenizer
+
+        from inference_service.model.weights import resolve_model_path
+
+        path = resolve_model_path(model)
+        texts = documents(args.documents, args.sheets)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        mean_tokens = statistics.mean(len(tokenizer(text)["input_ids"]) for text in texts)
+        budget = int(args.l1_documents * mean_tokens * bytes_per_token(path))
+        print(f"{args.documents} documents of ~{mean_tokens:.0f} tokens; L1 budget {budget / 2**20:.0f} MiB per "
+              f"daemon (~{args.l1_documents:g} documents)", flush=True)
+        if args.overhead:
+            direct, routed = measure_overhead(model, texts[0], budget, args.chunk_size, args.overhead, workdir)
+            print(f"one replica, {args.overhead} rounds: p50 TTFT direct {direct:.1f} ms, through the router "
+                  f"{routed:.1f} ms ({routed - direct:+.1f} ms)")
+            return 0
+        l2_url = None
+        if args.l2:
+            from tests.conftest import pick_free_port
+            from tests.redis_support import RedisNode
+
+            # Room for every document (the tests' 512 MB would evict), and AOF without an fsync per write.
+            node = RedisNode(pick_free_port(), workdir / "redis", cluster=False,
+                             extra=("--maxmemory", "8gb", "--appendfsync", "everysec")).start()
+            stack.callback(node.stop)
+            l2_url = node.url
+        reports = []
+        for policy in args.policies.split(","):
+            run_dir = workdir / policy
+            run_dir.mkdir()
+            if l2_url:  # every policy starts with an empty L2
+                subprocess.run(["redis-cli", "-p", l2_url.rsplit(":", 1)[1], "FLUSHALL"], check=True,
+                               capture_output=True)
+            reports.append(run_policy(args, policy, l2_url, model, texts, budget, run_dir))
+            print(format_report(reports[-1:]).splitlines()[-1], flush=True)
+    print(format_report(reports))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([asdict(report) for report in reports], indent=1))
+    if args.plot:
+        write_plot(reports, args.plot)
+    return 0 if not any(report.errors for report in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

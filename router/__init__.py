@@ -1,0 +1,1 @@
+"""The prefix-aware router: the inference service's API in front of replicas, each request sent where it is cached."""

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", default=["1x50", "1x1600", "8x700", "16x700"],
                         help="ROWSxCONTEXT: rows decoding together, each after about CONTEXT prompt tokens")
     parser.add_argument("--steps", type=int, default=10, help="decode steps timed, then profiled, per case")
-    parser.add_argument("--decode-step", default="split", choices=["split", "lean", "onednn", "transformers"],
+    parser.add_argument("--decode-step", default="lean", choices=["split", "lean", "onednn", "transformers"],
                         help="the engine's decode step (inference_service --decode-step)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the tensor the bandwidth sum reads")

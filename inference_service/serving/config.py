@@ -161,12 +161,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
              "cores other processes also use, fewer threads than cores avoids threads waiting on each other "
              "(docs/performance.md) (KVBOOST_THREADS)")
     add("--decode-step", default=default("DECODE_STEP", defaults.decode_step), choices=DECODE_STEPS,
-        help="how each batched decode step runs: split (default) = lean with each weight's rows read by two threads "
-             "at once (CPU), bitwise the model's forward (checked at start-up; lean runs where it cannot); "
-             "lean = the model's own ops without transformers' per-call "
+        help="how each batched decode step runs: lean (default) = the model's own ops without transformers' per-call "
              "overhead, bitwise its forward (checked at start-up; the model's forward runs where it cannot); "
              "onednn = lean with the weights packed for oneDNN, faster on CPU but rounded differently, so greedy "
              "output may differ from model.generate (opt-in; agreement measured in docs/performance.md); "
+             "split = lean with each weight's rows read by two threads at once (CPU), bitwise too, faster for one "
+             "stream but not for many rows on two cores (docs/performance.md); "
              "transformers = the model's own forward (KVBOOST_DECODE_STEP)")
     add("--chunk-size", type=int, default=default("CHUNK_SIZE", defaults.chunk_size), help="tokens per cached chunk (KVBOOST_CHUNK_SIZE)")
     add("--kv-cache-bits", type=int, default=default("KV_CACHE_BITS", defaults.kv_cache_bits), choices=(4, 8, 16), help="stored K/V precision (KVBOOST_KV_CACHE_BITS)")

@@ -66,8 +66,8 @@ def test_the_engine_chooses_the_lean_step_after_its_probe(kind):
 
 @pytest.mark.skipif(bool(split_support(torch.device("cpu"))), reason="torch's inter-op pool has one thread here")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_the_default_step_is_split_after_its_probe(kind):
-    choice = choose_decode_step(tiny(kind))
+def test_the_split_step_runs_after_its_probe(kind):
+    choice = choose_decode_step(tiny(kind), "split")
     assert (choice.name, choice.reason) == ("split", "") and choice.step.split and not choice.step.packed
 
 
@@ -85,7 +85,7 @@ def test_a_weight_is_cut_on_aligned_rows_and_a_small_one_not_at_all():
 
 def test_split_falls_back_to_lean_with_the_reason(monkeypatch):
     monkeypatch.setattr(step_choice, "split_support", lambda device: "torch's inter-op pool has one thread")
-    choice = choose_decode_step(tiny("llama"))
+    choice = choose_decode_step(tiny("llama"), "split")
     assert choice.name == "lean" and not choice.step.split and "one thread" in choice.reason
 
 

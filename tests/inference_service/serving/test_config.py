@@ -69,9 +69,9 @@ def test_loopback_detection(listen, loopback) -> None:
     assert ServiceConfig(listen=listen).listens_on_loopback is loopback
 
 
-def test_threads_and_decode_step_default_to_torchs_threads_and_the_exact_split_step() -> None:
+def test_threads_and_decode_step_default_to_torchs_threads_and_the_exact_lean_step() -> None:
     config = parse_config([], environ={})
-    assert (config.threads, config.decode_step) == (0, "split")
+    assert (config.threads, config.decode_step) == (0, "lean")
     config = parse_config(["--threads", "1"], environ={"KVBOOST_DECODE_STEP": "onednn", "KVBOOST_THREADS": "2"})
     assert (config.threads, config.decode_step) == (1, "onednn")
 

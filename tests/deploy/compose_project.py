@@ -16,10 +16,10 @@ from tests.deploy.docker_engine import docker
 
 ROOT = Path(__file__).resolve().parents[2]
 L2_REPLICA_FILE = ROOT / "tests" / "deploy" / "compose.l2-replica.yaml"
-PUBLISHED = ("DAEMON", "METRICS", "INFERENCE", "GATEWAY", "REDIS", "DAEMON_B", "INFERENCE_B")
+PUBLISHED = ("DAEMON", "METRICS", "INFERENCE", "GATEWAY", "REDIS", "DAEMON_B", "INFERENCE_B", "ROUTER")
 # The secret each published gRPC port checks (compose.yaml's secrets service makes them).
 TOKEN_OF = {"DAEMON": "daemon.token", "DAEMON_B": "daemon.token", "INFERENCE": "service.token",
-            "INFERENCE_B": "service.token"}
+            "INFERENCE_B": "service.token", "ROUTER": "service.token"}
 
 
 @dataclass

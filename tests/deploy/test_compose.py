@@ -23,13 +23,15 @@ from client import healthcheck
 from http_gateway import config as gateway_config
 from http_gateway import healthcheck as gateway_healthcheck
 from inference_service.serving import config as service_config
+from router import config as router_config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 GPU_OVERRIDE = yaml.safe_load((ROOT / "compose.gpu.yaml").read_text())
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 PARSERS = {"cache-daemon": daemon_config.build_parser, "inference": service_config.build_parser,
-           "gateway": gateway_config.build_parser}
+           "gateway": gateway_config.build_parser, "cache-daemon-2": daemon_config.build_parser,
+           "inference-2": service_config.build_parser, "router": router_config.build_parser}
 MODULES = {"cache-daemon": "cache_daemon", "inference": "inference_service", "gateway": "http_gateway"}
 GRPC_SERVICES = ("cache-daemon", "inference")
 # Compose-specific choices that differ from the parsers' defaults on purpose.
@@ -41,6 +43,9 @@ DELIBERATE_OVERRIDES = {
     "KVBOOST_CACHE_AUTH_TOKEN_FILE": "the service presents the daemon's token",
     "KVBOOST_GATEWAY_API_KEY_FILE": "HTTP clients need the gateway's key",
     "KVBOOST_L2_KEY_FILE": "the l2 profile's MAC key is always at hand",
+    "KVBOOST_ROUTER_AUTH_TOKEN_FILE": "the router takes the service's token from its callers",
+    "KVBOOST_ROUTER_REPLICA_AUTH_TOKEN_FILE": "the router presents the service's token to the replicas",
+    "KVBOOST_ROUTER_CACHE_AUTH_TOKEN_FILE": "the router presents the daemon's token to follow its events",
 }
 _INTERPOLATION = re.compile(r"^\$\{(KVBOOST_[A-Z0-9_]+):?-([^}]*)\}$")
 
@@ -348,3 +353,27 @@ def test_the_l2_replica_override_is_a_second_pair_on_its_own_volume_and_namespac
     assert daemon_config.parse_l2_address(args.l2).nodes == (("redis", 6379),)
     assert ("KVBOOST_L2=redis://redis:6379 docker compose --profile l2 up"
             in (ROOT / "compose.yaml").read_text())
+
+
+def test_the_router_profile_puts_two_replicas_behind_the_router() -> None:
+    """`--profile router`: a second daemon + service pair of its own, and the router naming both pairs as each
+    service reaches its daemon; nothing of it starts without the profile."""
+    extra = ("pid-namespace-2", "cache-daemon-2", "inference-2", "router")
+    for name in extra:
+        assert COMPOSE["services"][name].get("profiles") == ["router"], name
+    router = compose_args("router")
+    replicas = {(replica.service, replica.daemon) for replica in map(router_config.parse_replica, router.replicas)}
+    expected = set()
+    for service in ("inference", "inference-2"):
+        cache_addr = compose_args(service).cache_addr
+        daemon = cache_addr.split(":")[0]
+        assert port_of(cache_addr) == port_of(compose_args(daemon).listen)
+        expected.add((f"{service}:{port_of(compose_args(service).listen)}", cache_addr))
+        assert COMPOSE["services"]["router"]["depends_on"][service] == {"condition": "service_healthy"}
+    assert replicas == expected
+    assert COMPOSE["services"]["inference-2"]["pid"] == "service:pid-namespace-2"
+    assert "kvboost-lmdb-2:/data" in COMPOSE["services"]["cache-daemon-2"]["volumes"]
+    assert "kvboost-lmdb-2:/data" in COMPOSE["services"]["inference-2"]["volumes"]
+    assert COMPOSE["services"]["router"]["image"] == COMPOSE["services"]["inference"]["image"]
+    assert COMPOSE["services"]["router"]["entrypoint"] == ["python", "-m", "router"]
+    assert published("router") == {port_of(router.listen): "127.0.0.1:50050"}

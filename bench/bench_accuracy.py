@@ -35,6 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from inference_service import mkl_dispatch  # noqa: E402
+
+MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBOOST_MKL_DISPATCH=vendor to compare)
+
 import torch  # noqa: E402
 
 from bench.plotting import pyplot  # noqa: E402

@@ -18,6 +18,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
+from inference_service import mkl_dispatch  # noqa: E402
+
+MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBOOST_MKL_DISPATCH=vendor to compare)
+
 
 def load(model_name: str):
     if model_name == "tiny":

@@ -20,6 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
+from inference_service import mkl_dispatch  # noqa: E402
+
+MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBOOST_MKL_DISPATCH=vendor to compare)
+
 from bench.profile_step import build_engine, parse_case, prompt_of  # noqa: E402
 
 SYSTEMS = [
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     # nn.Module.to converts in place: each dtype gets its own copy of the float32 model
     models = {dtype: copy.deepcopy(model).to(getattr(torch, dtype)) if dtype != "float32" else model
               for dtype in args.dtypes}
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, threads {thread_counts}")
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, threads {thread_counts}, MKL dispatch {MKL_DISPATCH.applied}")
     if not args.skip_timing:
         time_steps(models, tokenizer, args.steps, args.cases, args.rounds, args.steps_per_round, thread_counts)
         torch.set_num_threads(thread_counts[0])

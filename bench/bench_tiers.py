@@ -24,6 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from inference_service import mkl_dispatch  # noqa: E402
+
+MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBOOST_MKL_DISPATCH=vendor to compare)
+
 import torch  # noqa: E402
 from kvboost.v1 import cache_pb2  # noqa: E402
 

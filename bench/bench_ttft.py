@@ -29,6 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from inference_service import mkl_dispatch  # noqa: E402
+
+MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBOOST_MKL_DISPATCH=vendor to compare)
+
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
@@ -268,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
         for path in paths:
             path.close()
-    print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size {args.chunk_size}, "
+    print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, MKL dispatch {MKL_DISPATCH.applied}, chunk_size {args.chunk_size}, "
           f"{args.kv_cache_bits}-bit storage, {'aligned' if args.aligned else 'unaligned'} documents, "
           f"median of {args.runs} runs, a new ~{QUESTION_TOKENS}-token question per run\n")
     print_table(rows)

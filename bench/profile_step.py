@@ -26,6 +26,10 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
+from inference_service import mkl_dispatch  # noqa: E402
+
+MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBOOST_MKL_DISPATCH=vendor to compare)
+
 PASSAGE = ("The harbour master kept a log of every ship: its name, its cargo, the tide it came in on and the "
            "weather that followed. Over the years the log grew into a history of the town itself. ")
 WEIGHT_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "mkldnn::_linear_pointwise"}
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_per_token = bytes_per_token(kv_geometry(model.config), model.dtype)
     engine = build_engine(model, tokenizer, args.decode_step)
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model} {model.dtype}, "
-          f"{torch.get_num_threads()} threads, decode step {engine.stats()['decode_step']}; memory bandwidth "
+          f"{torch.get_num_threads()} threads, MKL dispatch {MKL_DISPATCH.applied}, decode step {engine.stats()['decode_step']}; memory bandwidth "
           f"(sum over {args.bandwidth_gib:g} GiB, median of 7): {bandwidth / 1e9:.1f} GB/s; weights read per step "
           f"{weights / 1e6:.0f} MB, K/V {kv_per_token / 1024:.0f} KiB per token; medians of {args.steps} steps")
     for case in args.cases:

@@ -1,10 +1,22 @@
 """`python -m inference_service`: serve generation with chunk K/V reuse through the cache daemon."""
 from __future__ import annotations
 
+import sys
+
+from inference_service import mkl_dispatch
+
+if __name__ == "__main__":
+    # First, before anything below imports torch: MKL picks its kernels once, when torch loads it.
+    try:
+        mkl_dispatch.apply(mkl_dispatch.asked_in(sys.argv[1:]))
+    except ValueError:
+        pass  # a value that is not a choice: the full parser below says so
+    except RuntimeError as error:  # --mkl-dispatch features asked and impossible here
+        sys.exit(f"inference_service: {error}")
+
 import asyncio
 import logging
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -147,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("configuration:\n%s", config.describe())
+    dispatch = mkl_dispatch.apply(config.mkl_dispatch)
+    if dispatch.asked != config.mkl_dispatch:
+        logger.warning("--mkl-dispatch %s asked, but this process set %s first", config.mkl_dispatch, dispatch.asked)
+    logger.info("MKL dispatch: %s", dispatch.describe())
     sys.exit(asyncio.run(serve(config)))
 
 

@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from inference_service import mkl_dispatch
+
+# Before torch is imported: the references (plain model.generate) run under the dispatch a service started
+# with the defaults runs under (KVBOOST_MKL_DISPATCH, else auto), so every identity test compares like with like.
+MKL_DISPATCH = mkl_dispatch.apply()
+
 from tests.factories import build_tiny_model, load_smollm2
 
 

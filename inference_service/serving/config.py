@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 from inference_service.request.types import MODES, RECOMPUTE_STRATEGIES
 from inference_service.model.step_names import DECODE_STEPS, DEFAULT_DECODE_STEP
 from inference_service.model.weights import DEFAULT_MODEL
+from inference_service.mkl_dispatch import CHOICES as MKL_DISPATCHES
 from inference_service.store.colocated import LOCAL_READ_MODES
 from kvboost_common.addresses import check_listen_address, is_local, is_unix, split_host_port
 from kvboost_common.auth import load_token
@@ -36,6 +37,7 @@ class ServiceConfig:
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     threads: int = 0  # torch intra-op threads; 0: torch's default (the machine's cores)
     decode_step: str = DEFAULT_DECODE_STEP  # the batched decode step: split, lean (exact), onednn (faster, opt-in), transformers
+    mkl_dispatch: str = "auto"  # MKL's kernels by instruction set (features) or by CPU vendor; set before torch loads
     chunk_size: int = 128
     kv_cache_bits: int = 16
     tenant_salt: str = ""
@@ -78,6 +80,8 @@ class ServiceConfig:
         _require(self.device in DEVICES or self.device.startswith("cuda:"), f"--device must be one of {DEVICES} or cuda:N, got {self.device!r}")
         _require(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.threads >= 0, f"--threads must be >= 0 (0: torch's default), got {self.threads}")
+        _require(self.mkl_dispatch in MKL_DISPATCHES,
+                 f"--mkl-dispatch must be one of {MKL_DISPATCHES}, got {self.mkl_dispatch!r}")
         _require(self.decode_step in DECODE_STEPS, f"--decode-step must be one of {DECODE_STEPS}, got {self.decode_step!r}")
         _require(self.chunk_size > 0, f"--chunk-size must be positive, got {self.chunk_size}")
         _require(self.kv_cache_bits in (4, 8, 16), f"--kv-cache-bits must be 4, 8 or 16, got {self.kv_cache_bits}")
@@ -160,6 +164,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="torch intra-op CPU threads for the model; 0 keeps torch's default (one per core). On a machine whose "
              "cores other processes also use, fewer threads than cores avoids threads waiting on each other "
              "(docs/performance.md) (KVBOOST_THREADS)")
+    add("--mkl-dispatch", default=default("MKL_DISPATCH", defaults.mkl_dispatch), choices=MKL_DISPATCHES,
+        help="which of MKL's kernels torch's float32 products run: MKL picks by CPU vendor and gives non-Intel "
+             "x86 CPUs generic kernels (2.8x slower one-row products on an AMD EPYC); features = pick by "
+             "instruction set as on Intel (a two-line library compiled once with cc, loaded before torch); "
+             "vendor = MKL's own choice; auto = features on a non-Intel x86-64 Linux CPU. Greedy output stays "
+             "identical to model.generate under the same dispatch (docs/performance.md) (KVBOOST_MKL_DISPATCH)")
     add("--decode-step", default=default("DECODE_STEP", defaults.decode_step), choices=DECODE_STEPS,
         help="how each batched decode step runs: lean (default) = the model's own ops without transformers' per-call "
              "overhead, bitwise its forward (checked at start-up; the model's forward runs where it cannot); "

@@ -26,7 +26,7 @@ EXPOSE 50052 9464
 ENTRYPOINT ["python", "-m", "cache_daemon"]
 
 FROM base AS native
-# The two-line library that lets MKL pick kernels by instruction set on non-Intel CPUs (--mkl-dispatch,
+# The tiny library that lets MKL pick kernels by instruction set on non-Intel CPUs (--mkl-dispatch,
 # docs/performance.md), compiled here so the inference image carries no compiler.
 RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 COPY inference_service/mkl_dispatch.py /src/mkl_dispatch.py

@@ -10,7 +10,7 @@ PROTOS := proto/kvboost/v1/cache.proto proto/kvboost/v1/inference.proto
 setup: $(STAMP) c-compiler
 
 # On a non-Intel x86-64 CPU the service tells MKL to pick kernels by instruction set (--mkl-dispatch auto,
-# docs/performance.md) through a two-line library it compiles once with cc. As root with apt, install gcc when
+# docs/performance.md) through a tiny library it compiles once with cc. As root with apt, install gcc when
 # no compiler is here; otherwise the service keeps MKL's generic kernels and says so at start-up.
 c-compiler:
 	@command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || { \

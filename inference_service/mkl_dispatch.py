@@ -4,9 +4,10 @@ torch's CPU wheels link Intel MKL (2024.2 in the pinned torch). MKL picks its ke
 Intel it runs the AVX2/AVX-512 kernel the CPU supports; on any other x86-64 CPU it falls back to generic kernels
 unless its internal `mkl_serv_intel_cpu_true()` answers 1. Measured on the 2-core AMD EPYC (AVX-512) this
 project benchmarks on (docs/performance.md): the one-row float32 product reads weights at 17 GB/s with the
-generic kernel and 48 GB/s with the AVX-512 one, and SmolLM2's decode step takes 35 ms instead of 12.
+generic kernel and 59 GB/s with the AVX-512 one on both cores.
 
-`features` loads a two-line shared library that defines that function, with RTLD_GLOBAL, before torch loads
+`features` loads a tiny shared library that defines that function (and its sibling `mkl_serv_intel_cpu()`,
+which MKL asks before it spreads a one-row product over threads), with RTLD_GLOBAL, before torch loads
 MKL, so MKL chooses by instruction set as it does on Intel. It changes which kernel runs, not what is computed:
 every float32 product still is MKL's, the same for the engine and for plain transformers in the same process,
 so greedy output stays token-identical to `model.generate` under the same dispatch (every identity test checks
@@ -42,8 +43,10 @@ ENV = "KVBOOST_MKL_DISPATCH"
 NATIVE_DIR_ENV = "KVBOOST_NATIVE_DIR"
 
 SOURCE = """\
-/* KVBoost-gRPC: MKL asks this whether the CPU is Intel before it picks kernels by instruction set. */
+/* KVBoost-gRPC: MKL asks these whether the CPU is Intel before it picks kernels by instruction set (the first)
+   and before it runs a one-row product on more than one thread (the second). */
 int mkl_serv_intel_cpu_true(void) { return 1; }
+int mkl_serv_intel_cpu(void) { return 1; }
 """
 LIBRARY_NAME = "libkvboost_mkl_cpu_features.so"
 

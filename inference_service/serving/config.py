@@ -166,8 +166,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
              "(docs/performance.md) (KVBOOST_THREADS)")
     add("--mkl-dispatch", default=default("MKL_DISPATCH", defaults.mkl_dispatch), choices=MKL_DISPATCHES,
         help="which of MKL's kernels torch's float32 products run: MKL picks by CPU vendor and gives non-Intel "
-             "x86 CPUs generic kernels (2.8x slower one-row products on an AMD EPYC); features = pick by "
-             "instruction set as on Intel (a two-line library compiled once with cc, loaded before torch); "
+             "x86 CPUs generic kernels (3.5x slower one-row products on an AMD EPYC); features = pick by "
+             "instruction set as on Intel (a tiny library compiled once with cc, loaded before torch); "
              "vendor = MKL's own choice; auto = features on a non-Intel x86-64 Linux CPU. Greedy output stays "
              "identical to model.generate under the same dispatch (docs/performance.md) (KVBOOST_MKL_DISPATCH)")
     add("--decode-step", default=default("DECODE_STEP", defaults.decode_step), choices=DECODE_STEPS,

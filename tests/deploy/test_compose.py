@@ -319,6 +319,16 @@ def test_gpu_override_reserves_an_nvidia_gpu_and_a_cuda_torch() -> None:
     assert set(GPU_OVERRIDE["services"]) <= set(COMPOSE["services"])
 
 
+def test_the_inference_image_carries_the_mkl_dispatch_library_built_in_a_stage_with_a_compiler() -> None:
+    # (--mkl-dispatch auto needs it on a non-Intel CPU; the inference image itself has no compiler.)
+    native = _stage("native")
+    assert "gcc" in native and "mkl_dispatch.py --build" in native and "KVBOOST_NATIVE_DIR=/opt/kvboost-native" in native
+    inference = _stage("inference")
+    assert "COPY --from=native /opt/kvboost-native /opt/kvboost-native" in inference
+    assert "ENV KVBOOST_NATIVE_DIR=/opt/kvboost-native" in inference
+    assert "gcc" not in inference
+
+
 def _stage(target: str) -> str:
     """The Dockerfile text of one build stage (from its FROM line to the next)."""
     match = re.search(rf"^FROM \S+ AS {target}\n(.*?)(?=^FROM |\Z)", DOCKERFILE, re.MULTILINE | re.DOTALL)

@@ -94,6 +94,14 @@ def test_every_service_is_healthy(stack) -> None:
     assert all(health == "healthy" for name, (_, health) in states.items() if name != "pid-namespace"), states
 
 
+def test_the_service_in_its_container_runs_the_mkl_dispatch_the_host_tests_run(stack) -> None:
+    # The container shares the host's CPU: on a non-Intel x86 CPU the image's library must load (auto), as it
+    # does in this test process, whose model.generate references the other tests compare with.
+    from tests.conftest import MKL_DISPATCH
+
+    assert f"MKL dispatch: {MKL_DISPATCH.applied} (" in stack.logs("inference")
+
+
 def test_every_listener_denies_calls_without_its_secret(stack) -> None:
     for name, stub_class, call, request in (
             ("DAEMON", cache_pb2_grpc.CacheServiceStub, "Stats", cache_pb2.CacheStatsRequest()),

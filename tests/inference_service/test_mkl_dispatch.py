@@ -54,7 +54,8 @@ def test_the_library_builds_once_and_answers_that_the_cpu_is_intel(tmp_path) -> 
     assert path == mkl_dispatch.library_path(tmp_path) and path.exists()
     stamp = path.stat().st_mtime_ns
     assert mkl_dispatch.build(tmp_path) == path and path.stat().st_mtime_ns == stamp  # built once
-    assert ctypes.CDLL(str(path)).mkl_serv_intel_cpu_true() == 1
+    library = ctypes.CDLL(str(path))
+    assert library.mkl_serv_intel_cpu_true() == 1 and library.mkl_serv_intel_cpu() == 1
 
 
 def run_python(code: str, env_dispatch: str | None = None) -> subprocess.CompletedProcess:

@@ -25,6 +25,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from inference_service import mkl_dispatch
 from inference_service.model.batch_forward import has_sliding_layers
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})  # decoders whose forward LeanStep repeats op for op
@@ -104,6 +105,11 @@ def split_support(device: torch.device) -> str:
         return f"split projections are a CPU path; the model is on {device.type}"
     if torch.get_num_interop_threads() < 2:
         return "torch's inter-op pool has one thread"
+    dispatch = mkl_dispatch.current()
+    if dispatch is not None and dispatch.applied == "features":
+        # Measured (docs/performance.md): the halves' second OpenMP team then competes with MKL's own threads and
+        # every step of the process slows, 14.6 -> 25.9 ms at one row on two cores.
+        return "MKL already runs the one-row product on every intra-op thread (--mkl-dispatch features)"
     return ""
 
 

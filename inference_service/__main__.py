@@ -18,6 +18,7 @@ import asyncio
 import logging
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -28,6 +29,7 @@ from inference_service.serving.config import ServiceConfig, parse_config
 from inference_service.errors import UnsupportedArchitecture
 from kvboost_common.catalogue import CatalogueError
 from inference_service.serving.server import build_server
+from inference_service.model.threads import confine_to_this_thread
 
 logger = logging.getLogger("inference_service")
 
@@ -93,6 +95,11 @@ def _auto(value: str) -> str | None:
 
 async def serve(config: ServiceConfig) -> int:
     """Serves until SIGTERM or SIGINT; returns the exit status."""
+    # Only the engine's step loop runs torch ops on an OpenMP team (model/threads.py says why): this event loop's
+    # thread and its worker threads (prompt planning) run theirs on themselves.
+    confine_to_this_thread()
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(thread_name_prefix="kvboost-plan", initializer=confine_to_this_thread))
     store = make_store(config)
     server = build_server(config, engine=None, store=store)
     await server.start()

@@ -16,6 +16,7 @@ from kvboost_keys.chunking import Chunk
 from inference_service.kv.blobs import DEFAULT_GROUP_SIZE, encode_chunk_kv
 from inference_service.kv.rope import RopeParams
 from inference_service.model.kv_buffers import LayerKV, stack_layers
+from inference_service.model.threads import confine_to_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ class WriteBack:
         self._group_size = group_size
         self._rope = rope  # un-rotates keys before quantizing (see encode_pending); None: keys as computed
         self._on_stored = on_stored  # (chunks stored, bytes stored)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-writeback")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-writeback",
+                                            initializer=confine_to_this_thread)
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
         self._in_flight: Counter[bytes] = Counter()  # prefix keys queued or being stored

@@ -136,3 +136,4 @@ def test_features_gives_the_greedy_tokens_of_mkls_own_dispatch_on_a_wide_sweep(k
     assert [runs[name]["dispatch"] for name in ("vendor", "features")] == ["vendor", "features"]
     assert len(runs["vendor"]["outputs"]) == 200 and all(runs["vendor"]["outputs"])  # every prompt answered
     assert runs["features"]["outputs"] == runs["vendor"]["outputs"], result.stdout
+

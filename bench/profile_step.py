@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -269,10 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also one stream through the service's gRPC server against the engine alone")
     parser.add_argument("--serving-tokens", type=int, default=64, help="tokens per stream with --serving")
     parser.add_argument("--serving-rounds", type=int, default=3, help="alternating rounds with --serving")
-    parser.add_argument("--serving-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.serving_only:
-        return serving_only(args)
 
     import torch
 
@@ -312,44 +308,11 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith("attention") and ms > 0:
                 extra = f"  ({kv_bytes / (ms / 1000) / 1e9:.1f} GB/s of K/V; limit {kv_bytes / bandwidth * 1000:.2f} ms)"
             print(f"  {name:42s} {ms:7.2f} ms  {ms / profiled * 100:5.1f}%{extra}")
-    engine.stop(30)
     if args.serving:
-        # In a fresh process whose main thread owns no OpenMP team, as in the service (docs/performance.md, "One
-        # OpenMP team"): this one's main thread ran the profiled steps, and a loop thread beside it would be
-        # throttled by libgomp.
-        command = [sys.executable, __file__, "--serving-only", "--model", args.model, "--dtype", args.dtype,
-                   "--decode-step", args.decode_step, "--threads", str(args.threads),
-                   "--serving-tokens", str(args.serving_tokens), "--serving-rounds", str(args.serving_rounds)]
-        print("\n" + subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout.strip())
-    return 0
-
-
-def serving_only(args) -> int:
-    """One stream through the engine alone and through the gRPC server, the engine's loop thread the only one with
-    an OpenMP team (the main thread confined before anything runs), as `python -m inference_service` runs it."""
-    import torch
-
-    from inference_service.model.threads import confine_to_this_thread
-
-    confine_to_this_thread()
-    if args.threads:
-        torch.set_num_threads(args.threads)  # the count the loop thread's team takes; this thread stays at 1
-        confine_to_this_thread()
-    if args.model == "tiny":
-        from tests.factories import build_tiny_model
-        model, tokenizer = build_tiny_model("llama")
-    else:
-        from tests.factories import load_smollm2
-        model, tokenizer, _ = load_smollm2()
-    model = model.to(getattr(torch, args.dtype))
-    engine = build_engine(model, tokenizer, args.decode_step)
-    try:
         engine_rate, grpc_rate = serving_figures(engine, tokenizer, args.serving_tokens, args.serving_rounds)
-    finally:
-        engine.stop(30)
-    print(f"one stream, {args.serving_tokens} tokens: engine {engine_rate:.1f} tokens/s, through gRPC "
-          f"{grpc_rate:.1f} tokens/s ({grpc_rate / engine_rate:.2f}x; client in the same process, a fresh process "
-          f"whose main thread owns no OpenMP team)")
+        print(f"\none stream, {args.serving_tokens} tokens: engine {engine_rate:.1f} tokens/s, through gRPC "
+              f"{grpc_rate:.1f} tokens/s ({grpc_rate / engine_rate:.2f}x; client in the same process)")
+    engine.stop(30)
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -35,8 +34,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
-
-logger = logging.getLogger(__name__)
 
 CHOICES = ("auto", "features", "vendor")
 ENV = "KVBOOST_MKL_DISPATCH"
@@ -55,7 +52,7 @@ LIBRARY_NAME = "libkvboost_mkl_cpu_features.so"
 class Dispatch:
     asked: str  # auto, features or vendor
     applied: str  # features or vendor: what MKL in this process does
-    reason: str  # one line for the start-up log and Stats
+    reason: str  # one line for the start-up log
 
     def describe(self) -> str:
         return f"{self.applied} ({self.reason})"

@@ -81,22 +81,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args.model, args.prompts, args.tokens, args.threads)))
         return 0
 
+    sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+    from bench.bench_fast_step import agreement
+
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     runs = {dispatch: run_worker(dispatch, args) for dispatch in DISPATCHES}
     vendor, features = runs["vendor"]["outputs"], runs["features"]["outputs"]
-    same = sum(a == b for a, b in zip(vendor, features))
-    in_place = sum(x == y for a, b in zip(vendor, features) for x, y in zip(a, b))
-    total = sum(map(len, vendor))
-    divergence = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                  for a, b in zip(vendor, features) if a != b]
+    same, token_share, divergence = agreement(vendor, features)
     print(f"{stamp} UTC, {args.model}, {args.prompts} chat prompts x up to {args.tokens} greedy tokens, plain "
           f"model.generate, one process per MKL dispatch, {runs['vendor']['threads']} threads")
     for dispatch, run in runs.items():
         produced = sum(map(len, run["outputs"]))
         print(f"  {dispatch:8s} (applied: {run['dispatch']}; {run['reason']}): {run['seconds']:.0f} s, "
               f"{produced / run['seconds']:.1f} tokens/s with prefill")
-    first = f"; the others first differ at token {sum(divergence) / len(divergence):.1f} on average" if divergence else ""
-    print(f"  agreement: {same}/{args.prompts} prompts token-identical, {in_place / max(1, total) * 100:.2f}% of "
+    first = f"; the others first differ at token {divergence:.1f} on average" if same < len(vendor) else ""
+    print(f"  agreement: {same}/{args.prompts} prompts token-identical, {token_share * 100:.2f}% of "
           f"tokens in place{first}")
     if args.json:
         args.json.write_text(json.dumps({"utc": stamp, "model": args.model, "runs": runs, "same": same}))

@@ -6,15 +6,17 @@ projection, RMSNorm and the gated MLP. LeanStep calls those ops in that order on
 its logits are bitwise the model's own (step_choice checks it at start-up on a probe); what it leaves out is the
 per-call machinery around them (output dataclasses, Cache objects, mask preprocessing, kwargs merging, hooks).
 
-With `split` (the default on a CPU with two or more cores) every projection's weight rows are cut in two halves
-and the halves run at once, one on the calling thread and one on torch's inter-op pool (TorchScript fork, no
-GIL): on this machine MKL's one-row fp32 product is single-threaded and reads weights at ~18 GB/s of the ~53 GB/s
-the memory gives, so two halves read at nearly twice the rate. Each output element is the same dot product over
-the same inputs in the same kernel, so the logits stay bitwise the model's own (step_choice's probe checks it).
+With `split` (opt-in) every projection's weight rows are cut in two halves and the halves run at once, one on the
+calling thread and one on torch's inter-op pool (TorchScript fork, no GIL). It helps only where MKL's one-row fp32
+product is single-threaded (MKL's own dispatch on a non-Intel CPU: ~18 GB/s of the memory's ~53); each output
+element is then the same dot product over the same inputs in the same kernel, so the logits stay bitwise the
+model's own (step_choice's probe checks it). Under `--mkl-dispatch features` MKL threads the product itself and
+split_support declines it.
 
 With `packed_matmuls` the projections run as oneDNN linears over weights reordered once into oneDNN's blocked
-layout instead of transformers' F.linear (MKL on CPU): on this machine's AMD cores that reads the weights ~1.8x
-faster at one row and ~2.2x at 16 (docs/performance.md), but it sums in another order, so it is not exact.
+layout instead of transformers' F.linear (MKL on CPU): on this machine's AMD cores that was ~2x faster at one row
+under MKL's own dispatch and is ~1.6x at 16 rows under `features` (docs/performance.md), but it sums in another
+order, so it is not exact.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -450,8 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(value) for value in args.clients.split(",")]
     results: dict = {"workloads": chosen, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     with ExitStack() as stack:
-        work_dir = Path(tempfile.mkdtemp(prefix="kvboost-peers-"))  # kept: the servers' logs are there
+        work_dir = Path(tempfile.mkdtemp(prefix="kvboost-peers-"))  # the servers' logs are kept there
         print(f"logs in {work_dir}", flush=True)
+        # The daemon's LMDB (1.6 GB after a full run) goes when the run ends; the logs stay. Registered before
+        # the servers' own stops, so it runs after them.
+        stack.callback(shutil.rmtree, work_dir / "lmdb", ignore_errors=True)
         ours_stack = OurStack(work_dir, args.threads).start()
         stack.callback(lambda: ours_stack.stop())
         ours = Server("ours", ours_stack.base_url, "SmolLM2-135M-Instruct")

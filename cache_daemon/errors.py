@@ -28,6 +28,15 @@ class StoreStreamOverLimit(CacheError):
     """A Store stream beyond --max-store-chunks or --max-store-bytes, or still open at --store-deadline."""
 
 
+class DiskFull(CacheError):
+    """LMDB could not write a transaction and the disk under --data-dir has no room for it; nothing of that
+    transaction was written, what was stored before is intact."""
+
+
+class WriteFailed(CacheError):
+    """LMDB refused a write for another reason (an I/O error); nothing of that transaction was written."""
+
+
 class L2NotAcknowledged(CacheError):
     """--l2-write sync: the shared tier did not take the chunks in time (they are in this host's LMDB)."""
 
@@ -42,6 +51,8 @@ _STATUS_BY_ERROR: dict[type[CacheError], grpc.StatusCode] = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     BudgetExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     StoreStreamOverLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DiskFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    WriteFailed: grpc.StatusCode.INTERNAL,
     L2NotAcknowledged: grpc.StatusCode.UNAVAILABLE,
 }
 

@@ -17,7 +17,7 @@ from kvboost.v1 import cache_pb2
 from cache_daemon.allocator import trim_heap
 from cache_daemon.cache import NAMESPACE_OWNER_PREFIX, ChunkCache
 from cache_daemon.config import DaemonConfig
-from cache_daemon.errors import StartupError
+from cache_daemon.errors import CacheError, StartupError
 from cache_daemon.interceptors import RequestContextInterceptor
 from cache_daemon.metrics import Refusals, start_metrics_server
 from cache_daemon.executors import DaemonExecutors
@@ -192,13 +192,22 @@ class CacheDaemon:
 
 
 async def _flush_periodically(cache: ChunkCache, interval_s: float) -> None:
+    failing = False  # a full disk fails every flush until it has room: said once, and again when it is over
     while True:
         await asyncio.sleep(interval_s)
         try:
             await asyncio.to_thread(cache.flush_hits)
             await asyncio.to_thread(cache.store.clear_stale_readers)
+        except CacheError as error:
+            if not failing:
+                logger.warning("flushing hit counts failed; they are kept and retried every %g s: %s", interval_s, error)
+            failing = True
         except Exception:
             logger.exception("flushing hit counts failed; they are retried at the next flush")
+        else:
+            if failing:
+                logger.info("flushing hit counts works again")
+            failing = False
 
 
 async def _trim_heap_periodically(interval_s: float) -> None:

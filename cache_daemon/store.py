@@ -5,6 +5,7 @@ import dataclasses
 import fcntl
 import logging
 import os
+import shutil
 import struct
 import threading
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ import lmdb
 import numpy as np
 
 from cache_daemon.entry import DIGEST_SIZE, ChunkKey, Entry
+from cache_daemon.errors import DiskFull, WriteFailed
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +187,8 @@ class LmdbStore:
                     return
                 except lmdb.MapFullError:
                     self._grow_map(sum(len(key) + len(value) for key, value in items.items()))
+                except lmdb.Error as error:
+                    raise self._write_error(error, sum(len(key) + len(value) for key, value in items.items())) from error
 
     @property
     def map_size(self) -> int:
@@ -293,6 +297,25 @@ class LmdbStore:
                     return
                 except lmdb.MapFullError:
                     self._grow_map(sum(len(blob) for _, _, blob in puts))
+                except lmdb.Error as error:
+                    raise self._write_error(error, sum(len(blob) for _, _, blob in puts)) from error
+
+    # LMDB writes a transaction's pages with write(2) and its meta page last: on a full disk the commit fails
+    # (ENOSPC, or EIO from some file systems) and the last committed state stays; the map file is sparse, so
+    # the disk can fill long before the map does.
+    _DISK_HEADROOM = 16 << 20
+
+    def _write_error(self, error: lmdb.Error, bytes_written: int) -> DiskFull | WriteFailed:
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError:
+            free = None
+        if free is not None and free < bytes_written + self._DISK_HEADROOM:
+            return DiskFull(f"the disk under --data-dir {self.path} has {free} bytes free, too few for this write "
+                            f"({bytes_written} bytes of chunks): nothing of it was stored, what was stored before is "
+                            f"intact; free space there or lower --max-bytes ({error})")
+        return WriteFailed(f"LMDB could not write to {self.path}: {error}; nothing of this write was stored, "
+                           f"what was stored before is intact")
 
     def _apply(self, txn, puts: Sequence[Put], updates: Sequence[tuple[ChunkKey, Entry]],
                deletes: Sequence[tuple[ChunkKey, Entry]]) -> None:

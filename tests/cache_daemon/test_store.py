@@ -91,3 +91,20 @@ def test_committed_chunks_survive_reopening(tmp_path: Path) -> None:
 def test_a_second_store_on_the_same_dir_is_refused(store: LmdbStore) -> None:
     with pytest.raises(RuntimeError, match="in use by another cache daemon"):
         LmdbStore(store.path, map_size=1 << 20)
+
+
+def test_a_refused_write_names_a_full_disk_only_when_the_disk_has_no_room(store: LmdbStore, monkeypatch) -> None:
+    import collections
+    import shutil
+
+    import lmdb
+
+    from cache_daemon.errors import DiskFull, WriteFailed
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 4096))
+    full = store._write_error(lmdb.Error("mdb_txn_commit: No space left on device"), 1_000_000)
+    assert isinstance(full, DiskFull) and "4096 bytes free" in str(full) and "--max-bytes" in str(full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 0, 1 << 40))
+    other = store._write_error(lmdb.Error("mdb_txn_commit: Input/output error"), 1_000_000)
+    assert isinstance(other, WriteFailed) and "Input/output error" in str(other)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -81,6 +82,36 @@ class ComposeProject:
 
     def logs(self, service: str) -> str:
         return self.compose("logs", "--no-color", service).stdout
+
+
+def remove_stale_projects(prefix: str) -> list[str]:
+    """Removes the containers, volumes and networks of projects named `<prefix>-<pid>[-...]` whose test process
+    is gone (a run killed before its teardown): a container with a restart policy comes back with dockerd and
+    holds its image and volumes otherwise. Returns the project names removed."""
+    labels = docker("ps", "--all", "--filter", "label=com.docker.compose.project",
+                    "--format", '{{.Label "com.docker.compose.project"}}').stdout.split()
+    labels += docker("volume", "ls", "--filter", "label=com.docker.compose.project",
+                     "--format", '{{.Label "com.docker.compose.project"}}').stdout.split()
+    stale = sorted({name for name in labels if (match := re.fullmatch(rf"{re.escape(prefix)}-(\d+)(-.*)?", name))
+                    and not _alive(int(match.group(1)))})
+    for name in stale:
+        label = f"label=com.docker.compose.project={name}"
+        for kind, listing in (("container", ("ps", "--all", "--quiet")), ("volume", ("volume", "ls", "--quiet")),
+                              ("network", ("network", "ls", "--quiet"))):
+            ids = docker(*listing, "--filter", label).stdout.split()
+            if ids:
+                docker(kind, "rm", *(["--force"] if kind == "container" else []), *ids, check=False)
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",

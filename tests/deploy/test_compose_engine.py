@@ -19,9 +19,9 @@ from kvboost.v1 import cache_pb2, cache_pb2_grpc, inference_pb2_grpc
 from kvboost.v1 import inference_pb2 as pb
 
 from tests.conftest import wait_for
-from tests.deploy.compose_project import L2_REPLICA_FILE, ROOT, ComposeProject
+from tests.deploy.compose_project import L2_REPLICA_FILE, ROOT, ComposeProject, remove_stale_projects
 from tests.deploy.docker_engine import EngineUnavailable, start_engine
-from tests.deploy.docker_images import image_size_mb, prepare_images
+from tests.deploy.docker_images import disk_shortfall, image_size_mb, prepare_images
 from tests.e2e.service_process import generate
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -58,6 +58,13 @@ def engine(request):
 
 @pytest.fixture(scope="module")
 def images(request, engine):
+    removed = remove_stale_projects("kvboost-e2e")
+    if removed:
+        report(request, f"removed what earlier, killed runs left: {', '.join(removed)}")
+    shortfall = disk_shortfall()
+    if shortfall:
+        # Building into a full disk fails the builds and then every later test in the run that writes a file.
+        pytest.skip(f"not enough disk for the image builds: {shortfall}")
     built = prepare_images()
     report(request, "images: " + ", ".join(f"{image} {image_size_mb(image):.0f} MB" for image in built))
     return built

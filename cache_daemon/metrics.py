@@ -33,12 +33,43 @@ class Refusals:
             return {reason: self._counts[reason] for reason in REFUSAL_REASONS}
 
 
+class CallsInFlight:
+    """Calls whose handler is running, by method (Store, Fetch, ...): what a SIGTERM waits for. Counted by the
+    request-context interceptor, so a call counts once its handler has started, not when bytes arrive."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def enter(self, method: str) -> None:
+        with self._lock:
+            self._counts[method] += 1
+
+    def leave(self, method: str) -> None:
+        with self._lock:
+            self._counts[method] -= 1
+            if not self._counts[method]:
+                del self._counts[method]
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def describe(self) -> str:
+        counts = self.snapshot()
+        total = sum(counts.values())
+        return f"{total} call{'s' if total != 1 else ''} in flight" + (
+            " (" + ", ".join(f"{method} {count}" for method, count in sorted(counts.items())) + ")" if total else "")
+
+
 class CacheCollector(Collector):
     def __init__(self, cache: ChunkCache, refusals: Refusals | None = None,
-                 namespace_owner: Callable[[bytes], str | None] | None = None) -> None:
+                 namespace_owner: Callable[[bytes], str | None] | None = None,
+                 in_flight: CallsInFlight | None = None) -> None:
         self._cache = cache
         self._refusals = refusals
         self._namespace_owner = namespace_owner
+        self._in_flight = in_flight
 
     def collect(self) -> Iterator[Metric]:
         stats: CacheStats = self._cache.stats()
@@ -70,6 +101,13 @@ class CacheCollector(Collector):
             for reason, count in self._refusals.snapshot().items():
                 refused.add_metric([reason], count)
             yield refused
+        if self._in_flight is not None:
+            in_flight = GaugeMetricFamily("kvboost_cache_calls_in_flight", "Calls whose handler is running now, by "
+                                          "method (a SIGTERM lets them finish within --shutdown-grace).",
+                                          labels=["method"])
+            for method, count in sorted(self._in_flight.snapshot().items()):
+                in_flight.add_metric([method], count)
+            yield in_flight
         yield from _event_metrics(self._cache.events.stats())
         if self._namespace_owner is not None:
             yield self._tenant_bytes(stats)
@@ -135,6 +173,7 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
 
 
 def start_metrics_server(cache: ChunkCache, host: str, port: int, refusals: Refusals | None = None,
-                         namespace_owner: Callable[[bytes], str | None] | None = None) -> Callable[[], None]:
+                         namespace_owner: Callable[[bytes], str | None] | None = None,
+                         in_flight: CallsInFlight | None = None) -> Callable[[], None]:
     """Serves /metrics over HTTP on host:port in a thread; returns the function that stops it."""
-    return serve_collector(CacheCollector(cache, refusals, namespace_owner), host, port)
+    return serve_collector(CacheCollector(cache, refusals, namespace_owner, in_flight), host, port)

@@ -19,7 +19,7 @@ from cache_daemon.cache import NAMESPACE_OWNER_PREFIX, ChunkCache
 from cache_daemon.config import DaemonConfig
 from cache_daemon.errors import CacheError, StartupError
 from cache_daemon.interceptors import RequestContextInterceptor
-from cache_daemon.metrics import Refusals, start_metrics_server
+from cache_daemon.metrics import CallsInFlight, Refusals, start_metrics_server
 from cache_daemon.executors import DaemonExecutors
 from cache_daemon.servicer import CacheServicer, StoreLimits, add_cache_servicer
 from cache_daemon.l2.address import parse_l2_address
@@ -88,12 +88,13 @@ def share_budgets(tenants_by_token: dict[str, Tenant] | None) -> dict[str, int]:
 
 def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: health.aio.HealthServicer,
                  refusals: Refusals | None = None, tenants_by_token: dict[str, Tenant] | None = None,
-                 executors: DaemonExecutors | None = None) -> tuple[grpc.aio.Server, int, Tenancy | None]:
+                 executors: DaemonExecutors | None = None,
+                 in_flight: CallsInFlight | None = None) -> tuple[grpc.aio.Server, int, Tenancy | None]:
     """The server with every service registered, bound to config.listen (port 0 picks a free
     port); returns it with the bound port and the tenancy (None without --tenants-file). Not started.
     tenants_by_token: the tenants file's contents, read here when not given."""
     refusals = refusals or Refusals()
-    interceptors: list[grpc.aio.ServerInterceptor] = [RequestContextInterceptor()]
+    interceptors: list[grpc.aio.ServerInterceptor] = [RequestContextInterceptor(in_flight)]
     tenancy = None
     count_unauthenticated = lambda: refusals.count("unauthenticated")  # noqa: E731
     if config.auth_token_file is not None:
@@ -117,8 +118,10 @@ class CacheDaemon:
     """A running daemon; `start` opens everything, `stop` shuts it down gracefully."""
 
     def __init__(self, config: DaemonConfig, cache: ChunkCache, server: grpc.aio.Server, port: int,
-                 health_servicer: health.aio.HealthServicer, executors: DaemonExecutors) -> None:
+                 health_servicer: health.aio.HealthServicer, executors: DaemonExecutors,
+                 in_flight: CallsInFlight | None = None) -> None:
         self.config = config
+        self.in_flight = in_flight or CallsInFlight()
         self.executors = executors
         self.cache = cache
         self.server = server
@@ -146,21 +149,23 @@ class CacheDaemon:
             raise StartupError(f"cannot open {config.data_dir}: {error}") from error
         health_servicer = health.aio.HealthServicer()
         refusals = Refusals()
+        in_flight = CallsInFlight()
         executors = DaemonExecutors()
         try:
-            server, port, tenancy = build_server(config, cache, health_servicer, refusals, tenants_by_token, executors)
+            server, port, tenancy = build_server(config, cache, health_servicer, refusals, tenants_by_token, executors,
+                                                 in_flight)
         except (RuntimeError, OSError, ValueError, StartupError) as error:
             cache.close()
             executors.shutdown()
             if isinstance(error, StartupError):
                 raise
             raise StartupError(f"cannot serve on {config.listen}: {error}") from error
-        daemon = cls(config, cache, server, port, health_servicer, executors)
+        daemon = cls(config, cache, server, port, health_servicer, executors, in_flight)
         await server.start()
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port:
             daemon._stop_metrics = start_metrics_server(cache, config.host, config.metrics_port, refusals,
-                                                        None if tenancy is None else tenancy.owner_of)
+                                                        None if tenancy is None else tenancy.owner_of, in_flight)
         if tenancy is not None:
             logger.info("tenancy on: %s", ", ".join(f"{tenant.name}{' (admin)' if tenant.admin else ''}"
                                                     for tenant in tenancy.tenants.values()))
@@ -235,5 +240,6 @@ async def serve(config: DaemonConfig) -> None:
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signal_number, stop_requested.set)
     await stop_requested.wait()
-    logger.info("shutdown requested")
+    logger.info("shutdown requested: %s, given up to --shutdown-grace %g s", daemon.in_flight.describe(),
+                config.shutdown_grace_s)
     await daemon.stop()

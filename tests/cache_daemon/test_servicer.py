@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
+import time
 import urllib.request
 import zlib
 from pathlib import Path
@@ -21,7 +23,7 @@ from cache_daemon.logs import RequestIdFilter
 from cache_daemon.server import CacheDaemon
 from tests.conftest import pick_free_port
 from tests.daemon_support import (NAMESPACE, cache_stub, digest, fetch_chunks, header_frame, make_chunk, rpc_error,
-                                  running_daemon, store_chunks)
+                                  running_daemon, store_chunks, store_frames)
 
 MAX_BYTES = 20_000_000
 
@@ -159,6 +161,40 @@ def test_prometheus_metrics_are_served(daemon, stub) -> None:
     assert families["kvboost_cache_max_bytes"].samples[0].value == MAX_BYTES
     assert families["kvboost_cache_entries"].samples[0].value == stats.entries
     assert families["kvboost_cache_hits"].samples[0].value == stats.hits
+
+
+def test_calls_in_flight_count_a_running_handler_by_method_until_it_ends(daemon, stub) -> None:
+    chunk = make_chunk("held in flight")
+    frames = store_frames([chunk])
+    sent_first, release = threading.Event(), threading.Event()
+
+    def held():
+        yield frames[0]
+        sent_first.set()
+        release.wait(30)
+        yield from frames[1:]
+
+    result: dict = {}
+    writer = threading.Thread(target=lambda: result.setdefault("reply", stub.Store(held(), timeout=30)))
+    assert daemon.in_flight.snapshot() == {}
+    writer.start()
+    try:
+        assert sent_first.wait(30)
+        deadline = time.monotonic() + 30
+        while daemon.in_flight.snapshot() != {"Store": 1} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert daemon.in_flight.snapshot() == {"Store": 1}
+        assert daemon.in_flight.describe() == "1 call in flight (Store 1)"
+        url = f"http://127.0.0.1:{daemon.config.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
+        samples = {sample.labels["method"]: sample.value for sample in families["kvboost_cache_calls_in_flight"].samples}
+        assert samples == {"Store": 1.0}
+    finally:
+        release.set()
+        writer.join(30)
+    assert result["reply"].stored == 1
+    assert daemon.in_flight.snapshot() == {} and daemon.in_flight.describe() == "0 calls in flight"
 
 
 def test_log_lines_carry_the_callers_request_id(stub, caplog) -> None:

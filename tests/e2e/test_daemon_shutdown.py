@@ -13,13 +13,15 @@ from kvboost.v1 import cache_pb2
 from tests.conftest import pick_free_port
 from tests.daemon_support import cache_stub, fetch_chunks, make_chunk, store_frames
 from tests.e2e.daemon_process import start_daemon
+from tests.e2e.tenancy_support import scrape
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 def test_sigterm_lets_an_in_flight_store_finish_and_refuses_new_calls(tmp_path: Path) -> None:
     data_dir = tmp_path / "lmdb"
-    daemon = start_daemon(data_dir, pick_free_port(), "--shutdown-grace", "30")
+    metrics_port = pick_free_port()
+    daemon = start_daemon(data_dir, pick_free_port(), "--shutdown-grace", "30", "--metrics-port", str(metrics_port))
     chunks = [make_chunk(f"in flight {i}", 1_500_000) for i in range(3)]
     frames = store_frames(chunks)
     held, release = threading.Event(), threading.Event()
@@ -44,9 +46,16 @@ def test_sigterm_lets_an_in_flight_store_finish_and_refuses_new_calls(tmp_path: 
     try:
         writer.start()
         assert held.wait(30), "the Store stream never opened"
+        # The client having sent frames does not mean the daemon's handler runs: the transport buffers them,
+        # and a call no handler has taken yet is cancelled by gRPC at shutdown (grpc/grpc#41785). Wait until
+        # the daemon counts the Store in flight.
+        deadline = time.monotonic() + 30
+        while 'kvboost_cache_calls_in_flight{method="Store"} 1.0' not in scrape(metrics_port):
+            assert time.monotonic() < deadline, scrape(metrics_port)
+            time.sleep(0.05)
         daemon.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
-        while "shutdown requested" not in daemon.log():
+        while "shutdown requested: 1 call in flight (Store 1)" not in daemon.log():
             assert time.monotonic() < deadline and daemon.process.poll() is None, daemon.log()
             time.sleep(0.05)
         # Shutting down, the daemon takes no new calls...

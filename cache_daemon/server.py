@@ -119,9 +119,9 @@ class CacheDaemon:
 
     def __init__(self, config: DaemonConfig, cache: ChunkCache, server: grpc.aio.Server, port: int,
                  health_servicer: health.aio.HealthServicer, executors: DaemonExecutors,
-                 in_flight: CallsInFlight | None = None) -> None:
+                 in_flight: CallsInFlight) -> None:
         self.config = config
-        self.in_flight = in_flight or CallsInFlight()
+        self.in_flight = in_flight  # what the interceptor counts
         self.executors = executors
         self.cache = cache
         self.server = server

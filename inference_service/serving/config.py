@@ -48,9 +48,9 @@ class ServiceConfig:
     selective_tokens: int = 16
     sink_tokens: int = 0
     overlap_tokens: int = 0
-    # --fidelity-guard; 0: off. The default was tuned on Qwen2.5-Coder-0.5B's development split (bench_accuracy.py,
-    # docs/benchmarks.md): the largest threshold whose guarded answers stay within 2 points of full prefill.
-    guard_threshold: float = 9.776e-05
+    # --fidelity-guard; 0: off; None: the threshold tuned for the loaded weights (the catalogue's, by their
+    # fingerprint), else catalogue.DEFAULT_GUARD_THRESHOLD (bench_accuracy.py, docs/benchmarks.md).
+    guard_threshold: float | None = None
     kv_group_size: int = 0  # 0: the codec's default for the bits (64 at 8 bits, 128 at 4)
     kv_keys_before_rope: bool = False  # at 8 and 4 bits, quantize keys un-rotated (opt-in: see --help)
     max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
@@ -93,7 +93,8 @@ class ServiceConfig:
         _require(self.selective_tokens >= 0, f"--selective-tokens must be >= 0, got {self.selective_tokens}")
         _require(self.sink_tokens >= 0, f"--sink-tokens must be >= 0, got {self.sink_tokens}")
         _require(self.overlap_tokens >= 0, f"--overlap-k must be >= 0, got {self.overlap_tokens}")
-        _require(self.guard_threshold >= 0 and self.guard_threshold == self.guard_threshold,
+        _require(self.guard_threshold is None or (self.guard_threshold >= 0
+                                                  and self.guard_threshold == self.guard_threshold),
                  f"--fidelity-guard must be a share >= 0 (0 = off), got {self.guard_threshold}")
         _require(0 <= self.kv_group_size <= 65535, f"--kv-group-size must be in 0..65535, got {self.kv_group_size}")
         _require(self.max_queue > 0, f"--max-queue must be positive, got {self.max_queue}")
@@ -189,7 +190,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--recompute-ratio", type=float, default=default("RECOMPUTE_RATIO", defaults.recompute_ratio), help="cacheblend: share of content-hit tokens recomputed in the later layers, (0, 1] (KVBOOST_RECOMPUTE_RATIO)")
     add("--selective-tokens", type=int, default=default("SELECTIVE_TOKENS", defaults.selective_tokens), help="selective: content-hit tokens recomputed after each seam (KVBOOST_SELECTIVE_TOKENS)")
     add("--sink-tokens", type=int, default=default("SINK_TOKENS", defaults.sink_tokens), help="selective, cacheblend: content-hit tokens among the first N of a prompt are always recomputed (KVBOOST_SINK_TOKENS)")
-    add("--fidelity-guard", dest="guard_threshold", type=float, default=default("FIDELITY_GUARD", defaults.guard_threshold), help="cacheblend: when the content hits' K/V error left unrepaired at the check layer exceeds this share, recompute every content-hit token (the answer is then full prefill's); 0 = off; the default is the threshold tuned on a development split of Qwen2.5-Coder-0.5B's questions and checked on a held-out split; docs/benchmarks.md has the measured trade-off (KVBOOST_FIDELITY_GUARD)")
+    add("--fidelity-guard", dest="guard_threshold", type=float, default=default("FIDELITY_GUARD", defaults.guard_threshold, float), help="cacheblend: when the content hits' K/V error left unrepaired at the check layer exceeds this share, recompute every content-hit token (the answer is then full prefill's); 0 = off; unset: the threshold tuned for the loaded weights (qwen2.5-coder-0.5b 9.776e-05, qwen2.5-coder-1.5b 7.894e-05: the largest that kept guarded answers within 2 points of full prefill on a development split), else 9.776e-05; the start-up log says which. docs/benchmarks.md has the measured trade-off (KVBOOST_FIDELITY_GUARD)")
     add("--overlap-k", dest="overlap_tokens", type=int, default=default("OVERLAP_K", defaults.overlap_tokens), help="the first K tokens of every content-hit run are recomputed with their real left context, whatever the strategy (KVBOOST_OVERLAP_K)")
     add("--kv-group-size", type=int, default=default("KV_GROUP_SIZE", defaults.kv_group_size), help="quantization group at 8 and 4 bits: tokens per key scale, channels per value scale; 0 picks 64 at 8 bits, 128 at 4 (KVBOOST_KV_GROUP_SIZE)")
     add("--kv-keys-before-rope", action=argparse.BooleanOptionalAction,

@@ -59,6 +59,7 @@ def qwen():
 
     loaded = load_model(MODEL, device="cpu", dtype="float32")
     assert loaded.weights_id == f"gguf-sha256:{catalogue.QWEN_CODER_05B.sha256}"
+    assert catalogue.guard_threshold_for(loaded.weights_id)[1] == "tuned for qwen2.5-coder-0.5b"
     return loaded
 
 

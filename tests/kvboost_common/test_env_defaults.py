@@ -23,3 +23,11 @@ def test_values_take_the_type_of_the_default():
 def test_a_value_of_the_wrong_type_names_the_variable():
     with pytest.raises(SystemExit, match=r"KVBOOST_MAX_QUEUE='lots' is not a valid int"):
         env_default_reader({"KVBOOST_MAX_QUEUE": "lots"})("MAX_QUEUE", 64)
+
+
+def test_a_default_of_none_converts_the_variable_to_the_kind_given() -> None:
+    default = env_default_reader({"KVBOOST_GUARD": "2e-4", "KVBOOST_BAD": "x"})
+    assert default("GUARD", None, float) == 2e-4
+    assert default("UNSET", None, float) is None
+    with pytest.raises(SystemExit, match="KVBOOST_BAD='x' is not a valid float"):
+        default("BAD", None, float)

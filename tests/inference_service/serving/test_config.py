@@ -100,3 +100,16 @@ def test_set_threads_sets_torchs_intra_op_threads_and_zero_leaves_them() -> None
         assert torch.get_num_threads() == other
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_fidelity_guard_is_unset_unless_a_flag_or_the_environment_sets_it() -> None:
+    # Unset, the service takes the threshold tuned for the weights it loads (test_main.py, test_catalogue.py).
+    assert parse_config([], environ={}).guard_threshold is None
+    assert parse_config([], environ={"KVBOOST_FIDELITY_GUARD": "0"}).guard_threshold == 0.0
+    assert parse_config(["--fidelity-guard", "2e-4"], environ={"KVBOOST_FIDELITY_GUARD": "0"}).guard_threshold == 2e-4
+
+
+def test_a_negative_fidelity_guard_says_what_to_pass(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(["--fidelity-guard", "-1"], environ={})
+    assert "--fidelity-guard must be a share >= 0 (0 = off)" in capsys.readouterr().err

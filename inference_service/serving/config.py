@@ -11,6 +11,7 @@ from inference_service.model.step_names import DECODE_STEPS, DEFAULT_DECODE_STEP
 from inference_service.model.weights import DEFAULT_MODEL
 from inference_service.mkl_dispatch import CHOICES as MKL_DISPATCHES
 from inference_service.store.colocated import LOCAL_READ_MODES
+from kvboost_common import catalogue
 from kvboost_common.addresses import check_listen_address, is_local, is_unix, split_host_port
 from kvboost_common.auth import load_token
 from kvboost_common.env_defaults import env_default_reader
@@ -147,6 +148,11 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _tuned_guards() -> str:
+    return ", ".join(f"{entry.name} {entry.guard_threshold:g}" for entry in catalogue.CATALOGUE
+                     if entry.guard_threshold is not None)
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     defaults = ServiceConfig()
     default = env_default_reader(environ)
@@ -190,7 +196,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--recompute-ratio", type=float, default=default("RECOMPUTE_RATIO", defaults.recompute_ratio), help="cacheblend: share of content-hit tokens recomputed in the later layers, (0, 1] (KVBOOST_RECOMPUTE_RATIO)")
     add("--selective-tokens", type=int, default=default("SELECTIVE_TOKENS", defaults.selective_tokens), help="selective: content-hit tokens recomputed after each seam (KVBOOST_SELECTIVE_TOKENS)")
     add("--sink-tokens", type=int, default=default("SINK_TOKENS", defaults.sink_tokens), help="selective, cacheblend: content-hit tokens among the first N of a prompt are always recomputed (KVBOOST_SINK_TOKENS)")
-    add("--fidelity-guard", dest="guard_threshold", type=float, default=default("FIDELITY_GUARD", defaults.guard_threshold, float), help="cacheblend: when the content hits' K/V error left unrepaired at the check layer exceeds this share, recompute every content-hit token (the answer is then full prefill's); 0 = off; unset: the threshold tuned for the loaded weights (qwen2.5-coder-0.5b 9.776e-05, qwen2.5-coder-1.5b 7.894e-05: the largest that kept guarded answers within 2 points of full prefill on a development split), else 9.776e-05; the start-up log says which. docs/benchmarks.md has the measured trade-off (KVBOOST_FIDELITY_GUARD)")
+    add("--fidelity-guard", dest="guard_threshold", type=float, default=default("FIDELITY_GUARD", defaults.guard_threshold, float), help="cacheblend: when the content hits' K/V error left unrepaired at the check layer exceeds this share, recompute every content-hit token (the answer is then full prefill's); 0 = off; "
+        f"unset: the threshold tuned for the loaded weights ({_tuned_guards()}: the largest that kept guarded answers within 2 points of full prefill on a development split), else {catalogue.DEFAULT_GUARD_THRESHOLD:g}; the start-up log says which. docs/benchmarks.md has the measured trade-off (KVBOOST_FIDELITY_GUARD)")
     add("--overlap-k", dest="overlap_tokens", type=int, default=default("OVERLAP_K", defaults.overlap_tokens), help="the first K tokens of every content-hit run are recomputed with their real left context, whatever the strategy (KVBOOST_OVERLAP_K)")
     add("--kv-group-size", type=int, default=default("KV_GROUP_SIZE", defaults.kv_group_size), help="quantization group at 8 and 4 bits: tokens per key scale, channels per value scale; 0 picks 64 at 8 bits, 128 at 4 (KVBOOST_KV_GROUP_SIZE)")
     add("--kv-keys-before-rope", action=argparse.BooleanOptionalAction,

@@ -90,7 +90,8 @@ QWEN_CODER_15B = CatalogueModel(
 CATALOGUE: tuple[CatalogueModel, ...] = (SMOLLM2, QWEN_CODER_05B, QWEN_CODER_15B)
 DEFAULT_MODEL = SMOLLM2.name
 # --fidelity-guard for weights with no tuned threshold: Qwen2.5-Coder-0.5B's, the first one tuned.
-DEFAULT_GUARD_THRESHOLD = QWEN_CODER_05B.guard_threshold
+DEFAULT_GUARD_MODEL = QWEN_CODER_05B
+DEFAULT_GUARD_THRESHOLD = DEFAULT_GUARD_MODEL.guard_threshold
 GGUF_FINGERPRINT = "gguf-sha256:"  # the weights fingerprint of a model converted from a GGUF file: this + its SHA-256
 
 
@@ -121,7 +122,7 @@ def guard_threshold_for(weights_id: str) -> tuple[float, str]:
     entry = by_weights(weights_id)
     if entry is not None and entry.guard_threshold is not None:
         return entry.guard_threshold, f"tuned for {entry.name}"
-    return DEFAULT_GUARD_THRESHOLD, "not tuned for these weights: Qwen2.5-Coder-0.5B's"
+    return DEFAULT_GUARD_THRESHOLD, f"not tuned for these weights: {DEFAULT_GUARD_MODEL.name}'s"
 
 
 def names() -> list[str]:

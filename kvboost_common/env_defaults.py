@@ -18,8 +18,8 @@ def env_default_reader(environ: Mapping[str, str]) -> Callable[..., T]:
             return value
         if isinstance(value, bool):
             return raw.strip().lower() in TRUE_WORDS  # type: ignore[return-value]
+        convert = kind or type(value)
         try:
-            convert = kind or type(value)
             return convert(raw)  # type: ignore[call-arg]
         except ValueError:
             raise SystemExit(f"KVBOOST_{name}={raw!r} is not a valid {convert.__name__}") from None

@@ -112,7 +112,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
-    __slots__ = ("output_text", "generated_tokens", "ttft_ms", "total_ms", "tokens_per_sec", "kv_reuse_ratio", "prompt_tokens", "cached_tokens", "recomputed_tokens", "mode", "finish_reason", "output_token_ids", "degraded", "request_id", "index", "repair_risk", "fidelity_guard")
+    __slots__ = ("output_text", "generated_tokens", "ttft_ms", "total_ms", "tokens_per_sec", "kv_reuse_ratio", "prompt_tokens", "cached_tokens", "recomputed_tokens", "mode", "finish_reason", "output_token_ids", "degraded", "request_id", "index", "repair_risk", "fidelity_guard", "approximate", "approximate_tokens")
     OUTPUT_TEXT_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,8 @@ class GenerationResult(_message.Message):
     INDEX_FIELD_NUMBER: _ClassVar[int]
     REPAIR_RISK_FIELD_NUMBER: _ClassVar[int]
     FIDELITY_GUARD_FIELD_NUMBER: _ClassVar[int]
+    APPROXIMATE_FIELD_NUMBER: _ClassVar[int]
+    APPROXIMATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     output_text: str
     generated_tokens: int
     ttft_ms: float
@@ -147,23 +149,29 @@ class GenerationResult(_message.Message):
     index: int
     repair_risk: float
     fidelity_guard: bool
-    def __init__(self, output_text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_sec: _Optional[float] = ..., kv_reuse_ratio: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., degraded: _Optional[bool] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ..., repair_risk: _Optional[float] = ..., fidelity_guard: _Optional[bool] = ...) -> None: ...
+    approximate: bool
+    approximate_tokens: int
+    def __init__(self, output_text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_sec: _Optional[float] = ..., kv_reuse_ratio: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., degraded: _Optional[bool] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ..., repair_risk: _Optional[float] = ..., fidelity_guard: _Optional[bool] = ..., approximate: _Optional[bool] = ..., approximate_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("text", "token_ids", "result", "index", "logprobs", "prompt_logprobs")
+    __slots__ = ("text", "token_ids", "result", "index", "logprobs", "prompt_logprobs", "approximate", "approximate_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    APPROXIMATE_FIELD_NUMBER: _ClassVar[int]
+    APPROXIMATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     result: GenerationResult
     index: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., result: _Optional[_Union[GenerationResult, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    approximate: bool
+    approximate_tokens: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., result: _Optional[_Union[GenerationResult, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., approximate: _Optional[bool] = ..., approximate_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateBatchRequest(_message.Message):
     __slots__ = ("requests",)
@@ -260,7 +268,7 @@ class ServiceStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceStatsReply(_message.Message):
-    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes", "read_mode", "stream_fetches", "partial_cached_tokens", "computed_tokens", "guard_checks", "guard_fallbacks")
+    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes", "read_mode", "stream_fetches", "partial_cached_tokens", "computed_tokens", "guard_checks", "guard_fallbacks", "approximate_answers", "approximate_tokens")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +292,8 @@ class ServiceStatsReply(_message.Message):
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GUARD_CHECKS_FIELD_NUMBER: _ClassVar[int]
     GUARD_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    APPROXIMATE_ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    APPROXIMATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     rejected: int
     prompt_tokens: int
@@ -307,14 +317,16 @@ class ServiceStatsReply(_message.Message):
     computed_tokens: int
     guard_checks: int
     guard_fallbacks: int
-    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., read_mode: _Optional[str] = ..., stream_fetches: _Optional[int] = ..., partial_cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., guard_checks: _Optional[int] = ..., guard_fallbacks: _Optional[int] = ...) -> None: ...
+    approximate_answers: int
+    approximate_tokens: int
+    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., read_mode: _Optional[str] = ..., stream_fetches: _Optional[int] = ..., partial_cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., guard_checks: _Optional[int] = ..., guard_fallbacks: _Optional[int] = ..., approximate_answers: _Optional[int] = ..., approximate_tokens: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfoReply(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "device", "num_layers", "num_kv_heads", "head_dim", "max_context", "chunk_size", "kv_cache_bits", "namespace_hex", "default_recompute_strategy", "weights_id")
+    __slots__ = ("model", "architecture", "dtype", "device", "num_layers", "num_kv_heads", "head_dim", "max_context", "chunk_size", "kv_cache_bits", "namespace_hex", "default_recompute_strategy", "weights_id", "default_mode")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +340,7 @@ class ModelInfoReply(_message.Message):
     NAMESPACE_HEX_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_RECOMPUTE_STRATEGY_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -341,7 +354,8 @@ class ModelInfoReply(_message.Message):
     namespace_hex: str
     default_recompute_strategy: RecomputeStrategy
     weights_id: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_context: _Optional[int] = ..., chunk_size: _Optional[int] = ..., kv_cache_bits: _Optional[int] = ..., namespace_hex: _Optional[str] = ..., default_recompute_strategy: _Optional[_Union[RecomputeStrategy, str]] = ..., weights_id: _Optional[str] = ...) -> None: ...
+    default_mode: Mode
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_context: _Optional[int] = ..., chunk_size: _Optional[int] = ..., kv_cache_bits: _Optional[int] = ..., namespace_hex: _Optional[str] = ..., default_recompute_strategy: _Optional[_Union[RecomputeStrategy, str]] = ..., weights_id: _Optional[str] = ..., default_mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "messages", "add_special_tokens", "add_generation_prompt")

@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="send the prompt as a user chat message (chat template applied)")
     generate.add_argument("--system", help="with --chat: a system message before the prompt")
     generate.add_argument("--max-new-tokens", type=int, help="tokens to generate (server default 64)")
-    generate.add_argument("--mode", choices=MODES, help="cache mode (server default chunk_kv_reuse)")
+    generate.add_argument("--mode", choices=MODES, help="cache mode (default: the server's --default-mode, prefix_cache unless it opted in): prefix_cache reuses "
+                               "exactly (the same answer as baseline); chunk_kv_reuse also reuses chunks stored under "
+                               "another prefix, approximately (the result says approximate)")
     generate.add_argument("--recompute-strategy", choices=STRATEGIES, help="repair of content hits (server default)")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     generate.add_argument("--top-p", type=float)
@@ -52,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     warm = commands.add_parser("warm", help="store the K/V chunks of files' text in the cache")
     warm.add_argument("files", nargs="+", metavar="FILE", help="text files to warm (- reads stdin)")
     warm.add_argument("--content-addressed", action="store_true",
-                      help="also index chunks by content, so they hit wherever the text appears as a segment")
+                      help="also index chunks by content, so they hit wherever the text appears as a segment, in "
+                           "chunk_kv_reuse mode only (opt-in: approximate, labelled); the default prefix_cache mode "
+                           "reuses them where the text starts a prompt")
     warm.add_argument("--pin", action="store_true", help="pin the stored chunks (never evicted)")
     warm.add_argument("--json", action="store_true", help="print one JSON WarmResult per file")
     warm.set_defaults(run=_run_warm)

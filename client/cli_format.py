@@ -12,6 +12,8 @@ def generation_summary(result: GenerationResult) -> str:
         f"TTFT {result.ttft_ms:.1f} ms; {result.generated_tokens} tokens at {result.tokens_per_sec:.1f} tok/s; "
         f"total {result.total_ms:.1f} ms; finish {result.finish_reason or '-'}"
         + ("; DEGRADED: cache daemon unreachable" if result.degraded else "")
+        + (f"; APPROXIMATE: {result.approximate_tokens} prompt tokens reused from content hits (may differ from "
+           "baseline)" if result.approximate else "")
     )
 
 

@@ -93,6 +93,8 @@ class GenerationResult(_FromProto):
     index: int  # which of the request's n completions
     repair_risk: float  # cacheblend: check-layer K/V error left unrepaired (share)
     fidelity_guard: bool  # the fidelity guard recomputed every content-hit token
+    approximate: bool  # content hits (K/V computed under another prefix) went into the answer: may differ from baseline
+    approximate_tokens: int  # prompt tokens whose K/V came from content hits and were not recomputed
 
 
 @dataclass(slots=True, frozen=True)
@@ -151,6 +153,8 @@ class ServiceStats(_FromProto):
     computed_tokens: int  # prompt tokens prefilled
     guard_checks: int  # requests whose content hits the fidelity guard measured
     guard_fallbacks: int  # of those, sent to full recompute
+    approximate_answers: int  # answers that reused content hits (labelled approximate)
+    approximate_tokens: int  # their prompt tokens from content hits, not recomputed
 
 
 @dataclass(slots=True, frozen=True)
@@ -174,6 +178,7 @@ class ModelInfo(_FromProto):
     namespace_hex: str
     default_recompute_strategy: str
     weights_id: str  # the weights' fingerprint (docs/models.md)
+    default_mode: str  # the mode of requests that name none: prefix_cache (exact) unless the service opted in
 
 
 @dataclass(slots=True, frozen=True)

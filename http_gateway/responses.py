@@ -36,8 +36,17 @@ def kvboost_details(result: pb.GenerationResult) -> dict:
         "cached_tokens": result.cached_tokens,
         "recomputed_tokens": result.recomputed_tokens,
         "degraded": result.degraded,
+        # K/V computed under another prefix (content hits, mode chunk_kv_reuse) went into the answer: it may differ
+        # from the answer without the cache. False: the cache changed nothing but the time.
+        "approximate": result.approximate,
+        "approximate_tokens": result.approximate_tokens,
         "request_id": result.request_id,
     }
+
+
+def kvboost_prefill_details(event: pb.GenerateEvent) -> dict:
+    """What a stream's first content chunk says of the prompt: whether the answer that follows is approximate."""
+    return {"approximate": event.approximate, "approximate_tokens": event.approximate_tokens}
 
 
 # ---- logprobs -----------------------------------------------------------------------------------------

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 from http_gateway.responses import (
-    chat_logprob_items, completion_logprobs, finish_reason, kvboost_details, usage,
+    chat_logprob_items, completion_logprobs, finish_reason, kvboost_details, kvboost_prefill_details, usage,
 )
 from kvboost.v1 import inference_pb2 as pb
 
 
 class _StreamFormatter:
-    """Turns each GenerateEvent into zero or more chunk bodies; `end()` gives the usage chunk when asked for."""
+    """Turns each GenerateEvent into zero or more chunk bodies; `end()` gives the usage chunk when asked for.
+
+    Whatever stream_options says, each choice's first content chunk carries `kvboost` with `approximate` (as its
+    first event said), and its finish chunk the whole `kvboost` block (approximate included)."""
 
     object_name = ""
 
@@ -19,6 +22,26 @@ class _StreamFormatter:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.results: dict[int, pb.GenerationResult] = {}
+        self.prefill: dict[int, dict] = {}  # choice -> its first event's kvboost details, until a content chunk says them
+        self.said_prefill: set[int] = set()  # choices whose first content chunk went out
+
+    def note_prefill(self, event: pb.GenerateEvent) -> None:
+        """Keeps what a choice's first event says of its prompt (the event may carry no text yet)."""
+        if event.index not in self.said_prefill and event.index not in self.prefill and event.token_ids:
+            self.prefill[event.index] = kvboost_prefill_details(event)
+
+    def content_chunk(self, index: int, choice: dict) -> dict:
+        """A chunk of choice content: the choice's first one carries the prefill details."""
+        body = self.chunk([choice])
+        if index not in self.said_prefill:
+            self.said_prefill.add(index)
+            body["kvboost"] = self.prefill.pop(index, {"approximate": False, "approximate_tokens": 0})
+        return body
+
+    def finish_chunk(self, index: int, choice: dict, result: pb.GenerationResult) -> dict:
+        body = self.chunk([choice])
+        body["kvboost"] = kvboost_details(result)
+        return body
 
     def chunk(self, choices: list[dict]) -> dict:
         body = {"id": self.response_id, "object": self.object_name, "created": self.created, "model": self.model,
@@ -49,13 +72,14 @@ class ChatStream(_StreamFormatter):
     def on_event(self, event: pb.GenerateEvent) -> list[dict]:
         if event.HasField("result"):
             self.results[event.index] = event.result
-            return [self.chunk([{"index": event.index, "delta": {}, "logprobs": None,
-                                 "finish_reason": finish_reason(event.result)}])]
+            return [self.finish_chunk(event.index, {"index": event.index, "delta": {}, "logprobs": None,
+                                                    "finish_reason": finish_reason(event.result)}, event.result)]
+        self.note_prefill(event)
         if not event.text and not (self.logprobs and event.logprobs):
             return []
         logprobs = {"content": chat_logprob_items(event.logprobs), "refusal": None} if self.logprobs else None
-        return [self.chunk([{"index": event.index, "delta": {"content": event.text}, "logprobs": logprobs,
-                             "finish_reason": None}])]
+        return [self.content_chunk(event.index, {"index": event.index, "delta": {"content": event.text},
+                                                 "logprobs": logprobs, "finish_reason": None})]
 
 
 class CompletionStream(_StreamFormatter):
@@ -71,18 +95,22 @@ class CompletionStream(_StreamFormatter):
 
     def on_event(self, event: pb.GenerateEvent) -> list[dict]:
         chunks = []
+        # Before the echo: the echoed prompt is the choice's first content chunk. (A request with prompt logprobs,
+        # whose first event has no token yet, never looks its prompt up: it is never approximate.)
+        self.note_prefill(event)
         if self.echo_prompt is not None:  # the first event: the prompt comes first, once per choice
             chunks += [self._text(index, self.echo_prompt, list(event.prompt_logprobs), 0) for index in range(self.n)]
             self.echo_prompt = None
         if event.HasField("result"):
             self.results[event.index] = event.result
-            chunks.append(self.chunk([{"index": event.index, "text": "", "logprobs": None,
-                                       "finish_reason": finish_reason(event.result)}]))
-        elif event.text or (self.logprobs and event.logprobs):
+            chunks.append(self.finish_chunk(event.index, {"index": event.index, "text": "", "logprobs": None,
+                                                          "finish_reason": finish_reason(event.result)}, event.result))
+            return chunks
+        if event.text or (self.logprobs and event.logprobs):
             chunks.append(self._text(event.index, event.text, list(event.logprobs), self.offsets[event.index]))
             self.offsets[event.index] += sum(len(item.text) for item in event.logprobs)
         return chunks
 
     def _text(self, index: int, text: str, items: list[pb.TokenLogprob], offset: int) -> dict:
         logprobs = completion_logprobs(items, offset) if self.logprobs else None
-        return self.chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}])
+        return self.content_chunk(index, {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})

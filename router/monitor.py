@@ -60,8 +60,10 @@ class ReplicaMonitor:
             return False
         if replica.healthy:
             return True
-        found = ModelIdentity.from_reply(await replica.stub.ModelInfo(
-            pb.ModelInfoRequest(), metadata=replica.own_metadata, timeout=self.timeout_s))
+        reply = await replica.stub.ModelInfo(pb.ModelInfoRequest(), metadata=replica.own_metadata,
+                                             timeout=self.timeout_s)
+        found = ModelIdentity.from_reply(reply)
+        replica.record_model_info(reply)
         if found.differs_from(self.identity):
             if self._refused.get(replica.index) != found:
                 logger.error("%s came back serving other keys (%s; the others: %s): not routed to",

@@ -44,6 +44,7 @@ class Replica:
         self.events = EventFeed()
         self.healthy = False  # until start-up or a probe finds it serving the model every replica agreed on
         self.degraded = False  # the service cannot reach its daemon: its cache gives nothing now
+        self.default_mode = pb.PREFIX_CACHE  # the mode its requests that name none run in (ModelInfo)
         self.in_flight = 0
         self.num_routed = 0
         self.num_failed = 0  # calls that failed with a retryable status (unreachable, queue full)
@@ -59,6 +60,11 @@ class Replica:
         """Requests running or queued there now: this router's in flight, plus what the last Stats read showed
         beyond this router's own in-flight requests at that moment (other clients' work)."""
         return self.in_flight + max(0, self._polled_load - self._in_flight_at_poll)
+
+    def record_model_info(self, reply: pb.ModelInfoReply) -> None:
+        """Keeps the replica's default mode; a service older than the field (MODE_UNSPECIFIED) defaulted to
+        CHUNK_KV_REUSE."""
+        self.default_mode = reply.default_mode or pb.CHUNK_KV_REUSE
 
     def record_stats(self, stats: pb.ServiceStatsReply, in_flight_when_asked: int) -> None:
         self._polled_load = stats.running_rows + stats.waiting_requests

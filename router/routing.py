@@ -56,8 +56,10 @@ class Router:
         return Route(tuple(self.replicas[index] for index in ranked))
 
     def _estimate(self, replica: Replica, plans: Sequence[PromptPlan | None], mode: int) -> ReuseEstimate:
-        """The reuse a replica would give these plans; none from a degraded replica (its daemon is out of reach)
-        or in BASELINE mode."""
+        """The reuse a replica would give these plans in the request's mode (the replica's default mode where the
+        request names none): none from a degraded replica (its daemon is out of reach) or in BASELINE mode; content
+        hits only in CHUNK_KV_REUSE mode."""
+        mode = mode or replica.default_mode
         if replica.degraded or mode == pb.BASELINE:
             return ReuseEstimate(0, 0)
         tenant = self.cache_tenant
@@ -72,6 +74,6 @@ class Router:
         exact = content = 0
         for plan in plans:
             if plan is not None:
-                found = estimate_reuse(plan, holds_prefix, None if mode == pb.PREFIX_CACHE else holds_content)
+                found = estimate_reuse(plan, holds_prefix, holds_content if mode == pb.CHUNK_KV_REUSE else None)
                 exact, content = exact + found.exact_tokens, content + found.content_tokens
         return ReuseEstimate(exact, content)

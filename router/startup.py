@@ -33,6 +33,7 @@ async def model_identity(replica: Replica, deadline: float) -> ModelIdentity:
         try:
             reply = await replica.stub.ModelInfo(pb.ModelInfoRequest(), metadata=replica.own_metadata,
                                                  timeout=max(remaining, 0.01), wait_for_ready=True)
+            replica.record_model_info(reply)
             return ModelIdentity.from_reply(reply)
         except grpc.aio.AioRpcError as error:
             if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

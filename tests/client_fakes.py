@@ -20,7 +20,7 @@ def make_result(**overrides) -> inference_pb2.GenerationResult:
     values = dict(
         output_text="Hello world", generated_tokens=2, ttft_ms=12.5, total_ms=20.0, tokens_per_sec=100.0,
         kv_reuse_ratio=0.75, prompt_tokens=8, cached_tokens=6, recomputed_tokens=1,
-        mode=inference_pb2.CHUNK_KV_REUSE, finish_reason="length", output_token_ids=[11, 12],
+        mode=inference_pb2.PREFIX_CACHE, finish_reason="length", output_token_ids=[11, 12],
         degraded=False, request_id="req-1",
     )
     values.update(overrides)
@@ -62,7 +62,7 @@ class FakeInference(_Recorder, inference_pb2_grpc.InferenceServiceServicer):
         yield inference_pb2.GenerateEvent(text="Hello", token_ids=[11])
         yield inference_pb2.GenerateEvent(text=" world", token_ids=[12])
         if prompt != "noresult":
-            yield inference_pb2.GenerateEvent(result=make_result(mode=request.mode or inference_pb2.CHUNK_KV_REUSE))
+            yield inference_pb2.GenerateEvent(result=make_result(mode=request.mode or inference_pb2.PREFIX_CACHE))
 
     def _batch(self, request, context):
         self._record(request, context)

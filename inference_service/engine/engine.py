@@ -254,6 +254,7 @@ class Engine:
             "namespace_hex": self.namespace.hex(),
             "weights_id": self.weights_id,
             "default_recompute_strategy": self.config.default_recompute_strategy,
+            "default_mode": self.config.default_mode,
         }
 
     def stats(self) -> dict:

@@ -136,7 +136,8 @@ class Executor:
                 IncrementalDetokenizer(parts.tokenizer, prompt.token_ids, params.stop),
                 SamplingSettings.of(params, choice=index), parts.eos_ids, seq.max_new_tokens, seq.on_token,
                 seq.should_stop, after_first_token=(lambda: self._write_back(seq)) if index == 0 else _nothing,
-                tokenizer=parts.tokenizer, device=parts.device, index=index)
+                tokenizer=parts.tokenizer, device=parts.device, index=index,
+                approximate_tokens=seq.context.num_approximate_tokens if seq.approximate else None)
             cache = None
             if not self.batched:
                 cache = seq.cache if index == 0 else build_cache(parts.model.config, *self.owner.views(slot),

@@ -98,13 +98,13 @@ def _run_whole(seq: Sequence, buffers: Buffers) -> int:
             # Named before the context counts the content chunks: only chunks before the first one are exact.
             pending = exact_pending_chunks(parts.namespace, prompt, context, reused, seq.request_id)
             context.num_recomputed_tokens = reused.num_recomputed_tokens
+            context.approximate, context.num_approximate_tokens = True, reused.num_approximate_tokens
             context.repair_checked, context.repair_risk = reused.repair_checked, reused.repair_risk
             context.fidelity_guard = reused.fidelity_guard
             context.num_bytes_fetched += reused.num_bytes_fetched
             context.num_cached_chunks += reused.num_content_chunks
             context.degraded = reused.degraded
             seq.num_cached, seq.cache, seq.first_logits = reused.num_cached_tokens, reused.cache, reused.first_logits
-            seq.approximate = True
             seq.state.num_computed = prompt.num_tokens
             seq.pending = None if reused.degraded else pending
             return prompt.num_tokens - num_before

@@ -9,7 +9,7 @@ import torch
 
 from inference_service.reuse.assembler import AssembledContext, empty_context
 from inference_service.request.generation import DecodeResult, OnToken, RowDecoder
-from inference_service.request.planning import EngineParts, outcome_of, record_outcome
+from inference_service.request.planning import EngineParts, label_repair, outcome_of, record_outcome
 from kvboost_keys.prompts import PromptPlan
 from inference_service.request.types import GenerationOutcome, GenerationParams, TokenLogprob, WarmOutcome
 from inference_service.reuse.writeback import PendingChunks
@@ -72,7 +72,6 @@ class Sequence:
     first_logits: torch.Tensor | None = None  # [vocab]
     pending: PendingChunks | None = None  # new chunks to store after the first token
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
-    approximate: bool = False  # repaired content hits: later K/V attended to approximate ones (never stored)
     # A batch call's shared leading chunks: `source` prefills them, its `followers` copy them from its slot.
     source: Sequence | None = None
     num_shared_tokens: int = 0
@@ -89,6 +88,11 @@ class Sequence:
     def num_rows(self) -> int:
         """Slots it decodes in: its n completions (a warm-up prefills in one)."""
         return 1 if self.warm is not None else self.params.n
+
+    @property
+    def approximate(self) -> bool:
+        """Its prompt reused content hits: later K/V attended to approximate ones (never stored)."""
+        return self.context.approximate
 
     @property
     def request_id(self) -> str:
@@ -140,7 +144,7 @@ class Sequence:
         if index > 0:
             outcome = outcome_of(self.params, self.mode, self.prompt.num_tokens, num_cached,
                                  context.num_recomputed_tokens, decoded, context.degraded, index)
-            outcome.repair_risk, outcome.fidelity_guard = context.repair_risk, context.fidelity_guard
+            label_repair(outcome, context)
             return outcome
         label = self.label + (f" {self.params.n} choices" if self.params.n > 1 else "")
         return record_outcome(self.parts, self.params, self.mode, self.prompt, context, num_cached, decoded,

@@ -15,6 +15,8 @@ class _Counters:
     computed_tokens: int = 0  # prompt tokens prefilled (not cached)
     guard_checks: int = 0  # requests whose content hits cacheblend's risk was measured for
     guard_fallbacks: int = 0  # of those, the ones the fidelity guard recomputed in full
+    approximate_answers: int = 0  # requests that reused content hits (their answers say approximate)
+    approximate_tokens: int = 0  # their prompt tokens whose K/V came from content hits, not recomputed
     chunks_fetched: int = 0
     chunks_stored: int = 0
     bytes_fetched: int = 0
@@ -29,7 +31,9 @@ class EngineStats:
         self._lock = threading.Lock()
 
     def add_request(self, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int,
-                    chunks_fetched: int, bytes_fetched: int, ttft_ms: float | None, partial_cached_tokens: int = 0) -> None:
+                    chunks_fetched: int, bytes_fetched: int, ttft_ms: float | None, partial_cached_tokens: int = 0,
+                    approximate_tokens: int | None = None) -> None:
+        """approximate_tokens: None for an exact answer; else its content-hit tokens kept (maybe 0)."""
         with self._lock:
             counters = self._counters
             counters.requests += 1
@@ -40,6 +44,9 @@ class EngineStats:
             counters.computed_tokens += prompt_tokens - cached_tokens
             counters.chunks_fetched += chunks_fetched
             counters.bytes_fetched += bytes_fetched
+            if approximate_tokens is not None:
+                counters.approximate_answers += 1
+                counters.approximate_tokens += approximate_tokens
             if ttft_ms is not None:
                 counters.requests_with_first_token += 1
                 counters.total_ttft_ms += ttft_ms

@@ -79,7 +79,8 @@ class RowDecoder:
     def __init__(self, detokenizer: IncrementalDetokenizer, settings: SamplingSettings, eos_ids: frozenset[int],
                  max_new_tokens: int, on_token: OnToken | None, should_stop: Callable[[], bool],
                  after_first_token: Callable[[], None], tokenizer=None, device: torch.device | str = "cpu",
-                 index: int = 0) -> None:
+                 index: int = 0, approximate_tokens: int | None = None) -> None:
+        """approximate_tokens: None for an exact prompt; else its content-hit tokens kept (said on the first event)."""
         self.detokenizer = detokenizer
         self.settings = settings
         self.eos_ids = settings.eos_ids(eos_ids)
@@ -89,6 +90,7 @@ class RowDecoder:
         self.after_first_token = after_first_token
         self.tokenizer = tokenizer
         self.index = index  # which of the request's completions: its events carry it
+        self.approximate_tokens = approximate_tokens
         self.generator = make_generator(settings.seed, device) if settings.temperature > 0 else None
         self.token_ids: list[int] = []
         self.first_time = 0.0
@@ -112,7 +114,9 @@ class RowDecoder:
         if self.on_token is not None:
             logprobs = () if self.settings.logprobs is None else tuple(
                 token_logprobs(self.tokenizer, used_logits.view(1, -1), [token_id], self.settings.logprobs))
-            self.on_token(TokenEvent(piece, (token_id,), logprobs, self.index))
+            first = len(self.token_ids) == 1 and self.approximate_tokens is not None
+            self.on_token(TokenEvent(piece, (token_id,), logprobs, self.index, approximate=first,
+                                     approximate_tokens=self.approximate_tokens if first else 0))
         if len(self.token_ids) == 1:
             self.after_first_token()
         self.reason = finish_reason(token_id, self.detokenizer, self.eos_ids, len(self.token_ids),

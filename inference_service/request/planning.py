@@ -197,18 +197,26 @@ def record_outcome(parts: EngineParts, params: GenerationParams, mode: str, prom
     """
     outcome = outcome_of(params, mode, prompt.num_tokens, num_cached, context.num_recomputed_tokens, decoded,
                          context.degraded, index)
-    outcome.repair_risk, outcome.fidelity_guard = context.repair_risk, context.fidelity_guard
+    label_repair(outcome, context)
     if context.repair_checked:
         parts.counters.add_guard(context.fidelity_guard)
     parts.counters.add_request(prompt.num_tokens, num_cached, context.num_recomputed_tokens,
                                context.num_fetched_blobs if count_fetched else 0,
                                context.num_bytes_fetched if count_fetched else 0,
                                outcome.ttft_ms if outcome.generated_tokens else None,
-                               min(context.num_partial_tokens, num_cached))
-    logger.info("[%s] %s%s: %d prompt tokens, %d cached, ttft %.1f ms, %d generated (%s)%s",
+                               min(context.num_partial_tokens, num_cached),
+                               context.num_approximate_tokens if context.approximate else None)
+    logger.info("[%s] %s%s: %d prompt tokens, %d cached, ttft %.1f ms, %d generated (%s)%s%s",
                 params.request_id, mode, label, outcome.prompt_tokens, outcome.cached_tokens, outcome.ttft_ms,
-                outcome.generated_tokens, outcome.finish_reason, " degraded" if outcome.degraded else "")
+                outcome.generated_tokens, outcome.finish_reason, " degraded" if outcome.degraded else "",
+                f" APPROXIMATE ({outcome.approximate_tokens} tokens from content hits)" if outcome.approximate else "")
     return outcome
+
+
+def label_repair(outcome: GenerationOutcome, context: AssembledContext) -> None:
+    """What reuse of content hits did to the answer: approximate (and how many tokens), the repair's risk, the guard."""
+    outcome.repair_risk, outcome.fidelity_guard = context.repair_risk, context.fidelity_guard
+    outcome.approximate, outcome.approximate_tokens = context.approximate, context.num_approximate_tokens
 
 
 def outcome_of(params: GenerationParams, mode: str, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int,

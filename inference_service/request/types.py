@@ -36,7 +36,7 @@ class EngineConfig:
     tenant_salt: str = ""
     max_new_tokens_limit: int = 4096
     max_prompt_tokens: int | None = None  # None: the model's maximum context
-    default_mode: str = "chunk_kv_reuse"
+    default_mode: str = "prefix_cache"  # exact; chunk_kv_reuse (approximate, labelled) only when asked for
     default_recompute_strategy: str = "selective"
     recompute_ratio: float = 0.15
     selective_tokens: int = 16
@@ -184,6 +184,9 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
     index: int = 0  # which of the request's n completions
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first event only, when asked for
+    # On each completion's first token: its prompt used content hits (GenerationOutcome.approximate).
+    approximate: bool = False
+    approximate_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -205,6 +208,9 @@ class GenerationOutcome:
     index: int = 0  # which of the request's n completions
     repair_risk: float = 0.0  # cacheblend: check-layer K/V error left unrepaired (share)
     fidelity_guard: bool = False  # the guard recomputed every content-hit token
+    # K/V computed under another prefix (content hits) went into this answer; the prompt tokens it kept unrecomputed.
+    approximate: bool = False
+    approximate_tokens: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -39,6 +39,8 @@ class AssembledContext:
     repair_checked: bool = False  # cacheblend measured the content hits' risk (see kv.repair)
     repair_risk: float = 0.0
     fidelity_guard: bool = False  # the guard recomputed every content-hit token
+    approximate: bool = False  # content hits were placed: K/V computed under another prefix are in the context
+    num_approximate_tokens: int = 0  # content-hit tokens whose K/V repair kept (not recomputed)
 
     @property
     def num_fetched_blobs(self) -> int:

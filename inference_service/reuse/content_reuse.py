@@ -39,6 +39,7 @@ class ContentPrefill:
     first_logits: torch.Tensor  # [vocab] float32
     num_cached_tokens: int  # tokens whose K/V came from the cache (EXACT or APPROX before repair)
     num_recomputed_tokens: int  # APPROX tokens recomputed by the repair
+    num_approximate_tokens: int  # APPROX tokens the repair kept: K/V computed under another prefix
     num_content_chunks: int
     num_bytes_fetched: int  # content-hit blobs only (the prefix run's bytes are in the context)
     key_buffer: torch.Tensor  # [layers, kv_heads, capacity, head_dim]; rows [0, S) repaired, held by `cache`
@@ -162,6 +163,7 @@ def prefill_with_content_hits(
         first_logits=result.last_logits,
         num_cached_tokens=int((placed.status != MISSING).sum()),
         num_recomputed_tokens=result.num_recomputed,
+        num_approximate_tokens=int((placed.status == APPROX).sum()) - result.num_recomputed,
         num_content_chunks=placed.num_content_chunks,
         num_bytes_fetched=placed.num_bytes_fetched,
         key_buffer=placed.key_buffer,

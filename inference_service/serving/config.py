@@ -43,7 +43,7 @@ class ServiceConfig:
     kv_cache_bits: int = 16
     tenant_salt: str = ""
     strict: bool = True  # refuse architectures whose K/V cannot be reused correctly
-    default_mode: str = "chunk_kv_reuse"
+    default_mode: str = "prefix_cache"  # exact; chunk_kv_reuse (content hits, approximate, labelled) is opt-in
     recompute_strategy: str = "selective"
     recompute_ratio: float = 0.15
     selective_tokens: int = 16
@@ -191,8 +191,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--kv-cache-bits", type=int, default=default("KV_CACHE_BITS", defaults.kv_cache_bits), choices=(4, 8, 16), help="stored K/V precision (KVBOOST_KV_CACHE_BITS)")
     add("--tenant-salt", default=default("TENANT_SALT", defaults.tenant_salt), help="isolates this service's cache entries from other tenants (KVBOOST_TENANT_SALT)")
     add("--no-strict", dest="strict", action="store_false", default=not default("NO_STRICT", False), help="try unsupported architectures anyway (KVBOOST_NO_STRICT=1; strict check now: %(default)s)")
-    add("--default-mode", default=default("DEFAULT_MODE", defaults.default_mode), choices=MODES, help="mode for requests that name none (KVBOOST_DEFAULT_MODE)")
-    add("--recompute-strategy", default=default("RECOMPUTE_STRATEGY", defaults.recompute_strategy), choices=RECOMPUTE_STRATEGIES, help="default repair of content hits (KVBOOST_RECOMPUTE_STRATEGY)")
+    add("--default-mode", default=default("DEFAULT_MODE", defaults.default_mode), choices=MODES, help="mode for requests that name none (KVBOOST_DEFAULT_MODE). prefix_cache (default): exact reuse only, the same answer as baseline; chunk_kv_reuse: also reuses content hits (chunks stored under another prefix), repaired by --recompute-strategy: faster on reordered documents but APPROXIMATE, each such answer says approximate: true; baseline: no cache")
+    add("--recompute-strategy", default=default("RECOMPUTE_STRATEGY", defaults.recompute_strategy), choices=RECOMPUTE_STRATEGIES, help="default repair of content hits, in chunk_kv_reuse mode only (a request or --default-mode opts into it; this flag alone does not) (KVBOOST_RECOMPUTE_STRATEGY)")
     add("--recompute-ratio", type=float, default=default("RECOMPUTE_RATIO", defaults.recompute_ratio), help="cacheblend: share of content-hit tokens recomputed in the later layers, (0, 1] (KVBOOST_RECOMPUTE_RATIO)")
     add("--selective-tokens", type=int, default=default("SELECTIVE_TOKENS", defaults.selective_tokens), help="selective: content-hit tokens recomputed after each seam (KVBOOST_SELECTIVE_TOKENS)")
     add("--sink-tokens", type=int, default=default("SINK_TOKENS", defaults.sink_tokens), help="selective, cacheblend: content-hit tokens among the first N of a prompt are always recomputed (KVBOOST_SINK_TOKENS)")

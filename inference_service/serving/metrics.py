@@ -26,6 +26,10 @@ COUNTERS = {
     "guard_checks": ("kvboost_engine_guard_checks", "requests whose content hits the fidelity guard measured"),
     "guard_fallbacks": ("kvboost_engine_guard_fallbacks",
                         "requests the fidelity guard sent to full recompute of their content hits"),
+    "approximate_answers": ("kvboost_engine_approximate_answers",
+                            "answers that reused content hits (K/V computed under another prefix): labelled approximate"),
+    "approximate_tokens": ("kvboost_engine_approximate_tokens",
+                           "prompt tokens of approximate answers whose K/V came from content hits, not recomputed"),
 }
 
 

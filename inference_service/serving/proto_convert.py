@@ -88,7 +88,8 @@ def generation_result(outcome: GenerationOutcome) -> pb.GenerationResult:
 def token_event(event: TokenEvent) -> pb.GenerateEvent:
     return pb.GenerateEvent(text=event.text, token_ids=event.token_ids, index=event.index,
                             logprobs=[token_logprob(item) for item in event.logprobs],
-                            prompt_logprobs=[token_logprob(item) for item in event.prompt_logprobs])
+                            prompt_logprobs=[token_logprob(item) for item in event.prompt_logprobs],
+                            approximate=event.approximate, approximate_tokens=event.approximate_tokens)
 
 
 def token_logprob(item: TokenLogprob) -> pb.TokenLogprob:
@@ -148,6 +149,8 @@ def model_info_reply(info: Mapping[str, Any]) -> pb.ModelInfoReply:
     strategy = fields.get("default_recompute_strategy")
     if isinstance(strategy, str):
         fields["default_recompute_strategy"] = strategy_value(strategy)
+    if isinstance(fields.get("default_mode"), str):
+        fields["default_mode"] = mode_value(fields["default_mode"])
     return pb.ModelInfoReply(**fields)
 
 

@@ -66,7 +66,7 @@ def test_generate_json_prints_one_object_with_the_result_field_names(capsys, add
     assert len(lines) == 1
     result = json.loads(lines[0])
     assert list(result) == RESULT_FIELDS
-    assert result["output_text"] == "Hello world" and result["mode"] == "CHUNK_KV_REUSE"
+    assert result["output_text"] == "Hello world" and result["mode"] == "PREFIX_CACHE"
     assert result["output_token_ids"] == [11, 12]
 
 

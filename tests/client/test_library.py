@@ -120,6 +120,7 @@ def test_generate_streams_text_then_holds_the_result(client, inference) -> None:
         "tokens_per_sec": 100.0, "kv_reuse_ratio": 0.75, "prompt_tokens": 8, "cached_tokens": 6,
         "recomputed_tokens": 1, "mode": "BASELINE", "finish_reason": "length", "output_token_ids": (11, 12),
         "degraded": False, "request_id": "req-1", "index": 0, "repair_risk": 0.0, "fidelity_guard": False,
+        "approximate": False, "approximate_tokens": 0,
     }
     json.dumps(result.to_dict())  # serialisable as it is
     sent = inference.requests[0]

@@ -108,7 +108,8 @@ def test_generate_streams_tokens_then_a_final_result(engine) -> None:
     assert result.generated_tokens == len(result.output_token_ids) == 12
     assert result.finish_reason == "length"
     assert result.prompt_tokens == len(PROMPT)
-    assert result.mode == pb.CHUNK_KV_REUSE  # the server default
+    assert result.mode == pb.PREFIX_CACHE  # the server default: exact reuse
+    assert not result.approximate and result.approximate_tokens == 0
     assert result.request_id == "req-7"
     assert result.ttft_ms > 0 and result.total_ms >= result.ttft_ms
     assert not result.degraded

@@ -28,7 +28,7 @@ from tests.conftest import pick_free_port
 GENERATION_RESULT_FIELDS = [
     "output_text", "generated_tokens", "ttft_ms", "total_ms", "tokens_per_sec", "kv_reuse_ratio",
     "prompt_tokens", "cached_tokens", "recomputed_tokens", "mode", "finish_reason", "output_token_ids",
-    "degraded", "request_id", "index", "repair_risk", "fidelity_guard",
+    "degraded", "request_id", "index", "repair_risk", "fidelity_guard", "approximate", "approximate_tokens",
 ]
 
 

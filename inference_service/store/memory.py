@@ -57,6 +57,16 @@ class InMemoryStore:
                             best_key, best_shared = child, shared
         return StoreLookup(run, content_hits, partial, best_key, best_shared)
 
+    def copy(self) -> InMemoryStore:
+        """An independent store holding the same entries now (blobs are shared: none is written after store)."""
+        twin = InMemoryStore()
+        with self._lock:
+            twin._entries = {key: _Entry(entry.namespace, entry.content_key, entry.num_tokens, entry.blob, entry.pin,
+                                         entry.token_ids) for key, entry in self._entries.items()}
+            twin._content_index = dict(self._content_index)
+            twin._children = {parent: dict(children) for parent, children in self._children.items()}
+        return twin
+
     def _holds(self, namespace: bytes, key: bytes) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.namespace == namespace

@@ -1,5 +1,9 @@
 """Demo of KV reuse: warm a system prompt with a long document, ask questions, print TTFT and reuse.
 
+The questions run in the service's default mode, exact reuse (prefix_cache): each answer is the one the model gives
+without the cache, only sooner; the demo checks it on the first question against BASELINE. Approximate reuse of
+chunks stored under another prefix (chunk_kv_reuse) is opt-in, and every answer that used it says approximate.
+
 Run it against a running stack (`make up`, or `make run` which does both):
     python client/examples/demo.py [--address HOST:PORT] [--max-new-tokens N] [--gateway-url URL | --no-gateway]
 
@@ -35,7 +39,8 @@ QUESTIONS = [
 MIN_FOLLOW_UP_REUSE = 0.8
 
 
-def ask(client: KVBoostClient, system: dict, question: str, mode: str, max_new_tokens: int):
+def ask(client: KVBoostClient, system: dict, question: str, mode: str | None, max_new_tokens: int):
+    """mode None: the service's default (exact reuse)."""
     messages = [system, {"role": "user", "content": question}]
     return client.generate(messages=messages, mode=mode, max_new_tokens=max_new_tokens).result
 
@@ -43,7 +48,7 @@ def ask(client: KVBoostClient, system: dict, question: str, mode: str, max_new_t
 def ask_gateway(gateway_url: str, system: dict, question: str, max_new_tokens: int) -> dict:
     """One chat completion through the HTTP gateway, with plain urllib (any OpenAI client would do)."""
     body = {"messages": [system, {"role": "user", "content": question}], "max_tokens": max_new_tokens,
-            "temperature": 0, "kvboost": {"mode": "chunk_kv_reuse"}}
+            "temperature": 0}
     request = urllib.request.Request(f"{gateway_url.rstrip('/')}/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as response:
@@ -60,7 +65,8 @@ def show_gateway_call(gateway_url: str, system: dict, max_new_tokens: int) -> No
     usage = reply["usage"]
     print(f"\nthrough the OpenAI-compatible HTTP gateway ({gateway_url}): {question!r}\n"
           f"  usage: {usage['prompt_tokens']} prompt tokens, {usage['prompt_tokens_details']['cached_tokens']} "
-          f"cached (prompt_tokens_details.cached_tokens), {usage['completion_tokens']} generated\n"
+          f"cached (prompt_tokens_details.cached_tokens), {usage['completion_tokens']} generated, "
+          f"approximate: {str(reply['kvboost']['approximate']).lower()}\n"
           f"  answer: {shorten(reply['choices'][0]['message']['content'], 100)}")
 
 
@@ -79,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             client.wait_ready(timeout=30)
             info = client.model_info()
-            print(f"model {info.model} on {info.device} ({info.dtype}), chunk size {info.chunk_size} tokens")
+            print(f"model {info.model} on {info.device} ({info.dtype}), chunk size {info.chunk_size} tokens, "
+                  f"default mode {info.default_mode.lower()}")
             warmed = client.warm(messages=[system])
             print(f"warmed the system prompt and the handbook: {warmed.token_count} tokens, "
                   f"{warmed.chunks_stored} chunks stored\n")
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(_row("0", baseline, QUESTIONS[0]))
             results = []
             for number, question in enumerate(QUESTIONS, start=1):
-                result = ask(client, system, question, "chunk_kv_reuse", args.max_new_tokens)
+                result = ask(client, system, question, None, args.max_new_tokens)
                 results.append(result)
                 rows.append(_row(str(number), result, question))
         except KVBoostError as error:
@@ -98,9 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     mean_ttft = sum(result.ttft_ms for result in results) / len(results)
     print(f"\nbaseline TTFT {baseline.ttft_ms:.1f} ms, with the cache {mean_ttft:.1f} ms on average "
           f"({baseline.ttft_ms / max(mean_ttft, 1e-9):.1f}x faster)")
+    same = results[0].output_token_ids == baseline.output_token_ids
+    print(f"question 1 with the cache gives baseline's answer token for token: {'yes' if same else 'NO'}"
+          f"{' (approximate reuse was used)' if results[0].approximate else ''}")
     if args.gateway:
         show_gateway_call(args.gateway_url, system, args.max_new_tokens)
     print("The stack is still running: stop it with `make down` (or `python -m client.stack down`).")
+    if not same and not results[0].approximate:
+        print("demo: the cached answer differs from baseline's in exact mode", file=sys.stderr)
+        return 1
     low = [result for result in results[1:] if result.kv_reuse_ratio <= MIN_FOLLOW_UP_REUSE]
     if low:
         reason = " (the cache daemon is unreachable)" if any(result.degraded for result in low) else ""

@@ -23,7 +23,8 @@ def load_demo():
 
 
 class ReusingInference(FakeInference):
-    """Answers BASELINE with no reuse and cached modes with `reuse`."""
+    """Answers BASELINE with no reuse and cached modes with `reuse`; a request that names no mode runs in the
+    service's default, PREFIX_CACHE."""
 
     def __init__(self, reuse: float) -> None:
         super().__init__()
@@ -34,7 +35,7 @@ class ReusingInference(FakeInference):
         cached = request.mode != inference_pb2.BASELINE
         yield inference_pb2.GenerateEvent(text="Paris", token_ids=[1])
         yield inference_pb2.GenerateEvent(result=make_result(
-            output_text="Paris", mode=request.mode, prompt_tokens=1000, cached_tokens=int(self.reuse * 1000) * cached,
+            output_text="Paris", mode=request.mode or inference_pb2.PREFIX_CACHE, prompt_tokens=1000, cached_tokens=int(self.reuse * 1000) * cached,
             kv_reuse_ratio=self.reuse * cached, ttft_ms=20.0 if cached else 400.0))
 
 
@@ -50,7 +51,9 @@ def test_demo_warms_asks_and_prints_the_table(capsys) -> None:
     asked = [request for request in inference.requests if isinstance(request, inference_pb2.GenerateRequest)]
     assert len(asked) == len(demo.QUESTIONS) + 1
     assert all(request.messages[0] == warm.messages[0] for request in asked)  # the shared prefix
-    assert "#  mode            question" in out
+    assert "#  mode          question" in out
+    assert all(request.mode == inference_pb2.MODE_UNSPECIFIED for request in asked[1:])  # the default: exact
+    assert "question 1 with the cache gives baseline's answer token for token: yes" in out
     assert "baseline TTFT 400.0 ms, with the cache 20.0 ms on average (20.0x faster)" in out
     assert "stop it with `make down`" in out
 
@@ -81,7 +84,8 @@ class _FakeGateway(BaseHTTPRequestHandler):
         _FakeGateway.bodies.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
         reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": "Yes, on the Aurora."}}],
                             "usage": {"prompt_tokens": 1000, "completion_tokens": 5, "total_tokens": 1005,
-                                      "prompt_tokens_details": {"cached_tokens": 896}}}).encode()
+                                      "prompt_tokens_details": {"cached_tokens": 896}},
+                            "kvboost": {"approximate": False, "approximate_tokens": 0}}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(reply)))
@@ -108,5 +112,6 @@ def test_demo_asks_the_last_question_through_the_http_gateway(capsys) -> None:
     assert path == "/v1/chat/completions" and body["messages"][-1]["content"] == demo.QUESTIONS[-1]
     assert body["messages"][0]["content"].startswith("You are the customer assistant")
     out = capsys.readouterr().out
-    assert "1000 prompt tokens, 896 cached (prompt_tokens_details.cached_tokens)" in out
+    assert "1000 prompt tokens, 896 cached (prompt_tokens_details.cached_tokens), 5 generated, approximate: false" in out
+    assert "kvboost" not in body  # the gateway's default mode: exact
     assert "Yes, on the Aurora." in out

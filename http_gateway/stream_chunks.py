@@ -22,20 +22,23 @@ class _StreamFormatter:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.results: dict[int, pb.GenerationResult] = {}
-        self.prefill: dict[int, dict] = {}  # choice -> its first event's kvboost details, until a content chunk says them
+        # What the first token's event said of the prompt (the n choices share it); before one came, nothing was
+        # looked up yet, or the request asked for prompt logprobs, which never looks its prompt up: exact.
+        self.prefill = {"approximate": False, "approximate_tokens": 0}
+        self.noted_prefill = False
         self.said_prefill: set[int] = set()  # choices whose first content chunk went out
 
     def note_prefill(self, event: pb.GenerateEvent) -> None:
-        """Keeps what a choice's first event says of its prompt (the event may carry no text yet)."""
-        if event.index not in self.said_prefill and event.index not in self.prefill and event.token_ids:
-            self.prefill[event.index] = kvboost_prefill_details(event)
+        """Keeps what the first token's event says of the prompt (the event may carry no text yet)."""
+        if not self.noted_prefill and event.token_ids:
+            self.prefill, self.noted_prefill = kvboost_prefill_details(event), True
 
     def content_chunk(self, index: int, choice: dict) -> dict:
         """A chunk of choice content: the choice's first one carries the prefill details."""
         body = self.chunk([choice])
         if index not in self.said_prefill:
             self.said_prefill.add(index)
-            body["kvboost"] = self.prefill.pop(index, {"approximate": False, "approximate_tokens": 0})
+            body["kvboost"] = dict(self.prefill)
         return body
 
     def finish_chunk(self, index: int, choice: dict, result: pb.GenerationResult) -> dict:
@@ -95,9 +98,7 @@ class CompletionStream(_StreamFormatter):
 
     def on_event(self, event: pb.GenerateEvent) -> list[dict]:
         chunks = []
-        # Before the echo: the echoed prompt is the choice's first content chunk. (A request with prompt logprobs,
-        # whose first event has no token yet, never looks its prompt up: it is never approximate.)
-        self.note_prefill(event)
+        self.note_prefill(event)  # before the echo: the echoed prompt is each choice's first content chunk
         if self.echo_prompt is not None:  # the first event: the prompt comes first, once per choice
             chunks += [self._text(index, self.echo_prompt, list(event.prompt_logprobs), 0) for index in range(self.n)]
             self.echo_prompt = None

@@ -50,6 +50,8 @@ def make_store(config: ServiceConfig) -> ChunkStore:
         tls=config.cache_tls or roots is not None,
         tls_root_certificates=roots,
         rpc_timeout_s=config.cache_timeout_s,
+        fetch_timeout_s=config.cache_stream_timeout_s,
+        store_timeout_s=config.cache_stream_timeout_s,
         reconnect_interval_s=config.cache_timeout_s,
     ))
     return remote if config.cache_local_read == "off" else ColocatedStore(remote, config.cache_local_read)
@@ -79,6 +81,7 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
         kv_keys_before_rope=config.kv_keys_before_rope,
         max_running_requests=config.max_running_requests,
         kv_cache_bytes=config.kv_cache_bytes,
+        max_store_stream_bytes=config.cache_max_stream_bytes,
         max_prefill_tokens=config.max_prefill_tokens,
         max_queue=config.max_queue,
         max_answer_tokens_stored=config.max_answer_tokens_stored,

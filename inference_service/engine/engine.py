@@ -75,7 +75,7 @@ class Engine:
             eos_ids=eos_token_ids(model, tokenizer),
             counters=counters,
             writeback=WriteBack(store, config.kv_cache_bits, counters.add_stored, config.kv_group_size,
-                                key_rope if config.keys_before_rope else None),
+                                key_rope if config.keys_before_rope else None, config.max_store_stream_bytes),
             key_rope=key_rope,
             content_rope=content_rope,
         )

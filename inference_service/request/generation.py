@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from inference_service.request.logprobs import token_logprobs
-from inference_service.request.types import GenerationParams, TokenEvent
+from inference_service.request.types import SEED_LIMIT, GenerationParams, TokenEvent
 from inference_service.errors import InvalidRequest
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.sampling import make_generator, sample, suppress_tokens
@@ -29,8 +29,9 @@ class SamplingSettings:
 
     @classmethod
     def of(cls, params: GenerationParams, choice: int = 0) -> SamplingSettings:
-        """A request's settings; choice i of n > 1 samples with seed + i, so the choices differ."""
-        seed = None if params.seed is None else params.seed + choice
+        """A request's settings; choice i of n > 1 samples with seed + i (modulo 2**64: seeds are unsigned 64-bit,
+        so the last seed's second choice is seed 0), so the choices differ."""
+        seed = None if params.seed is None else (params.seed + choice) % SEED_LIMIT
         return cls(params.temperature, params.top_k, params.top_p, seed, params.logprobs, params.min_tokens,
                    params.ignore_eos, frozenset(params.stop_token_ids))
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from inference_service.errors import InvalidRequest
 from inference_service.model.step_names import DECODE_STEPS, DEFAULT_DECODE_STEP
+from inference_service.store.protocol import DEFAULT_MAX_STREAM_BYTES
 
 MODES = ("baseline", "prefix_cache", "chunk_kv_reuse")
 RECOMPUTE_STRATEGIES = ("none", "selective", "cacheblend")
@@ -58,6 +59,7 @@ class EngineConfig:
     # completion), so a conversation's next turn reuses the answer; 0: answers are not stored.
     max_answer_tokens_stored: int = 1024
     decode_step: str = DEFAULT_DECODE_STEP  # the batched decode step (model/step_names.py)
+    max_store_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES  # blob bytes per Store stream of a write-back
 
     @property
     def keys_before_rope(self) -> bool:
@@ -83,6 +85,7 @@ class EngineConfig:
         assert self.max_forward_tokens > 0, f"max_forward_tokens must be positive, got {self.max_forward_tokens}"
         assert self.max_queue > 0, f"max_queue must be positive, got {self.max_queue}"
         assert self.max_answer_tokens_stored >= 0, "max_answer_tokens_stored must be >= 0"
+        assert self.max_store_stream_bytes > 0, f"max_store_stream_bytes must be positive, got {self.max_store_stream_bytes}"
         assert 0 <= self.kv_group_size <= 65535, f"kv_group_size must be in 0..65535, got {self.kv_group_size}"
         assert self.decode_step in DECODE_STEPS, f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}"
 

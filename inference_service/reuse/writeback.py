@@ -7,11 +7,11 @@ import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
-from inference_service.store.protocol import StoreUnavailable, ChunkStore, StoreItem
+from inference_service.store.protocol import DEFAULT_MAX_STREAM_BYTES, StoreUnavailable, ChunkStore, StoreItem
 from kvboost_keys.chunking import Chunk
 from inference_service.kv.blobs import DEFAULT_GROUP_SIZE, encode_chunk_kv
 from inference_service.kv.rope import RopeParams
@@ -71,13 +71,32 @@ class PendingChunks:
 def encode_pending(pending: PendingChunks, bits: int, group_size: int = DEFAULT_GROUP_SIZE,
                    rope: RopeParams | None = None) -> list[StoreItem]:
     """Store items for the pending chunks, encoded by kv.blobs.encode_chunk_kv (rope: see there)."""
-    items = []
+    return list(iter_encoded(pending, bits, group_size, rope))
+
+
+def iter_encoded(pending: PendingChunks, bits: int, group_size: int = DEFAULT_GROUP_SIZE,
+                 rope: RopeParams | None = None) -> Iterator[StoreItem]:
+    """The pending chunks' store items one at a time, each encoded when it is asked for."""
     parents = pending.parent_keys or (b"",) * len(pending.chunks)
     for chunk, key, content, parent in zip(pending.chunks, pending.prefix_keys, pending.content_keys, parents):
         keys, values = pending.chunk_kv(chunk)
         blob = encode_chunk_kv(keys, values, chunk.start, bits, group_size, rope)
-        items.append(StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin,
-                               parent, tuple(chunk.token_ids) if parent else ()))
+        yield StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin,
+                        parent, tuple(chunk.token_ids) if parent else ())
+
+
+def bounded_batches(items: Iterable[StoreItem], max_bytes: int) -> Iterator[list[StoreItem]]:
+    """Consecutive items in batches of at most max_bytes of blobs (an item larger than that goes alone)."""
+    batch: list[StoreItem] = []
+    num_bytes = 0
+    for item in items:
+        if batch and num_bytes + len(item.blob) > max_bytes:
+            yield batch
+            batch, num_bytes = [], 0
+        batch.append(item)
+        num_bytes += len(item.blob)
+    if batch:
+        yield batch
     return items
 
 
@@ -85,8 +104,13 @@ class WriteBack:
     """One worker thread, so stores happen in submission order and never compete with each other."""
 
     def __init__(self, cache: ChunkStore, bits: int, on_stored: Callable[[int, int], None],
-                 group_size: int = DEFAULT_GROUP_SIZE, rope: RopeParams | None = None) -> None:
+                 group_size: int = DEFAULT_GROUP_SIZE, rope: RopeParams | None = None,
+                 max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES) -> None:
+        """max_stream_bytes: blob bytes per store call; a larger write-back goes out as several, encoded as it
+        goes (its encoded bytes are never all in memory at once)."""
+        assert max_stream_bytes > 0, f"max_stream_bytes must be positive, got {max_stream_bytes}"
         self._cache = cache
+        self._max_stream_bytes = max_stream_bytes
         self._bits = bits
         self._group_size = group_size
         self._rope = rope  # un-rotates keys before quantizing (see encode_pending); None: keys as computed
@@ -119,16 +143,20 @@ class WriteBack:
         future.add_done_callback(self._forget)
 
     def store_now(self, pending: PendingChunks) -> int:
-        """Encodes and stores on the calling thread; returns the stored count.
+        """Encodes and stores on the calling thread, in store calls of at most max_stream_bytes each; returns the
+        stored count (of the calls before a failure, when one fails: what they stored stays stored).
 
         Raises:
             StoreUnavailable: the cache cannot be reached.
         """
+        total = 0
         with torch.inference_mode():
-            items = encode_pending(pending, self._bits, self._group_size, self._rope)
-        stored = self._cache.store(items)
-        self._on_stored(stored, sum(len(item.blob) for item in items))
-        return stored
+            items = iter_encoded(pending, self._bits, self._group_size, self._rope)
+            for batch in bounded_batches(items, self._max_stream_bytes):
+                stored = self._cache.store(batch)
+                self._on_stored(stored, sum(len(item.blob) for item in batch))
+                total += stored
+        return total
 
     def _store_in_background(self, pending: PendingChunks, on_done) -> None:
         stored, failure = 0, None

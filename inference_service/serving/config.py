@@ -11,6 +11,7 @@ from inference_service.model.step_names import DECODE_STEPS, DEFAULT_DECODE_STEP
 from inference_service.model.weights import DEFAULT_MODEL
 from inference_service.mkl_dispatch import CHOICES as MKL_DISPATCHES
 from inference_service.store.colocated import LOCAL_READ_MODES
+from inference_service.store.protocol import DEFAULT_MAX_STREAM_BYTES
 from kvboost_common import catalogue
 from kvboost_common.addresses import check_listen_address, is_local, is_unix, split_host_port
 from kvboost_common.auth import load_token
@@ -71,6 +72,8 @@ class ServiceConfig:
     cache_tls: bool = False
     cache_tls_ca: str = ""  # PEM roots for the daemon's certificate; empty: the system roots
     cache_timeout_s: float = 1.0  # Lookup deadline; reconnect probe interval
+    cache_stream_timeout_s: float = 10.0  # a Fetch stream's deadline; a Store stream's fixed part (+ bytes / 16 MB/s)
+    cache_max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES  # blob bytes per Store stream of a write-back or warm-up
     cache_local_read: str = "auto"  # read blobs from the daemon's LMDB on this host: auto, on or off
     log_level: str = "INFO"
 
@@ -111,6 +114,10 @@ class ServiceConfig:
         _require(self.max_prompt_tokens >= 0, f"--max-prompt-tokens must be >= 0, got {self.max_prompt_tokens}")
         _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
         _require(self.cache_timeout_s > 0, f"--cache-timeout must be positive, got {self.cache_timeout_s}")
+        _require(self.cache_stream_timeout_s > 0,
+                 f"--cache-stream-timeout must be positive, got {self.cache_stream_timeout_s}")
+        _require(self.cache_max_stream_bytes >= 1 << 20,
+                 f"--cache-max-stream-bytes must be at least 1048576, got {self.cache_max_stream_bytes}")
         _require(self.cache_local_read in LOCAL_READ_MODES,
                  f"--cache-local-read must be one of {LOCAL_READ_MODES}, got {self.cache_local_read!r}")
 
@@ -225,6 +232,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--cache-tls", action="store_true", default=default("CACHE_TLS", defaults.cache_tls), help="connect to the daemon over TLS (KVBOOST_CACHE_TLS=1)")
     add("--cache-tls-ca", default=default("CACHE_TLS_CA", defaults.cache_tls_ca), help="PEM roots for the daemon's certificate (KVBOOST_CACHE_TLS_CA)")
     add("--cache-timeout", dest="cache_timeout_s", type=float, default=default("CACHE_TIMEOUT", defaults.cache_timeout_s), help="seconds for a cache Lookup; also the reconnect interval (KVBOOST_CACHE_TIMEOUT)")
+    add("--cache-stream-timeout", dest="cache_stream_timeout_s", type=float, default=default("CACHE_STREAM_TIMEOUT", defaults.cache_stream_timeout_s), help="seconds for a Fetch stream (at most 32 chunks; a long prompt's chunks come over several) and the fixed part of a Store stream's deadline, which adds its bytes at 16 MB/s; a stream past its deadline fails that transfer only and never marks the daemon unreachable (KVBOOST_CACHE_STREAM_TIMEOUT)")
+    add("--cache-max-stream-bytes", type=int, default=default("CACHE_MAX_STREAM_BYTES", defaults.cache_max_stream_bytes), help="blob bytes per Store stream: a write-back or warm-up larger than this goes out as several streams, encoded as it goes; keep it at or below the daemon's --max-store-bytes (KVBOOST_CACHE_MAX_STREAM_BYTES)")
     add("--cache-local-read", default=default("CACHE_LOCAL_READ", defaults.cache_local_read), choices=LOCAL_READ_MODES,
         help="read cached blobs straight from the daemon's LMDB environment when this host can open it (the "
              "daemon's Describe names it; Lookup and Store still go over gRPC): auto falls back to the gRPC "

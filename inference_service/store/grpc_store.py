@@ -16,7 +16,13 @@ from kvboost.v1 import cache_pb2, cache_pb2_grpc
 logger = logging.getLogger(__name__)
 
 _PROBE = cache_pb2.LookupRequest(namespace=bytes(32))
-# Codes that say the daemon cannot serve us at all: stop asking until a probe answers.
+# The slowest rate a Fetch or Store stream's deadline allows for, beyond its fixed part: a stream of B bytes gets
+# stream_timeout_s + B / this. A large write is slow, not an outage.
+STREAM_FLOOR_BYTES_PER_S = 16e6
+# Keys per Fetch stream: a long prompt's chunks come over several streams, each with its own deadline.
+FETCH_BATCH_KEYS = 32
+# Codes that say the daemon cannot serve us at all: stop asking until a probe answers. A Fetch or Store that runs
+# past its deadline is not one of them (a slow or large transfer; Lookup's deadline is the reachability probe).
 _UNREACHABLE_CODES = frozenset({
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -32,8 +38,8 @@ class GrpcStoreOptions:
     tls: bool = False
     tls_root_certificates: bytes | None = None  # PEM; None = the system roots
     rpc_timeout_s: float = 1.0  # Lookup and reconnect probes
-    fetch_timeout_s: float = 10.0  # a whole Fetch stream
-    store_timeout_s: float = 10.0  # a whole Store stream (write-back, off the request path)
+    fetch_timeout_s: float = 10.0  # a Fetch stream of at most FETCH_BATCH_KEYS keys
+    store_timeout_s: float = 10.0  # a Store stream's fixed part; plus its bytes / STREAM_FLOOR_BYTES_PER_S
     reconnect_interval_s: float = 1.0  # at most one probe per interval while degraded
 
     def __post_init__(self) -> None:
@@ -93,11 +99,18 @@ class GrpcChunkStore:
         keys = list(keys)
         if not keys:
             return iter(())
-        stub = self._available_stub()
-        # The stream's bytes are checked here, once (reader_verifies): the daemon skips its own check.
-        call = stub.Fetch(cache_pb2.FetchRequest(keys=keys, reader_verifies=True), timeout=self.options.fetch_timeout_s,
-                          metadata=self._metadata)
-        return self._read_fetch(call, keys)
+        stub = self._available_stub()  # raises now, before the reader starts, when the daemon is out of reach
+        return self._read_fetches(stub, keys)
+
+    def _read_fetches(self, stub, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
+        """One Fetch stream per FETCH_BATCH_KEYS keys, each opened when the reader reaches it."""
+        for start in range(0, len(keys), FETCH_BATCH_KEYS):
+            batch = keys[start:start + FETCH_BATCH_KEYS]
+            # The stream's bytes are checked here, once (reader_verifies): the daemon skips its own check.
+            call = (stub if start == 0 else self._available_stub()).Fetch(
+                cache_pb2.FetchRequest(keys=batch, reader_verifies=True), timeout=self.options.fetch_timeout_s,
+                metadata=self._metadata)
+            yield from self._read_fetch(call, batch)
 
     def _read_fetch(self, call, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
         try:
@@ -111,8 +124,9 @@ class GrpcChunkStore:
         if not items:
             return 0
         stub = self._available_stub()
+        timeout = store_deadline_s(self.options.store_timeout_s, sum(len(item.blob) for item in items))
         try:
-            reply = stub.Store(iter_store_frames(items), timeout=self.options.store_timeout_s, metadata=self._metadata)
+            reply = stub.Store(iter_store_frames(items), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise self._failure("Store", error) from error
         return reply.stored + reply.already_present
@@ -173,7 +187,10 @@ class GrpcChunkStore:
 
     def _failure(self, method: str, error: grpc.RpcError) -> StoreUnavailable:
         code, details = error.code(), error.details()
-        if code in _UNREACHABLE_CODES:
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and method in ("Fetch", "Store"):
+            logger.warning("cache daemon %s: a %s stream ran past its deadline (a slow or large transfer; the "
+                           "daemon stays in use): %s", self.address, method, details)
+        elif code in _UNREACHABLE_CODES:
             self._mark_degraded(f"{method}: {code.name} {details}")
         else:
             logger.error("cache daemon %s refused %s: %s %s", self.address, method, code.name, details)
@@ -221,6 +238,11 @@ class GrpcChunkStore:
             return grpc.insecure_channel(self.address, options=options)
         credentials = grpc.ssl_channel_credentials(root_certificates=self.options.tls_root_certificates)
         return grpc.secure_channel(self.address, credentials, options=options)
+
+
+def store_deadline_s(fixed_s: float, num_bytes: int) -> float:
+    """A Store stream's deadline: its fixed part plus its bytes at the slowest rate allowed for."""
+    return fixed_s + num_bytes / STREAM_FLOOR_BYTES_PER_S
 
 
 def iter_store_frames(items: Iterable[StoreItem]) -> Iterator[cache_pb2.ChunkFrame]:

@@ -5,6 +5,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
+# Blob bytes per store call of a write-back or warm-up (one Store stream): the daemon's default --max-store-bytes
+# (its --max-bytes, 1 GiB) leaves room for it, and the service holds at most this much encoded at once.
+DEFAULT_MAX_STREAM_BYTES = 256 << 20
+
 
 class StoreUnavailable(Exception):
     """The store cannot be reached; the engine serves the request without it (degraded)."""

@@ -191,6 +191,18 @@ def test_n_choices_share_one_request(stack):
     assert len({choice.text for choice in reply.choices}) > 1  # seeds seed + i: the choices differ
 
 
+def test_seed_minus_one_with_n_choices_wraps(stack):
+    """seed -1 is 2**64 - 1 to the service; its second choice samples with seed 0 (modulo 2**64), not a 500."""
+    reply = stack.client().completions.create(model=stack.model, prompt=unique("Pick"), max_tokens=4, n=2,
+                                              temperature=1.0, seed=-1, extra_body={"ignore_eos": True})
+    assert [choice.index for choice in reply.choices] == [0, 1] and reply.usage.completion_tokens == 8
+    with grpc.insecure_channel(stack.service.address) as channel:
+        events = list(inference_pb2_grpc.InferenceServiceStub(channel).Generate(pb.GenerateRequest(
+            prompt="Pick", max_new_tokens=4, n=2, temperature=1.0, seed=2**64 - 1, ignore_eos=True), timeout=60,
+            metadata=(("authorization", f"Bearer {TOKEN}"),)))
+    assert sorted(event.result.index for event in events if event.HasField("result")) == [0, 1]
+
+
 def test_cache_salt_separates_warmed_chunks(stack):
     document = unique("The harbour handbook. " * 6)
     warmed = httpx.post(f"{stack.main.base_url}/v1/kvboost/warm", json={"text": document, "cache_salt": "tenant-a"},

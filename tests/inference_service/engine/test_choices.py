@@ -58,6 +58,17 @@ def test_seeded_choices_differ_from_each_other_and_repeat(tiny_llama):
     assert first[0] == single.output_token_ids
 
 
+def test_the_largest_seed_wraps_for_the_next_choice(tiny_llama):
+    """Seeds are unsigned 64-bit: choice 1 of seed 2**64 - 1 samples with seed 0 (the gateway sends seed -1 as it)."""
+    engine = make_engine(tiny_llama)
+    params = GenerationParams(prompt=PROMPT, max_new_tokens=10, temperature=1.5, seed=2**64 - 1, n=2, mode="baseline")
+    choices = engine.generate_choices(params)
+    assert [outcome.finish_reason for outcome in choices] == ["length", "length"]
+    seed_zero = engine.generate(GenerationParams(prompt=PROMPT, max_new_tokens=10, temperature=1.5, seed=0,
+                                                 mode="baseline"))
+    assert choices[1].output_token_ids == seed_zero.output_token_ids
+
+
 def test_choices_reuse_the_cached_prefix_and_count_as_one_request(tiny_llama):
     engine = make_engine(tiny_llama)
     engine.generate(GenerationParams(prompt=PROMPT, max_new_tokens=2, mode="prefix_cache"))

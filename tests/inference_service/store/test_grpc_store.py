@@ -11,7 +11,7 @@ import pytest
 
 from kvboost_common.frames import MAX_FRAME_BYTES
 from inference_service.store.grpc_store import (
-    GrpcStoreOptions, GrpcChunkStore, iter_store_frames, reassemble_chunks,
+    GrpcStoreOptions, GrpcChunkStore, iter_store_frames, reassemble_chunks, store_deadline_s,
 )
 from inference_service.store.protocol import StoreUnavailable, StoreItem
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
@@ -304,3 +304,49 @@ def test_bearer_token_through_the_real_daemon(tmp_path) -> None:
             with pytest.raises(StoreUnavailable, match="UNAUTHENTICATED"):
                 cache.lookup(NAMESPACE, [make_key(1)])
             assert cache.degraded
+
+
+# --- bounded streams ---------------------------------------------------------------------------------
+
+class CountingStalls(FakeCacheService):
+    """Counts Fetch streams; a Store waits on `store_gate` while it is cleared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_fetches = 0
+        self.store_gate = threading.Event()
+        self.store_gate.set()
+
+    def Fetch(self, request, context):
+        self.num_fetches += 1
+        yield from super().Fetch(request, context)
+
+    def Store(self, request_iterator, context):
+        self.store_gate.wait(10)
+        return super().Store(request_iterator, context)
+
+
+def test_a_long_fetch_goes_out_as_streams_of_at_most_32_keys_in_order() -> None:
+    service = CountingStalls()
+    service.blobs = {make_key(i): bytes([i]) * 10 for i in range(70)}
+    with running_daemon(service) as address, connected_cache(address) as cache:
+        assert list(cache.fetch([make_key(i) for i in range(70)])) == [(make_key(i), bytes([i]) * 10)
+                                                                       for i in range(70)]
+    assert service.num_fetches == 3  # 32 + 32 + 6
+
+
+def test_a_store_past_its_deadline_fails_alone_and_the_daemon_stays_in_use() -> None:
+    service = CountingStalls()
+    with running_daemon(service) as address, connected_cache(address, store_timeout_s=0.2) as cache:
+        service.store_gate.clear()
+        with pytest.raises(StoreUnavailable, match="DEADLINE_EXCEEDED"):
+            cache.store([make_item(1)])
+        assert not cache.degraded  # a slow write is not an outage: lookups still go to the daemon
+        service.store_gate.set()
+        assert cache.lookup(NAMESPACE, [make_key(1)]).prefix_run == 0
+        assert cache.store([make_item(2)]) == 1
+
+
+def test_a_store_deadline_grows_with_its_bytes() -> None:
+    assert store_deadline_s(10.0, 0) == 10.0
+    assert store_deadline_s(10.0, 160_000_000) == pytest.approx(20.0)  # 160 MB at the 16 MB/s floor

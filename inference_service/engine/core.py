@@ -14,7 +14,7 @@ from inference_service.engine.executor import Executor
 from inference_service.engine.kv_owner import KvOwner, bytes_per_token
 from inference_service.request.planning import EngineParts
 from inference_service.engine.scheduler import Scheduler, SchedulerLimits, SequenceState
-from inference_service.engine.slot_ledger import SlotLedger
+from inference_service.engine.slot_ledger import SlotLayout, SlotLedger, plan_slots
 from inference_service.engine.sequence import Sequence
 from inference_service.request.types import MAX_CHOICES
 from inference_service.errors import EngineFatal, EngineStopped, InvalidRequest, QueueFull
@@ -40,13 +40,21 @@ class EngineCore:
         batched = not has_sliding_layers(parts.model.config)
         if not batched:
             limits = dataclasses.replace(limits, batch_prefills=False)
-        capacity = max(parts.geometry.max_context, parts.max_prompt_tokens) + 1  # the longest prompt still runs
+        # The longest request, prompt and generated (the longest prompt still runs; a prompt of --max-prompt-tokens
+        # with --max-new-tokens is what a smaller limit lets through).
+        longest = min(max(parts.geometry.max_context, parts.max_prompt_tokens),
+                      parts.max_prompt_tokens + parts.config.max_new_tokens_limit) + 1
         # One slot per row: at least one per running request (limits.max_running_requests) and a request's n
         # completions (up to MAX_CHOICES); spare slots let ended rows' write-backs drain while new rows start.
         spare = max(4, num_slots // 2)
-        ledger = SlotLedger(max(num_slots, MAX_CHOICES) + spare, kv_budget_bytes,
-                            bytes_per_token(parts.geometry, parts.dtype))
-        self.owner = KvOwner(ledger, parts.model.config, parts.geometry, capacity, parts.device, parts.dtype)
+        per_token = bytes_per_token(parts.geometry, parts.dtype)
+        by_budget = parts.config.kv_slots_by_budget
+        self.layout = plan_slots(max(num_slots, MAX_CHOICES) + spare, longest, kv_budget_bytes, per_token,
+                                 parts.device.type != "cpu" if by_budget is None else by_budget)
+        log_layout(self.layout, per_token, kv_budget_bytes, max(num_slots, MAX_CHOICES) + spare, longest)
+        ledger = SlotLedger(self.layout.num_slots, kv_budget_bytes, per_token)
+        self.owner = KvOwner(ledger, parts.model.config, parts.geometry, self.layout.capacity, parts.device,
+                             parts.dtype)
         self.scheduler = Scheduler(limits, self.owner.ledger)
         self.executor = Executor(parts.model, self.owner, self.scheduler, batched, pad_token_id,
                                  parts.config.decode_step)
@@ -173,3 +181,19 @@ class EngineCore:
             except Exception as error:  # outside every request's own work: each request ends with it
                 logger.exception("engine step failed; its requests fail")
                 self.executor.fail_all(error)
+
+
+def log_layout(layout: SlotLayout, per_token: int, budget_bytes: int, wanted_slots: int, longest: int) -> None:
+    """Says at start-up what the K/V slots reserve, and what limits the budget put on them."""
+    gib = layout.memory_bytes(per_token) / 2**30
+    if not layout.by_budget:
+        logger.info("K/V: %d slots x %d tokens (%.2f GiB of address space, committed only as written; running "
+                    "requests reserve at most --kv-cache-bytes %d)", layout.num_slots, layout.capacity, gib,
+                    budget_bytes)
+        return
+    logger.info("K/V: %d slots x %d tokens reserved on the device, %.2f GiB within --kv-cache-bytes %d",
+                layout.num_slots, layout.capacity, gib, budget_bytes)
+    if layout.num_slots < wanted_slots or layout.capacity < longest:
+        logger.warning("K/V: the budget holds %d of the %d slots wanted, of %d of %d tokens: fewer requests run at "
+                       "once, and longer ones are refused; raise --kv-cache-bytes or lower --max-prompt-tokens and "
+                       "--max-new-tokens", layout.num_slots, wanted_slots, layout.capacity, longest)

@@ -70,3 +70,38 @@ class SlotLedger:
         """release_row and free at once (a row whose slot nothing else reads)."""
         self.release_row(slot)
         self.free(slot)
+
+
+@dataclass(slots=True, frozen=True)
+class SlotLayout:
+    """How the K/V slots are laid out: num_slots slots of `capacity` tokens each (plus one scratch column)."""
+
+    num_slots: int
+    capacity: int
+    by_budget: bool  # sized so that the slots' memory stays within the budget
+
+    def __post_init__(self) -> None:
+        assert self.num_slots > 0 and self.capacity > 0, f"a layout needs slots and room: {self}"
+
+    def memory_bytes(self, bytes_per_token: int) -> int:
+        """What the slots take when every page is committed (the scratch column included)."""
+        return self.num_slots * (self.capacity + 1) * bytes_per_token
+
+
+def plan_slots(wanted_slots: int, longest_request: int, budget_bytes: int, bytes_per_token: int,
+               by_budget: bool) -> SlotLayout:
+    """The slot layout for a budget.
+
+    by_budget False (a CPU: pages are committed only when written, and admission keeps what is written within the
+    budget): every wanted slot holds the longest request. by_budget True (a GPU: memory is committed at
+    allocation): as many slots of the longest request as the budget holds, at most wanted_slots; when not even
+    one fits, one slot of what the budget holds (requests longer than that are refused, with the reason).
+    longest_request: prompt and generated tokens of the longest request the service takes.
+    """
+    if not by_budget:
+        return SlotLayout(wanted_slots, longest_request, False)
+    per_slot = (longest_request + 1) * bytes_per_token
+    num_slots = min(wanted_slots, budget_bytes // per_slot)
+    if num_slots >= 1:
+        return SlotLayout(num_slots, longest_request, True)
+    return SlotLayout(1, max(1, budget_bytes // bytes_per_token - 1), True)

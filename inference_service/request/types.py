@@ -60,6 +60,9 @@ class EngineConfig:
     max_answer_tokens_stored: int = 1024
     decode_step: str = DEFAULT_DECODE_STEP  # the batched decode step (model/step_names.py)
     max_store_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES  # blob bytes per Store stream of a write-back
+    # Slots sized so that their memory stays within kv_cache_bytes (engine/slot_ledger.plan_slots); None: on devices
+    # that commit memory at allocation (CUDA), not on a CPU (pages committed as written).
+    kv_slots_by_budget: bool | None = None
 
     @property
     def keys_before_rope(self) -> bool:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.engine.slot_ledger import SlotLedger
+from inference_service.engine.slot_ledger import SlotLayout, SlotLedger, plan_slots
 
 
 def test_slots_come_lowest_first_and_bytes_are_reserved_per_row():
@@ -49,3 +49,29 @@ def test_a_rows_bytes_come_back_when_it_ends_and_its_slot_when_nothing_reads_it(
     with pytest.raises(AssertionError, match="in use or free already"):
         ledger.free(0)
     assert ledger.num_free_slots == 2
+
+
+# -- the slot layout by budget -------------------------------------------------------------------------------
+
+def test_on_a_cpu_every_wanted_slot_holds_the_longest_request():
+    # Pages are committed only as written there: the layout is address space, admission bounds what is written.
+    assert plan_slots(24, 8193, budget_bytes=1000, bytes_per_token=10, by_budget=False) == SlotLayout(24, 8193, False)
+
+
+def test_by_budget_as_many_whole_slots_as_the_budget_holds():
+    # An 8B-shaped model at a 32k context: 128 KiB a token, 40 GiB of budget -> 9 slots of 32769 tokens (+1 scratch).
+    layout = plan_slots(24, 32769, budget_bytes=40 << 30, bytes_per_token=128 << 10, by_budget=True)
+    assert layout == SlotLayout(9, 32769, True)
+    assert layout.memory_bytes(128 << 10) <= 40 << 30
+    # A budget with room for more slots than wanted takes the wanted ones only.
+    assert plan_slots(4, 100, budget_bytes=10**9, bytes_per_token=10, by_budget=True) == SlotLayout(4, 100, True)
+
+
+def test_a_128k_context_starts_under_a_40_gib_budget():
+    layout = plan_slots(24, 131073, budget_bytes=40 << 30, bytes_per_token=128 << 10, by_budget=True)
+    assert layout == SlotLayout(2, 131073, True) and layout.memory_bytes(128 << 10) <= 40 << 30
+
+
+def test_a_budget_below_one_whole_slot_gives_one_slot_of_what_it_holds():
+    layout = plan_slots(24, 8193, budget_bytes=1000, bytes_per_token=10, by_budget=True)
+    assert layout == SlotLayout(1, 99, True) and layout.memory_bytes(10) <= 1000

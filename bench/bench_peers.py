@@ -271,8 +271,8 @@ def run_chat(servers: list[Server], ours: Server | None, client: httpx.Client, t
 class OurStack:
     """Daemon (LMDB in work_dir, kept across restarts), inference service and HTTP gateway on loopback."""
 
-    def __init__(self, work_dir: Path, threads: int) -> None:
-        self.work_dir, self.threads = work_dir, threads
+    def __init__(self, work_dir: Path, threads: int, max_bytes: str = "8GB") -> None:
+        self.work_dir, self.threads, self.max_bytes = work_dir, threads, max_bytes
         self.processes: list = []
         self.base_url = ""
 
@@ -283,7 +283,7 @@ class OurStack:
         from tests.e2e.service_process import start_service
 
         os.environ["OMP_NUM_THREADS"] = str(self.threads)
-        daemon = start_daemon(self.work_dir / "lmdb", pick_free_port(), "--max-bytes", "8GB")
+        daemon = start_daemon(self.work_dir / "lmdb", pick_free_port(), "--max-bytes", self.max_bytes)
         service = start_service("SmolLM2-135M-Instruct", daemon.address, pick_free_port(),
                                 self.work_dir / "service.log", timeout_s=180)
         gateway = launch_gateway(service.address, pick_free_port(), self.work_dir / "gateway.log")

@@ -155,6 +155,13 @@ class ServiceStats(_FromProto):
     guard_fallbacks: int  # of those, sent to full recompute
     approximate_answers: int  # answers that reused content hits (labelled approximate)
     approximate_tokens: int  # their prompt tokens from content hits, not recomputed
+    l0_chunks_hit: int  # whole chunks placed from L0, the service's own tier
+    l0_bytes_placed: int
+    l0_bytes_held: int
+    l0_chunks_held: int
+    l0_chunks_evicted: int
+    load_bytes: int  # K/V bytes placed from the cache; load_bytes / load_seconds: the load rate
+    load_seconds: float
 
 
 @dataclass(slots=True, frozen=True)

@@ -20,7 +20,8 @@ options:
   --prefix-file FILE      prepend this file's text to PROMPT (to reuse what --warm stored)
   --system TEXT           send [system, user] chat messages instead of a raw prompt
   --max-new-tokens N      tokens to generate (server default 64)
-  --mode MODE             BASELINE, PREFIX_CACHE or CHUNK_KV_REUSE (server default)
+  --mode MODE             BASELINE, PREFIX_CACHE (exact; the server default unless it opted in) or
+                          CHUNK_KV_REUSE (approximate: the result says approximate: true)
   --token TOKEN           bearer token (env KVBOOST_TOKEN)
   --timeout SECONDS       deadline of each call (default 300)
   --proto-dir DIR         folder holding kvboost/v1/*.proto (env KVBOOST_PROTO_DIR, default ../../proto)

@@ -65,6 +65,7 @@ class EngineCore:
         self._held: list[tuple[float, Sequence]] = []  # (deadline, request) waiting for a write-back of its chunks
         self._wake = threading.Condition()
         self._writeback = parts.writeback
+        self._hot = parts.hot
         self._writeback.on_settled = self._wake_up
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -158,7 +159,7 @@ class EngineCore:
 
     def stats(self) -> dict:
         return {"running_rows": self.scheduler.num_running_rows, "waiting_requests": self.num_waiting,
-                **self.owner.stats()}
+                **self.owner.stats(), **(self._hot.snapshot() if self._hot is not None else {})}
 
     def _loop(self) -> None:
         while True:

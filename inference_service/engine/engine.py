@@ -18,6 +18,7 @@ from kvboost_keys.prompts import PromptPlan, tokenize_messages
 from inference_service.engine.sequence import OnDone, Sequence, WarmSpec
 from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.request.verification import BUILTIN_PROMPTS, compare_modes
+from inference_service.reuse.hot_tier import hot_tier_for
 from inference_service.reuse.writeback import WriteBack
 from inference_service.errors import InvalidRequest
 from inference_service.kv import codec
@@ -75,7 +76,8 @@ class Engine:
             eos_ids=eos_token_ids(model, tokenizer),
             counters=counters,
             writeback=WriteBack(store, config.kv_cache_bits, counters.add_stored, config.kv_group_size,
-                                key_rope if config.keys_before_rope else None, config.max_store_stream_bytes),
+                                key_rope if config.keys_before_rope else None, config.max_store_stream_bytes,
+                                hot_tier_for(config.hot_tier_bytes, config.kv_cache_bits), config.chunk_size),
             key_rope=key_rope,
             content_rope=content_rope,
         )
@@ -241,16 +243,10 @@ class Engine:
         """Fields of ModelInfoReply."""
         names = getattr(self.model.config, "architectures", None) or [type(self.model).__name__]
         return {
-            "model": self.model_id,
-            "architecture": names[0],
-            "dtype": dtype_name(self.dtype),
-            "device": str(self.device),
-            "num_layers": self.geometry.num_layers,
-            "num_kv_heads": self.geometry.num_kv_heads,
-            "head_dim": self.geometry.head_dim,
-            "max_context": self.geometry.max_context,
-            "chunk_size": self.config.chunk_size,
-            "kv_cache_bits": self.config.kv_cache_bits,
+            "model": self.model_id, "architecture": names[0], "dtype": dtype_name(self.dtype), "device": str(self.device),
+            "num_layers": self.geometry.num_layers, "num_kv_heads": self.geometry.num_kv_heads,
+            "head_dim": self.geometry.head_dim, "max_context": self.geometry.max_context,
+            "chunk_size": self.config.chunk_size, "kv_cache_bits": self.config.kv_cache_bits,
             "namespace_hex": self.namespace.hex(),
             "weights_id": self.weights_id,
             "default_recompute_strategy": self.config.default_recompute_strategy,

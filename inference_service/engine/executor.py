@@ -76,7 +76,9 @@ class Executor:
 
     def _place(self, seq: Sequence) -> None:
         source = seq.source
-        if source is not None and source.first_logits is not None and source.state.slots[0] in source.held_slots:
+        # An approximate source's K/V is never shared: the follower looks its prompt up itself (and stays exact).
+        if (source is not None and source.first_logits is not None and not source.approximate
+                and source.state.slots[0] in source.held_slots):
             self.owner.buffers.copy_prefix(seq.source.state.slots[0], seq.state.slots[0], seq.num_shared_tokens)
             seq.context = AssembledContext(None, None, seq.num_shared_tokens, seq.num_shared_chunks,
                                            degraded=seq.source.context.degraded)
@@ -192,6 +194,7 @@ class Executor:
     # ---- write-back, failures --------------------------------------------------------------------------
 
     def _write_back(self, seq: Sequence) -> None:
+        self._keep_fetched_hot(seq)
         pending = seq.pending
         if pending is not None and seq.stored_keys is not None:  # a batch call: no chunk is stored twice
             pending = pending.without(seq.stored_keys)
@@ -200,6 +203,16 @@ class Executor:
         slot = seq.state.slots[0]
         self.owner.hold(slot)  # the write-back reads the slot's K/V on its own thread
         seq.parts.writeback.submit(pending, lambda stored, error: self.owner.let_go(slot))
+
+    def _keep_fetched_hot(self, seq: Sequence) -> None:
+        """L0 copies the whole chunks this prompt took from the store, on the write-back thread (after the first
+        token: never on the request's path)."""
+        spans = seq.context.fetched_whole
+        if not spans or seq.parts.hot is None:
+            return
+        slot = seq.state.slots[0]
+        self.owner.hold(slot)  # the copy reads the slot's K/V on its own thread
+        seq.parts.writeback.submit_hot(self.owner.views(slot), spans, lambda: self.owner.let_go(slot))
 
     def _store_answer(self, seq: Sequence, row: Row) -> None:
         """The prompt's tail and the answer's K/V (first completion only) as chunks, so the next turn of a

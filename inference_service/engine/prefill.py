@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Sequence as Seq
 
 import torch
 
 from inference_service.reuse.assembler import assemble_context, empty_context
-from inference_service.reuse.content_reuse import exact_pending_chunks, prefill_with_content_hits
+from inference_service.reuse.content_reuse import prefill_with_content_hits
 from inference_service.request.logprobs import prompt_logprobs
 from inference_service.request.planning import needs_repair, new_chunks, repair_options
 from inference_service.model.batch_forward import PrefillRow, prefill_rows
@@ -25,8 +26,13 @@ def start(seq: Sequence, buffers: Buffers) -> None:
     must run in one piece (repair of content hits, every prompt token's logprob)."""
     parts, prompt = seq.parts, seq.prompt
     looks_up = seq.mode != "baseline" and seq.params.prompt_logprobs is None and seq.warm is None
+    started = time.perf_counter()
     seq.context = (assemble_context(parts.store, parts.namespace, prompt, buffers, seq.mode == "chunk_kv_reuse",
-                                    parts.key_rope) if looks_up else empty_context())
+                                    parts.key_rope, parts.hot) if looks_up else empty_context())
+    if seq.context.num_cached_tokens:  # the load rate: bytes in place / time from the Lookup to the last one placed
+        keys = buffers[0]
+        per_token = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()
+        parts.counters.add_load(seq.context.num_cached_tokens * per_token, time.perf_counter() - started)
     seq.whole = seq.params.prompt_logprobs is not None or needs_repair(seq.mode, seq.context)
     # The last prompt token runs when its logits choose the first new token.
     place(seq, buffers, min(seq.context.num_cached_tokens, prompt.num_tokens - int(seq.need_logits)))
@@ -95,8 +101,6 @@ def _run_whole(seq: Sequence, buffers: Buffers) -> int:
                                            parts.content_rope, repair_options(parts, seq.params), buffers,
                                            overlap_tokens=parts.config.overlap_tokens)
         if reused is not None:
-            # Named before the context counts the content chunks: only chunks before the first one are exact.
-            pending = exact_pending_chunks(parts.namespace, prompt, context, reused, seq.request_id)
             context.num_recomputed_tokens = reused.num_recomputed_tokens
             context.approximate, context.num_approximate_tokens = True, reused.num_approximate_tokens
             context.repair_checked, context.repair_risk = reused.repair_checked, reused.repair_risk
@@ -106,7 +110,10 @@ def _run_whole(seq: Sequence, buffers: Buffers) -> int:
             context.degraded = reused.degraded
             seq.num_cached, seq.cache, seq.first_logits = reused.num_cached_tokens, reused.cache, reused.first_logits
             seq.state.num_computed = prompt.num_tokens
-            seq.pending = None if reused.degraded else pending
+            # Nothing of it is stored: the K/V after the first content hit attended to approximate ones, and even
+            # those before it came through the repair's forward, which rounds apart from the model's own (close,
+            # not bitwise): stored under prefix keys they would change a later exact answer.
+            seq.pending = None
             return prompt.num_tokens - num_before
     live = torch.tensor(prompt.token_ids[num_before:], device=parts.device)
     if seq.params.prompt_logprobs is None:

@@ -89,13 +89,6 @@ def select_tokens(deviation: torch.Tensor, status: torch.Tensor, ratio: float, s
     return chosen.nonzero().flatten()
 
 
-def exact_prefix_length(status: torch.Tensor) -> int:
-    """Tokens before the first APPROX one. Only their K/V are exact after repair_prefill: every later
-    token attended to approximate K/V, so its chunks must not be stored under prefix keys."""
-    approx = (status == APPROX).nonzero()
-    return int(approx[0]) if approx.numel() else status.numel()
-
-
 @torch.inference_mode()
 def repair_prefill(
     model,

@@ -17,6 +17,8 @@ class _Counters:
     guard_fallbacks: int = 0  # of those, the ones the fidelity guard recomputed in full
     approximate_answers: int = 0  # requests that reused content hits (their answers say approximate)
     approximate_tokens: int = 0  # their prompt tokens whose K/V came from content hits, not recomputed
+    load_bytes: int = 0  # K/V bytes placed from the cache (L0 and the daemon) into requests' slots
+    load_seconds: float = 0.0  # time from each request's Lookup to its last chunk in place
     chunks_fetched: int = 0
     chunks_stored: int = 0
     bytes_fetched: int = 0
@@ -50,6 +52,11 @@ class EngineStats:
             if ttft_ms is not None:
                 counters.requests_with_first_token += 1
                 counters.total_ttft_ms += ttft_ms
+
+    def add_load(self, num_bytes: int, seconds: float) -> None:
+        with self._lock:
+            self._counters.load_bytes += num_bytes
+            self._counters.load_seconds += seconds
 
     def add_guard(self, fell_back: bool) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from inference_service.request.counters import EngineStats
 from inference_service.request.generation import DecodeResult
 from kvboost_keys.prompts import PromptPlan, plan_prompt, tokenize_request, tokenize_warm
 from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams
+from inference_service.reuse.hot_tier import HotTier
 from inference_service.reuse.writeback import PendingChunks, WriteBack
 from inference_service.errors import InvalidRequest, PromptTooLong
 from kvboost_keys.namespace import Namespace, salted_namespace
@@ -45,6 +46,11 @@ class EngineParts:
     key_rope: RopeParams | None
     # Content hits are reused (re-rotated and repaired) only with this; None: they fall back to prefix reuse.
     content_rope: RopeParams | None
+
+    @property
+    def hot(self) -> HotTier | None:
+        """L0 (reuse/hot_tier.py), which the write-back fills; None: off."""
+        return self.writeback.hot
 
     @property
     def device(self) -> torch.device:

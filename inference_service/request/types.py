@@ -63,6 +63,9 @@ class EngineConfig:
     # Slots sized so that their memory stays within kv_cache_bytes (engine/slot_ledger.plan_slots); None: on devices
     # that commit memory at allocation (CUDA), not on a CPU (pages committed as written).
     kv_slots_by_budget: bool | None = None
+    # L0: decoded K/V of recently stored or fetched whole chunks kept in the service's memory (16-bit storage
+    # only: quantized blobs do not decode to the computed values); 0: off.
+    hot_tier_bytes: int = 512 << 20
 
     @property
     def keys_before_rope(self) -> bool:
@@ -88,6 +91,7 @@ class EngineConfig:
         assert self.max_forward_tokens > 0, f"max_forward_tokens must be positive, got {self.max_forward_tokens}"
         assert self.max_queue > 0, f"max_queue must be positive, got {self.max_queue}"
         assert self.max_answer_tokens_stored >= 0, "max_answer_tokens_stored must be >= 0"
+        assert self.hot_tier_bytes >= 0, f"hot_tier_bytes must be >= 0, got {self.hot_tier_bytes}"
         assert self.max_store_stream_bytes > 0, f"max_store_stream_bytes must be positive, got {self.max_store_stream_bytes}"
         assert 0 <= self.kv_group_size <= 65535, f"kv_group_size must be in 0..65535, got {self.kv_group_size}"
         assert self.decode_step in DECODE_STEPS, f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}"

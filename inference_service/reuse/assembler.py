@@ -9,11 +9,12 @@ from typing import Iterator, TypeVar
 
 import torch
 
-from inference_service.store.protocol import ChunkStore, ContinuationQuery, StoreUnavailable
+from inference_service.store.protocol import ChunkStore, ContinuationQuery, StoreTimeout, StoreUnavailable
 from inference_service.kv.blobs import decode_hit, place_hit_
 from kvboost_keys.prompts import PromptPlan
 from kvboost_keys.chunking import Chunk
 from inference_service.kv.rope import RopeParams
+from inference_service.reuse.hot_tier import HotTier
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +40,16 @@ class AssembledContext:
     repair_checked: bool = False  # cacheblend measured the content hits' risk (see kv.repair)
     repair_risk: float = 0.0
     fidelity_guard: bool = False  # the guard recomputed every content-hit token
+    # Whole chunks placed from the store, not from L0: (prefix key, start, end) for L0 to keep, off the request path.
+    fetched_whole: list[tuple[bytes, int, int]] = field(default_factory=list)
+    num_hot_chunks: int = 0  # leading chunks placed from L0
     approximate: bool = False  # content hits were placed: K/V computed under another prefix are in the context
     num_approximate_tokens: int = 0  # content-hit tokens whose K/V repair kept (not recomputed)
 
     @property
     def num_fetched_blobs(self) -> int:
-        return self.num_cached_chunks + (self.partial_key is not None)
+        """Blobs that came from the store (L0's chunks did not)."""
+        return self.num_cached_chunks - self.num_hot_chunks + (self.partial_key is not None)
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,6 +73,7 @@ def assemble_context(
     buffers: tuple[torch.Tensor, torch.Tensor],
     with_content_hits: bool,
     rope: RopeParams | None = None,
+    hot: HotTier | None = None,
 ) -> AssembledContext:
     """Everything the store can give for this prompt, placed into `buffers` (the request's slot: keys, values
     [layers, kv_heads, capacity, head_dim]).
@@ -88,7 +94,7 @@ def assemble_context(
         return empty_context(degraded=True)
     if lookup.prefix_run == 0 and partial is None:
         return AssembledContext(None, None, content_hits=lookup.content_hits)
-    context = fetch_prefix_run(store, prompt, lookup.prefix_run, buffers, rope, partial)
+    context = fetch_prefix_run(store, prompt, lookup.prefix_run, buffers, rope, partial, hot)
     context.content_hits = lookup.content_hits
     return context
 
@@ -110,27 +116,31 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
 
 def fetch_prefix_run(
     store: ChunkStore, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor],
-    rope: RopeParams | None = None, partial: PartialHit | None = None,
+    rope: RopeParams | None = None, partial: PartialHit | None = None, hot: HotTier | None = None,
 ) -> AssembledContext:
-    """Fetches the first `run` chunks (then the partial chunk, if any) and copies each decoded blob into its
-    slice of the buffers.
+    """Copies the first `run` chunks (then the partial chunk, if any) into their slices of the buffers: the
+    leading ones L0 holds from there, the rest fetched from the store and decoded.
 
     buffers: keys, values [layers, kv_heads, capacity, head_dim]. A missing blob, one that fails to
     decode, one that does not fit its chunk, or one whose keys cannot be rotated into place ends the
     run there.
     """
-    chunks = list(prompt.chunks.chunks[:run])
-    keys_to_fetch = list(prompt.prefix_keys[:run])
+    keys, values = buffers
+    num_hot = _place_from_hot(hot, prompt, run, keys, values)
+    chunks = list(prompt.chunks.chunks[num_hot:run])
+    keys_to_fetch = list(prompt.prefix_keys[num_hot:run])
     if partial is not None:
         chunks.append(partial.chunk)
         keys_to_fetch.append(partial.key)
-    leading_index = run if partial is not None and partial.leading else -1
-    keys, values = buffers
+    if not chunks:
+        return AssembledContext(keys, values, prompt.chunks.chunks[num_hot - 1].end, num_hot, num_hot_chunks=num_hot)
+    leading_index = run - num_hot if partial is not None and partial.leading else -1
     shape = (keys.shape[0], keys.shape[1], chunks[-1].end, keys.shape[3])
     verify = not getattr(store, "verifies_blobs", False)  # one checksum per blob is enough
     num_placed = num_bytes = 0
     degraded = False
     blobs = None
+    fetched_whole: list[tuple[bytes, int, int]] = []
     try:
         blobs = store.fetch(keys_to_fetch)
         lent = getattr(blobs, "lent", False)  # views into shared memory: decode each before taking the next
@@ -145,6 +155,10 @@ def fetch_prefix_run(
                 break
             num_placed += 1
             num_bytes += len(blob)
+            if hot is not None and num_hot + index < run:
+                fetched_whole.append((expected_key, chunk.start, chunk.end))
+    except StoreTimeout as error:  # a slow transfer: the chunks placed so far are good, the rest is computed
+        logger.warning("cache fetch ran past its deadline, %d of %d chunks placed: %s", num_placed, len(chunks), error)
     except StoreUnavailable as error:  # the chunks placed so far are still good
         logger.warning("cache unavailable during fetch, %d of %d chunks placed: %s", num_placed, len(chunks), error)
         degraded = True
@@ -152,12 +166,33 @@ def fetch_prefix_run(
         close = getattr(blobs, "close", None)
         if close is not None:
             close()  # stops a stream we no longer read
-    if num_placed == 0:
+    if num_placed == 0 and num_hot == 0:
         return AssembledContext(None, None, num_bytes_fetched=num_bytes, degraded=degraded)
+    if num_placed == 0:
+        return AssembledContext(keys, values, prompt.chunks.chunks[num_hot - 1].end, num_hot, degraded=degraded,
+                                num_hot_chunks=num_hot)
     placed_partial = partial is not None and num_placed == len(chunks)
-    return AssembledContext(keys, values, chunks[num_placed - 1].end, min(num_placed, run), num_bytes_fetched=num_bytes,
-                            degraded=degraded, partial_key=partial.key if placed_partial else None,
-                            num_partial_tokens=len(partial.chunk.token_ids) if placed_partial else 0)
+    return AssembledContext(keys, values, chunks[num_placed - 1].end, min(num_hot + num_placed, run),
+                            num_bytes_fetched=num_bytes, degraded=degraded,
+                            partial_key=partial.key if placed_partial else None,
+                            num_partial_tokens=len(partial.chunk.token_ids) if placed_partial else 0,
+                            fetched_whole=fetched_whole, num_hot_chunks=num_hot)
+
+
+def _place_from_hot(hot: HotTier | None, prompt: PromptPlan, run: int, keys: torch.Tensor, values: torch.Tensor) -> int:
+    """Copies the leading chunks of the run that L0 holds into the buffers; returns how many."""
+    if hot is None:
+        return 0
+    placed = 0
+    for chunk, key in zip(prompt.chunks.chunks[:run], prompt.prefix_keys[:run]):
+        entry = hot.take(key)
+        if entry is None:
+            break
+        span = slice(chunk.start, chunk.end)
+        keys[:, :, span].copy_(entry[0])
+        values[:, :, span].copy_(entry[1])
+        placed += 1
+    return placed
 
 
 def report_corrupt(store: ChunkStore, key: bytes) -> None:

@@ -8,12 +8,11 @@ import torch
 
 from inference_service.reuse.assembler import AssembledContext, report_corrupt
 from inference_service.kv.blobs import decode_hit, place_hit_
-from inference_service.store.protocol import StoreUnavailable, ChunkStore
+from inference_service.store.protocol import StoreTimeout, StoreUnavailable, ChunkStore
 from kvboost_keys.prompts import PromptPlan
-from inference_service.kv.repair import APPROX, EXACT, MISSING, RepairOptions, exact_prefix_length, repair_prefill
+from inference_service.kv.repair import APPROX, EXACT, MISSING, RepairOptions, repair_prefill
 from inference_service.kv.rope import RopeParams
 from inference_service.model.kv_buffers import KVGeometry, build_cache
-from inference_service.reuse.writeback import PendingChunks
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +43,6 @@ class ContentPrefill:
     num_bytes_fetched: int  # content-hit blobs only (the prefix run's bytes are in the context)
     key_buffer: torch.Tensor  # [layers, kv_heads, capacity, head_dim]; rows [0, S) repaired, held by `cache`
     value_buffer: torch.Tensor
-    num_exact_tokens: int  # tokens [0, n) have exact K/V: only chunks inside may be stored
     degraded: bool = False  # the cache became unreachable while fetching content hits
     repair_checked: bool = False  # cacheblend measured the risk
     repair_risk: float = 0.0  # the check layer's K/V error left unrepaired (share)
@@ -110,6 +108,8 @@ def place_content_hits(
             previous = (index, stored_start + len(chunk.token_ids))
             num_placed += 1
             num_bytes += len(blob)
+    except StoreTimeout as error:  # a slow transfer: the hits placed so far are used, the rest computed
+        logger.warning("content fetch ran past its deadline, %d of %d hits placed: %s", num_placed, len(hits), error)
     except StoreUnavailable as error:
         logger.warning("cache unavailable during content fetch, %d of %d hits placed: %s", num_placed, len(hits), error)
         degraded = context.degraded = True
@@ -168,30 +168,8 @@ def prefill_with_content_hits(
         num_bytes_fetched=placed.num_bytes_fetched,
         key_buffer=placed.key_buffer,
         value_buffer=placed.value_buffer,
-        num_exact_tokens=exact_prefix_length(placed.status),
         degraded=placed.degraded,
         repair_checked=options.strategy == "cacheblend",
         repair_risk=result.risk,
         fidelity_guard=result.guarded,
     )
-
-
-def exact_pending_chunks(
-    namespace: bytes, prompt: PromptPlan, context: AssembledContext, prefilled: ContentPrefill, request_id: str = ""
-) -> PendingChunks:
-    """The new chunks safe to store: after the prefix run and before the first content hit. Every
-    later token attended to approximate K/V, so its chunk must not be stored under a prefix key."""
-    first = context.num_cached_chunks
-    chunks = prompt.chunks.chunks
-    last = first
-    while last < len(chunks) and chunks[last].end <= prefilled.num_exact_tokens:
-        last += 1
-    start = chunks[first].start if first < last else 0
-    end = prefilled.num_exact_tokens
-    new_kv = [
-        (layer_keys[None, :, start:end], layer_values[None, :, start:end])
-        for layer_keys, layer_values in zip(prefilled.key_buffer, prefilled.value_buffer)
-    ]
-    return PendingChunks(namespace, chunks[first:last], prompt.prefix_keys[first:last],
-                         prompt.content_keys[first:last], new_kv, start, request_id=request_id,
-                         parent_keys=tuple(prompt.parent_key(i) for i in range(first, last)))

@@ -15,6 +15,7 @@ from inference_service.store.protocol import DEFAULT_MAX_STREAM_BYTES, StoreUnav
 from kvboost_keys.chunking import Chunk
 from inference_service.kv.blobs import DEFAULT_GROUP_SIZE, encode_chunk_kv
 from inference_service.kv.rope import RopeParams
+from inference_service.reuse.hot_tier import HotTier
 from inference_service.model.kv_buffers import LayerKV, stack_layers
 from inference_service.model.threads import confine_to_this_thread
 
@@ -97,7 +98,6 @@ def bounded_batches(items: Iterable[StoreItem], max_bytes: int) -> Iterator[list
         num_bytes += len(item.blob)
     if batch:
         yield batch
-    return items
 
 
 class WriteBack:
@@ -105,10 +105,14 @@ class WriteBack:
 
     def __init__(self, cache: ChunkStore, bits: int, on_stored: Callable[[int, int], None],
                  group_size: int = DEFAULT_GROUP_SIZE, rope: RopeParams | None = None,
-                 max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES) -> None:
+                 max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES, hot: HotTier | None = None,
+                 chunk_size: int = 0) -> None:
         """max_stream_bytes: blob bytes per store call; a larger write-back goes out as several, encoded as it
-        goes (its encoded bytes are never all in memory at once)."""
+        goes (its encoded bytes are never all in memory at once). hot: L0, which keeps the whole chunks
+        (chunk_size tokens) once the store has them."""
         assert max_stream_bytes > 0, f"max_stream_bytes must be positive, got {max_stream_bytes}"
+        assert hot is None or chunk_size > 0, "L0 keeps whole chunks: give their size"
+        self.hot, self._chunk_size = hot, chunk_size
         self._cache = cache
         self._max_stream_bytes = max_stream_bytes
         self._bits = bits
@@ -117,6 +121,8 @@ class WriteBack:
         self._on_stored = on_stored  # (chunks stored, bytes stored)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-writeback",
                                             initializer=confine_to_this_thread)
+        self._hot_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-l0",
+                                                initializer=confine_to_this_thread)
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
         self._in_flight: Counter[bytes] = Counter()  # prefix keys queued or being stored
@@ -144,10 +150,11 @@ class WriteBack:
 
     def store_now(self, pending: PendingChunks) -> int:
         """Encodes and stores on the calling thread, in store calls of at most max_stream_bytes each; returns the
-        stored count (of the calls before a failure, when one fails: what they stored stays stored).
+        stored count.
 
         Raises:
-            StoreUnavailable: the cache cannot be reached.
+            StoreUnavailable: the cache cannot be reached, or a store call failed (what the calls before it stored
+                stays stored and counted).
         """
         total = 0
         with torch.inference_mode():
@@ -156,7 +163,40 @@ class WriteBack:
                 stored = self._cache.store(batch)
                 self._on_stored(stored, sum(len(item.blob) for item in batch))
                 total += stored
+                self._keep_hot(pending, {item.key for item in batch})
         return total
+
+    def _keep_hot(self, pending: PendingChunks, stored_keys: set[bytes]) -> None:
+        """L0 keeps the stored whole chunks' K/V, as computed (the 16-bit blobs hold exactly these values). L0 never
+        costs a daemon write: its failure (out of memory) is logged and the write-back goes on."""
+        if self.hot is None:
+            return
+        try:
+            for chunk, key in zip(pending.chunks, pending.prefix_keys):
+                if key in stored_keys and len(chunk.token_ids) == self._chunk_size:
+                    self.hot.add(key, *pending.chunk_kv(chunk))
+        except Exception:
+            logger.exception("[%s] keeping stored chunks in L0 failed", pending.request_id)
+
+    def submit_hot(self, buffers: tuple[torch.Tensor, torch.Tensor], spans: list[tuple[bytes, int, int]],
+                   on_done: Callable[[], None]) -> None:
+        """Queues copies of chunks placed from the store (key, start, end in `buffers`, keys and values
+        [layers, kv_heads, capacity, head_dim]) into L0; on_done runs on the write-back thread once they are
+        copied (the buffers may be reused from then on)."""
+        def copy() -> None:
+            try:
+                with torch.inference_mode():
+                    for key, start, end in spans:
+                        self.hot.add(key, buffers[0][:, :, start:end], buffers[1][:, :, start:end])
+            except Exception:  # a background thread has no caller to raise to; L0 only misses these chunks
+                logger.exception("keeping %d fetched chunks in L0 failed", len(spans))
+            finally:
+                on_done()
+
+        future = self._hot_executor.submit(copy)  # its own thread: never queued behind a large Store
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
 
     def _store_in_background(self, pending: PendingChunks, on_done) -> None:
         stored, failure = 0, None
@@ -188,3 +228,4 @@ class WriteBack:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        self._hot_executor.shutdown(wait=True)

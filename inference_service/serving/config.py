@@ -58,6 +58,7 @@ class ServiceConfig:
     max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
     max_running_requests: int = 16  # requests running at once (one with n completions decodes as n rows)
     kv_cache_bytes: int = 2 * 1024**3  # K/V memory reserved by running requests (prompt + max_new_tokens per row)
+    l0_bytes: int = 512 << 20  # L0: decoded K/V of recent whole chunks in the service's memory; 0 = off
     max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps
     metrics_port: int = 0  # Prometheus /metrics HTTP port on the listen host; 0 = off
     max_answer_tokens_stored: int = 1024  # generated tokens written back per request (the next turn reuses them)
@@ -104,6 +105,7 @@ class ServiceConfig:
         _require(self.max_queue > 0, f"--max-queue must be positive, got {self.max_queue}")
         _require(self.max_running_requests > 0, f"--max-running-requests must be positive, got {self.max_running_requests}")
         _require(self.kv_cache_bytes > 0, f"--kv-cache-bytes must be positive, got {self.kv_cache_bytes}")
+        _require(self.l0_bytes >= 0, f"--l0-bytes must be >= 0 (0 = off), got {self.l0_bytes}")
         _require(0 <= self.metrics_port < 65536, f"--metrics-port out of range: {self.metrics_port}")
         _require(self.max_answer_tokens_stored >= 0,
                  f"--max-answer-tokens-stored must be >= 0, got {self.max_answer_tokens_stored}")
@@ -216,6 +218,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--max-queue", type=int, default=default("MAX_QUEUE", defaults.max_queue), help="requests waiting for the model before RESOURCE_EXHAUSTED (KVBOOST_MAX_QUEUE)")
     add("--max-running-requests", type=int, default=default("MAX_RUNNING_REQUESTS", defaults.max_running_requests), help="requests prefilling or decoding at once; more wait. A request with n completions counts once and decodes as n rows, one K/V slot each (the slots: max(this, 16) plus spares) (KVBOOST_MAX_RUNNING_REQUESTS)")
     add("--kv-cache-bytes", type=int, default=default("KV_CACHE_BYTES", defaults.kv_cache_bytes), help="K/V memory the running requests may reserve, in bytes: each reserves prompt + max_new_tokens per row when it is admitted, so nothing runs out mid-decode; a request that does not fit waits, one that could never fit is INVALID_ARGUMENT (KVBOOST_KV_CACHE_BYTES)")
+    add("--l0-bytes", type=int, default=default("L0_BYTES", defaults.l0_bytes), help="L0, the service's own cache tier: decoded K/V of the whole chunks recent requests stored or fetched, kept in this process's memory (the GPU's on CUDA), least recently used dropped first; a prefix it holds is copied into place without a daemon read, checksum or decoding. Exact (16-bit storage only; off at --kv-cache-bits 8 and 4). The daemon's Lookup still decides what is cached. 0 = off (KVBOOST_L0_BYTES)")
     add("--max-prefill-tokens", type=int, default=default("MAX_PREFILL_TOKENS", defaults.max_prefill_tokens), help="prompt tokens prefilled between two decode steps: a long prompt runs in pieces while others decode (KVBOOST_MAX_PREFILL_TOKENS)")
     add("--metrics-port", type=int, default=default("METRICS_PORT", defaults.metrics_port), help="Prometheus /metrics HTTP port on the listen host (the step loop's running rows, waiting requests, K/V bytes reserved and budget; request counters); 0 = off (KVBOOST_METRICS_PORT)")
     add("--max-answer-tokens-stored", type=int, default=default("MAX_ANSWER_TOKENS_STORED", defaults.max_answer_tokens_stored), help="when a request ends, the K/V of its prompt's tail and of up to this many generated tokens (its first completion) are written back, keyed as the next turn of the conversation will key them, so that turn recomputes only its new message; 0 = answers are not stored (KVBOOST_MAX_ANSWER_TOKENS_STORED)")

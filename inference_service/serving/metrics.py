@@ -14,6 +14,8 @@ GAUGES = {
     "waiting_requests": ("kvboost_engine_waiting_requests", "requests queued, not yet admitted"),
     "kv_bytes_in_use": ("kvboost_engine_kv_bytes_in_use", "K/V bytes reserved by admitted requests"),
     "kv_budget_bytes": ("kvboost_engine_kv_budget_bytes", "K/V bytes admitted requests may reserve (--kv-cache-bytes)"),
+    "l0_bytes_held": ("kvboost_engine_l0_bytes_held", "K/V bytes L0 holds now (--l0-bytes)"),
+    "l0_chunks_held": ("kvboost_engine_l0_chunks_held", "whole chunks L0 holds now"),
 }
 COUNTERS = {
     "requests": ("kvboost_engine_requests", "requests finished"),
@@ -26,6 +28,11 @@ COUNTERS = {
     "guard_checks": ("kvboost_engine_guard_checks", "requests whose content hits the fidelity guard measured"),
     "guard_fallbacks": ("kvboost_engine_guard_fallbacks",
                         "requests the fidelity guard sent to full recompute of their content hits"),
+    "load_bytes": ("kvboost_engine_load_bytes", "K/V bytes placed from the cache (L0 and the daemon) into slots"),
+    "load_seconds": ("kvboost_engine_load_seconds", "seconds from each request's Lookup to its last chunk in place"),
+    "l0_chunks_hit": ("kvboost_engine_l0_chunks_hit", "whole chunks placed from L0, the service's own tier"),
+    "l0_bytes_placed": ("kvboost_engine_l0_bytes_placed", "K/V bytes placed from L0"),
+    "l0_chunks_evicted": ("kvboost_engine_l0_chunks_evicted", "chunks L0 dropped for room"),
     "approximate_answers": ("kvboost_engine_approximate_answers",
                             "answers that reused content hits (K/V computed under another prefix): labelled approximate"),
     "approximate_tokens": ("kvboost_engine_approximate_tokens",

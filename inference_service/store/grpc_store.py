@@ -8,7 +8,9 @@ from typing import Callable, Iterable, Iterator
 
 import grpc
 
-from inference_service.store.protocol import ContinuationQuery, StoreItem, StoreLookup, StoreUnavailable, pack_token_ids
+from inference_service.store.protocol import (
+    ContinuationQuery, StoreItem, StoreLookup, StoreTimeout, StoreUnavailable, pack_token_ids,
+)
 from kvboost_common.checksum import crc32
 from kvboost_common.frames import MAX_FRAME_BYTES
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
@@ -190,7 +192,8 @@ class GrpcChunkStore:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and method in ("Fetch", "Store"):
             logger.warning("cache daemon %s: a %s stream ran past its deadline (a slow or large transfer; the "
                            "daemon stays in use): %s", self.address, method, details)
-        elif code in _UNREACHABLE_CODES:
+            return StoreTimeout(f"cache daemon {method} ran past its deadline: {details}")
+        if code in _UNREACHABLE_CODES:
             self._mark_degraded(f"{method}: {code.name} {details}")
         else:
             logger.error("cache daemon %s refused %s: %s %s", self.address, method, code.name, details)

@@ -14,6 +14,11 @@ class StoreUnavailable(Exception):
     """The store cannot be reached; the engine serves the request without it (degraded)."""
 
 
+class StoreTimeout(StoreUnavailable):
+    """One transfer (a Fetch or Store stream) ran past its deadline: the store is still reachable; what the
+    transfer gave before stays good, the rest is computed (the request is not degraded)."""
+
+
 @dataclass(slots=True, frozen=True)
 class StoreLookup:
     prefix_run: int  # how many leading prefix keys hit, in order

@@ -268,7 +268,7 @@ class ServiceStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceStatsReply(_message.Message):
-    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes", "read_mode", "stream_fetches", "partial_cached_tokens", "computed_tokens", "guard_checks", "guard_fallbacks", "approximate_answers", "approximate_tokens")
+    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes", "read_mode", "stream_fetches", "partial_cached_tokens", "computed_tokens", "guard_checks", "guard_fallbacks", "approximate_answers", "approximate_tokens", "l0_chunks_hit", "l0_bytes_placed", "l0_bytes_held", "l0_chunks_held", "l0_chunks_evicted", "load_bytes", "load_seconds")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,13 @@ class ServiceStatsReply(_message.Message):
     GUARD_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     APPROXIMATE_ANSWERS_FIELD_NUMBER: _ClassVar[int]
     APPROXIMATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    L0_CHUNKS_HIT_FIELD_NUMBER: _ClassVar[int]
+    L0_BYTES_PLACED_FIELD_NUMBER: _ClassVar[int]
+    L0_BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    L0_CHUNKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    L0_CHUNKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     rejected: int
     prompt_tokens: int
@@ -319,7 +326,14 @@ class ServiceStatsReply(_message.Message):
     guard_fallbacks: int
     approximate_answers: int
     approximate_tokens: int
-    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., read_mode: _Optional[str] = ..., stream_fetches: _Optional[int] = ..., partial_cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., guard_checks: _Optional[int] = ..., guard_fallbacks: _Optional[int] = ..., approximate_answers: _Optional[int] = ..., approximate_tokens: _Optional[int] = ...) -> None: ...
+    l0_chunks_hit: int
+    l0_bytes_placed: int
+    l0_bytes_held: int
+    l0_chunks_held: int
+    l0_chunks_evicted: int
+    load_bytes: int
+    load_seconds: float
+    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., read_mode: _Optional[str] = ..., stream_fetches: _Optional[int] = ..., partial_cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., guard_checks: _Optional[int] = ..., guard_fallbacks: _Optional[int] = ..., approximate_answers: _Optional[int] = ..., approximate_tokens: _Optional[int] = ..., l0_chunks_hit: _Optional[int] = ..., l0_bytes_placed: _Optional[int] = ..., l0_bytes_held: _Optional[int] = ..., l0_chunks_held: _Optional[int] = ..., l0_chunks_evicted: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

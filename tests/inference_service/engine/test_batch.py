@@ -44,8 +44,9 @@ class CountingCache(InMemoryStore):
 
 
 def make_engine(model, tokenizer, chunk_size=8, cache=None) -> Engine:
+    """hot_tier_bytes=0: these tests count the store's fetches, which L0 would spare."""
     cache = InMemoryStore() if cache is None else cache
-    return Engine(model, tokenizer, EngineConfig(chunk_size=chunk_size), cache, model_id="batch-test")
+    return Engine(model, tokenizer, EngineConfig(chunk_size=chunk_size, hot_tier_bytes=0), cache, model_id="batch-test")
 
 
 def reference_ids(model, token_ids: list[int], max_new_tokens: int) -> list[int]:

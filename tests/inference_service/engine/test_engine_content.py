@@ -120,14 +120,16 @@ def test_prefix_cache_mode_ignores_content_hits(tiny_llama):
     assert outcome.output_token_ids == reference_ids(tiny_llama[0], prompt_ids(tiny_llama[1]))
 
 
-def test_approximate_kv_is_never_stored_under_prefix_keys(tiny_llama):
-    """After a content-reuse request with no repair, the same prompt by prefix must still equal plain
-    generate: only chunks before the first content hit (exact K/V) may have been written back."""
+def test_a_request_that_used_content_hits_stores_nothing(tiny_llama):
+    """Its K/V after the first content hit attended to approximate ones, and even those before it came through
+    the repair's forward (close to the model's own, not bitwise): stored under prefix keys, they would change a
+    later exact answer. So the same prompt by prefix finds nothing of it, and equals plain generate."""
     engine = content_engine(tiny_llama)
-    run(engine, segments=SEGMENTS, mode="chunk_kv_reuse", recompute_strategy="none")
+    num_entries = len(engine.store)
+    opted = run(engine, segments=SEGMENTS, mode="chunk_kv_reuse", recompute_strategy="none")
+    assert opted.approximate and len(engine.store) == num_entries
     again = run(engine, segments=SEGMENTS, mode="prefix_cache")
-    # The header is a whole segment before the first content hit: all its chunks (the partial one too) are exact.
-    assert again.cached_tokens == len(tokenize_segments(tiny_llama[1], SEGMENTS)[0])
+    assert again.cached_tokens == 0 and not again.approximate
     assert again.output_token_ids == reference_ids(tiny_llama[0], prompt_ids(tiny_llama[1]))
 
 

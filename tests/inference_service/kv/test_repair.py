@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from inference_service.kv.repair import (
-    APPROX, EXACT, MISSING, STRATEGIES, RepairOptions, exact_prefix_length, repair_prefill, seam_positions, select_tokens, selective_positions,
+    APPROX, EXACT, MISSING, STRATEGIES, RepairOptions, repair_prefill, seam_positions, select_tokens, selective_positions,
 )
 from inference_service.kv.rope import rerotate_keys, rope_parameters
 from tests.factories import build_byte_tokenizer, tiny_config
@@ -128,12 +128,6 @@ def test_select_tokens_exact_indices():
     assert select_tokens(deviation, status, 0.125, sink_tokens=3).tolist() == [2, 3, 6, 11]
     assert select_tokens(deviation, status, 0.0, sink_tokens=0).tolist() == [6, 11]
     assert select_tokens(deviation, status, 1.0, sink_tokens=0).tolist() == list(range(2, 12))
-
-
-def test_exact_prefix_ends_at_the_first_approx_token():
-    assert exact_prefix_length(make_status((E, 3), (M, 2), (A, 2), (M, 1))) == 5
-    assert exact_prefix_length(make_status((E, 3), (M, 2))) == 5
-    assert exact_prefix_length(make_status((A, 1), (M, 1))) == 0
 
 
 def test_options_are_validated():

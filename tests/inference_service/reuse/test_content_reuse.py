@@ -6,7 +6,7 @@ import torch
 
 from inference_service.reuse.assembler import assemble_context
 from inference_service.store.memory import InMemoryStore
-from inference_service.reuse.content_reuse import exact_pending_chunks, place_content_hits, prefill_with_content_hits
+from inference_service.reuse.content_reuse import place_content_hits, prefill_with_content_hits
 from kvboost_keys.prompts import plan_prompt
 from inference_service.kv.repair import APPROX, EXACT, MISSING, RepairOptions
 from inference_service.kv.rope import rerotate_keys, rope_parameters
@@ -88,7 +88,6 @@ def test_full_recompute_of_content_hits_equals_plain_forward(warmed):
         logits = model(torch.tensor([prompt.token_ids])).logits[0, -1]
     torch.testing.assert_close(prefilled.first_logits, logits, atol=1e-4, rtol=0)
     assert (prefilled.num_cached_tokens, prefilled.num_recomputed_tokens) == (42, 32)
-    assert prefilled.num_exact_tokens == 10
     assert prefilled.cache.get_seq_length() == prompt.num_tokens
     # Decoding goes on in the buffers' spare room: one more token matches a plain forward of it all.
     next_id = torch.tensor([[65]])
@@ -106,23 +105,6 @@ def test_without_repair_the_reused_documents_stay_approximate(warmed):
         logits = model(torch.tensor([prompt.token_ids])).logits[0, -1]
     assert prefilled.num_recomputed_tokens == 0
     assert (prefilled.first_logits - logits).abs().max() > 1e-4
-
-
-def test_only_chunks_before_the_first_content_hit_are_written_back(warmed):
-    model, cache = warmed
-    # C is new: prefilled in full context right after the exact header, so its chunks are exact.
-    prompt, context, prefilled = reuse(model, cache, [HEADER, DOC_C, DOC_A, QUESTION])
-    pending = exact_pending_chunks(NAMESPACE, prompt, context, prefilled)
-    assert [(chunk.start, chunk.end) for chunk in pending.chunks] == [(10, 18), (18, 26)]
-    assert pending.prefix_keys == prompt.prefix_keys[2:4]
-    # What is stored for C equals what a plain forward computes there.
-    with torch.no_grad():
-        full = model(torch.tensor([prompt.token_ids]), use_cache=True).past_key_values
-    items = encode_pending(pending, 16)
-    assert len(items) == 2
-    stored_keys = torch.stack([layer_keys[0] for layer_keys, _ in pending.new_kv])[:, :, : 26 - pending.kv_start]
-    torch.testing.assert_close(stored_keys, torch.stack([layer.keys[0, :, 10:26] for layer in full.layers]),
-                               atol=1e-5, rtol=0)
 
 
 def test_nothing_to_reuse_by_content_gives_none(warmed, tiny_llama):

@@ -13,7 +13,7 @@ from kvboost_common.frames import MAX_FRAME_BYTES
 from inference_service.store.grpc_store import (
     GrpcStoreOptions, GrpcChunkStore, iter_store_frames, reassemble_chunks, store_deadline_s,
 )
-from inference_service.store.protocol import StoreUnavailable, StoreItem
+from inference_service.store.protocol import StoreItem, StoreTimeout, StoreUnavailable
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 from tests.conftest import pick_free_port, wait_for
 
@@ -339,7 +339,7 @@ def test_a_store_past_its_deadline_fails_alone_and_the_daemon_stays_in_use() -> 
     service = CountingStalls()
     with running_daemon(service) as address, connected_cache(address, store_timeout_s=0.2) as cache:
         service.store_gate.clear()
-        with pytest.raises(StoreUnavailable, match="DEADLINE_EXCEEDED"):
+        with pytest.raises(StoreTimeout, match="past its deadline"):
             cache.store([make_item(1)])
         assert not cache.degraded  # a slow write is not an outage: lookups still go to the daemon
         service.store_gate.set()

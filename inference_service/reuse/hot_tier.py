@@ -1,0 +1,92 @@
+"""L0: decoded K/V of recently stored or fetched whole chunks, kept in the service's own memory (the device's on a
+GPU), so a repeated prefix skips the daemon's read, the checksum and the decoding: one copy into the slot."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class HotTierStats:
+    chunks_hit: int = 0  # whole chunks placed from L0
+    bytes_placed: int = 0  # their K/V bytes
+    chunks_added: int = 0
+    chunks_evicted: int = 0
+
+
+class HotTier:
+    """Whole chunks' K/V by prefix key, least recently used evicted first, within max_bytes.
+
+    Exact by construction: an entry holds the K/V the service computed (or decoded) for exactly that prefix key,
+    the values a hit on the daemon's 16-bit blob decodes to; the engine keeps none for quantized storage. The
+    daemon stays the authority on what is cached (its Lookup decides the prefix run); L0 only serves that run's
+    bytes. Thread-safe: the write-back thread adds, the step loop reads.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        assert max_bytes > 0, f"max_bytes must be positive, got {max_bytes}"
+        self.max_bytes = max_bytes
+        self.bytes_held = 0
+        self.stats = HotTierStats()
+        self._entries: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def take(self, key: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The chunk's keys, values [layers, kv_heads, n, head_dim] (not to be written), or None; counts a hit."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            self.stats.chunks_hit += 1
+            self.stats.bytes_placed += _nbytes(entry)
+            return entry
+
+    def add(self, key: bytes, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keeps copies of a chunk's K/V (keys, values: [layers, kv_heads, n, head_dim]); a chunk larger than the
+        whole tier is not kept."""
+        size = keys.numel() * keys.element_size() + values.numel() * values.element_size()
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return
+        entry = (keys.clone(), values.clone())  # outside the lock: the slot may be reused once this returns
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = entry
+            self.bytes_held += size
+            self.stats.chunks_added += 1
+            while self.bytes_held > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self.bytes_held -= _nbytes(evicted)
+                self.stats.chunks_evicted += 1
+
+    def snapshot(self) -> dict:
+        """Counters under ServiceStatsReply names."""
+        with self._lock:
+            return {"l0_chunks_hit": self.stats.chunks_hit, "l0_bytes_placed": self.stats.bytes_placed,
+                    "l0_bytes_held": self.bytes_held, "l0_chunks_held": len(self._entries),
+                    "l0_chunks_evicted": self.stats.chunks_evicted}
+
+
+def hot_tier_for(max_bytes: int, kv_cache_bits: int) -> HotTier | None:
+    """L0 of max_bytes (None: off), kept only at 16-bit storage, where a blob decodes to exactly what was computed:
+    a quantized blob decodes to other values, which an L0 copy of the computed ones would not match."""
+    return HotTier(max_bytes) if max_bytes and kv_cache_bits == 16 else None
+
+
+def _nbytes(entry: tuple[torch.Tensor, torch.Tensor]) -> int:
+    keys, values = entry
+    return keys.numel() * keys.element_size() + values.numel() * values.element_size()

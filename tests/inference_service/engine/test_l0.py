@@ -1,0 +1,71 @@
+"""L0 in the engine: a repeated prefix is placed from the service's own memory, not fetched, and the answer is
+still model.generate's; chunks fetched from the store join L0 after the first token; quantized storage has none."""
+from __future__ import annotations
+
+import pytest
+
+from inference_service.store.memory import InMemoryStore
+from kvboost_keys.prompts import tokenize_prompt
+from tests.inference_service.engine.test_engine import make_engine, reference_ids, run, text_of_length
+
+
+@pytest.mark.parametrize("num_tokens", [33, 70])
+def test_a_repeated_prompt_is_placed_from_l0_and_stays_exact(tiny_model, num_tokens):
+    model, tokenizer = tiny_model
+    engine = make_engine(tiny_model, chunk_size=8)
+    try:
+        prompt = text_of_length(num_tokens)
+        expected = reference_ids(model, tokenize_prompt(tokenizer, prompt)[0])
+        first = run(engine, prompt=prompt)
+        fetched = engine.stats()["chunks_fetched"]
+        second = run(engine, prompt=prompt)
+        stats = engine.stats()
+        assert first.output_token_ids == second.output_token_ids == expected
+        assert second.cached_tokens == num_tokens - 1
+        assert stats["l0_chunks_hit"] == num_tokens // 8  # every whole chunk from L0 ...
+        assert stats["chunks_fetched"] - fetched == 1  # ... only the stored partial tail from the store
+    finally:
+        engine.close()
+
+
+def test_chunks_fetched_from_the_store_join_l0_after_the_first_token(tiny_llama):
+    store = InMemoryStore()
+    writer = make_engine(tiny_llama, cache=store)
+    reader = make_engine(tiny_llama, cache=store)  # another process sharing the daemon: its L0 starts empty
+    try:
+        prompt = text_of_length(64)
+        expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
+        run(writer, prompt=prompt)
+        from_store = run(reader, prompt=prompt)
+        assert reader.stats()["l0_chunks_hit"] == 0 and reader.stats()["chunks_fetched"] > 0
+        from_l0 = run(reader, prompt=prompt)
+        assert reader.stats()["l0_chunks_hit"] == 8  # all 8 whole chunks placed; the last token runs again
+        assert from_store.output_token_ids == from_l0.output_token_ids == expected
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_small_l0_evicts_and_answers_stay_exact(tiny_llama):
+    engine = make_engine(tiny_llama, chunk_size=8, hot_tier_bytes=3 * 8 * 512)  # three 8-token chunks of 512 B/token
+    try:
+        prompts = [text_of_length(40), "Another text entirely, forty tokens long!"]
+        for prompt in prompts + prompts:
+            expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
+            assert run(engine, prompt=prompt).output_token_ids == expected
+        assert engine.stats()["l0_bytes_held"] <= 3 * 8 * 512 and engine.stats()["l0_chunks_evicted"] > 0
+    finally:
+        engine.close()
+
+
+def test_quantized_storage_keeps_no_l0(tiny_llama):
+    engine = make_engine(tiny_llama, kv_cache_bits=8)
+    try:
+        assert engine.parts.hot is None and "l0_chunks_hit" not in engine.stats()
+    finally:
+        engine.close()
+
+
+@pytest.fixture(params=["tiny_llama", "tiny_qwen2"])
+def tiny_model(request):
+    return request.getfixturevalue(request.param)

@@ -10,10 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
-from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions
-from tests.conftest import pick_free_port
-from tests.e2e.daemon_process import start_daemon
+from inference_service.engine.engine import EngineConfig, GenerationParams
+from tests.inference_service.daemon_engine import engine_over_daemon
 from tests.repetitive_prompts import Workload, workloads
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -26,16 +24,8 @@ _salts = itertools.count()
 
 @pytest.fixture()
 def engine(smollm2, tmp_path):
-    model, tokenizer, path = smollm2
-    daemon = start_daemon(tmp_path / "lmdb", pick_free_port())
-    store = GrpcChunkStore(GrpcStoreOptions(address=daemon.address))
-    engine = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK_SIZE), store, model_id=path)  # default mode
-    try:
+    with engine_over_daemon(smollm2, tmp_path / "lmdb", EngineConfig(chunk_size=CHUNK_SIZE)) as engine:  # default mode
         yield engine
-    finally:
-        engine.close()
-        store.close()
-        daemon.terminate()
 
 
 def test_default_mode_is_model_generate_on_200_generated_prompts(smollm2, engine):

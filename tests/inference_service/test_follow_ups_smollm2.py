@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
+from inference_service.engine.engine import EngineConfig, GenerationParams
 from kvboost_keys.prompts import tokenize_messages
-from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions
-from tests.conftest import pick_free_port
-from tests.e2e.daemon_process import start_daemon
+from tests.inference_service.daemon_engine import engine_over_daemon
 from tests.inference_service.test_identity import PASSAGE
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -35,16 +33,8 @@ def reference_ids(model, ids: list[int]) -> list[int]:
 
 @pytest.fixture()
 def engine(smollm2, tmp_path):
-    model, tokenizer, path = smollm2
-    daemon = start_daemon(tmp_path / "lmdb", pick_free_port())
-    store = GrpcChunkStore(GrpcStoreOptions(address=daemon.address))
-    engine = Engine(model, tokenizer, EngineConfig(chunk_size=128), store, model_id=path)
-    try:
+    with engine_over_daemon(smollm2, tmp_path / "lmdb", EngineConfig(chunk_size=128)) as engine:
         yield engine
-    finally:
-        engine.close()
-        store.close()
-        daemon.terminate()
 
 
 def ask(engine, messages):

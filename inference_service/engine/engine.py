@@ -30,7 +30,7 @@ from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_paramete
 from inference_service.model.attention import use_engine_attention
 from inference_service.model.kv_buffers import kv_geometry
 from inference_service.model.weights import state_fingerprint
-from inference_service.store.protocol import ChunkStore
+from inference_service.store.protocol import ChunkStore, NullStore
 
 ShouldStop = Callable[[], bool]
 
@@ -77,7 +77,9 @@ class Engine:
             counters=counters,
             writeback=WriteBack(store, config.kv_cache_bits, counters.add_stored, config.kv_group_size,
                                 key_rope if config.keys_before_rope else None, config.max_store_stream_bytes,
-                                hot_tier_for(config.hot_tier_bytes, config.kv_cache_bits), config.chunk_size),
+                                # No L0 without a cache: a NullStore means every request runs without one.
+                                None if isinstance(store, NullStore) else hot_tier_for(config.hot_tier_bytes,
+                                                                                       config.kv_cache_bits)),
             key_rope=key_rope,
             content_rope=content_rope,
         )

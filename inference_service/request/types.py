@@ -63,8 +63,8 @@ class EngineConfig:
     # Slots sized so that their memory stays within kv_cache_bytes (engine/slot_ledger.plan_slots); None: on devices
     # that commit memory at allocation (CUDA), not on a CPU (pages committed as written).
     kv_slots_by_budget: bool | None = None
-    # L0: decoded K/V of recently stored or fetched whole chunks kept in the service's memory (16-bit storage
-    # only: quantized blobs do not decode to the computed values); 0: off.
+    # L0: K/V of the chunks written back or fetched, kept in the service's memory (16-bit storage only: quantized
+    # blobs do not decode to the computed values); 0: off.
     hot_tier_bytes: int = 512 << 20
 
     @property

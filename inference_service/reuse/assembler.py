@@ -42,14 +42,14 @@ class AssembledContext:
     fidelity_guard: bool = False  # the guard recomputed every content-hit token
     # Whole chunks placed from the store, not from L0: (prefix key, start, end) for L0 to keep, off the request path.
     fetched_whole: list[tuple[bytes, int, int]] = field(default_factory=list)
-    num_hot_chunks: int = 0  # leading chunks placed from L0
+    num_hot_chunks: int = 0  # chunks placed from L0: the leading whole ones, and the partial one when all came from it
     approximate: bool = False  # content hits were placed: K/V computed under another prefix are in the context
     num_approximate_tokens: int = 0  # content-hit tokens whose K/V repair kept (not recomputed)
 
     @property
     def num_fetched_blobs(self) -> int:
         """Blobs that came from the store (L0's chunks did not)."""
-        return self.num_cached_chunks - self.num_hot_chunks + (self.partial_key is not None)
+        return self.num_cached_chunks + (self.partial_key is not None) - self.num_hot_chunks
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +60,7 @@ class PartialHit:
     key: bytes
     chunk: Chunk
     leading: bool = False
+    hot: bool = False  # L0 holds it: placed from there, not fetched
 
 
 def empty_context(degraded: bool = False) -> AssembledContext:
@@ -88,25 +89,40 @@ def assemble_context(
     content_keys = list(prompt.content_keys) if with_content_hits else None
     try:
         lookup = store.lookup(namespace, list(prompt.prefix_keys), content_keys)
-        partial = _find_partial(store, namespace, prompt, lookup.prefix_run)
+        # L0 holds what this process computed, the chunks its write-back is still storing too: the run goes on
+        # through them (a prefix key names exactly one K/V, so this is exact whoever else holds it).
+        run = _hot_run(hot, prompt, lookup.prefix_run)
+        partial = _find_partial(store, namespace, prompt, run, hot)
     except StoreUnavailable as error:
         logger.warning("cache unavailable, serving without it: %s", error)
         return empty_context(degraded=True)
-    if lookup.prefix_run == 0 and partial is None:
+    if run == 0 and partial is None:
         return AssembledContext(None, None, content_hits=lookup.content_hits)
-    context = fetch_prefix_run(store, prompt, lookup.prefix_run, buffers, rope, partial, hot)
+    context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, hot)
     context.content_hits = lookup.content_hits
     return context
 
 
-def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: int) -> PartialHit | None:
+def _hot_run(hot: HotTier | None, prompt: PromptPlan, run: int) -> int:
+    """The prefix run, extended through the whole chunks L0 holds right after it."""
+    while hot is not None and run < len(prompt.prefix_keys) and prompt.prefix_keys[run] in hot:
+        run += 1
+    return run
+
+
+def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: int,
+                  hot: HotTier | None = None) -> PartialHit | None:
     start, candidates = prompt.partial_candidates(run)
     if not candidates:
         return None
     tokens = tuple(prompt.token_ids[start : start + len(candidates)])  # the partial candidates' tokens
+    # The longest candidate L0 holds (candidates run longest first).
+    in_hot = next((len(candidates) - rank for rank, key in enumerate(candidates) if hot is not None and key in hot), 0)
     found = store.lookup(namespace, [], None, candidates, ContinuationQuery(prompt.parent_key(run), tokens))
     exact = 0 if found.partial_index is None else len(candidates) - found.partial_index  # longest first
     shared = min(found.continuation_tokens, len(tokens))
+    if in_hot and in_hot >= max(shared, exact):
+        return PartialHit(candidates[len(candidates) - in_hot], Chunk(tokens[:in_hot], start, 0), hot=True)
     if shared > exact:
         return PartialHit(found.continuation_key, Chunk(tokens[:shared], start, 0), leading=True)
     if exact:
@@ -127,12 +143,19 @@ def fetch_prefix_run(
     """
     keys, values = buffers
     num_hot = _place_from_hot(hot, prompt, run, keys, values)
+    if partial is not None and partial.hot:
+        if num_hot == run and _place_chunk_from_hot(hot, partial.key, partial.chunk, keys, values):
+            return AssembledContext(keys, values, partial.chunk.end, run, partial_key=partial.key,  # all from L0
+                                    num_partial_tokens=len(partial.chunk.token_ids), num_hot_chunks=num_hot + 1)
+        partial = None  # evicted since, or a whole chunk before it comes from the daemon: the tail is recomputed
     chunks = list(prompt.chunks.chunks[num_hot:run])
     keys_to_fetch = list(prompt.prefix_keys[num_hot:run])
     if partial is not None:
         chunks.append(partial.chunk)
         keys_to_fetch.append(partial.key)
     if not chunks:
+        if num_hot == 0:
+            return AssembledContext(None, None)
         return AssembledContext(keys, values, prompt.chunks.chunks[num_hot - 1].end, num_hot, num_hot_chunks=num_hot)
     leading_index = run - num_hot if partial is not None and partial.leading else -1
     shape = (keys.shape[0], keys.shape[1], chunks[-1].end, keys.shape[3])
@@ -185,14 +208,20 @@ def _place_from_hot(hot: HotTier | None, prompt: PromptPlan, run: int, keys: tor
         return 0
     placed = 0
     for chunk, key in zip(prompt.chunks.chunks[:run], prompt.prefix_keys[:run]):
-        entry = hot.take(key)
-        if entry is None:
+        if not _place_chunk_from_hot(hot, key, chunk, keys, values):
             break
-        span = slice(chunk.start, chunk.end)
-        keys[:, :, span].copy_(entry[0])
-        values[:, :, span].copy_(entry[1])
         placed += 1
     return placed
+
+
+def _place_chunk_from_hot(hot: HotTier, key: bytes, chunk: Chunk, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    entry = hot.take(key)
+    if entry is None or entry[0].shape[2] != len(chunk.token_ids):  # evicted since, or not this chunk's length
+        return False
+    span = slice(chunk.start, chunk.end)
+    keys[:, :, span].copy_(entry[0])
+    values[:, :, span].copy_(entry[1])
+    return True
 
 
 def report_corrupt(store: ChunkStore, key: bytes) -> None:

@@ -1,5 +1,5 @@
-"""L0: decoded K/V of recently stored or fetched whole chunks, kept in the service's own memory (the device's on a
-GPU), so a repeated prefix skips the daemon's read, the checksum and the decoding: one copy into the slot."""
+"""L0: decoded K/V of the chunks this service wrote back or fetched, kept in its own memory (the device's on a GPU):
+a repeated prefix is one copy into the slot, with no daemon read, checksum or decoding, and no wait for a write-back."""
 from __future__ import annotations
 
 import threading
@@ -20,10 +20,10 @@ class HotTierStats:
 class HotTier:
     """Whole chunks' K/V by prefix key, least recently used evicted first, within max_bytes.
 
-    Exact by construction: an entry holds the K/V the service computed (or decoded) for exactly that prefix key,
-    the values a hit on the daemon's 16-bit blob decodes to; the engine keeps none for quantized storage. The
-    daemon stays the authority on what is cached (its Lookup decides the prefix run); L0 only serves that run's
-    bytes. Thread-safe: the write-back thread adds, the step loop reads.
+    Exact by construction: an entry holds the K/V the service computed (or decoded) for exactly that key (a prefix
+    key commits to every token before it), the values a hit on the daemon's 16-bit blob decodes to; the engine keeps
+    none for quantized storage. So the prefix run goes on through what L0 holds, also while the write-back is still
+    storing it at the daemon. Thread-safe: the write-back threads add, the step loop reads.
     """
 
     def __init__(self, max_bytes: int) -> None:

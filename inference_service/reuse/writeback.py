@@ -105,14 +105,12 @@ class WriteBack:
 
     def __init__(self, cache: ChunkStore, bits: int, on_stored: Callable[[int, int], None],
                  group_size: int = DEFAULT_GROUP_SIZE, rope: RopeParams | None = None,
-                 max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES, hot: HotTier | None = None,
-                 chunk_size: int = 0) -> None:
+                 max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES, hot: HotTier | None = None) -> None:
         """max_stream_bytes: blob bytes per store call; a larger write-back goes out as several, encoded as it
-        goes (its encoded bytes are never all in memory at once). hot: L0, which keeps the whole chunks
-        (chunk_size tokens) once the store has them."""
+        goes (its encoded bytes are never all in memory at once). hot: L0, which keeps every chunk written back
+        (before the store has it) and the whole chunks requests fetched."""
         assert max_stream_bytes > 0, f"max_stream_bytes must be positive, got {max_stream_bytes}"
-        assert hot is None or chunk_size > 0, "L0 keeps whole chunks: give their size"
-        self.hot, self._chunk_size = hot, chunk_size
+        self.hot = hot
         self._cache = cache
         self._max_stream_bytes = max_stream_bytes
         self._bits = bits
@@ -129,10 +127,10 @@ class WriteBack:
         self.on_settled: Callable[[], None] | None = None  # told after each write-back ends (stored or failed)
 
     def storing(self, keys) -> bool:
-        """Whether any of these prefix keys is queued or being stored now (a request that needs it had better
-        wait for it than recompute it)."""
+        """Whether any of these prefix keys is queued or being stored now and not in L0 (a request that needs it
+        had better wait for it than recompute it; one in L0 is placed from there at once)."""
         with self._lock:
-            return any(key in self._in_flight for key in keys)
+            return any(key in self._in_flight and (self.hot is None or key not in self.hot) for key in keys)
 
     def submit(self, pending: PendingChunks, on_done: Callable[[int, BaseException | None], None] | None = None) -> None:
         """Queues the chunks; returns at once. on_done(stored count, error) runs on the write-back thread once they
@@ -158,25 +156,25 @@ class WriteBack:
         """
         total = 0
         with torch.inference_mode():
+            self._keep_hot(pending)
             items = iter_encoded(pending, self._bits, self._group_size, self._rope)
             for batch in bounded_batches(items, self._max_stream_bytes):
                 stored = self._cache.store(batch)
                 self._on_stored(stored, sum(len(item.blob) for item in batch))
                 total += stored
-                self._keep_hot(pending, {item.key for item in batch})
         return total
 
-    def _keep_hot(self, pending: PendingChunks, stored_keys: set[bytes]) -> None:
-        """L0 keeps the stored whole chunks' K/V, as computed (the 16-bit blobs hold exactly these values). L0 never
-        costs a daemon write: its failure (out of memory) is logged and the write-back goes on."""
+    def _keep_hot(self, pending: PendingChunks) -> None:
+        """L0 keeps the chunks' K/V as computed (whole chunks and a prompt's tail), before the daemon has them: a
+        request that repeats the prompt meanwhile is placed from L0 instead of waiting for the Store (the 16-bit
+        blobs hold exactly these values). L0 never costs a daemon write: its failure is logged, the write goes on."""
         if self.hot is None:
             return
         try:
             for chunk, key in zip(pending.chunks, pending.prefix_keys):
-                if key in stored_keys and len(chunk.token_ids) == self._chunk_size:
-                    self.hot.add(key, *pending.chunk_kv(chunk))
+                self.hot.add(key, *pending.chunk_kv(chunk))
         except Exception:
-            logger.exception("[%s] keeping stored chunks in L0 failed", pending.request_id)
+            logger.exception("[%s] keeping chunks in L0 failed", pending.request_id)
 
     def submit_hot(self, buffers: tuple[torch.Tensor, torch.Tensor], spans: list[tuple[bytes, int, int]],
                    on_done: Callable[[], None]) -> None:

@@ -1,5 +1,6 @@
 """A request whose prompt chunks this process is still writing back waits for them (bounded) instead of
-recomputing them; BASELINE never waits; nothing waits past the hold."""
+recomputing them; BASELINE never waits; nothing waits past the hold. Without L0: with it, the chunks being written
+back are placed from L0 at once (tests/inference_service/engine/test_l0.py)."""
 from __future__ import annotations
 
 import threading
@@ -42,7 +43,7 @@ def submit(engine, prompt: str, mode: str = "prefix_cache") -> dict:
 def test_a_follow_up_waits_for_the_write_back_it_needs(tiny_llama):
     model, tokenizer = tiny_llama
     store = GatedStore()
-    engine = make_engine(tiny_llama, chunk_size=8, cache=store)
+    engine = make_engine(tiny_llama, chunk_size=8, cache=store, hot_tier_bytes=0)  # with L0 nothing waits (test_l0)
     try:
         first = submit(engine, DOCUMENT + " first?")
         assert first["done"].wait(30) and first["error"] is None  # answered; its write-back waits on the gate
@@ -64,7 +65,7 @@ def test_a_follow_up_waits_for_the_write_back_it_needs(tiny_llama):
 def test_nothing_waits_past_the_hold(tiny_llama, monkeypatch):
     monkeypatch.setattr(core_module, "HOLD_FOR_WRITE_BACK_S", 0.2)
     store = GatedStore()
-    engine = make_engine(tiny_llama, chunk_size=8, cache=store)
+    engine = make_engine(tiny_llama, chunk_size=8, cache=store, hot_tier_bytes=0)  # with L0 nothing waits (test_l0)
     try:
         first = submit(engine, DOCUMENT + " first?")
         assert first["done"].wait(30)

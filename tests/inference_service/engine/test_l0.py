@@ -8,6 +8,7 @@ from inference_service.engine.engine import GenerationParams
 from inference_service.store.memory import InMemoryStore
 from kvboost_keys.prompts import tokenize_prompt
 from tests.inference_service.engine.test_engine import make_engine, reference_ids, run, text_of_length
+from tests.inference_service.engine.test_hold_for_write_back import GatedStore
 
 
 @pytest.mark.parametrize("num_tokens", [33, 70])
@@ -70,20 +71,6 @@ def test_quantized_storage_keeps_no_l0(tiny_llama):
 @pytest.fixture(params=["tiny_llama", "tiny_qwen2"])
 def tiny_model(request):
     return request.getfixturevalue(request.param)
-
-
-class GatedStore(InMemoryStore):
-    """Stores only once `gate` is set: a write-back that takes as long as the test wants."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        import threading
-
-        self.gate = threading.Event()
-
-    def store(self, items) -> int:
-        assert self.gate.wait(30), "the test never let the store finish"
-        return super().store(items)
 
 
 def test_a_prompt_asked_again_while_its_write_back_is_in_flight_is_placed_from_l0_at_once(tiny_llama):

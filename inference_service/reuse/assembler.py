@@ -89,8 +89,8 @@ def assemble_context(
     content_keys = list(prompt.content_keys) if with_content_hits else None
     try:
         lookup = store.lookup(namespace, list(prompt.prefix_keys), content_keys)
-        # L0 holds what this process computed, the chunks its write-back is still storing too: the run goes on
-        # through them (a prefix key names exactly one K/V, so this is exact whoever else holds it).
+        # The run goes on through the chunks L0 holds whose write-back is still in flight (a prefix key names exactly
+        # one K/V, so this is exact); for every other key the daemon's Lookup decides (a Delete there reaches L0).
         run = _hot_run(hot, prompt, lookup.prefix_run)
         partial = _find_partial(store, namespace, prompt, run, hot)
     except StoreUnavailable as error:
@@ -104,8 +104,8 @@ def assemble_context(
 
 
 def _hot_run(hot: HotTier | None, prompt: PromptPlan, run: int) -> int:
-    """The prefix run, extended through the whole chunks L0 holds right after it."""
-    while hot is not None and run < len(prompt.prefix_keys) and prompt.prefix_keys[run] in hot:
+    """The prefix run, extended through the whole chunks right after it whose write-back L0 holds in flight."""
+    while hot is not None and run < len(prompt.prefix_keys) and hot.is_pending(prompt.prefix_keys[run]):
         run += 1
     return run
 
@@ -116,11 +116,14 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
     if not candidates:
         return None
     tokens = tuple(prompt.token_ids[start : start + len(candidates)])  # the partial candidates' tokens
-    # The longest candidate L0 holds (candidates run longest first).
-    in_hot = next((len(candidates) - rank for rank, key in enumerate(candidates) if hot is not None and key in hot), 0)
+    # The longest candidate whose write-back L0 holds in flight (candidates run longest first).
+    in_hot = next((len(candidates) - rank for rank, key in enumerate(candidates)
+                   if hot is not None and hot.is_pending(key)), 0)
     found = store.lookup(namespace, [], None, candidates, ContinuationQuery(prompt.parent_key(run), tokens))
     exact = 0 if found.partial_index is None else len(candidates) - found.partial_index  # longest first
     shared = min(found.continuation_tokens, len(tokens))
+    if exact and exact >= in_hot and hot is not None and candidates[found.partial_index] in hot:
+        in_hot = exact  # the daemon's own partial chunk, placed from L0's copy
     if in_hot and in_hot >= max(shared, exact):
         return PartialHit(candidates[len(candidates) - in_hot], Chunk(tokens[:in_hot], start, 0), hot=True)
     if shared > exact:

@@ -32,6 +32,7 @@ class HotTier:
         self.bytes_held = 0
         self.stats = HotTierStats()
         self._entries: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._pending: set[bytes] = set()  # added by a write-back the daemon has not confirmed yet
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -39,6 +40,16 @@ class HotTier:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
+
+    def is_pending(self, key: bytes) -> bool:
+        """Held, and its write-back to the daemon has not ended: L0 alone may serve it (the daemon's Lookup
+        decides for every other key, so a Delete at the daemon reaches this process too)."""
+        return key in self._pending and key in self._entries
+
+    def settle(self, keys) -> None:
+        """Their write-back ended (stored or failed): from now on the daemon's Lookup decides whether they hit."""
+        with self._lock:
+            self._pending.difference_update(keys)
 
     def take(self, key: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The chunk's keys, values [layers, kv_heads, n, head_dim] (not to be written), or None; counts a hit."""
@@ -51,13 +62,15 @@ class HotTier:
             self.stats.bytes_placed += _nbytes(entry)
             return entry
 
-    def add(self, key: bytes, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def add(self, key: bytes, keys: torch.Tensor, values: torch.Tensor, pending: bool = False) -> None:
         """Keeps copies of a chunk's K/V (keys, values: [layers, kv_heads, n, head_dim]); a chunk larger than the
-        whole tier is not kept."""
+        whole tier is not kept. pending: its write-back is starting (see is_pending; settle ends it)."""
         size = keys.numel() * keys.element_size() + values.numel() * values.element_size()
         if size > self.max_bytes:
             return
         with self._lock:
+            if pending:
+                self._pending.add(key)
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return
@@ -69,7 +82,8 @@ class HotTier:
             self.bytes_held += size
             self.stats.chunks_added += 1
             while self.bytes_held > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
+                evicted_key, evicted = self._entries.popitem(last=False)
+                self._pending.discard(evicted_key)
                 self.bytes_held -= _nbytes(evicted)
                 self.stats.chunks_evicted += 1
 

@@ -128,9 +128,9 @@ class WriteBack:
 
     def storing(self, keys) -> bool:
         """Whether any of these prefix keys is queued or being stored now and not in L0 (a request that needs it
-        had better wait for it than recompute it; one in L0 is placed from there at once)."""
+        had better wait for it than recompute it; one L0 holds is placed from there at once)."""
         with self._lock:
-            return any(key in self._in_flight and (self.hot is None or key not in self.hot) for key in keys)
+            return any(key in self._in_flight and (self.hot is None or not self.hot.is_pending(key)) for key in keys)
 
     def submit(self, pending: PendingChunks, on_done: Callable[[int, BaseException | None], None] | None = None) -> None:
         """Queues the chunks; returns at once. on_done(stored count, error) runs on the write-back thread once they
@@ -157,11 +157,15 @@ class WriteBack:
         total = 0
         with torch.inference_mode():
             self._keep_hot(pending)
-            items = iter_encoded(pending, self._bits, self._group_size, self._rope)
-            for batch in bounded_batches(items, self._max_stream_bytes):
-                stored = self._cache.store(batch)
-                self._on_stored(stored, sum(len(item.blob) for item in batch))
-                total += stored
+            try:
+                items = iter_encoded(pending, self._bits, self._group_size, self._rope)
+                for batch in bounded_batches(items, self._max_stream_bytes):
+                    stored = self._cache.store(batch)
+                    self._on_stored(stored, sum(len(item.blob) for item in batch))
+                    total += stored
+            finally:
+                if self.hot is not None:
+                    self.hot.settle(pending.prefix_keys)
         return total
 
     def _keep_hot(self, pending: PendingChunks) -> None:
@@ -172,7 +176,7 @@ class WriteBack:
             return
         try:
             for chunk, key in zip(pending.chunks, pending.prefix_keys):
-                self.hot.add(key, *pending.chunk_kv(chunk))
+                self.hot.add(key, *pending.chunk_kv(chunk), pending=True)
         except Exception:
             logger.exception("[%s] keeping chunks in L0 failed", pending.request_id)
 

@@ -51,8 +51,10 @@ def test_a_blob_corrupted_on_disk_is_recomputed_reported_and_deleted(tmp_path, t
     data_dir = tmp_path / "lmdb"
     daemon = start_daemon(data_dir, pick_free_port())
     try:
+        # --l0-bytes 0: every hit is read from the daemon's map, where the test damages a blob (L0 keeps copies).
         with running_service(str(tiny_model_dir), daemon.address, pick_free_port(), tmp_path / "service.log",
-                             "--chunk-size", "8", "--cache-local-read", "on") as service, service.stub() as stub:
+                             "--chunk-size", "8", "--cache-local-read", "on", "--l0-bytes", "0") as service, \
+                service.stub() as stub:
             stub.Warm(pb.WarmRequest(text=DOCUMENT), timeout=60)
             # A second writer process flips one byte inside every stored blob's payload (LMDB locks writers).
             environment = lmdb.open(str(data_dir), max_dbs=8, subdir=True, create=False)
@@ -105,8 +107,10 @@ def test_daemon_and_service_talk_over_a_unix_socket(tmp_path, tiny_model_dir) ->
     socket_address = f"unix:{tmp_path / 'daemon.sock'}"
     daemon = start_daemon(tmp_path / "lmdb", socket_address)
     try:
+        # --l0-bytes 0: the hits come through the socket's Fetch stream, not from L0's copies.
         with running_service(str(tiny_model_dir), socket_address, pick_free_port(), tmp_path / "service.log",
-                             "--chunk-size", "8", "--cache-local-read", "off") as service, service.stub() as stub:
+                             "--chunk-size", "8", "--cache-local-read", "off", "--l0-bytes", "0") as service, \
+                service.stub() as stub:
             stub.Warm(pb.WarmRequest(text=DOCUMENT), timeout=60)
             _, result = generate(stub, DOCUMENT + QUESTION, max_new_tokens=MAX_NEW_TOKENS, mode=pb.PREFIX_CACHE)
             with cache_stub(socket_address) as cache:

@@ -77,8 +77,10 @@ def test_forged_chunks_poison_a_daemon_without_tenants_but_not_one_with_them(tmp
     plain_dir = tmp_path / "plain"
     plain = start_daemon(plain_dir, pick_free_port())
     try:
+        # --l0-bytes 0: the forged blobs are what the daemon serves; L0 would serve this service's own copies.
         with running_service(str(tiny_model_dir), plain.address, pick_free_port(), tmp_path / "plain-service.log",
-                             *SERVICE_FLAGS, "--cache-local-read", "off") as service, service.stub() as stub:
+                             *SERVICE_FLAGS, "--cache-local-read", "off", "--l0-bytes", "0") as service, \
+                service.stub() as stub:
             stub.Warm(pb.WarmRequest(text=DOCUMENT), timeout=60)
             honest = stored_chunks(plain_dir)
             forgeries = forged(honest)
@@ -103,7 +105,7 @@ def test_forged_chunks_poison_a_daemon_without_tenants_but_not_one_with_them(tmp
             cache = cache_pb2_grpc.CacheServiceStub(channel)
             assert store_chunks(cache, forgeries, metadata=bob, timeout=10).stored == len(forgeries)
             with running_service(str(tiny_model_dir), daemon.address, pick_free_port(), tmp_path / "alice.log",
-                                 *SERVICE_FLAGS, "--cache-local-read", "auto", "--cache-auth-token-file",
+                                 *SERVICE_FLAGS, "--cache-local-read", "auto", "--l0-bytes", "0", "--cache-auth-token-file",
                                  str(write_token_file(tmp_path, "alice"))) as service, service.stub() as stub:
                 warmed = stub.Warm(pb.WarmRequest(text=DOCUMENT), timeout=60)
                 assert warmed.chunks_stored == len(honest), "bob's forgeries did not take alice's places"

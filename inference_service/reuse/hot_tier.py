@@ -22,8 +22,8 @@ class HotTier:
 
     Exact by construction: an entry holds the K/V the service computed (or decoded) for exactly that key (a prefix
     key commits to every token before it), the values a hit on the daemon's 16-bit blob decodes to; the engine keeps
-    none for quantized storage. So the prefix run goes on through what L0 holds, also while the write-back is still
-    storing it at the daemon. Thread-safe: the write-back threads add, the step loop reads.
+    none for quantized storage. The daemon's Lookup decides what hits; a chunk whose write-back is still in flight
+    (pending) may hit on L0 alone. Thread-safe: the write-back threads add and settle, the step loop reads.
     """
 
     def __init__(self, max_bytes: int) -> None:

@@ -51,7 +51,7 @@ _KNOWN_FLAGS = KEYS_BEFORE_ROPE
 # attention output (KVQuant, IntactKV keep it in full precision for the same reason).
 SINK_POSITIONS = 1
 _CHECKSUM_OFFSET = HEADER_SIZE - 4
-_SECTION_ALIGNMENT = 8  # every tensor section starts at a multiple of 8 bytes, so views of it are aligned
+SECTION_ALIGNMENT = _SECTION_ALIGNMENT = 8  # every tensor section starts at a multiple of 8 bytes, so views of it are aligned
 
 _DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
@@ -345,12 +345,24 @@ def _checksum(view: memoryview) -> int:
     return crc32(view[HEADER_SIZE:], crc32(view[:_CHECKSUM_OFFSET]))
 
 
+checksum_of = _checksum  # what a blob's header checksum field must hold (kv.loader checks staged copies with it)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a header's dtype name."""
+    return _TORCH_DTYPES[name]
+
+
+def byte_tensor(view: memoryview, offset: int = 0, count: int = -1) -> torch.Tensor:
+    """uint8 tensor sharing a (possibly read-only) buffer's memory, for reading only."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns about read-only buffers; nothing writes to it
+        return torch.frombuffer(view, dtype=torch.uint8, offset=offset, count=count)
+
+
 def _payload_tensor(view: memoryview, payload_bytes: int) -> torch.Tensor:
     """uint8 [payload_bytes] sharing the blob's memory."""
-    with warnings.catch_warnings():
-        # A read-only buffer makes torch warn; decode never writes to it and copies before returning.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(view, dtype=torch.uint8, offset=HEADER_SIZE, count=payload_bytes)
+    return byte_tensor(view, HEADER_SIZE, payload_bytes)  # decode never writes to it and copies before returning
 
 
 def _to(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype, must_copy: bool) -> torch.Tensor:

@@ -11,6 +11,8 @@ import torch
 
 from inference_service.store.protocol import ChunkStore, ContinuationQuery, StoreTimeout, StoreUnavailable
 from inference_service.kv.blobs import decode_hit, place_hit_
+from inference_service.kv.codec import BlobError, BlobHeader, read_header
+from inference_service.kv.loader import RunLoad, copies_raw, staging_ring
 from kvboost_keys.prompts import PromptPlan
 from kvboost_keys.chunking import Chunk
 from inference_service.kv.rope import RopeParams
@@ -163,26 +165,30 @@ def fetch_prefix_run(
     leading_index = run - num_hot if partial is not None and partial.leading else -1
     shape = (keys.shape[0], keys.shape[1], chunks[-1].end, keys.shape[3])
     verify = not getattr(store, "verifies_blobs", False)  # one checksum per blob is enough
-    num_placed = num_bytes = 0
+    num_placed = 0
     degraded = False
     blobs = None
-    fetched_whole: list[tuple[bytes, int, int]] = []
+    sizes: list[int] = []  # bytes of each placed blob
+    load = RunLoad((keys, values), verify, staging_ring() if keys.device.type == "cuda" else None,
+                   on_corrupt=lambda key: report_corrupt(store, key))
     try:
         blobs = store.fetch(keys_to_fetch)
         lent = getattr(blobs, "lent", False)  # views into shared memory: decode each before taking the next
         if not lent:
             blobs = prefetched(blobs)
         for index, (chunk, expected_key, (key, blob)) in enumerate(zip(chunks, keys_to_fetch, blobs)):
-            decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify, rope=rope,
-                                 device=keys.device, borrow=lent, on_corrupt=lambda key: report_corrupt(store, key),
-                                 leading=index == leading_index)
-            span = slice(chunk.start, chunk.end)
-            if decoded is None or not place_hit_(keys[:, :, span], values[:, :, span], decoded, chunk.start, rope):
-                break
+            header = _raw_header(expected_key, key, blob, chunk, index == leading_index, (keys, values))
+            if header is not None:  # byte for byte the slot's rows: staged, copied, checked with the whole run
+                load.add(index, key, blob, header, chunk.start, chunk.end)
+            else:
+                decoded = decode_hit(expected_key, key, blob, chunk.start, len(chunk.token_ids), shape, verify,
+                                     rope=rope, device=keys.device, borrow=lent,
+                                     on_corrupt=lambda key: report_corrupt(store, key), leading=index == leading_index)
+                span = slice(chunk.start, chunk.end)
+                if decoded is None or not place_hit_(keys[:, :, span], values[:, :, span], decoded, chunk.start, rope):
+                    break
             num_placed += 1
-            num_bytes += len(blob)
-            if hot is not None and num_hot + index < run:
-                fetched_whole.append((expected_key, chunk.start, chunk.end))
+            sizes.append(len(blob))
     except StoreTimeout as error:  # a slow transfer: the chunks placed so far are good, the rest is computed
         logger.warning("cache fetch ran past its deadline, %d of %d chunks placed: %s", num_placed, len(chunks), error)
     except StoreUnavailable as error:  # the chunks placed so far are still good
@@ -192,6 +198,12 @@ def fetch_prefix_run(
         close = getattr(blobs, "close", None)
         if close is not None:
             close()  # stops a stream we no longer read
+        failed = load.finish()  # the staged chunks' checksums and NaN check; their copies are in place after it
+    if failed is not None:
+        num_placed = min(num_placed, failed)
+    num_bytes = sum(sizes[:num_placed])
+    fetched_whole = [(keys_to_fetch[i], chunks[i].start, chunks[i].end) for i in range(min(num_placed, run - num_hot))
+                     ] if hot is not None else []
     if num_placed == 0 and num_hot == 0:
         return AssembledContext(None, None, num_bytes_fetched=num_bytes, degraded=degraded)
     if num_placed == 0:
@@ -203,6 +215,19 @@ def fetch_prefix_run(
                             partial_key=partial.key if placed_partial else None,
                             num_partial_tokens=len(partial.chunk.token_ids) if placed_partial else 0,
                             fetched_whole=fetched_whole, num_hot_chunks=num_hot)
+
+
+def _raw_header(expected_key: bytes, key: bytes, blob, chunk: Chunk, leading: bool,
+                buffers: tuple[torch.Tensor, torch.Tensor]) -> BlobHeader | None:
+    """The blob's header when its payload is byte for byte the chunk's slot rows (kv.loader.copies_raw); None sends
+    it through decode_hit, which also refuses and logs what cannot stand for the chunk."""
+    if blob is None or key != expected_key or leading:
+        return None
+    try:
+        header = read_header(blob)
+    except BlobError:
+        return None
+    return header if copies_raw(header, chunk.start, len(chunk.token_ids), buffers) else None
 
 
 def _place_from_hot(hot: HotTier | None, prompt: PromptPlan, run: int, keys: torch.Tensor, values: torch.Tensor) -> int:

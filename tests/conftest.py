@@ -1,6 +1,7 @@
 """Shared fixtures: tiny seeded random-weight models, the real SmolLM2, free ports."""
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from tests.factories import build_tiny_model, load_smollm2
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or os.environ.get("KVBOOST_TEST_DEVICE") == "cpu":  # cpu: tests/gpu/ dry run
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine")
     for item in items:

@@ -13,7 +13,7 @@ from inference_service.request.counters import EngineStats
 from inference_service.request.generation import OnToken, eos_token_ids
 from inference_service.request.logprobs import token_text
 from inference_service.request.planning import EngineParts, plan_request, plan_warm, repair_options, salted
-from inference_service.engine.scheduler import SchedulerLimits
+from inference_service.engine.scheduler import SchedulerLimits, device_limits
 from kvboost_keys.prompts import PromptPlan, tokenize_messages
 from inference_service.engine.sequence import OnDone, Sequence, WarmSpec
 from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
@@ -85,7 +85,8 @@ class Engine:
         )
         use_engine_attention(model)  # after the namespace: the engine's forwards pick grouped SDPA per call
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        limits = SchedulerLimits(config.max_prefill_tokens, config.max_forward_tokens,
+        limits = SchedulerLimits(*device_limits(self.parts.device.type, config.max_prefill_tokens,
+                                                config.max_forward_tokens),
                                  max_running_requests=config.max_running_requests)
         self.core = EngineCore(self.parts, limits, config.max_running_requests, config.kv_cache_bytes, config.max_queue,
                                pad or 0)

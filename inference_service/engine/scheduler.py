@@ -16,6 +16,16 @@ from inference_service.engine.slot_ledger import SlotLedger
 # four in one forward, 6.8 sixteen in one: bench/bench_batch_costs.py), so larger forwards save little, while
 # every request in a forward waits for all of it before its first token.
 FORWARD_TOKENS = 128
+# The defaults by device: (prompt tokens prefilled per step, tokens per batched prefill forward). On a GPU a forward
+# is launch- and bandwidth-bound far beyond a CPU's 128 tokens (an 8B model in bf16 prefills 2k tokens in about the
+# time of a few hundred), so pieces are larger; a long prompt still yields to decoding rows every 8192 tokens.
+DEVICE_LIMITS = {"cpu": (512, FORWARD_TOKENS), "cuda": (8192, 2048)}
+
+
+def device_limits(device_type: str, max_prefill_tokens: int = 0, max_forward_tokens: int = 0) -> tuple[int, int]:
+    """(max_prefill_tokens, max_forward_tokens): the given ones, or the device's defaults where they are 0."""
+    prefill, forward = DEVICE_LIMITS.get(device_type, DEVICE_LIMITS["cpu"])
+    return max_prefill_tokens or prefill, max_forward_tokens or forward
 
 
 @dataclass(slots=True, frozen=True)

@@ -52,8 +52,8 @@ class EngineConfig:
     # short prefills batched in one forward, and requests waiting before new ones are refused.
     max_running_requests: int = 16
     kv_cache_bytes: int = 2 * 1024**3
-    max_prefill_tokens: int = 512
-    max_forward_tokens: int = 128
+    max_prefill_tokens: int = 0  # 0: by device (engine/scheduler.device_limits)
+    max_forward_tokens: int = 0  # 0: by device
     max_queue: int = 64
     # Generated tokens whose K/V are written back with the prompt's tail when a request ends (its first
     # completion), so a conversation's next turn reuses the answer; 0: answers are not stored.
@@ -87,8 +87,8 @@ class EngineConfig:
         assert self.check_layers >= 1, f"check_layers must be >= 1, got {self.check_layers}"
         assert self.max_running_requests > 0, f"max_running_requests must be positive, got {self.max_running_requests}"
         assert self.kv_cache_bytes > 0, f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}"
-        assert self.max_prefill_tokens > 0, f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}"
-        assert self.max_forward_tokens > 0, f"max_forward_tokens must be positive, got {self.max_forward_tokens}"
+        assert self.max_prefill_tokens >= 0, f"max_prefill_tokens must be >= 0 (0: by device), got {self.max_prefill_tokens}"
+        assert self.max_forward_tokens >= 0, f"max_forward_tokens must be >= 0 (0: by device), got {self.max_forward_tokens}"
         assert self.max_queue > 0, f"max_queue must be positive, got {self.max_queue}"
         assert self.max_answer_tokens_stored >= 0, "max_answer_tokens_stored must be >= 0"
         assert self.hot_tier_bytes >= 0, f"hot_tier_bytes must be >= 0, got {self.hot_tier_bytes}"

@@ -59,7 +59,7 @@ class ServiceConfig:
     max_running_requests: int = 16  # requests running at once (one with n completions decodes as n rows)
     kv_cache_bytes: int = 2 * 1024**3  # K/V memory reserved by running requests (prompt + max_new_tokens per row)
     l0_bytes: int = 512 << 20  # L0: decoded K/V of recent whole chunks in the service's memory; 0 = off
-    max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps
+    max_prefill_tokens: int = 0  # prompt tokens prefilled between two decode steps; 0: by device
     metrics_port: int = 0  # Prometheus /metrics HTTP port on the listen host; 0 = off
     max_answer_tokens_stored: int = 1024  # generated tokens written back per request (the next turn reuses them)
     max_new_tokens: int = 4096
@@ -109,7 +109,7 @@ class ServiceConfig:
         _require(0 <= self.metrics_port < 65536, f"--metrics-port out of range: {self.metrics_port}")
         _require(self.max_answer_tokens_stored >= 0,
                  f"--max-answer-tokens-stored must be >= 0, got {self.max_answer_tokens_stored}")
-        _require(self.max_prefill_tokens > 0, f"--max-prefill-tokens must be positive, got {self.max_prefill_tokens}")
+        _require(self.max_prefill_tokens >= 0, f"--max-prefill-tokens must be >= 0 (0: by device), got {self.max_prefill_tokens}")
         _require(self.max_new_tokens > 0, f"--max-new-tokens must be positive, got {self.max_new_tokens}")
         _require(self.max_message_bytes >= 1 << 20, f"--max-message-bytes must be at least 1048576, got {self.max_message_bytes}")
         _require(self.max_concurrent_streams >= 0, f"--max-concurrent-streams must be >= 0, got {self.max_concurrent_streams}")
@@ -219,7 +219,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--max-running-requests", type=int, default=default("MAX_RUNNING_REQUESTS", defaults.max_running_requests), help="requests prefilling or decoding at once; more wait. A request with n completions counts once and decodes as n rows, one K/V slot each (the slots: max(this, 16) plus spares) (KVBOOST_MAX_RUNNING_REQUESTS)")
     add("--kv-cache-bytes", type=int, default=default("KV_CACHE_BYTES", defaults.kv_cache_bytes), help="K/V memory the running requests may reserve, in bytes: each reserves prompt + max_new_tokens per row when it is admitted, so nothing runs out mid-decode; a request that does not fit waits, one that could never fit is INVALID_ARGUMENT (KVBOOST_KV_CACHE_BYTES)")
     add("--l0-bytes", type=int, default=default("L0_BYTES", defaults.l0_bytes), help="L0, the service's own cache tier: K/V of the chunks this process wrote back (kept before the daemon has them) or fetched, in this process's memory (the GPU's on CUDA), least recently used dropped first; a prefix it holds is copied into place without a daemon read, checksum or decoding, and a prompt asked again while its write-back is in flight does not wait for it. Exact (16-bit storage only; off at --kv-cache-bits 8 and 4). 0 = off (KVBOOST_L0_BYTES)")
-    add("--max-prefill-tokens", type=int, default=default("MAX_PREFILL_TOKENS", defaults.max_prefill_tokens), help="prompt tokens prefilled between two decode steps: a long prompt runs in pieces while others decode (KVBOOST_MAX_PREFILL_TOKENS)")
+    add("--max-prefill-tokens", type=int, default=default("MAX_PREFILL_TOKENS", defaults.max_prefill_tokens), help="prompt tokens prefilled between two decode steps: a long prompt runs in pieces while others decode; 0 (default): by device, 512 on a CPU, 8192 on a GPU (KVBOOST_MAX_PREFILL_TOKENS)")
     add("--metrics-port", type=int, default=default("METRICS_PORT", defaults.metrics_port), help="Prometheus /metrics HTTP port on the listen host (the step loop's running rows, waiting requests, K/V bytes reserved and budget; request counters); 0 = off (KVBOOST_METRICS_PORT)")
     add("--max-answer-tokens-stored", type=int, default=default("MAX_ANSWER_TOKENS_STORED", defaults.max_answer_tokens_stored), help="when a request ends, the K/V of its prompt's tail and of up to this many generated tokens (its first completion) are written back, keyed as the next turn of the conversation will key them, so that turn recomputes only its new message; 0 = answers are not stored (KVBOOST_MAX_ANSWER_TOKENS_STORED)")
     for removed in REMOVED_FLAGS:  # still parsed, so naming one fails with what replaced it

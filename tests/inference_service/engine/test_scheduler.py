@@ -164,3 +164,12 @@ def test_a_sequence_not_looked_up_yet_is_not_planned_and_removal_forgets_it_ever
     assert scheduler.remove(2).seq_id == 2 and scheduler.remove(2) is None
     scheduler.prefilled(1)
     assert scheduler.remove(1).seq_id == 1 and not scheduler.has_work()
+
+
+def test_step_sizes_come_from_the_device_unless_given():
+    from inference_service.engine.scheduler import DEVICE_LIMITS, device_limits
+
+    assert device_limits("cpu") == (512, 128)
+    assert device_limits("cuda") == DEVICE_LIMITS["cuda"] and DEVICE_LIMITS["cuda"][0] > 512
+    assert device_limits("cuda", 300, 50) == (300, 50)
+    assert device_limits("mps") == (512, 128), "an unknown device gets the CPU's"

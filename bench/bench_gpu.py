@@ -1,0 +1,321 @@
+"""TTFT of a warmed long prompt on a GPU, by where its K/V come from, beside the machine's own limits.
+
+A random-weight model of a serving size is built on the GPU (timing only: its weights are noise, so its answers
+mean nothing; no weights need to travel to a GPU machine without network). Per prompt length, runs alternate:
+  BASELINE        the engine with the cache off (mode baseline): tokenize, prefill in the device's pieces, first token
+  plain prefill   the model's own forward over the same tokens (one call, logits of the last token), no engine
+  warmed          the engine over a real cache daemon, its blobs read from the daemon's LMDB map on this host
+                  (the service's default read path here), L0 off: every chunk crosses host -> GPU
+  from L0         the same with L0 on and holding the prompt's chunks: a repeated prefix never leaves the GPU
+each with a new question after the warmed document, TTFT from request arrival. The load rate is the engine's own
+(bytes placed / time from Lookup to the last chunk in place). The limits: host -> GPU from pinned and from pageable
+memory, page cache -> pinned (1 and N threads), GPU memory bandwidth. Decode: one stream and 16 at once through the
+engine, beside model.generate, and the bound the weights' bytes and the measured bandwidth give.
+
+    python bench/bench_gpu.py                              # Llama-3-8B shape, bf16, 2k/8k/32k, 3 runs (~4 min, H200)
+    python bench/bench_gpu.py --shape smollm2 --lengths 1600 8192
+    python bench/bench_gpu.py --shape tiny --device cpu --lengths 300 --runs 1   # a smoke run without a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
+from inference_service.store.colocated import ColocatedStore  # noqa: E402
+from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions  # noqa: E402
+
+SHAPES = {  # LlamaConfig fields; vocab sizes are the real models'
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, rope_theta=10000.0),
+}
+CHUNK = 128
+QUESTION_WORDS = 24
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# -- the machine's limits -------------------------------------------------------------------------------------------
+
+def timed_copy(target: torch.Tensor, source: torch.Tensor, repeats: int = 3) -> float:
+    """Median GB/s of target.copy_(source)."""
+    rates = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        target.copy_(source, non_blocking=True)
+        torch.cuda.synchronize()
+        rates.append(source.numel() * source.element_size() / (time.perf_counter() - started) / 1e9)
+    return statistics.median(rates[1:])
+
+
+def page_cache_to_pinned(path: Path, pinned: torch.Tensor, threads: int) -> float:
+    """GB/s of copying a file already in the page cache (memory-mapped) into pinned memory with `threads` threads."""
+    size = pinned.numel()
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.frombuffer(mapped, dtype=torch.uint8, count=size)
+        bounds = [size * i // threads for i in range(threads + 1)]
+        rates = []
+        for _ in range(3):
+            workers = [threading.Thread(target=lambda a, b: pinned[a:b].copy_(source[a:b]), args=(bounds[i], bounds[i + 1]))
+                       for i in range(threads)]
+            started = time.perf_counter()
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            rates.append(size / (time.perf_counter() - started) / 1e9)
+        del source
+    return statistics.median(rates)
+
+
+def machine_limits(workdir: Path, gib: int = 1) -> dict:
+    size = gib << 30
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(size, dtype=torch.uint8)
+    device = torch.empty(size, dtype=torch.uint8, device="cuda")
+    limits = {"h2d_pinned_gbps": timed_copy(device, pinned), "h2d_pageable_gbps": timed_copy(device, pageable),
+              "d2h_pinned_gbps": timed_copy(pinned, device)}
+    other = torch.empty_like(device)
+    limits["device_copy_gbps"] = 2 * timed_copy(other, device)  # bytes read and written
+    path = workdir / "page-cache.bin"
+    with open(path, "wb") as file:
+        file.write(os.urandom(16 << 20) * (size // (16 << 20)))
+    with open(path, "rb") as file:
+        while file.read(64 << 20):  # in the page cache now
+            pass
+    for threads in (1, 4, 8):
+        limits[f"page_cache_to_pinned_{threads}t_gbps"] = page_cache_to_pinned(path, pinned, threads)
+    path.unlink()
+    del pinned, pageable, device, other
+    torch.cuda.empty_cache()
+    return limits
+
+
+# -- the model ------------------------------------------------------------------------------------------------------
+
+def word_tokenizer(vocab_size: int):
+    """One token per word "w<id>", every id of the model's vocabulary decodable."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<unk>": 1} | {f"w{i}": i for i in range(2, vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+    tokenizer.name_or_path = f"kvboost-bench-words-{vocab_size}"
+    return tokenizer
+
+
+def random_model(shape: str, device: str, dtype: torch.dtype, max_context: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(max_context, 8192), tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=0, pad_token_id=0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():  # weights small enough that activations stay finite through every layer
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def words(count: int, seed: int, vocab_size: int) -> str:
+    generator = torch.Generator().manual_seed(seed)
+    return " ".join(f"w{i}" for i in torch.randint(2, vocab_size, (count,), generator=generator).tolist())
+
+
+# -- the runs -------------------------------------------------------------------------------------------------------
+
+def plain_prefill_ms(model, tokenizer, prompt: str) -> float:
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=model.device)
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        logits = model(input_ids=ids, logits_to_keep=1).logits
+        logits.argmax(-1).item()
+    return (time.perf_counter() - started) * 1000
+
+
+def ask(engine: Engine, prompt: str, mode: str | None = None) -> dict:
+    before = engine.stats()
+    outcome = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=1, mode=mode))
+    after = engine.stats()
+    engine.flush_writes()  # the question's write-back never overlaps the next request
+    assert not outcome.degraded, "the cache was unreachable during the benchmark"
+    loaded = after.get("load_bytes", 0) - before.get("load_bytes", 0)
+    seconds = after.get("load_seconds", 0.0) - before.get("load_seconds", 0.0)
+    return {"ttft_ms": outcome.ttft_ms, "cached": outcome.cached_tokens, "prompt": outcome.prompt_tokens,
+            "load_bytes": loaded, "load_gbps": loaded / seconds / 1e9 if seconds > 0 else 0.0}
+
+
+def measure_length(length: int, args, model, tokenizer, engines: dict[str, Engine]) -> dict:
+    vocab = model.config.vocab_size
+    document = words(length - QUESTION_WORDS, seed=length, vocab_size=vocab)
+    started = time.perf_counter()
+    engines["warmed"].warm(document)
+    engines["warmed"].flush_writes()
+    warm_s = time.perf_counter() - started
+    ask(engines["from L0"], document + " " + words(QUESTION_WORDS, seed=1, vocab_size=vocab))  # L0 takes the chunks
+    samples: dict[str, list[dict]] = {name: [] for name in ("BASELINE", "plain prefill", "warmed", "from L0")}
+    for run in range(args.runs):
+        questions = iter(range(100 * run + 10, 100 * run + 20))
+        prompt = lambda: document + " " + words(QUESTION_WORDS, seed=next(questions), vocab_size=vocab)
+        samples["BASELINE"].append(ask(engines["warmed"], prompt(), mode="baseline"))
+        samples["plain prefill"].append({"ttft_ms": plain_prefill_ms(model, tokenizer, prompt())})
+        samples["warmed"].append(ask(engines["warmed"], prompt()))
+        samples["from L0"].append(ask(engines["from L0"], prompt()))
+    rows = {}
+    baseline = statistics.median(s["ttft_ms"] for s in samples["BASELINE"])
+    for name, runs in samples.items():
+        ttft = statistics.median(s["ttft_ms"] for s in runs)
+        rows[name] = {"ttft_ms": ttft, "speedup_vs_baseline": baseline / ttft,
+                      "cached": statistics.median(s.get("cached", 0) for s in runs),
+                      "load_gbps": statistics.median(s.get("load_gbps", 0.0) for s in runs),
+                      "load_bytes": statistics.median(s.get("load_bytes", 0) for s in runs)}
+    rows["warm_s"] = warm_s
+    return rows
+
+
+def measure_decode(model, tokenizer, engine: Engine, tokens: int, clients: int) -> dict:
+    vocab = model.config.vocab_size
+    prompt = words(200, seed=7, vocab_size=vocab)
+    params = lambda seed: GenerationParams(prompt=words(200, seed=seed, vocab_size=vocab), max_new_tokens=tokens,
+                                           ignore_eos=True, mode="baseline")
+    engine.generate(params(1))  # warm-up
+    one = engine.generate(params(2))
+    started = time.perf_counter()
+    outcomes = engine.generate_many([params(100 + i) for i in range(clients)])
+    many_s = time.perf_counter() - started
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=model.device)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+        sync()
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
+        sync()
+    hf_tps = tokens / (time.perf_counter() - started)
+    return {"one_stream_tps": one.tokens_per_sec, "clients": clients,
+            "many_output_tps": sum(o.generated_tokens for o in outcomes) / many_s,
+            "model_generate_tps": hf_tps}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="model shape (random weights)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768], help="prompt tokens")
+    parser.add_argument("--runs", type=int, default=3, help="alternating runs per length (medians)")
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu for a smoke run")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--l0-bytes", type=float, default=16.0, help="L0 of the 'from L0' engine, GiB")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode measurement (0: skip)")
+    parser.add_argument("--clients", type=int, default=16, help="rows decoding at once in the batched measurement")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU; use --device cpu --shape tiny for a smoke run")
+    from tests.conftest import pick_free_port
+    from tests.e2e.daemon_process import start_daemon
+
+    results: dict = {"shape": args.shape, "dtype": args.dtype, "lengths": args.lengths, "runs": args.runs,
+                     "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-bench-gpu-")))
+        if cuda:
+            log("measuring the machine's limits")
+            results["limits"] = machine_limits(workdir)
+            log(json.dumps({k: round(v, 1) for k, v in results["limits"].items()}))
+        longest = max(args.lengths) + 2 * QUESTION_WORDS
+        log(f"building a random-weight {args.shape}-shaped model on {args.device} in {args.dtype}")
+        model = random_model(args.shape, args.device, getattr(torch, args.dtype), longest + 512)
+        tokenizer = word_tokenizer(model.config.vocab_size)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        results["weight_bytes"] = weight_bytes
+        kv_per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
+            (model.config.hidden_size // model.config.num_attention_heads) * torch.tensor([], dtype=model.dtype).element_size()
+        store_gb = max(4, int(kv_per_token * sum(args.lengths) * 2 / 1e9) + 2)
+        daemon = start_daemon(workdir / "lmdb", pick_free_port(), "--max-bytes", f"{store_gb}G", timeout_s=60)
+        stack.callback(daemon.terminate)
+        remote = GrpcChunkStore(GrpcStoreOptions(address=daemon.address))
+        store = ColocatedStore(remote, "on")
+        stack.callback(store.close)
+        store.check()
+        slots_bytes = 2 * (longest + 320) * kv_per_token + (1 << 30)
+        engines = {}
+        for name, l0 in (("warmed", 0), ("from L0", int(args.l0_bytes * (1 << 30)))):
+            config = EngineConfig(chunk_size=CHUNK, hot_tier_bytes=l0, kv_cache_bytes=slots_bytes,
+                                  max_prompt_tokens=longest, max_new_tokens_limit=max(64, args.decode_tokens),
+                                  max_running_requests=max(2, args.clients))
+            engines[name] = Engine(model, tokenizer, config, store, model_id=f"random-{args.shape}",
+                                   weights_id=f"kvboost-bench-random-{args.shape}-{args.dtype}-seed0")
+            stack.callback(engines[name].close)
+        if args.decode_tokens:  # short prompts, a slot per client (the long-prompt engines hold two slots each)
+            config = EngineConfig(chunk_size=CHUNK, hot_tier_bytes=0, max_prompt_tokens=1024,
+                                  max_new_tokens_limit=args.decode_tokens, max_running_requests=args.clients,
+                                  kv_cache_bytes=(args.clients + 9) * (1024 + args.decode_tokens + 2) * kv_per_token)
+            engines["decode"] = Engine(model, tokenizer, config, store, model_id=f"random-{args.shape}",
+                                       weights_id=f"kvboost-bench-random-{args.shape}-{args.dtype}-seed0")
+            stack.callback(engines["decode"].close)
+        log(f"weights {weight_bytes / 1e9:.1f} GB, K/V {kv_per_token // 1024} KiB per token, "
+            f"slots {engines['warmed'].core.layout}")
+        results["by_length"] = {}
+        for length in args.lengths:
+            log(f"{length} tokens")
+            rows = measure_length(length, args, model, tokenizer, engines)
+            results["by_length"][length] = rows
+            for name, row in rows.items():
+                if name != "warm_s":
+                    log(f"  {name:14s} TTFT {row['ttft_ms']:9.1f} ms  x{row['speedup_vs_baseline']:5.2f}  "
+                        f"cached {row['cached']:6.0f}  load {row['load_bytes'] / 1e6:8.1f} MB at {row['load_gbps']:5.1f} GB/s")
+            log(f"  warm (prefill and write-back of {length} tokens) {rows['warm_s']:.1f} s")
+        if args.decode_tokens:
+            log("decode")
+            decode = measure_decode(model, tokenizer, engines["decode"], args.decode_tokens, args.clients)
+            if cuda:
+                decode["bound_tps"] = results["limits"]["device_copy_gbps"] * 1e9 / 2 / weight_bytes
+            results["decode"] = decode
+            log(json.dumps({k: round(v, 1) for k, v in decode.items()}))
+        results["stats"] = {name: {k: v for k, v in engine.stats().items() if isinstance(v, (int, float))}
+                            for name, engine in engines.items()}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+        log(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

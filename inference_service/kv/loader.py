@@ -1,9 +1,11 @@
 """Places a run of stored 16-bit chunks into a slot in as few passes over their bytes as the device allows.
 
-On a GPU each blob is copied once into reused page-locked (pinned) staging memory and goes on to the device by an
-asynchronous copy on the current stream, so the step loop's next kernels queue behind it and the host never waits
-per chunk; the CRC-32 of each staged copy runs on a small thread pool meanwhile (ISA-L releases the GIL), and NaN or
-infinity is looked for once over the whole run. The run's checks end in one synchronisation: a chunk that fails any
+On a GPU each blob is copied once into reused page-locked (pinned) staging memory by a small thread pool, several
+blobs at once, each piece's CRC-32 computed right behind its copy while it is still in the CPU's cache (ISA-L and
+numpy release the GIL), so host memory is crossed three times per byte (read, write, the device's read), not four;
+each staged blob then goes on to the device by an asynchronous copy on the current stream, in order, so the step
+loop's next kernels queue behind it and the host never waits per chunk. NaN or infinity is looked for once over the
+whole run. The run's checks end in one synchronisation: a chunk that fails any
 of them ends the run there, as a failure in the per-chunk path does (its slot rows are recomputed by the prefill).
 On a CPU there is nothing to stage: each blob is copied straight from the store's memory into the slot, as before.
 
@@ -16,17 +18,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
+from kvboost_common.checksum import crc32
 from inference_service.kv.codec import HEADER_SIZE, SECTION_ALIGNMENT, BlobHeader, byte_tensor, checksum_of, torch_dtype
 
 logger = logging.getLogger(__name__)
 
 STAGING_BUFFERS = 8  # pinned buffers in the ring: enough to keep the copy engine busy while the host fills the next
+STAGING_AHEAD = STAGING_BUFFERS - 2  # blobs being staged at once (fewer than the ring: a buffer is queued before reuse)
 CHECKSUM_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 _pool: ThreadPoolExecutor | None = None
@@ -62,7 +68,8 @@ class StagingRing:
     """Pinned host buffers reused round robin; one is handed out again only once the device has read it and its
     checksum is done. One per engine (a request's load runs on the step loop, one at a time)."""
 
-    def __init__(self, count: int = STAGING_BUFFERS) -> None:
+    def __init__(self, count: int = STAGING_BUFFERS, pinned: bool = True) -> None:
+        self.pinned = pinned  # False: plain memory (a CPU run of the same pipeline, for tests)
         self._buffers: list[torch.Tensor | None] = [None] * count
         self._busy: list[tuple[torch.cuda.Event | None, Future | None]] = [(None, None)] * count
         self._next = 0
@@ -75,12 +82,12 @@ class StagingRing:
         buffer = self._buffers[index]
         if buffer is None or buffer.numel() < num_bytes:
             self.bytes_pinned -= 0 if buffer is None else buffer.numel()
-            buffer = torch.empty(max(num_bytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            buffer = torch.empty(max(num_bytes, 1 << 20), dtype=torch.uint8, pin_memory=self.pinned)
             self._buffers[index] = buffer
             self.bytes_pinned += buffer.numel()
         return index, buffer[:num_bytes]
 
-    def hold(self, index: int, event: torch.cuda.Event, checksum: Future | None) -> None:
+    def hold(self, index: int, event: torch.cuda.Event | None, checksum: Future | None) -> None:
         self._busy[index] = (event, checksum)
 
     def wait(self, index: int) -> None:
@@ -93,48 +100,80 @@ class StagingRing:
 
 
 @dataclass
+class _Staging:
+    """A blob being copied into pinned memory (and checked) on the pool, its device copies not yet queued."""
+
+    copied: Future  # -> bool: the staged bytes' checksum matched (True when not verified)
+    ring_slot: int
+    staged: torch.Tensor
+    blob: object  # kept alive until staged
+    check: int  # its entry in RunLoad._checks
+
+
+@dataclass
 class RunLoad:
-    """The chunks of one run copied so far, and the checks still owed on them."""
+    """The chunks of one run copied so far, and the checks still owed on them.
+
+    On a GPU, blobs are staged by the pool STAGING_AHEAD at a time (several memory copies in flight, each blob's
+    checksum computed piece by piece right behind its copy, while the piece is still in the CPU's cache), and each
+    staged blob's host-to-device copy is queued in order as soon as it is ready. The blobs must stay readable until
+    finish(): a lent blob is a view into the daemon's map, valid while its fetch (one read transaction) is open.
+    """
 
     buffers: tuple[torch.Tensor, torch.Tensor]
     verify: bool
     ring: StagingRing | None
     on_corrupt: Callable[[bytes], None] | None = None
-    _checks: list[tuple[int, bytes, int, int, Future | None]] = field(default_factory=list)  # index, key, start, end
+    _checks: list[list] = field(default_factory=list)  # [index, key, start, end, Future | None]
     _bounds: tuple[int, int] | None = None
+    _staging: deque = field(default_factory=deque)
 
     def add(self, index: int, key: bytes, blob, header: BlobHeader, start: int, end: int) -> None:
-        """Copies the blob's K/V into slot rows [start, end) (copies_raw must hold). On a CPU a lent blob (a view
-        valid until the next one) is checked here; elsewhere the checksum runs in the background until finish."""
+        """Copies the blob's K/V into slot rows [start, end) (copies_raw must hold). On a CPU the blob is checked
+        and copied here; on a GPU it is staged in the background, and its checks end in finish()."""
         view = memoryview(blob).cast("B")
+        self._checks.append([index, key, start, end, None])
+        low, high = self._bounds or (start, end)
+        self._bounds = (min(low, start), max(high, end))
+        if self.ring is not None:
+            ring_slot, staged = self.ring.take(len(view))
+            expected = header.checksum if self.verify else None
+            copied = _checksum_pool().submit(_stage, view, staged.numpy(), expected)
+            self._staging.append(_Staging(copied, ring_slot, staged, blob, len(self._checks) - 1))
+            while self._staging and (len(self._staging) > STAGING_AHEAD or self._staging[0].copied.done()):
+                self._queue_device_copy(self._staging.popleft())
+            return
+        if self.verify and not _matches(view, header.checksum):  # now: a lent view may not outlive this call
+            self._checks[-1][4] = _failed()
+        self._place(byte_tensor(view, HEADER_SIZE, header.payload_bytes), start, end)
+
+    def _queue_device_copy(self, staging: _Staging) -> None:
+        matched = staging.copied.result()
+        self._checks[staging.check][4] = _done(matched)
+        payload = staging.staged[HEADER_SIZE:].to(self.buffers[0].device, non_blocking=True)
+        _, _, start, end, _ = self._checks[staging.check]
+        self._place(payload, start, end)
+        event = None
+        if payload.device.type == "cuda":  # the staging buffer is free once the device has read it
+            event = torch.cuda.Event()
+            event.record()
+        self.ring.hold(staging.ring_slot, event, None)
+
+    def _place(self, payload: torch.Tensor, start: int, end: int) -> None:
+        """payload: a 16-bit blob's payload bytes (on the host or the device) -> slot rows [start, end)."""
         keys, values = self.buffers
         shape = (keys.shape[0], keys.shape[1], end - start, keys.shape[3])
         key_bytes = keys.element_size() * shape[0] * shape[1] * shape[2] * shape[3]
         value_offset = -(-key_bytes // SECTION_ALIGNMENT) * SECTION_ALIGNMENT  # codec's layout at 16 bits
-        if self.ring is not None and keys.device.type == "cuda":
-            slot, staged = self.ring.take(len(view))
-            staged.copy_(byte_tensor(view))
-            checksum = _checksum_pool().submit(_matches, staged.numpy(), header.checksum) if self.verify else None
-            payload = staged[HEADER_SIZE:].to(keys.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self.ring.hold(slot, event, checksum)
-        else:
-            checksum = None
-            if self.verify and not _matches(view, header.checksum):  # now: the view may not outlive this call
-                checksum = _failed()
-            payload = byte_tensor(view, HEADER_SIZE, header.payload_bytes)
-        dtype = keys.dtype
-        keys[:, :, start:end].copy_(payload[:key_bytes].view(dtype).view(shape), non_blocking=True)
-        values[:, :, start:end].copy_(payload[value_offset:value_offset + key_bytes].view(dtype).view(shape),
+        keys[:, :, start:end].copy_(payload[:key_bytes].view(keys.dtype).view(shape), non_blocking=True)
+        values[:, :, start:end].copy_(payload[value_offset:value_offset + key_bytes].view(keys.dtype).view(shape),
                                       non_blocking=True)
-        self._checks.append((index, key, start, end, checksum))
-        low, high = self._bounds or (start, end)
-        self._bounds = (min(low, start), max(high, end))
 
     def finish(self) -> int | None:
         """Waits for every check (one synchronisation); returns the run index of the first chunk that failed one
         (told to on_corrupt), or None when all passed. The copies are complete when this returns."""
+        while self._staging:
+            self._queue_device_copy(self._staging.popleft())
         failed = next((i for i, (_, key, _, _, checksum) in enumerate(self._checks)
                        if checksum is not None and not checksum.result()), None)
         if failed is not None:
@@ -161,14 +200,35 @@ class RunLoad:
         return None
 
 
+STAGE_PIECE = 2 << 20  # bytes copied, then checksummed while still in the CPU's cache
+
+
+def _stage(view: memoryview, staged: np.ndarray, expected: int | None) -> bool:
+    """Copies a blob into pinned memory piece by piece, each piece checksummed right after it is copied; returns
+    whether the checksum matched (True when expected is None: the store already checked it)."""
+    source = np.frombuffer(view, dtype=np.uint8)
+    np.copyto(staged[:HEADER_SIZE], source[:HEADER_SIZE])
+    crc = crc32(staged[:HEADER_SIZE - 4]) if expected is not None else 0
+    for begin in range(HEADER_SIZE, len(source), STAGE_PIECE):
+        piece = slice(begin, min(begin + STAGE_PIECE, len(source)))
+        np.copyto(staged[piece], source[piece])
+        if expected is not None:
+            crc = crc32(staged[piece], crc)
+    return expected is None or crc == expected
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
 def _matches(memory, expected: int) -> bool:
     return checksum_of(memoryview(memory).cast("B")) == expected
 
 
 def _failed() -> Future:
-    future: Future = Future()
-    future.set_result(False)
-    return future
+    return _done(False)
 
 
 def _finite(tensor: torch.Tensor) -> bool:

@@ -173,7 +173,7 @@ def fetch_prefix_run(
                    on_corrupt=lambda key: report_corrupt(store, key))
     try:
         blobs = store.fetch(keys_to_fetch)
-        lent = getattr(blobs, "lent", False)  # views into shared memory: decode each before taking the next
+        lent = getattr(blobs, "lent", False)  # views into shared memory, valid until the fetch is closed
         if not lent:
             blobs = prefetched(blobs)
         for index, (chunk, expected_key, (key, blob)) in enumerate(zip(chunks, keys_to_fetch, blobs)):
@@ -195,10 +195,12 @@ def fetch_prefix_run(
         logger.warning("cache unavailable during fetch, %d of %d chunks placed: %s", num_placed, len(chunks), error)
         degraded = True
     finally:
-        close = getattr(blobs, "close", None)
-        if close is not None:
-            close()  # stops a stream we no longer read
-        failed = load.finish()  # the staged chunks' checksums and NaN check; their copies are in place after it
+        try:
+            failed = load.finish()  # staged chunks' checksums and the NaN check; before close: lent blobs are read
+        finally:
+            close = getattr(blobs, "close", None)
+            if close is not None:
+                close()  # stops a stream we no longer read
     if failed is not None:
         num_placed = min(num_placed, failed)
     num_bytes = sum(sizes[:num_placed])

@@ -16,8 +16,9 @@ LOCAL_READ_MODES = ("auto", "on", "off")
 
 
 class LentBlobs:
-    """A fetch whose blobs are views into shared memory, each valid until the next one is taken: the reader
-    decodes each before advancing and must not read ahead on another thread."""
+    """A fetch whose blobs are views into shared memory, valid until the fetch is closed (LMDB keeps a read
+    transaction's values in place until it ends): the reader places them before closing it, and must not read
+    ahead on another thread (the iterator is not thread-safe)."""
 
     lent = True
 

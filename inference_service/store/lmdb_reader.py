@@ -2,7 +2,7 @@
 
 The only module of the service that imports lmdb. The daemon stays the only writer; this process
 opens the environment read-only next to it, as LMDB allows. Blobs come back as views into the memory
-map, valid until the fetch iterator advances or closes; the reader's transaction keeps the pages of
+map, valid until the fetch iterator is closed (LMDB keeps a read-only transaction's values in place until it ends); the reader's transaction keeps the pages of
 its snapshot from being reused meanwhile, so an entry evicted or rewritten after Lookup reads as a miss
 or as the snapshot's bytes, never as pages being overwritten. That guarantee needs the lock file: a reader
 the writer cannot see may walk B-tree pages the writer is recycling, so the environment is never read
@@ -65,7 +65,7 @@ class LmdbBlobReader:
             raise LocalReadUnavailable(f"{path} holds another environment than the daemon described")
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, memoryview | bytes | None]]:
-        """(key, blob) in order; None for a key that is not stored. A memoryview is valid until the next item."""
+        """(key, blob) in order; None for a key that is not stored. A memoryview is valid until this iterator is closed."""
         try:
             txn = self._begin()
         except lmdb.Error as error:

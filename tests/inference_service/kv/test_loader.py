@@ -142,3 +142,40 @@ def test_the_staging_ring_stays_bounded_on_a_gpu():
     fetch_prefix_run(store, plan, 40, slot(torch.bfloat16, "cuda", capacity=40 * CHUNK))
     blob_bytes = max(len(blob) for _, blob in store.fetch(list(plan.prefix_keys)))
     assert 0 < ring.bytes_pinned <= loader.STAGING_BUFFERS * max(blob_bytes, 1 << 20)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("bad", [None, 0, 9])
+def test_the_staged_pipeline_places_and_checks_as_the_direct_copy(verify, bad):
+    """The GPU's pipeline (staging on the pool, copies queued in order) run over plain memory on the CPU."""
+    from inference_service.kv.codec import read_header
+
+    plan, store, keys, values = stored_run(20, torch.bfloat16)
+    if bad is not None:
+        store = corrupt_store(store, plan, bad, "crc")
+    buffers = slot(torch.bfloat16, "cpu")
+    load = loader.RunLoad(buffers, verify, loader.StagingRing(pinned=False))
+    for index, (chunk, (key, blob)) in enumerate(zip(plan.chunks.chunks, store.fetch(list(plan.prefix_keys)))):
+        load.add(index, key, blob, read_header(blob), chunk.start, chunk.end)
+    failed = load.finish()
+    assert failed == (bad if verify else None)
+    good = 20 if bad is None else bad  # unverified, the flipped byte is placed as read (the store checked it)
+    assert torch.equal(buffers[0][:, :, : good * CHUNK], keys[:, :, : good * CHUNK])
+    assert torch.equal(buffers[1][:, :, : good * CHUNK], values[:, :, : good * CHUNK])
+
+
+def test_staging_checksums_every_piece_of_a_large_blob(monkeypatch):
+    monkeypatch.setattr(loader, "STAGE_PIECE", 1000)  # many pieces per blob
+    from inference_service.kv.codec import read_header
+    import numpy as np
+
+    keys, values = computed_kv(CHUNK, torch.float32)
+    blob = bytearray(encode_chunk(keys, values, 0))
+    header = read_header(blob)
+    staged = np.zeros(len(blob), dtype=np.uint8)
+    assert loader._stage(memoryview(blob), staged, header.checksum) and staged.tobytes() == bytes(blob)
+    for position in (HEADER_SIZE, HEADER_SIZE + 999, HEADER_SIZE + 1000, len(blob) - 1):
+        damaged = bytearray(blob)
+        damaged[position] ^= 1
+        assert not loader._stage(memoryview(damaged), staged, header.checksum), position
+    assert loader._stage(memoryview(blob), staged, None), "nothing to check: the store checked it"

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from http_gateway import errors
+from http_gateway import errors, openapi
 from http_gateway.auth import TRUSTED
 from http_gateway.config import GatewayConfig
 from http_gateway.disconnect import ClientDisconnected
@@ -46,6 +46,8 @@ def build_app(config: GatewayConfig, upstream_factory: Callable[[GatewayConfig],
     app.state.gateway = gateway
     app.include_router(router)
     _install_error_handlers(app, gateway)
+    openapi.install(app, protected=bool(config.api_key_file or config.keys_file), open_paths=OPEN_PATHS,
+                    tenants=bool(gateway.keys.tenant_names))
     app.add_middleware(RequestContext, gateway=gateway)
     return app
 
@@ -71,8 +73,9 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:
-        return _error_response(gateway, errors.from_http_status(error.status_code, str(error.detail)),
-                               request_id(request))
+        failure = errors.from_http_status(error.status_code, str(error.detail))
+        failure.headers.update(error.headers or {})  # a 405 says which methods the path takes (Allow)
+        return _error_response(gateway, failure, request_id(request))
 
     @app.exception_handler(ClientDisconnected)
     async def disconnected(request: Request, error: ClientDisconnected) -> Response:

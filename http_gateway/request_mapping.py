@@ -1,12 +1,12 @@
 """OpenAI request bodies -> kvboost.v1 requests (pure; raises GatewayError for what cannot be served)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from http_gateway.errors import invalid_request, unsupported
 from http_gateway.schemas import (
     ChatCompletionRequest, ChatMessageIn, CompletionRequest, KVBoostOptions, TokenizeRequest, UnpinRequest, WarmRequest,
-    _Body, _Sampling, MIN_TEMPERATURE,
+    _Body, _Sampling, MIN_TEMPERATURE, ROLES, UNSUPPORTED_NEUTRAL_VALUES,
 )
 from kvboost.v1 import inference_pb2 as pb
 
@@ -19,39 +19,28 @@ def _absent(value: Any) -> bool:
     return value is None or value == [] or value == {} or value == ""
 
 
-# Fields OpenAI or vLLM define that this server does not implement, with the values that change nothing
-# (SDKs and frameworks often send the neutral value; only a value that would change the output is refused).
-_NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "tools": _absent,
-    "tool_choice": lambda value: value in (None, "none"),
-    "functions": _absent,
-    "function_call": lambda value: value in (None, "none"),
-    "response_format": lambda value: value is None or value == {"type": "text"},
-    "logit_bias": _absent,
-    "presence_penalty": lambda value: value in (None, 0),
-    "frequency_penalty": lambda value: value in (None, 0),
-    "repetition_penalty": lambda value: value in (None, 1),
-    "min_p": lambda value: value in (None, 0),
-    "audio": _absent,
-    "modalities": lambda value: value in (None, ["text"]),
-    "prediction": _absent,
-    "web_search_options": _absent,
-    "best_of": lambda value: value in (None, 1),
-    "suffix": _absent,
-    "use_beam_search": lambda value: not value,
-    "guided_json": _absent,
-    "guided_regex": _absent,
-    "guided_choice": _absent,
-    "guided_grammar": _absent,
-    "structured_outputs": _absent,
-}
+def json_equal(value: Any, other: Any) -> bool:
+    """Equality as JSON (and JSON Schema's `const`) sees it: 0 == 0.0, but false is neither 0 nor null."""
+    if isinstance(value, bool) or isinstance(other, bool):
+        return type(value) is type(other) and value == other
+    if isinstance(value, (int, float)) and isinstance(other, (int, float)):
+        return value == other
+    if isinstance(value, list) and isinstance(other, list):
+        return len(value) == len(other) and all(map(json_equal, value, other))
+    if isinstance(value, dict) and isinstance(other, dict):
+        return value.keys() == other.keys() and all(json_equal(value[key], other[key]) for key in value)
+    return type(value) is type(other) and value == other
+
+
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+assert set(_ROLES) == set(ROLES), "the schema's roles are the ones mapped"
 
 
 def refuse_unsupported(body: _Body) -> None:
     """Raises a 400 naming every known-unsupported field given with a value that matters."""
     extra = body.model_extra or {}
-    names = [name for name, neutral in _NEUTRAL.items() if name in extra and not neutral(extra[name])]
+    names = [name for name, neutral in UNSUPPORTED_NEUTRAL_VALUES.items()
+             if name in extra and not any(json_equal(extra[name], value) for value in neutral)]
     if names:
         raise unsupported(names)
 
@@ -181,9 +170,9 @@ def _apply_kvboost(request: pb.GenerateRequest, options: KVBoostOptions | None) 
 
 
 def tokenize_request(body: TokenizeRequest) -> pb.TokenizeRequest:
-    if (body.prompt is None) == (body.messages is None):
+    if bool(body.prompt) == bool(body.messages):  # an empty one is none, as the service counts them
         raise invalid_request("give exactly one of prompt and messages", param="prompt")
-    if body.messages is not None:
+    if body.messages:
         return pb.TokenizeRequest(messages=chat_messages(body.messages),
                                   add_generation_prompt=body.add_generation_prompt)
     return pb.TokenizeRequest(prompt=body.prompt, add_special_tokens=body.add_special_tokens)

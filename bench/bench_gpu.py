@@ -228,9 +228,81 @@ def measure_decode(model, tokenizer, engine: Engine, tokens: int, clients: int) 
         model.generate(ids, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
         sync()
     hf_tps = tokens / (time.perf_counter() - started)
-    return {"one_stream_tps": one.tokens_per_sec, "clients": clients,
+    return {"one_stream_tps": one.tokens_per_sec, "clients": clients, "step": engine.stats().get("decode_step"),
             "many_output_tps": sum(o.generated_tokens for o in outcomes) / many_s,
             "model_generate_tps": hf_tps}
+
+
+def profile_asks(engines: dict[str, Engine], document: str, vocab: int, path: Path) -> None:
+    """torch.profiler over one ask from L0 and one from the daemon: where a warmed TTFT goes, kernels and host ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sections = []
+    for seed, name in enumerate(("from L0", "warmed")):
+        prompt = lambda: document + " " + words(QUESTION_WORDS, seed=990 + 2 * seed + len(sections), vocab_size=vocab)
+        with profile(activities=activities) as profiler:
+            row = ask(engines[name], prompt())
+        table = profiler.key_averages().table(sort_by="self_cuda_time_total" if len(activities) > 1 else
+                                              "self_cpu_time_total", row_limit=15, max_name_column_width=60)
+        sections.append(f"== {name}: TTFT {row['ttft_ms']:.1f} ms, {row['load_bytes'] / 1e6:.0f} MB at "
+                        f"{row['load_gbps']:.1f} GB/s; kernels (torch.profiler)\n{table}")
+        sections.append(f"== {name}: host time by function, every thread (yappi, wall clock)\n{host_profile(engines[name], prompt())}")
+    path.write_text("\n".join(sections))
+    log(f"profile written to {path}")
+
+
+def host_profile(engine: Engine, prompt: str, rows: int = 40) -> str:
+    """Wall time per function over every thread (the step loop's too) while one ask runs; needs yappi (optional:
+    bench/pack_gpu_wheels.sh packs it)."""
+    try:
+        import yappi
+    except ImportError:
+        return "(yappi is not installed)"
+    yappi.set_clock_type("wall")
+    yappi.clear_stats()
+    yappi.start(builtins=False, profile_threads=True)
+    ask(engine, prompt)
+    yappi.stop()
+    stats = yappi.get_func_stats()
+    stats.sort("ttot", "desc")
+    lines = []
+    for entry in stats[: rows * 3]:
+        where = entry.module.replace(str(ROOT) + "/", "")
+        if "threading.py" in where or "queue.py" in where:
+            continue
+        lines.append(f"{entry.ttot * 1000:9.2f} ms total {entry.tsub * 1000:9.2f} ms own {entry.ncall:7d} calls  "
+                     f"{entry.name} ({where.split('site-packages/')[-1]}:{entry.lineno})")
+        if len(lines) == rows:
+            break
+    return "\n".join(lines)
+
+
+def measure_agreement(model, tokenizer, engine: Engine, prompts: int, tokens: int) -> dict:
+    """Greedy answers of the engine (batched, as served) against model.generate (batched by prompt length) on
+    random prompts: how many are identical, and where the others first differ. On random weights the logits are
+    nearly flat, so rounding flips far more tokens than on trained weights: a floor, not a forecast."""
+    vocab = model.config.vocab_size
+    texts = [words(64 + (i % 4) * 32, seed=5000 + i, vocab_size=vocab) for i in range(prompts)]
+    ours = engine.generate_many([GenerationParams(prompt=text, max_new_tokens=tokens, ignore_eos=True, mode="baseline")
+                                 for text in texts])
+    theirs: list[list[int]] = [[] for _ in texts]
+    for length in sorted({len(text.split()) for text in texts}):
+        group = [i for i, text in enumerate(texts) if len(text.split()) == length]
+        for start in range(0, len(group), 32):
+            batch = group[start:start + 32]
+            ids = torch.tensor([tokenizer(texts[i])["input_ids"] for i in batch], device=model.device)
+            with torch.inference_mode():
+                output = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                        max_new_tokens=tokens, min_new_tokens=tokens)
+            for i, row in zip(batch, output[:, ids.shape[1]:].tolist()):
+                theirs[i] = row
+    firsts = [next((k for k, (a, b) in enumerate(zip(o.output_token_ids, t)) if a != b), None)
+              for o, t in zip(ours, theirs)]
+    differing = sorted(k for k in firsts if k is not None)
+    return {"prompts": prompts, "tokens": tokens, "identical": firsts.count(None),
+            "first_divergence_median": statistics.median(differing) if differing else None,
+            "first_divergence_min": differing[0] if differing else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -244,6 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--l0-bytes", type=float, default=16.0, help="L0 of the 'from L0' engine, GiB")
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode measurement (0: skip)")
     parser.add_argument("--clients", type=int, default=16, help="rows decoding at once in the batched measurement")
+    parser.add_argument("--profile", action="store_true", help="profile one ask from L0 and one from the daemon at "
+                        "the longest length (tables beside --json, or in the working directory)")
+    parser.add_argument("--agreement", type=int, default=0, help="prompts whose greedy answers are compared with "
+                        "model.generate (0: skip)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -303,13 +379,24 @@ def main(argv: list[str] | None = None) -> None:
                     log(f"  {name:14s} TTFT {row['ttft_ms']:9.1f} ms  x{row['speedup_vs_baseline']:5.2f}  "
                         f"cached {row['cached']:6.0f}  load {row['load_bytes'] / 1e6:8.1f} MB at {row['load_gbps']:5.1f} GB/s")
             log(f"  warm (prefill and write-back of {length} tokens) {rows['warm_s']:.1f} s")
+        if args.profile:
+            longest_length = max(args.lengths)
+            document = words(longest_length - QUESTION_WORDS, seed=longest_length, vocab_size=model.config.vocab_size)
+            profile_asks(engines, document, model.config.vocab_size,
+                         (args.json.parent if args.json else Path(".")) / f"profile_{longest_length}.txt")
         if args.decode_tokens:
             log("decode")
             decode = measure_decode(model, tokenizer, engines["decode"], args.decode_tokens, args.clients)
             if cuda:
-                decode["bound_tps"] = results["limits"]["device_copy_gbps"] * 1e9 / 2 / weight_bytes
+                # a step reads every weight once; the copy's bytes read and written are what the memory moves
+                decode["bound_tps"] = results["limits"]["device_copy_gbps"] * 1e9 / weight_bytes
             results["decode"] = decode
-            log(json.dumps({k: round(v, 1) for k, v in decode.items()}))
+            log(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in decode.items()}))
+        if args.agreement:
+            log(f"greedy agreement with model.generate, {args.agreement} prompts")
+            results["agreement"] = measure_agreement(model, tokenizer, engines["decode"], args.agreement,
+                                                     args.decode_tokens or 32)
+            log(json.dumps(results["agreement"]))
         results["stats"] = {name: {k: v for k, v in engine.stats().items() if isinstance(v, (int, float))}
                             for name, engine in engines.items()}
     if args.json:

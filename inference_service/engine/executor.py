@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from inference_service.engine import prefill
-from inference_service.request.generation import RowDecoder, SamplingSettings
+from inference_service.request.generation import RowDecoder, SamplingSettings, step_hints
 from inference_service.request.planning import answer_chunks
 from inference_service.engine.sequence import Row, Sequence
 from inference_service.request.types import TokenEvent
@@ -22,6 +22,7 @@ from inference_service.errors import EngineError, EngineFatal
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.forward import decode_step
 from inference_service.model.kv_buffers import build_cache
+from inference_service.model.graph_step import capture_graphs
 from inference_service.model.step_choice import choose_decode_step
 from inference_service.model.step_names import DEFAULT_DECODE_STEP
 
@@ -44,7 +45,8 @@ class Executor:
         self.pad_token_id = pad_token_id
         choice = choose_decode_step(model, decode_step)  # says why when the model cannot take it
         owner.buffers.step = choice.step if batched else None
-        owner.decode_step = choice.name if batched else "transformers"
+        owner.buffers.graphs = capture_graphs(model, owner.buffers.step, owner.buffers)  # None on a CPU
+        owner.decode_step = (choice.name if batched else "transformers") + ("+graphs" if owner.buffers.graphs else "")
         self.sequences: dict[int, Sequence] = {}
 
     # ---- admission and prefill --------------------------------------------------------------------
@@ -159,25 +161,27 @@ class Executor:
                 self._fail(seq, error)
             return
         # One check for every row: a row whose logits are NaN or +inf fails alone (in its guard, below).
-        for (seq, row), row_logits in zip(rows, logits):
-            self._guard(seq, lambda seq=seq, row=row, row_logits=row_logits: self._take(seq, row, row_logits))
+        hints = step_hints(torch.stack(logits) if isinstance(logits, list) else logits)  # one device -> host copy
+        for (seq, row), row_logits, hint in zip(rows, logits, hints):
+            self._guard(seq, lambda seq=seq, row=row, row_logits=row_logits, hint=hint:
+                        self._take(seq, row, row_logits, hint))
 
     @torch.inference_mode()
-    def _forward_rows(self, rows: list[tuple[Sequence, Row]]) -> list[torch.Tensor]:
+    def _forward_rows(self, rows: list[tuple[Sequence, Row]]) -> torch.Tensor | list[torch.Tensor]:
         if self.batched:
             for _, row in rows:
                 self.owner.buffers.finite_until[row.slot] = max(self.owner.buffers.finite_until[row.slot],
                                                                 row.next_position)
-            return list(self.owner.buffers.decode(
-                self.model, {row.slot: (row.next_token_id, row.next_position) for _, row in rows}))
+            return self.owner.buffers.decode(
+                self.model, {row.slot: (row.next_token_id, row.next_position) for _, row in rows})
         return [decode_step(self.model, row.cache, torch.tensor(row.next_token_id, device=self.model.device),
                             row.next_position) for _, row in rows]
 
-    def _take(self, seq: Sequence, row: Row, logits: torch.Tensor) -> None:
+    def _take(self, seq: Sequence, row: Row, logits: torch.Tensor, hint: tuple[bool, int] | None = None) -> None:
         if seq.ended:  # another of its rows failed this step
             return
         row.next_position += 1
-        row.next_token_id = int(row.decoder.take(logits))
+        row.next_token_id = int(row.decoder.take(logits, hint))
         if row.decoder.reason:
             self._finish_row(seq, row)
 

@@ -56,6 +56,7 @@ class SlotBuffers:
         self.config, self.capacity, self.device = config, capacity, device
         self.finite_until = [0] * num_slots  # columns [0, n) of each slot hold finite values
         self.step: LeanStep | None = None  # decode through the model's own forward when None (step_choice)
+        self.graphs = None  # model.graph_step.GraphSteps: the step replayed from CUDA graphs where they were captured
         self._caches: dict[tuple[int, int], tuple[DynamicCache, list[SlotLayer]]] = {}
 
     @property
@@ -89,6 +90,9 @@ class SlotBuffers:
         columns = [self.capacity] * num_rows  # the scratch column
         for slot, (token_id, position) in rows.items():
             token_ids[slot - first], positions[slot - first], columns[slot - first] = token_id, position, position
+        if self.graphs is not None and self.graphs.can_run(last, length):
+            self._keep_finite(list(rows), self.graphs.shape_for(last, length)[1])
+            return self.graphs.run(rows, length)
         self._keep_finite(list(rows), length)
         column_ids = torch.arange(length, device=self.device)
         position_tensor = torch.tensor(positions, device=self.device)

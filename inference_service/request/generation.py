@@ -98,16 +98,23 @@ class RowDecoder:
         self.last_time = 0.0
         self.reason = ""
 
-    def take(self, logits: torch.Tensor) -> torch.Tensor:
+    def take(self, logits: torch.Tensor, hint: tuple[bool, int] | None = None) -> int:
         """Chooses the next token from logits [vocab], streams it, and sets `reason` when the request ends.
 
+        hint: (no NaN or +inf in the logits, their first maximum) computed for every row of a step at once
+        (step_hints); a greedy choice is then taken from it without reading the logits again.
         Raises:
             InvalidRequest: the request's sampling settings turn finite logits into no distribution.
             NonFiniteLogits: the model gave NaN or infinite logits for this row.
         """
-        check_logits(logits, self.settings)
-        token, used_logits = pick_token(logits, self.settings, self.generator, len(self.token_ids), self.eos_ids)
-        token_id = int(token)
+        if hint is not None and self.settings.temperature <= 0 and len(self.token_ids) >= self.settings.min_tokens:
+            if not hint[0]:
+                raise NonFiniteLogits("the model produced non-finite logits for this request")
+            token_id, used_logits = hint[1], logits  # what greedy() picks: the first maximum
+        else:
+            check_logits(logits, self.settings)
+            token, used_logits = pick_token(logits, self.settings, self.generator, len(self.token_ids), self.eos_ids)
+            token_id = int(token)
         self.token_ids.append(token_id)
         self.last_time = time.perf_counter()
         self.first_time = self.first_time or self.last_time
@@ -122,7 +129,8 @@ class RowDecoder:
             self.after_first_token()
         self.reason = finish_reason(token_id, self.detokenizer, self.eos_ids, len(self.token_ids),
                                     self.max_new_tokens, self.should_stop, self.settings.stop_token_ids)
-        return token
+        return token_id
+
 
     def finish(self, reason: str = "") -> DecodeResult:
         """Flushes held-back text; reason overrides the one `take` set (a request stopped from outside)."""
@@ -131,6 +139,14 @@ class RowDecoder:
             self.on_token(TokenEvent(rest, (), index=self.index))
         return DecodeResult(self.token_ids, self.detokenizer.text, reason or self.reason, self.first_time,
                             self.last_time)
+
+
+def step_hints(logits: torch.Tensor) -> list[tuple[bool, int]]:
+    """For each row of a step's logits [rows, vocab]: (no NaN or +inf in it, its first maximum), in one copy from
+    the device (one synchronisation per step, not three per row)."""
+    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
+    flags, best = torch.stack([bad.long(), logits.argmax(-1)]).tolist()
+    return [(not flag, token) for flag, token in zip(flags, best)]
 
 
 def finish_reason(token_id: int, detokenizer: IncrementalDetokenizer, eos_ids: frozenset[int],

@@ -84,10 +84,10 @@ def fault_in_take(monkeypatch, run_holder: list, at_token: int, error: Exception
     """The victim's row raises `error` when it picks token number `at_token` (0: the first, at its join)."""
     take = RowDecoder.take
 
-    def faulty(self, logits):
+    def faulty(self, logits, hint=None):
         if run_holder and self.on_token is run_holder[0].victim_on_token and len(self.token_ids) == at_token:
             raise error
-        return take(self, logits)
+        return take(self, logits, hint)
 
     monkeypatch.setattr(RowDecoder, "take", faulty)
 
@@ -168,15 +168,15 @@ def test_a_prefill_piece_failing_ends_that_request_alone(engine, references, mon
 
 def test_a_corrupt_blob_of_that_request_is_its_fault_alone(engine, references, monkeypatch):
     engine.warm(VICTIM)  # the victim's chunks are in the store; reading them fails
-    decode_hit = assembler_module.decode_hit
+    raw_header = assembler_module._raw_header  # the first look at each fetched blob
     victim_keys = set(engine.plan_request(GenerationParams(prompt=VICTIM))[1].prefix_keys)
 
     def corrupt(expected_key, *args, **kwargs):
         if expected_key in victim_keys:
             raise ValueError("blob header is garbage")
-        return decode_hit(expected_key, *args, **kwargs)
+        return raw_header(expected_key, *args, **kwargs)
 
-    monkeypatch.setattr(assembler_module, "decode_hit", corrupt)
+    monkeypatch.setattr(assembler_module, "_raw_header", corrupt)
     results = Run(engine).wait()
     assert isinstance(results["victim"], ValueError)
     assert_others_identical(results, references)

@@ -1,0 +1,182 @@
+"""The batched decode step replayed from CUDA graphs: one launch per step instead of ~30 kernels per layer.
+
+On a GPU the lean step (model/decode_step.py) is launch-bound: Python and the dispatcher start each of its ~1,000
+kernels (an 8B model) one after the other, ~15 ms a step where reading the weights once takes ~4. Captured once as
+a CUDA graph, a step is one replay. A graph fixes its shapes and addresses, so it is captured per bucket: the rows
+are slots [0, R) of the slot buffers (R a power of two covering the highest decoding slot; rows not decoding this
+step run on token 0 at position 0 and write only their slot's scratch column) and attention reads columns [0, L)
+(L a power of two from 256 covering the longest row, at most the capacity; each row's mask stops at its own
+position, and the columns past it are kept finite by SlotBuffers as before). Tokens, positions and columns go in
+through one copy into the graph's static input; the logits come out of its static output.
+
+Exactness: a bucket runs the same kernels as the eager step on more rows and more (masked) columns, which on a GPU
+may round apart from the exact shapes: the GPU tests compare answers with model.generate (fp32) and bench_gpu.py
+reports bf16 agreement. Before the first request a probe runs the same buckets eagerly and from captured graphs
+over the same random K/V and compares them bitwise; where they differ, or capture fails, the eager step runs at
+exact shapes and the log says why.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from inference_service.model.decode_step import LeanStep
+
+logger = logging.getLogger(__name__)
+
+MIN_LENGTH_BUCKET = 256
+MAX_GRAPHS = 64  # buckets captured at most; a step outside them runs eagerly
+
+
+def graph_support(device: torch.device, step: LeanStep | None) -> str:
+    """Why decode steps cannot be captured here; '' when they can (the probe still decides)."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device; the model is on {device.type}"
+    if step is None:
+        return "the decode step is transformers' own forward (only the lean step is captured)"
+    if step.packed or step.split:
+        return "packed and split steps are CPU paths"
+    return ""
+
+
+def bucket(value: int, floor: int, ceiling: int) -> int:
+    """The smallest power of two >= value (at least floor), capped at ceiling."""
+    size = floor
+    while size < value:
+        size *= 2
+    return min(size, ceiling)
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None: GraphSteps.eager, which runs the bucket's step without a graph
+    inputs: torch.Tensor  # [3, rows] int64 on the device: token ids, positions, columns
+    host: torch.Tensor  # the same, pinned: filled on the host, copied in before each replay
+    logits: torch.Tensor  # [rows, vocab] float32, rewritten by each replay
+    forward: object = None  # the eager run's step
+
+    def replay(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.logits.copy_(self.forward())
+
+
+class GraphSteps:
+    """Captured decode steps over one SlotBuffers' memory (keys, values [layers, slots, kv_heads, capacity + 1, dim])."""
+
+    def __init__(self, step: LeanStep, keys: torch.Tensor, values: torch.Tensor, capacity: int,
+                 eager: bool = False) -> None:
+        """eager: run each bucket's step without capturing it (the probe's reference, and a CPU dry run)."""
+        self.step, self.keys, self.values, self.capacity = step, keys, values, capacity
+        self.num_slots = keys.shape[1]
+        self.eager = eager or keys.device.type != "cuda"
+        self.pool = None if self.eager else torch.cuda.graph_pool_handle()
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.num_replays = 0
+        self.num_eager = 0  # steps outside the captured buckets
+
+    def shape_for(self, last_slot: int, length: int) -> tuple[int, int]:
+        """(rows, columns) of the bucket a step over slots up to last_slot and `length` columns replays."""
+        return (bucket(last_slot + 1, 1, self.num_slots),
+                bucket(length, min(MIN_LENGTH_BUCKET, self.capacity), self.capacity))
+
+    def can_run(self, last_slot: int, length: int) -> bool:
+        shape = self.shape_for(last_slot, length)
+        return length <= self.capacity and (shape in self._graphs or len(self._graphs) < MAX_GRAPHS)
+
+    @torch.inference_mode()
+    def run(self, rows: dict[int, tuple[int, int]], length: int) -> torch.Tensor:
+        """Logits [len(rows), vocab] (float32) for rows {slot: (token id, position)}, in their order (can_run must
+        hold; the caller keeps columns [0, shape_for(...)[1]) of the decoding slots finite)."""
+        num_rows, columns = self.shape_for(max(rows), length)
+        captured = self._graphs.get((num_rows, columns)) or self._capture(num_rows, columns)
+        host = captured.host.numpy()
+        host[0].fill(0)
+        host[1].fill(0)
+        host[2].fill(self.capacity)  # rows not decoding write their scratch column only
+        for slot, (token_id, position) in rows.items():
+            host[:, slot] = (token_id, position, position)
+        captured.inputs.copy_(captured.host, non_blocking=True)
+        captured.replay()
+        self.num_replays += 1
+        return captured.logits[torch.tensor(list(rows), device=captured.logits.device)]
+
+    def _forward(self, inputs: torch.Tensor, num_rows: int, columns: int) -> torch.Tensor:
+        positions = inputs[1]
+        mask = (torch.arange(columns, device=inputs.device)[None, :] <= positions[:, None])[:, None, None, :]
+        return self.step(self.keys[:, :num_rows], self.values[:, :num_rows], inputs[0].view(num_rows, 1), positions,
+                         inputs[2], columns, mask)
+
+    def _capture(self, num_rows: int, columns: int) -> _Graph:
+        inputs = torch.zeros(3, num_rows, dtype=torch.long, device=self.keys.device)
+        inputs[2] = self.capacity
+        if self.eager:  # the same buckets, padding and inputs, run without a graph
+            forward = lambda: self._forward(inputs, num_rows, columns)
+            captured = _Graph(None, inputs, torch.empty_like(inputs), forward().clone(), forward)
+            self._graphs[num_rows, columns] = captured
+            return captured
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # lazy initialisation (cuBLAS workspaces) outside the capture
+            self._forward(inputs, num_rows, columns)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(inputs, num_rows, columns)
+        captured = _Graph(graph, inputs, torch.empty_like(inputs, device="cpu").pin_memory(), logits)
+        self._graphs[num_rows, columns] = captured
+        logger.info("decode step captured as a CUDA graph for %d rows x %d columns (%d graphs)", num_rows, columns,
+                    len(self._graphs))
+        return captured
+
+
+def capture_graphs(model, step: LeanStep | None, buffers) -> GraphSteps | None:
+    """Graphs over `buffers` (a SlotBuffers) when the device and step allow them and the probe replays bitwise what
+    the eager step computes; None (the reason logged) otherwise."""
+    reason = graph_support(model.device, step)
+    if not reason:
+        try:
+            reason = _probe_mismatch(model, step)
+        except Exception as error:  # a capture that fails (an op that syncs, an allocator limit): eager it is
+            reason = f"capture failed: {type(error).__name__}: {error}"
+    if reason:
+        (logger.warning if model.device.type == "cuda" else logger.debug)("decode steps run eagerly: %s", reason)
+        return None
+    logger.info("decode steps replay CUDA graphs (bitwise the eager step on the probe)")
+    return GraphSteps(step, buffers.keys, buffers.values, buffers.capacity)
+
+
+@torch.inference_mode()
+def _probe_mismatch(model, step: LeanStep) -> str:
+    """The same steps run eagerly and replayed from captured graphs, in the same buckets, over the same random K/V
+    (one row, a row above slot 0, two rows with a gap, one at the capacity's bucket); '' when logits and the K/V
+    written agree bitwise (what capture could change: an op that read a stale address or skipped a copy)."""
+    from inference_service.model.kv_buffers import kv_geometry
+    from inference_service.model.slot_buffers import SlotBuffers
+
+    geometry = kv_geometry(model.config)
+    capacity = MIN_LENGTH_BUCKET + 44  # a bucket below the capacity and one capped at it
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    pair = [SlotBuffers(model.config, geometry, 4, capacity, model.device, model.dtype) for _ in range(2)]
+    noise = torch.randn(pair[0].keys.shape, generator=generator).to(model.device, model.dtype)
+    for slots, eager in zip(pair, (True, False)):
+        slots.keys.copy_(noise)
+        slots.values.copy_(noise.flip(-1))
+        slots.step = step
+        slots.graphs = GraphSteps(step, slots.keys, slots.values, capacity, eager=eager)
+        for slot in range(4):
+            slots.written(slot, 12)
+    vocab_size = model.get_input_embeddings().num_embeddings
+    tokens = torch.randint(0, vocab_size, (4,), generator=generator).tolist()
+    for rows in ({0: (tokens[0], 12)}, {1: (tokens[1], 9)}, {0: (tokens[2], 13), 3: (tokens[3], capacity - 1)}):
+        expected, got = pair[0].decode(model, rows), pair[1].decode(model, rows)
+        if not torch.equal(expected, got):
+            return f"replayed logits differ from the eager step's (by up to {float((got - expected).abs().max()):.3g})"
+    if not (torch.equal(pair[0].keys, pair[1].keys) and torch.equal(pair[0].values, pair[1].values)):
+        return "replayed steps wrote other K/V than the eager step"
+    if pair[1].graphs.num_replays != 3:
+        return f"the probe replayed {pair[1].graphs.num_replays} of its 3 steps"
+    return ""

@@ -1,0 +1,82 @@
+"""Decode steps replayed from CUDA graphs: the buckets, the padding rows and the inputs, checked on the CPU as a dry run
+(the same buckets run eagerly) against the eager lean step, and captured for real on a GPU (`-m gpu`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_service.model import graph_step
+from inference_service.model.decode_step import LeanStep
+from inference_service.model.graph_step import GraphSteps, bucket, capture_graphs, graph_support
+from inference_service.model.kv_buffers import kv_geometry
+from inference_service.model.slot_buffers import SlotBuffers
+
+
+def test_buckets_are_powers_of_two_within_their_bounds():
+    assert [bucket(v, 1, 24) for v in (1, 2, 3, 5, 9, 17, 24)] == [1, 2, 4, 8, 16, 24, 24]
+    assert [bucket(v, 256, 1000) for v in (1, 256, 257, 600, 1000)] == [256, 256, 512, 1000, 1000]
+
+
+def test_graphs_need_cuda_and_the_lean_step(tiny_llama):
+    model, _ = tiny_llama
+    assert "CUDA" in graph_support(torch.device("cpu"), LeanStep(model))
+    assert "transformers" in graph_support(torch.device("cuda"), None)
+    assert graph_support(torch.device("cuda"), LeanStep(model)) == ""
+    assert capture_graphs(model, LeanStep(model), None) is None, "no graphs on a CPU"
+
+
+def buffers_pair(model, num_slots=6, capacity=300):
+    geometry = kv_geometry(model.config)
+    generator = torch.Generator().manual_seed(3)
+    pair = [SlotBuffers(model.config, geometry, num_slots, capacity, model.device, model.dtype) for _ in range(2)]
+    noise = torch.randn(pair[0].keys.shape, generator=generator).to(model.device, model.dtype)
+    step = LeanStep(model)
+    for slots in pair:
+        slots.keys.copy_(noise)
+        slots.values.copy_(noise.flip(-1))
+        slots.step = step
+        for slot in range(num_slots):
+            slots.written(slot, 20)
+    pair[1].graphs = GraphSteps(step, pair[1].keys, pair[1].values, capacity, eager=True)
+    return pair
+
+
+@pytest.mark.parametrize("rows", [{0: (5, 20)}, {2: (7, 3)}, {1: (9, 21), 4: (11, 280), 5: (1, 40)}])
+def test_a_bucket_step_is_the_exact_step_on_every_decoding_row(tiny_llama, rows):
+    """Padding rows and masked columns change nothing but rounding (the CPU's SDPA blocks columns differently)."""
+    model, _ = tiny_llama
+    eager, bucketed = buffers_pair(model)
+    for _ in range(3):  # the same rows step on: positions move, the bucket stays
+        expected, got = eager.decode(model, rows), bucketed.decode(model, rows)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        rows = {slot: (token + 1, position + 1) for slot, (token, position) in rows.items()}
+    for slot, (_, position) in rows.items():  # the columns each row wrote (past them both zero differently)
+        torch.testing.assert_close(bucketed.keys[:, slot, :, :position], eager.keys[:, slot, :, :position],
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(bucketed.values[:, slot, :, :position], eager.values[:, slot, :, :position],
+                                   atol=1e-5, rtol=1e-5)
+    untouched = [slot for slot in range(6) if slot not in rows]
+    assert torch.equal(bucketed.keys[:, untouched, :, :20], eager.keys[:, untouched, :, :20]), "idle rows wrote"
+    assert bucketed.graphs.num_replays == 3
+
+
+def test_steps_past_the_captured_buckets_run_eagerly(tiny_llama, monkeypatch):
+    monkeypatch.setattr(graph_step, "MAX_GRAPHS", 1)
+    model, _ = tiny_llama
+    eager, bucketed = buffers_pair(model)
+    for rows in ({0: (5, 20)}, {3: (6, 20)}):  # the second needs a second bucket
+        torch.testing.assert_close(bucketed.decode(model, rows), eager.decode(model, rows), atol=1e-5, rtol=1e-5)
+    assert bucketed.graphs.num_replays == 1
+
+
+@pytest.mark.gpu
+def test_captured_graphs_replay_the_eager_step_bitwise(tiny_llama):
+    import copy
+
+    model = copy.deepcopy(tiny_llama[0]).to("cuda")
+    step = LeanStep(model)
+    assert graph_step._probe_mismatch(model, step) == ""
+    geometry = kv_geometry(model.config)
+    graphs = capture_graphs(model, step, SlotBuffers(model.config, geometry, 4, 300, model.device, model.dtype))
+    assert graphs is not None

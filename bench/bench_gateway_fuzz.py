@@ -1,16 +1,24 @@
-"""The gateway under a flood of random, extreme and malformed requests on SmolLM2 (max_tokens <= 4): every one
-answered, none with a 5xx, an ordinary greedy request answering the same before and after, and each process's
-resident memory sampled as the flood goes on (it should level off, not grow with the request count).
+"""The long run of the schema-driven fuzzers against a real stack (daemon, service, gateway with an API key):
 
-    flock /tmp/kvboost-bench.lock python bench/bench_gateway_fuzz.py --requests 10000 --clients 4
+- HTTP: Schemathesis from the gateway's own OpenAPI document (tests/e2e/schema_fuzz.py: every phase, every check,
+  positive and negative bodies, stateful over the document's links), run after run with a new seed until at
+  least --requests requests were sent, while an ordinary greedy chat request is sent beside it every second;
+- gRPC: messages generated from the proto descriptors (tests/proto_strategies.py, unknown fields included) sent
+  to every RPC of the cache daemon and the inference service until at least --messages were sent.
+
+It prints the requests sent, the responses by status and by status class, the responses >= 500 (the target is 0),
+the gRPC replies by status (the target: none but OK and clients' errors), whether the ordinary request kept its
+answer, and each process's resident memory before and after. Exit status 0 only when all of that holds.
+
+    flock /tmp/kvboost-bench.lock python bench/bench_gateway_fuzz.py                       # 10,000 + 10,000
+    python bench/bench_gateway_fuzz.py --model tiny --requests 300 --messages 200          # a quick look
 """
 from __future__ import annotations
 
 import argparse
-import json
-import random
+import math
 import sys
-import threading
+import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -26,18 +34,58 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=10000, help="fuzzed requests in all")
-    parser.add_argument("--clients", type=int, default=4, help="concurrent HTTP clients")
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="'tiny': the random 2-layer test Llama")
-    parser.add_argument("--seed", type=int, default=20261125, help="seed of the request generator")
-    parser.add_argument("--samples", type=int, default=10, help="RSS samples over the flood")
+    parser.add_argument("--requests", type=int, default=10000,
+                        help="HTTP requests Schemathesis sends at least (0: no HTTP fuzzing)")
+    parser.add_argument("--messages", type=int, default=10000,
+                        help="generated gRPC messages sent at least, spread over every RPC (0: no gRPC fuzzing)")
+    parser.add_argument("--max-examples", type=int, default=300,
+                        help="Schemathesis's examples per operation, phase and mode in one run (runs repeat with "
+                             "seed+1, seed+2... until --requests)")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct",
+                        help="the service's model; 'tiny': the random 2-layer test Llama")
+    parser.add_argument("--seed", type=int, default=20261126, help="seed of the first run of each fuzzer")
+    parser.add_argument("--max-new-tokens", type=int, default=16,
+                        help="the service's --max-new-tokens (keeps each valid request short)")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the stack's files go (default: a temp dir)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    import tempfile
 
+def fuzz_http(gateway_url: str, args: argparse.Namespace):
+    from tests.e2e import schema_fuzz
+    from tests.e2e.test_gateway_fuzz import API_KEY, Beside
+
+    report, run_index = schema_fuzz.FuzzReport(), 0
+    with Beside(gateway_url) as beside:
+        while report.num_requests < args.requests:
+            schema = schema_fuzz.load_schema(gateway_url, API_KEY, args.max_examples, seed=args.seed + run_index)
+            report.add(schema_fuzz.run(schema))
+            run_index += 1
+            print(f"  run {run_index}: {report.num_requests} requests so far", flush=True)
+    return report, beside.answers, run_index
+
+
+def fuzz_grpc(daemon_address: str, service_address: str, args: argparse.Namespace):
+    import grpc
+
+    from kvboost.v1 import cache_pb2, inference_pb2
+    from tests.e2e.grpc_fuzz import RpcReport, fuzz_service
+
+    services = [(daemon_address, cache_pb2.DESCRIPTOR.services_by_name["CacheService"], {"WatchEvents"}),
+                (service_address, inference_pb2.DESCRIPTOR.services_by_name["InferenceService"], set())]
+    per_rpc = math.ceil(args.messages / sum(len(service.methods) for _, service, _ in services))
+    report = RpcReport()
+    for address, service, endless in services:
+        with grpc.insecure_channel(address) as channel:
+            report.add(fuzz_service(channel, service, per_rpc, args.seed, endless=frozenset(endless),
+                                    stop_at_failure=False))
+        print(f"  {service.name}: {report.num_messages} messages so far", flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import httpx
 
     from tests.conftest import pick_free_port
@@ -45,76 +93,57 @@ def main(argv: list[str] | None = None) -> int:
     from tests.e2e.gateway_process import running_gateways
     from tests.e2e.service_process import running_service
     from tests.e2e.stack_process import save_tiny_model
-    from tests.e2e.test_gateway_fuzz import ENDPOINTS, random_body
+    from tests.e2e.test_gateway_fuzz import API_KEY, ordinary_answer
 
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="kvboost-fuzz-"))
     model = str(save_tiny_model(work_dir / "tiny-model")) if args.model == "tiny" else args.model
-    ordinary = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4, "temperature": 0}
+    key_file = work_dir / "api.key"
+    key_file.write_text(API_KEY + "\n")
     with ExitStack() as stack:
         daemon = start_daemon(work_dir / "lmdb", pick_free_port())
         stack.callback(daemon.terminate)
         service = stack.enter_context(running_service(model, daemon.address, pick_free_port(),
-                                                      work_dir / "service.log", timeout_s=300))
-        (gateway,) = stack.enter_context(running_gateways((service.address, pick_free_port(),
-                                                           work_dir / "gateway.log")))
+                                                      work_dir / "service.log", "--max-new-tokens",
+                                                      str(args.max_new_tokens), timeout_s=300))
+        (gateway,) = stack.enter_context(running_gateways((service.address, pick_free_port(), work_dir / "gateway.log",
+                                                           "--api-key-file", str(key_file), "--default-max-tokens",
+                                                           "4")))
         pids = {"daemon": daemon.process.pid, "service": service.process.pid, "gateway": gateway.process.pid}
-        rng = random.Random(args.seed)
-        bodies = [(endpoint, random_body(rng, endpoint)) for endpoint in
-                  (rng.choice(ENDPOINTS) for _ in range(args.requests))]
-        statuses: dict[int, int] = {}
-        failures: list[tuple] = []
-        lock = threading.Lock()
-        next_index = [0]
-        samples: list[tuple[int, dict[str, float]]] = []
-
-        def worker() -> None:
-            with httpx.Client(base_url=gateway.base_url, timeout=300) as client:
-                while True:
-                    with lock:
-                        index = next_index[0]
-                        next_index[0] += 1
-                    if index >= len(bodies):
-                        return
-                    endpoint, body = bodies[index]
-                    response = client.post(endpoint, content=body, headers={"content-type": "application/json"})
-                    with lock:
-                        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-                        if response.status_code >= 500:
-                            failures.append((endpoint, body[:200], response.status_code, response.text[:200]))
-
-        with httpx.Client(base_url=gateway.base_url, timeout=300) as client:
-            before = client.post("/v1/chat/completions", json=ordinary).json()["choices"][0]["message"]["content"]
-        samples.append((0, {name: rss_mib(pid) for name, pid in pids.items()}))
+        rss_before = {name: rss_mib(pid) for name, pid in pids.items()}
+        client = stack.enter_context(httpx.Client(base_url=gateway.base_url, timeout=300,
+                                                  headers={"Authorization": f"Bearer {API_KEY}"}))
+        before = ordinary_answer(client)
         started = time.perf_counter()
-        threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.clients)]
-        for thread in threads:
-            thread.start()
-        step = max(1, args.requests // args.samples)
-        while any(thread.is_alive() for thread in threads):
-            time.sleep(0.5)
-            done = sum(statuses.values())
-            if done >= len(samples) * step and done < args.requests:
-                samples.append((done, {name: rss_mib(pid) for name, pid in pids.items()}))
-        elapsed = time.perf_counter() - started
-        samples.append((sum(statuses.values()), {name: rss_mib(pid) for name, pid in pids.items()}))
-        with httpx.Client(base_url=gateway.base_url, timeout=300) as client:
-            after = client.post("/v1/chat/completions", json=ordinary).json()["choices"][0]["message"]["content"]
+        http, beside, runs = fuzz_http(gateway.base_url, args) if args.requests > 0 else (None, [], 0)
+        http_s = time.perf_counter() - started
+        grpc_report = fuzz_grpc(daemon.address, service.address, args) if args.messages > 0 else None
+        grpc_s = time.perf_counter() - started - http_s
+        after = ordinary_answer(client)
+        alive = all(process.process.poll() is None for process in (daemon, service, gateway))
+        rss_after = {name: rss_mib(pid) for name, pid in pids.items()}
 
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, model {args.model}, {args.requests} fuzzed "
-          f"requests from {args.clients} clients in {elapsed:.0f} s (seed {args.seed})")
-    print("statuses: " + ", ".join(f"{status} x {count}" for status, count in sorted(statuses.items())))
-    print(f"answered {sum(statuses.values())} of {args.requests}; responses >= 500: {len(failures)}")
-    for failure in failures[:5]:
-        print("  ", json.dumps(failure)[:400])
-    print(f"ordinary greedy request before and after: {'same' if before == after else 'DIFFERENT'} ({before!r})")
-    print("RSS MiB by requests done: " + "; ".join(
-        f"{done}: " + ", ".join(f"{name} {value:.0f}" for name, value in rss.items()) for done, rss in samples))
-    half = [rss for done, rss in samples if done >= args.requests // 2]
-    for name in pids:
-        values = [rss[name] for rss in half]
-        print(f"{name}: RSS over the second half of the flood {min(values):.0f}-{max(values):.0f} MiB "
-              f"(start {samples[0][1][name]:.0f}, peak {max(rss[name] for _, rss in samples):.0f})")
-    return 0 if not failures and before == after and sum(statuses.values()) == args.requests else 1
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, model {args.model}, seed {args.seed}")
+    ok = before == after and all(answer == before for answer in beside) and alive
+    if http is not None:
+        print(f"HTTP (Schemathesis, {runs} runs, {http_s:.0f} s): {http.num_requests} requests; by class "
+              f"{http.by_class()}; by status {dict(sorted(http.statuses.items()))}; by phase {dict(http.phases)}")
+        print(f"  responses >= 500: {len(http.server_errors)}; failed checks: {len(http.failures)}; "
+              f"engine errors: {len(http.errors)}")
+        for line in (http.server_errors + http.failures + http.errors)[:5]:
+            print("   ", line[:400])
+        ok = ok and not http.server_errors and not http.failures and not http.errors
+    if grpc_report is not None:
+        print(f"gRPC (from the descriptors, {grpc_s:.0f} s): {grpc_report.num_messages} messages; by status "
+              f"{grpc_report.by_status()}; outside OK and clients' errors: {len(grpc_report.failures)}")
+        for line in grpc_report.failures[:5]:
+            print("   ", line[:400])
+        ok = ok and not grpc_report.failures
+    print(f"ordinary greedy request before, beside ({len(beside)} times) and after: "
+          f"{'same' if before == after and all(answer == before for answer in beside) else 'DIFFERENT'} ({before!r}); "
+          f"all processes up: {alive}")
+    print("RSS MiB before -> after: " + ", ".join(f"{name} {rss_before[name]:.0f} -> {rss_after[name]:.0f}"
+                                                  for name in pids))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

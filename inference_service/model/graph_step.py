@@ -115,7 +115,7 @@ class GraphSteps:
         inputs[2] = self.capacity
         if self.eager:  # the same buckets, padding and inputs, run without a graph
             forward = lambda: self._forward(inputs, num_rows, columns)
-            captured = _Graph(None, inputs, torch.empty_like(inputs), forward().clone(), forward)
+            captured = _Graph(None, inputs, torch.empty(inputs.shape, dtype=inputs.dtype), forward().clone(), forward)
             self._graphs[num_rows, columns] = captured
             return captured
         side = torch.cuda.Stream()

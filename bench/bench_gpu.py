@@ -252,7 +252,23 @@ def profile_asks(engines: dict[str, Engine], document: str, vocab: int, path: Pa
     log(f"profile written to {path}")
 
 
-def host_profile(engine: Engine, prompt: str, rows: int = 40) -> str:
+def profile_decode(engine: Engine, vocab: int, clients: int, path: Path) -> None:
+    """Where a decode step's time goes: kernels of one stream's steps, host time of a batch of `clients` rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = lambda seed, tokens: GenerationParams(prompt=words(200, seed=seed, vocab_size=vocab), max_new_tokens=tokens,
+                                                   ignore_eos=True, mode="baseline")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        engine.generate(params(77, 16))
+    table = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60)
+    batch = [params(700 + i, 16) for i in range(clients)]
+    with open(path, "a") as out:
+        out.write(f"\n== decode, one stream, 16 tokens: kernels\n{table}\n")
+        out.write(f"== decode, {clients} rows x 16 tokens: host time by function\n"
+                  f"{host_profile(engine, None, rows=45, call=lambda: engine.generate_many(batch))}\n")
+
+
+def host_profile(engine: Engine, prompt: str | None, rows: int = 40, call=None) -> str:
     """Wall time per function over every thread (the step loop's too) while one ask runs; needs yappi (optional:
     bench/pack_gpu_wheels.sh packs it)."""
     try:
@@ -262,7 +278,7 @@ def host_profile(engine: Engine, prompt: str, rows: int = 40) -> str:
     yappi.set_clock_type("wall")
     yappi.clear_stats()
     yappi.start(builtins=False, profile_threads=True)
-    ask(engine, prompt)
+    call() if call is not None else ask(engine, prompt)
     yappi.stop()
     stats = yappi.get_func_stats()
     stats.sort("ttot", "desc")
@@ -392,6 +408,9 @@ def main(argv: list[str] | None = None) -> None:
                 decode["bound_tps"] = results["limits"]["device_copy_gbps"] * 1e9 / weight_bytes
             results["decode"] = decode
             log(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in decode.items()}))
+            if args.profile:
+                profile_decode(engines["decode"], model.config.vocab_size, args.clients,
+                               (args.json.parent if args.json else Path(".")) / f"profile_{max(args.lengths)}.txt")
         if args.agreement:
             log(f"greedy agreement with model.generate, {args.agreement} prompts")
             results["agreement"] = measure_agreement(model, tokenizer, engines["decode"], args.agreement,

@@ -131,7 +131,10 @@ def test_slots_are_sized_by_the_budget_on_cuda(cuda_model):
                     InMemoryStore(), model_id="tiny")
     try:
         assert engine.core.layout.by_budget, "CUDA commits memory at allocation: slots by budget"
-        assert allocated() - before <= budget + (1 << 20)
+        buffers = engine.core.owner.buffers
+        assert 2 * buffers.keys.numel() * buffers.keys.element_size() <= budget
+        # Beside the slots (checked above): the decode graphs' pool and the cuBLAS workspaces of their capture streams
+        assert allocated() - before <= budget + (96 << 20)
         capacity = engine.core.layout.capacity
         assert capacity < 1000
         with pytest.raises(InvalidRequest):

@@ -2,16 +2,12 @@
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 ENGINE_ATTENTION = "kvboost_sdpa"  # the name a model's attention is switched to by use_engine_attention
 ENGINE_CALL = "kvboost_engine_call"  # keyword that only the engine's forwards pass: True selects grouped SDPA
-# keyword of the engine's one-row prefill (no padding): its mask is causal aligned to the last key (the new tokens
-# after the cached ones), which a GPU runs without materializing it (causal_lower_right) and without repeat_kv
-CAUSAL_TAIL = "kvboost_causal_tail"
 
 
 def engine_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -26,17 +22,7 @@ def engine_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     query: [batch, heads, q, dim]; key, value: [batch, kv_heads, kv, dim]; attention_mask: bool [batch, 1, q, kv].
     """
     engine_call = kwargs.pop(ENGINE_CALL, False)
-    causal_tail = kwargs.pop(CAUSAL_TAIL, False)
     groups = getattr(module, "num_key_value_groups", 1)
-    if (engine_call and causal_tail and query.device.type == "cuda" and query.shape[0] == 1
-            and 1 < query.shape[2] < key.shape[2] and not getattr(module, "sliding_window", None)
-            and kwargs.get("sliding_window") is None and kwargs.get("position_bias") is None and dropout == 0.0):
-        # New tokens after cached ones, on a GPU: FlashAttention's causal mask is aligned to the last key already,
-        # and it reads grouped K/V heads as they are (no repeat_kv copy of the whole cached context per layer).
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=scaling,
-            enable_gqa=groups > 1)
-        return output.transpose(1, 2).contiguous(), None
     # One query token (a decode step): transformers already folds the query groups into the batch (pack_gqa),
     # which the CPU runs faster than grouped SDPA (bench/bench_batch_costs.py).
     if (not engine_call or query.device.type != "cpu" or groups == 1 or query.shape[2] == 1
@@ -66,7 +52,6 @@ def use_engine_attention(model) -> None:
     model.set_attn_implementation(ENGINE_ATTENTION)
 
 
-def engine_call_kwargs(causal_tail: bool = False) -> dict[str, bool]:
-    """Keyword arguments every engine forward passes to the model (read by engine_attention_forward only).
-    causal_tail: a one-row prefill without padding (see CAUSAL_TAIL)."""
-    return {ENGINE_CALL: True, CAUSAL_TAIL: causal_tail}
+def engine_call_kwargs() -> dict[str, bool]:
+    """Keyword arguments every engine forward passes to the model (read by engine_attention_forward only)."""
+    return {ENGINE_CALL: True}

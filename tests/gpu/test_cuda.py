@@ -133,8 +133,8 @@ def test_slots_are_sized_by_the_budget_on_cuda(cuda_model):
         assert engine.core.layout.by_budget, "CUDA commits memory at allocation: slots by budget"
         buffers = engine.core.owner.buffers
         assert 2 * buffers.keys.numel() * buffers.keys.element_size() <= budget
-        # Beside the slots (checked above): the decode graphs' pool and the cuBLAS workspaces of their capture streams
-        assert allocated() - before <= budget + (96 << 20)
+        # Beside the slots (checked above): the graph probe and pool, and cuBLAS workspaces of the capture streams
+        assert allocated() - before <= budget + (256 << 20)  # measured on an H200: ~100 MB
         capacity = engine.core.layout.capacity
         assert capacity < 1000
         with pytest.raises(InvalidRequest):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ MAX_CHOICES = 16  # completions of one request (rows decoded together)
 # Below this a temperature is no distribution a float32 sampler can draw from reliably (the logits divided by it
 # overflow); 0 means greedy.
 MIN_TEMPERATURE = 1e-6
+_FLOAT32_MIN_TEMPERATURE = struct.unpack("<f", struct.pack("<f", MIN_TEMPERATURE))[0]
 MAX_STOP_STRINGS = 64  # stop strings per request, each at most MAX_STOP_LENGTH characters
 MAX_STOP_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024
@@ -139,7 +141,8 @@ class GenerationParams:
         _require(self.mode is None or self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
         _require(math.isfinite(self.temperature) and self.temperature >= 0.0,
                  f"temperature must be finite and >= 0, got {self.temperature}")
-        _require(self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE,
+        # >= the float32 nearest MIN_TEMPERATURE: the proto carries float32, whose 1e-6 is just below 1e-6
+        _require(self.temperature == 0.0 or self.temperature >= _FLOAT32_MIN_TEMPERATURE,
                  f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}: below it the logits divided by it "
                  f"overflow float32; got {self.temperature}")
         _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")

@@ -162,3 +162,18 @@ def test_tokenize_and_detokenize_refuse_bad_input(tiny_llama, call):
 def test_out_of_range_options_are_invalid(fields):
     with pytest.raises(InvalidRequest):
         GenerationParams(prompt="x", **{"max_new_tokens": 6, **fields})
+
+
+def test_the_smallest_temperature_is_accepted_as_the_proto_carries_it():
+    """The proto's float32 nearest 1e-6 lies just below 1e-6: it is the smallest temperature, not a refusal."""
+    import struct
+
+    from inference_service.errors import InvalidRequest
+    from inference_service.request.types import MIN_TEMPERATURE, GenerationParams
+
+    as_float32 = struct.unpack("<f", struct.pack("<f", MIN_TEMPERATURE))[0]
+    assert as_float32 < MIN_TEMPERATURE
+    for temperature in (as_float32, MIN_TEMPERATURE, 0.0, 0.5):
+        GenerationParams(prompt="hi", temperature=temperature)  # checked on construction
+    with pytest.raises(InvalidRequest, match="at least 1e-06"):
+        GenerationParams(prompt="hi", temperature=as_float32 / 2)

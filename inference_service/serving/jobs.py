@@ -36,6 +36,9 @@ class Job(Generic[T]):
         self._cancelled = threading.Event()
         self._updates: asyncio.Queue[Any] = asyncio.Queue()
         self._future: asyncio.Future[T] = loop.create_future()
+        # A reader that went away (a closed stream, a cancelled call) never awaits result(): the outcome it would
+        # have read (a deadline, a failure) is looked at here, so asyncio does not log it as never retrieved.
+        self._future.add_done_callback(lambda future: future.cancelled() or future.exception())
 
     def cancel(self) -> None:
         self._cancelled.set()

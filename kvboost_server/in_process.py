@@ -1,0 +1,113 @@
+"""The gateway's upstream over the inference servicer in the same process: the calls the gateway makes over gRPC
+(Generate streamed, ModelInfo, Tokenize, Detokenize, Warm, Unpin, health), with the same messages, statuses and
+deadlines, and no channel, HTTP/2 framing or second process in between."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from kvboost.v1 import inference_pb2 as pb
+
+SERVICE_NAME = "kvboost.v1.InferenceService"
+
+
+class InProcessError(grpc.aio.AioRpcError):
+    """What the servicer aborted with, as the gateway would receive it from a channel."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class Context:
+    """The part of grpc.aio.ServicerContext the servicer uses: its deadline, and abort."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *args: Any) -> None:
+        raise InProcessError(code, details)
+
+
+class InProcessCall:
+    """A streamed Generate: read() gives the next event or grpc.aio.EOF; cancel() stops the request at the engine's
+    next step, as a cancelled gRPC call does."""
+
+    def __init__(self, events: AsyncIterator[pb.GenerateEvent], timeout_s: float | None) -> None:
+        self._events = events
+        self._timeout_s = timeout_s
+        self._started = time.monotonic()
+        self._done = False
+
+    async def read(self):
+        if self._done:
+            return grpc.aio.EOF
+        remaining = None if self._timeout_s is None else self._timeout_s - (time.monotonic() - self._started)
+        try:
+            if remaining is not None and remaining <= 0:
+                raise asyncio.TimeoutError
+            return await asyncio.wait_for(self._events.__anext__(), remaining)
+        except StopAsyncIteration:
+            self._done = True
+            return grpc.aio.EOF
+        except asyncio.TimeoutError:
+            self.cancel()
+            raise InProcessError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+
+    def cancel(self) -> bool:
+        if self._done:
+            return False
+        self._done = True
+        asyncio.ensure_future(self._events.aclose())  # runs the servicer's finally: the job is cancelled
+        return True
+
+
+class InProcessUpstream:
+    """http_gateway.upstream.Upstream's interface over an InferenceServicer and the service's health servicer."""
+
+    address = "in-process"
+
+    def __init__(self, servicer: Any, health: Any, timeout_s: float) -> None:
+        self.servicer, self.health, self.timeout_s = servicer, health, timeout_s
+
+    def generate(self, request: pb.GenerateRequest) -> InProcessCall:
+        context = Context(self.timeout_s)
+        return InProcessCall(self.servicer.Generate(request, context), self.timeout_s)
+
+    async def _unary(self, method, request):
+        context = Context(self.timeout_s)
+        try:
+            return await asyncio.wait_for(method(request, context), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise InProcessError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+
+    async def model_info(self) -> pb.ModelInfoReply:
+        return await self._unary(self.servicer.ModelInfo, pb.ModelInfoRequest())
+
+    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeReply:
+        return await self._unary(self.servicer.Tokenize, request)
+
+    async def detokenize(self, token_ids: list[int]) -> pb.DetokenizeReply:
+        return await self._unary(self.servicer.Detokenize, pb.DetokenizeRequest(token_ids=token_ids))
+
+    async def warm(self, request: pb.WarmRequest) -> pb.WarmResult:
+        return await self._unary(self.servicer.Warm, request)
+
+    async def unpin(self, request: pb.WarmRequest) -> pb.UnpinResult:
+        return await self._unary(self.servicer.Unpin, request)
+
+    async def health_status(self, service: str = SERVICE_NAME, timeout_s: float = 2.0) -> str:
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=service), Context(timeout_s))
+        except grpc.aio.AioRpcError as error:
+            return "SERVICE_UNKNOWN" if error.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def close(self) -> None:
+        pass

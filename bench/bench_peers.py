@@ -303,6 +303,45 @@ class OurStack:
         self.processes = []
 
 
+class OneProcessStack:
+    """`python -m kvboost_server`: the gateway and the service in one process (in-process transport), over the same
+    daemon as OurStack; named "ours-1p" in the report."""
+
+    def __init__(self, work_dir: Path, daemon_address: str) -> None:
+        self.work_dir, self.daemon_address = work_dir, daemon_address
+        self.process = None
+        self.base_url = ""
+
+    def start(self) -> OneProcessStack:
+        import subprocess
+
+        from tests.conftest import pick_free_port, wait_for
+
+        http_port = pick_free_port()
+        command = [sys.executable, "-m", "kvboost_server", "--model", "SmolLM2-135M-Instruct", "--cache-addr",
+                   self.daemon_address, "--listen", f"127.0.0.1:{pick_free_port()}", "--device", "cpu",
+                   "--gateway", "--listen", f"127.0.0.1:{http_port}"]
+        env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
+        with open(self.work_dir / "one-process.log", "ab") as log:
+            self.process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.base_url = f"http://127.0.0.1:{http_port}"
+
+        def serving() -> bool:
+            assert self.process.poll() is None, f"kvboost_server exited; see {self.work_dir / 'one-process.log'}"
+            try:
+                return httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(serving, "kvboost_server to serve", timeout_s=180)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=60)
+
+
 def start_peer(work_dir: Path, threads: int, slots: int, context_per_slot: int,
                extra: tuple[str, ...] = ()) -> tuple[llama_cpp.LlamaServer | None, str]:
     """(the running llama-server, its command line) or (None, why it was skipped)."""
@@ -407,7 +446,9 @@ def write_plot(results: dict, path: Path) -> None:
 
 def ratio(rows: dict, key: str) -> str:
     if "ours" in rows and "llama-server" in rows and rows["llama-server"][key]:
-        return f" (ours / theirs {rows['ours'][key] / rows['llama-server'][key]:.2f})"
+        one = (f", ours-1p / theirs {rows['ours-1p'][key] / rows['llama-server'][key]:.2f}"
+               if "ours-1p" in rows else "")
+        return f" (ours / theirs {rows['ours'][key] / rows['llama-server'][key]:.2f}{one})"
     return ""
 
 
@@ -442,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=6, help="chat turns (default: %(default)s)")
     parser.add_argument("--answer-tokens", type=int, default=100, help="max tokens per chat answer")
     parser.add_argument("--no-peer", action="store_true", help="our side only")
+    parser.add_argument("--one-process", action="store_true", help="also `python -m kvboost_server` (gateway and "
+                        "service in one process, \"ours-1p\") in the decode and clients workloads")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)
     chosen = [name.strip() for name in args.workloads.split(",") if name.strip()]
@@ -459,6 +502,11 @@ def main(argv: list[str] | None = None) -> int:
         ours_stack = OurStack(work_dir, args.threads).start()
         stack.callback(lambda: ours_stack.stop())
         ours = Server("ours", ours_stack.base_url, "SmolLM2-135M-Instruct")
+        one = []
+        if args.one_process:
+            one_stack = OneProcessStack(work_dir, ours_stack.processes[-1].address).start()
+            stack.callback(one_stack.stop)
+            one = [Server("ours-1p", one_stack.base_url, "SmolLM2-135M-Instruct")]
         # -cram 0: this build's host-memory prompt cache (8 GiB by default) makes the server stop ("cleaning up
         # before exit" in its log) after its first request with 16 slots, and after a few hundred with 8
         # (measured 2026-11-25); without it each slot still keeps its own prompt's K/V for the next request.
@@ -473,21 +521,21 @@ def main(argv: list[str] | None = None) -> int:
         results["header"] = (f"SmolLM2-135M-Instruct, CPU, {args.threads} threads each; ours fp32 (dequantized GGUF), "
                              f"llama-server F32 GGUF; temperature 0; {results['date']}")
         with httpx.Client() as client:
-            for server in servers:  # warm-up: load paths, JIT, allocators
+            for server in servers + one:  # warm-up: load paths, JIT, allocators
                 server.chat([{"role": "user", "content": "Hello."}], 4, client)
             if "decode" in chosen:
                 print("decode ...", flush=True)
-                results["decode"] = run_decode(servers, client, args.runs)
+                results["decode"] = run_decode(servers[:1] + one + servers[1:], client, args.runs)
             if "clients" in chosen:
                 print("clients ...", flush=True)
                 many, many_command = (None, peer_command) if peer is None else start_peer(
                     work_dir, args.threads, max(counts), 4608, ("-cram", "0"))
                 results["clients_peer_command"] = many_command
                 print(many_command, flush=True)
-                many_servers = [ours] + ([Server("llama-server", many.base_url, extra={"cache_prompt": True})]
-                                         if many is not None else [])
+                many_servers = [ours] + one + ([Server("llama-server", many.base_url, extra={"cache_prompt": True})]
+                                               if many is not None else [])
                 try:
-                    for server in many_servers[1:]:
+                    for server in many_servers[1 + len(one):]:
                         server.chat([{"role": "user", "content": "Hello."}], 4, client)
                     results["clients"] = run_clients(many_servers, counts, max(1, args.runs - 1))
                 finally:

@@ -19,11 +19,10 @@ from hypothesis import HealthCheck, given, settings
 
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
-from tests.conftest import pick_free_port
-from tests.e2e.daemon_process import start_daemon
+from tests.conftest import pick_free_port, wait_for
 from tests.e2e.gateway_process import GatewayProcess, running_gateways
-from tests.e2e.service_process import ServiceProcess, running_service
-from tests.e2e.stack_process import save_tiny_model
+from tests.e2e.service_process import ServiceProcess
+from tests.e2e.tiny_stack import tiny_daemon_and_service
 from tests.repetitive_prompts import Workload, chat_workloads, workloads
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -59,19 +58,12 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Stack:
     folder = tmp_path_factory.mktemp("exact-by-default")
-    model_dir = save_tiny_model(folder / "tiny-model")
-    daemon = start_daemon(folder / "lmdb", pick_free_port())
-    try:
-        with ExitStack() as context:
-            service = context.enter_context(running_service(
-                str(model_dir), daemon.address, pick_free_port(), folder / "service.log", "--chunk-size",
-                str(CHUNK_SIZE)))  # no --default-mode: the shipped default
-            gateway, = context.enter_context(running_gateways((service.address, pick_free_port(),
-                                                                 folder / "gateway.log")))
-            channel = context.enter_context(grpc.insecure_channel(service.address))
-            yield Stack(service, gateway, model_dir, channel)
-    finally:
-        daemon.terminate()
+    with ExitStack() as context:
+        _, service, model_dir = context.enter_context(tiny_daemon_and_service(
+            folder, "--chunk-size", str(CHUNK_SIZE)))  # no --default-mode: the shipped default
+        gateway, = context.enter_context(running_gateways((service.address, pick_free_port(), folder / "gateway.log")))
+        channel = context.enter_context(grpc.insecure_channel(service.address))
+        yield Stack(service, gateway, model_dir, channel)
 
 
 @lru_cache(maxsize=1)
@@ -200,7 +192,11 @@ def test_the_repetitive_prompt_of_the_issue_over_http(stack):
         return client.completions.create(model=str(stack.model_dir), prompt=prompt, max_tokens=MAX_NEW_TOKENS,
                                          temperature=0, extra_body={"cache_salt": salt, "kvboost": kvboost})
 
+    stored = stack.stub.Stats(pb.ServiceStatsRequest(), timeout=10).chunks_stored
     complete("0 " + body)
+    # Its chunks are written back after its answer, in the background: the content hits below need them stored.
+    wait_for(lambda: stack.stub.Stats(pb.ServiceStatsRequest(), timeout=10).chunks_stored > stored,
+             "the first prompt's chunks to reach the daemon")
     exact = complete("3 " + body)
     _, baseline = stack.generate(prompt="3 " + body, mode=pb.BASELINE)
     assert exact.choices[0].text == baseline.output_text

@@ -3,18 +3,15 @@ proto descriptors (every field type, edge values, unknown enum numbers and unkno
 client's error, both servers still up, and an ordinary Generate answering the same before and after."""
 from __future__ import annotations
 
-from contextlib import ExitStack
 
 import grpc
 import pytest
 
 from kvboost.v1 import cache_pb2, inference_pb2
 from kvboost.v1 import inference_pb2 as pb
-from tests.conftest import pick_free_port
-from tests.e2e.daemon_process import start_daemon
 from tests.e2e.grpc_fuzz import fuzz_service
-from tests.e2e.service_process import generate, running_service
-from tests.e2e.stack_process import save_tiny_model
+from tests.e2e.service_process import generate
+from tests.e2e.tiny_stack import tiny_daemon_and_service
 
 MAX_EXAMPLES = 40  # per RPC: about 800 messages to the two servers in about 30 s on 2 cores
 SEED = 20261126
@@ -26,17 +23,9 @@ INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("grpc-fuzz")
-    model_dir = save_tiny_model(folder / "tiny-model")
-    daemon = start_daemon(folder / "lmdb", pick_free_port())
-    try:
-        with ExitStack() as stack:
-            service = stack.enter_context(running_service(
-                str(model_dir), daemon.address, pick_free_port(), folder / "service.log", "--chunk-size", "8",
-                "--max-new-tokens", "16", "--max-prompt-tokens", "256"))
-            yield daemon, service
-    finally:
-        daemon.terminate()
+    with tiny_daemon_and_service(tmp_path_factory.mktemp("grpc-fuzz"), "--chunk-size", "8", "--max-new-tokens", "16",
+                                 "--max-prompt-tokens", "256") as (daemon, service, _):
+        yield daemon, service
 
 
 def ordinary_answer(service) -> list[int]:

@@ -209,7 +209,7 @@ def measure_length(length: int, args, model, tokenizer, engines: dict[str, Engin
     return rows
 
 
-def measure_decode(model, tokenizer, engine: Engine, tokens: int, clients: int) -> dict:
+def measure_decode(model, tokenizer, engine: Engine, tokens: int, clients: int, peer_cb: bool = False) -> dict:
     vocab = model.config.vocab_size
     prompt = words(200, seed=7, vocab_size=vocab)
     params = lambda seed: GenerationParams(prompt=words(200, seed=seed, vocab_size=vocab), max_new_tokens=tokens,
@@ -228,7 +228,23 @@ def measure_decode(model, tokenizer, engine: Engine, tokens: int, clients: int) 
         model.generate(ids, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
         sync()
     hf_tps = tokens / (time.perf_counter() - started)
-    return {"one_stream_tps": one.tokens_per_sec, "clients": clients, "step": engine.stats().get("decode_step"),
+    peer = {}
+    if peer_cb:  # transformers' own continuous batching (paged attention) on the same prompts
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        inputs = [tokenizer(words(200, seed=100 + i, vocab_size=vocab))["input_ids"] for i in range(clients)]
+        ours = model.config._attn_implementation  # the engine's registered attention: not one CB takes
+        model.set_attn_implementation("sdpa")
+        try:
+            model.generate_batch(inputs=inputs[:2], generation_config=config)  # warm-up (and its graph capture)
+            started = time.perf_counter()
+            outputs = model.generate_batch(inputs=inputs, generation_config=config)
+            peer = {"transformers_cb_output_tps": sum(len(o.generated_tokens) for o in outputs.values())
+                    / (time.perf_counter() - started)}
+        finally:
+            model.set_attn_implementation(ours)
+    return {**peer, "one_stream_tps": one.tokens_per_sec, "clients": clients, "step": engine.stats().get("decode_step"),
             "many_output_tps": sum(o.generated_tokens for o in outcomes) / many_s,
             "model_generate_tps": hf_tps}
 
@@ -336,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
                         "the longest length (tables beside --json, or in the working directory)")
     parser.add_argument("--agreement", type=int, default=0, help="prompts whose greedy answers are compared with "
                         "model.generate (0: skip)")
+    parser.add_argument("--peer-cb", action="store_true", help="also time transformers' continuous batching "
+                        "(model.generate_batch) on the batched decode's prompts")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -402,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
                          (args.json.parent if args.json else Path(".")) / f"profile_{longest_length}.txt")
         if args.decode_tokens:
             log("decode")
-            decode = measure_decode(model, tokenizer, engines["decode"], args.decode_tokens, args.clients)
+            decode = measure_decode(model, tokenizer, engines["decode"], args.decode_tokens, args.clients, args.peer_cb)
             if cuda:
                 # a step reads every weight once; the copy's bytes read and written are what the memory moves
                 decode["bound_tps"] = results["limits"]["device_copy_gbps"] * 1e9 / weight_bytes

@@ -65,13 +65,14 @@ def copies_raw(header: BlobHeader, start: int, num_tokens: int, buffers: tuple[t
 
 
 class StagingRing:
-    """Pinned host buffers reused round robin; one is handed out again only once the device has read it and its
-    checksum is done. One per engine (a request's load runs on the step loop, one at a time)."""
+    """Pinned host buffers reused round robin, each grown to the largest blob it held (8 x 16 MiB for an 8B model's
+    128-token chunks); one is handed out again only once the device has read it. One per thread that loads (the
+    step loop, one request at a time): see staging_ring."""
 
     def __init__(self, count: int = STAGING_BUFFERS, pinned: bool = True) -> None:
         self.pinned = pinned  # False: plain memory (a CPU run of the same pipeline, for tests)
         self._buffers: list[torch.Tensor | None] = [None] * count
-        self._busy: list[tuple[torch.cuda.Event | None, Future | None]] = [(None, None)] * count
+        self._read_by: list[torch.cuda.Event | None] = [None] * count  # the device copy that reads each buffer
         self._next = 0
         self.bytes_pinned = 0
 
@@ -87,16 +88,14 @@ class StagingRing:
             self.bytes_pinned += buffer.numel()
         return index, buffer[:num_bytes]
 
-    def hold(self, index: int, event: torch.cuda.Event | None, checksum: Future | None) -> None:
-        self._busy[index] = (event, checksum)
+    def hold(self, index: int, event: torch.cuda.Event | None) -> None:
+        """Buffer `index` is being read by the device copy `event` follows (None: by nothing any more)."""
+        self._read_by[index] = event
 
     def wait(self, index: int) -> None:
-        event, checksum = self._busy[index]
+        event, self._read_by[index] = self._read_by[index], None
         if event is not None:
             event.synchronize()
-        if checksum is not None:
-            checksum.result()
-        self._busy[index] = (None, None)
 
 
 @dataclass
@@ -157,7 +156,7 @@ class RunLoad:
         if payload.device.type == "cuda":  # the staging buffer is free once the device has read it
             event = torch.cuda.Event()
             event.record()
-        self.ring.hold(staging.ring_slot, event, None)
+        self.ring.hold(staging.ring_slot, event)
 
     def _place(self, payload: torch.Tensor, start: int, end: int) -> None:
         """payload: a 16-bit blob's payload bytes (on the host or the device) -> slot rows [start, end)."""

@@ -49,6 +49,10 @@ def bucket(value: int, floor: int, ceiling: int) -> int:
     return min(size, ceiling)
 
 
+class CaptureFailed(RuntimeError):
+    """A bucket could not be captured while serving; the caller runs the step eagerly instead."""
+
+
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: GraphSteps.eager, which runs the bucket's step without a graph
@@ -76,7 +80,7 @@ class GraphSteps:
         self.pool = None if self.eager else torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.num_replays = 0
-        self.num_eager = 0  # steps outside the captured buckets
+        self.failure = ""  # why capture failed while serving: from then on every step runs eagerly
 
     def shape_for(self, last_slot: int, length: int) -> tuple[int, int]:
         """(rows, columns) of the bucket a step over slots up to last_slot and `length` columns replays."""
@@ -85,14 +89,23 @@ class GraphSteps:
 
     def can_run(self, last_slot: int, length: int) -> bool:
         shape = self.shape_for(last_slot, length)
-        return length <= self.capacity and (shape in self._graphs or len(self._graphs) < MAX_GRAPHS)
+        return (not self.failure and length <= self.capacity
+                and (shape in self._graphs or len(self._graphs) < MAX_GRAPHS))
 
     @torch.inference_mode()
     def run(self, rows: dict[int, tuple[int, int]], length: int) -> torch.Tensor:
         """Logits [len(rows), vocab] (float32) for rows {slot: (token id, position)}, in their order (can_run must
         hold; the caller keeps columns [0, shape_for(...)[1]) of the decoding slots finite)."""
         num_rows, columns = self.shape_for(max(rows), length)
-        captured = self._graphs.get((num_rows, columns)) or self._capture(num_rows, columns)
+        captured = self._graphs.get((num_rows, columns))
+        if captured is None:
+            try:
+                captured = self._capture(num_rows, columns)
+            except Exception as error:  # out of memory in a new bucket, say: the step runs eagerly from now on
+                self.failure = f"{type(error).__name__}: {error}"
+                logger.warning("capturing the decode step for %d rows x %d columns failed, steps run eagerly from "
+                               "now on: %s", num_rows, columns, self.failure)
+                raise CaptureFailed(self.failure) from error
         host = captured.host.numpy()
         host[0].fill(0)
         host[1].fill(0)

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from inference_service.model.attention import engine_call_kwargs
+from inference_service.model.graph_step import CaptureFailed
 from inference_service.model.decode_step import LeanStep
 from inference_service.model.kv_buffers import KVGeometry
 
@@ -92,7 +93,10 @@ class SlotBuffers:
             token_ids[slot - first], positions[slot - first], columns[slot - first] = token_id, position, position
         if self.graphs is not None and self.graphs.can_run(last, length):
             self._keep_finite(list(rows), self.graphs.shape_for(last, length)[1])
-            return self.graphs.run(rows, length)
+            try:
+                return self.graphs.run(rows, length)
+            except CaptureFailed:  # logged; this step and the next run eagerly (nothing was written)
+                pass
         self._keep_finite(list(rows), length)
         column_ids = torch.arange(length, device=self.device)
         position_tensor = torch.tensor(positions, device=self.device)

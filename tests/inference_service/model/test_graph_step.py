@@ -80,3 +80,18 @@ def test_captured_graphs_replay_the_eager_step_bitwise(tiny_llama):
     geometry = kv_geometry(model.config)
     graphs = capture_graphs(model, step, SlotBuffers(model.config, geometry, 4, 300, model.device, model.dtype))
     assert graphs is not None
+
+
+def test_a_capture_that_fails_while_serving_leaves_the_step_eager(tiny_llama, monkeypatch):
+    model, _ = tiny_llama
+    eager, bucketed = buffers_pair(model)
+
+    def fails(self, num_rows, columns):
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(GraphSteps, "_capture", fails)
+    for position in (20, 21):  # the failed step, then the next: both eager, both exact
+        rows = {1: (5, position)}
+        assert torch.equal(eager.decode(model, rows), bucketed.decode(model, rows))
+    assert "out of memory" in bucketed.graphs.failure and not bucketed.graphs.can_run(1, 22)
+    assert bucketed.graphs.num_replays == 0

@@ -313,27 +313,11 @@ class OneProcessStack:
         self.base_url = ""
 
     def start(self) -> OneProcessStack:
-        import subprocess
+        from tests.e2e.one_process import start_one_process
 
-        from tests.conftest import pick_free_port, wait_for
-
-        http_port = pick_free_port()
-        command = [sys.executable, "-m", "kvboost_server", "--model", "SmolLM2-135M-Instruct", "--cache-addr",
-                   self.daemon_address, "--listen", f"127.0.0.1:{pick_free_port()}", "--device", "cpu",
-                   "--gateway", "--listen", f"127.0.0.1:{http_port}"]
-        env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
-        with open(self.work_dir / "one-process.log", "ab") as log:
-            self.process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.base_url = f"http://127.0.0.1:{http_port}"
-
-        def serving() -> bool:
-            assert self.process.poll() is None, f"kvboost_server exited; see {self.work_dir / 'one-process.log'}"
-            try:
-                return httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(serving, "kvboost_server to serve", timeout_s=180)
+        server, _ = start_one_process("SmolLM2-135M-Instruct", self.daemon_address, self.work_dir / "one-process.log",
+                                      timeout_s=180)
+        self.process, self.base_url = server.process, server.address
         return self
 
     def stop(self) -> None:

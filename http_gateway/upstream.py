@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -58,14 +58,19 @@ class Upstream:
 
     async def health_status(self, service: str = SERVICE_NAME, timeout_s: float = 2.0) -> str:
         """SERVING, NOT_SERVING, ... of `service`, or UNREACHABLE."""
-        try:
-            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            return "SERVICE_UNKNOWN" if error.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return await status_of(self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s))
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+async def status_of(check: Awaitable[health_pb2.HealthCheckResponse]) -> str:
+    """The name of a health Check's answer (SERVING, NOT_SERVING, ...), SERVICE_UNKNOWN, or UNREACHABLE."""
+    try:
+        reply = await check
+    except grpc.aio.AioRpcError as error:
+        return "SERVICE_UNKNOWN" if error.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 async def events(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[pb.GenerateEvent]:

@@ -10,9 +10,8 @@ from typing import Any, AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2
 
+from http_gateway.upstream import SERVICE_NAME, status_of
 from kvboost.v1 import inference_pb2 as pb
-
-SERVICE_NAME = "kvboost.v1.InferenceService"
 
 
 class InProcessError(grpc.aio.AioRpcError):
@@ -103,11 +102,7 @@ class InProcessUpstream:
         return await self._unary(self.servicer.Unpin, request)
 
     async def health_status(self, service: str = SERVICE_NAME, timeout_s: float = 2.0) -> str:
-        try:
-            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=service), Context(timeout_s))
-        except grpc.aio.AioRpcError as error:
-            return "SERVICE_UNKNOWN" if error.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return await status_of(self.health.Check(health_pb2.HealthCheckRequest(service=service), Context(timeout_s)))
 
     async def close(self) -> None:
         pass

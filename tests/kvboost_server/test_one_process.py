@@ -3,10 +3,7 @@ same answers as the gRPC contract (which it still serves) and as model.generate,
 input, disconnects that stop the model, deadlines, and a graceful stop."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -20,33 +17,15 @@ from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
 from tests.conftest import pick_free_port, wait_for
 from tests.e2e.child_process import ChildProcess
+from tests.e2e.one_process import start_one_process
 from tests.e2e.daemon_process import start_daemon
 from tests.e2e.stack_process import reference_ids, save_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def start_server(model_dir: Path, daemon_address: str, folder: Path, *gateway_flags: str) -> tuple[ChildProcess, str]:
-    grpc_port, http_port = pick_free_port(), pick_free_port()
-    command = [sys.executable, "-m", "kvboost_server", "--model", str(model_dir), "--cache-addr", daemon_address,
-               "--listen", f"127.0.0.1:{grpc_port}", "--device", "cpu", "--chunk-size", "16",
-               "--gateway", "--listen", f"127.0.0.1:{http_port}", *gateway_flags]
-    env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
-    log_path = folder / f"server-{http_port}.log"
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    server = ChildProcess(process, f"http://127.0.0.1:{http_port}", log_path)
-
-    def answering():
-        assert process.poll() is None, f"kvboost_server exited with {process.returncode}:\n{server.log()}"
-        try:
-            return httpx.get(f"{server.address}/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_for(answering, "kvboost_server to serve HTTP", timeout_s=120)
-    return server, f"127.0.0.1:{grpc_port}"
+def start_server(model_dir: Path, daemon_address: str, log_path: Path, *gateway_flags: str) -> tuple[ChildProcess, str]:
+    return start_one_process(str(model_dir), daemon_address, log_path, ("--chunk-size", "16"), gateway_flags)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +33,7 @@ def one_process(tmp_path_factory):
     folder = tmp_path_factory.mktemp("one-process")
     model_dir = save_tiny_model(folder / "tiny-model")
     daemon = start_daemon(folder / "lmdb", pick_free_port())
-    server, grpc_address = start_server(model_dir, daemon.address, folder)
+    server, grpc_address = start_server(model_dir, daemon.address, folder / "server.log")
     try:
         yield server, grpc_address, model_dir, daemon.address, folder
     finally:
@@ -113,7 +92,7 @@ def test_a_client_that_leaves_stops_its_request(one_process):
 
 def test_a_request_past_the_gateways_deadline_is_a_504_and_the_server_stops_cleanly(one_process):
     _, _, model_dir, daemon_address, folder = one_process
-    short, _ = start_server(model_dir, daemon_address, folder, "--timeout", "1")
+    short, _ = start_server(model_dir, daemon_address, folder / "short.log", "--timeout", "1")
     try:
         started = time.monotonic()
         response = httpx.post(f"{short.address}/v1/completions", timeout=120, json={

@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                         help="model dtypes to time (a copy of the model each); the sweep runs at the first")
     parser.add_argument("--steps", nargs="+", default=["transformers", "lean", "split", "onednn"],
-                        choices=["split", "lean", "onednn", "transformers"],
+                        choices=["split", "lean", "wide", "onednn", "transformers"],
                         help="decode steps to compare (the first is the baseline of the ratios)")
     parser.add_argument("--cases", nargs="+", default=["1x50", "16x700"],
                         help="ROWSxCONTEXT: rows decoding together, each after about CONTEXT prompt tokens")

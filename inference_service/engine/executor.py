@@ -221,11 +221,11 @@ class Executor:
     def _store_answer(self, seq: Sequence, row: Row) -> None:
         """The prompt's tail and the answer's K/V (first completion only) as chunks, so the next turn of a
         conversation reuses the whole previous turn; only K/V that are exact, of single-segment prompts (a decode
-        step that rounds differently from the model's forward, --decode-step onednn, computes answers' K/V that
-        another service sharing the cache would take as exact: they are not stored)."""
+        step that rounds differently from the model's forward, --decode-step onednn or wide, computes answers' K/V
+        that another service sharing the cache would take as exact: they are not stored)."""
         limit = seq.parts.config.max_answer_tokens_stored
         answer = row.decoder.token_ids[:-1][:limit]  # the last token was never fed back: it has no K/V
-        exact_step = self.owner.buffers.step is None or not self.owner.buffers.step.packed
+        exact_step = self.owner.buffers.step is None or self.owner.buffers.step.exact
         if (not answer or not self.batched or not exact_step or seq.approximate or seq.mode == "baseline"
                 or seq.context.degraded or seq.params.segments):
             return

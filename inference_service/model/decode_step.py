@@ -17,6 +17,13 @@ With `packed_matmuls` the projections run as oneDNN linears over weights reorder
 layout instead of transformers' F.linear (MKL on CPU): on this machine's AMD cores that was ~2x faster at one row
 under MKL's own dispatch and is ~1.6x at 16 rows under `features` (docs/performance.md), but it sums in another
 order, so it is not exact.
+
+With `wide` (opt-in) a call of one row is lean's own F.linear (bitwise), and a call of several rows multiplies a
+transposed, contiguous copy of each weight ([in, out]) instead: MKL's float32 product of a few rows by a
+non-transposed right operand runs 1.3x (8 rows) to 1.6x (16 rows) faster per step on this machine's AMD cores than
+F.linear's transposed one (docs/performance.md), at the price of a second copy of every weight. Rows decoded
+together then sum in another order than the model's batched forward, so it is opt-in, and its answers' K/V are not
+stored, like onednn's.
 """
 from __future__ import annotations
 
@@ -115,6 +122,13 @@ def split_support(device: torch.device) -> str:
     return ""
 
 
+def wide_support(device: torch.device) -> str:
+    """Why wide projections cannot help here; '' when they can."""
+    if device.type != "cpu":
+        return f"wide projections are a CPU path (MKL's few-row products); the model is on {device.type}"
+    return ""
+
+
 @dataclass(slots=True, frozen=True)
 class Linear:
     """y = x W^T + b, through F.linear (what nn.Linear runs) or a oneDNN linear over weights packed once."""
@@ -124,14 +138,18 @@ class Linear:
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout
     halves: tuple[torch.Tensor, torch.Tensor] | None = None  # the weight's rows cut in two (views, no copy)
     bias_halves: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    transposed: torch.Tensor | None = None  # [in, out], contiguous: the product of many rows
 
     @classmethod
-    def of(cls, module: torch.nn.Linear, pack_rows: int = 0, split: bool = False) -> Linear:
+    def of(cls, module: torch.nn.Linear, pack_rows: int = 0, split: bool = False, wide: bool = False) -> Linear:
         """pack_rows > 0: packs the weight for oneDNN, tuned for that many rows per call. split: keeps views of
-        the two halves of the weight's rows (and of the bias) for project()."""
+        the two halves of the weight's rows (and of the bias) for project(). wide: keeps a transposed copy of the
+        weight for calls of several rows."""
         weight = module.weight.detach()
         bias = None if module.bias is None else module.bias.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, pack_rows) if pack_rows else None
+        if wide:
+            return cls(weight, bias, transposed=weight.t().contiguous())
         if not split:
             return cls(weight, bias, packed)
         # the cut on a multiple of SPLIT_ALIGN rows: MKL's kernels handle a ragged tail of rows in another order
@@ -142,6 +160,9 @@ class Linear:
         return cls(weight, bias, packed, (weight[:cut], weight[cut:]), bias_halves)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transposed is not None and x.shape[0] > 1:
+            product = torch.matmul(x, self.transposed)
+            return product if self.bias is None else product + self.bias
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -187,10 +208,11 @@ class LayerWeights:
 class LeanStep:
     """One token for each of a step's rows, over the K/V owner's slots (see SlotBuffers.decode)."""
 
-    def __init__(self, model, pack_rows: int = 0, split: bool = False) -> None:
+    def __init__(self, model, pack_rows: int = 0, split: bool = False, wide: bool = False) -> None:
         """pack_rows > 0: projections through oneDNN packed weights (not exact; see the module docstring).
+        wide: projections of several rows through a transposed copy of each weight (one row exact; see there).
         split: every projection's weight halves run at once on two threads (exact; see the module docstring)."""
-        assert not (pack_rows and split), "packed and split projections are two different steps"
+        assert (bool(pack_rows) + split + wide) <= 1, "packed, split and wide projections are different steps"
         decoder = model.model
         config = model.config
         self.head_dim = decoder.layers[0].self_attn.head_dim
@@ -199,9 +221,11 @@ class LeanStep:
         self.embedding = decoder.embed_tokens.weight.detach()
         self.rotary = decoder.rotary_emb  # the module itself: every RoPE type computes cos/sin as the model does
         self.final_norm = _norm(decoder.norm)
-        self.lm_head = Linear.of(model.lm_head, pack_rows, split)
-        self.layers = [_layer(layer, pack_rows, split) for layer in decoder.layers]
+        self.lm_head = Linear.of(model.lm_head, pack_rows, split, wide)
+        self.layers = [_layer(layer, pack_rows, split, wide) for layer in decoder.layers]
         self.packed = bool(pack_rows)
+        self.wide = wide
+        self.exact = not (self.packed or wide)  # every call bitwise the model's forward over the same rows
         self.split = split
 
     @torch.inference_mode()
@@ -254,14 +278,14 @@ def _norm(module) -> RmsNorm:
     return RmsNorm(module.weight.detach(), module.variance_epsilon)
 
 
-def _layer(layer, pack_rows: int, split: bool) -> LayerWeights:
+def _layer(layer, pack_rows: int, split: bool, wide: bool) -> LayerWeights:
     attention, mlp = layer.self_attn, layer.mlp
     return LayerWeights(
         input_norm=_norm(layer.input_layernorm),
-        q=Linear.of(attention.q_proj, pack_rows, split), k=Linear.of(attention.k_proj, pack_rows, split),
-        v=Linear.of(attention.v_proj, pack_rows, split), o=Linear.of(attention.o_proj, pack_rows, split),
+        q=Linear.of(attention.q_proj, pack_rows, split, wide), k=Linear.of(attention.k_proj, pack_rows, split, wide),
+        v=Linear.of(attention.v_proj, pack_rows, split, wide), o=Linear.of(attention.o_proj, pack_rows, split, wide),
         scaling=attention.scaling,
         post_norm=_norm(layer.post_attention_layernorm),
-        gate=Linear.of(mlp.gate_proj, pack_rows, split), up=Linear.of(mlp.up_proj, pack_rows, split),
-        down=Linear.of(mlp.down_proj, pack_rows, split),
+        gate=Linear.of(mlp.gate_proj, pack_rows, split, wide), up=Linear.of(mlp.up_proj, pack_rows, split, wide),
+        down=Linear.of(mlp.down_proj, pack_rows, split, wide),
         act=mlp.act_fn)

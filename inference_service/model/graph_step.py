@@ -36,8 +36,8 @@ def graph_support(device: torch.device, step: LeanStep | None) -> str:
         return f"CUDA graphs need a CUDA device; the model is on {device.type}"
     if step is None:
         return "the decode step is transformers' own forward (only the lean step is captured)"
-    if step.packed or step.split:
-        return "packed and split steps are CPU paths"
+    if step.packed or step.split or step.wide:
+        return "packed, split and wide steps are CPU paths"
     return ""
 
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.model.decode_step import LeanStep, lean_step_support, packed_matmul_support, split_support
+from inference_service.model.decode_step import (LeanStep, lean_step_support, packed_matmul_support, split_support,
+                                                  wide_support)
 from inference_service.model.kv_buffers import kv_geometry
 from inference_service.model.slot_buffers import SlotBuffers
 from inference_service.model.step_names import DECODE_STEPS, DEFAULT_DECODE_STEP
@@ -43,6 +44,18 @@ def choose_decode_step(model, asked: str = DEFAULT_DECODE_STEP) -> StepChoice:
         logger.info("decode step split is off for this model (%s); trying lean", reason)
         fallback = choose_decode_step(model, "lean")
         return StepChoice(fallback.step, fallback.name, reason + (f"; {fallback.reason}" if fallback.reason else ""))
+    if asked == "wide":
+        reason = lean_step_support(model) or wide_support(model.device)
+        if not reason:
+            step = LeanStep(model, wide=True)
+            reason = probe_mismatch(model, step)
+            if not reason:
+                logger.info("decode step: wide (one row bitwise the model's forward; several rows through transposed "
+                            "weights, rounded differently)")
+                return StepChoice(step, asked, "")
+        logger.info("decode step wide is off for this model (%s); trying lean", reason)
+        fallback = choose_decode_step(model, "lean")
+        return StepChoice(fallback.step, fallback.name, reason + (f"; {fallback.reason}" if fallback.reason else ""))
     reason = lean_step_support(model)
     if not reason and asked == "onednn":
         reason = packed_matmul_support(model.device, model.dtype)
@@ -61,7 +74,8 @@ def choose_decode_step(model, asked: str = DEFAULT_DECODE_STEP) -> StepChoice:
 @torch.inference_mode()
 def probe_mismatch(model, step: LeanStep) -> str:
     """Runs the same steps through the model's forward and `step` over random K/V (one row, then rows of
-    different lengths with a gap between their slots); '' when the logits and the K/V written agree."""
+    different lengths with a gap between their slots); '' when the logits and the K/V written agree (bitwise;
+    within rounding where the step is not exact: every row of onednn, rows decoded together by wide)."""
     geometry = kv_geometry(model.config)
     generator = torch.Generator(device="cpu").manual_seed(0)
     buffers = [SlotBuffers(model.config, geometry, 4, 16, model.device, model.dtype) for _ in range(2)]
@@ -77,12 +91,12 @@ def probe_mismatch(model, step: LeanStep) -> str:
     lean.step = step
     for rows in ({1: (tokens[0], 9)}, {0: (tokens[1], 5), 3: (tokens[2], 11)}):
         expected, got = reference.decode(model, rows), lean.decode(model, rows)
-        if step.packed:
+        if step.packed or (step.wide and len(rows) > 1):
             scale = float(expected.abs().max()) + 1e-6
             if not bool(torch.isfinite(got).all()) or float((got - expected).abs().max()) > PACKED_TOLERANCE * scale:
                 return f"its probe logits are off by more than rounding ({float((got - expected).abs().max()):.3g})"
         elif not torch.equal(expected, got):
             return f"its probe logits differ from the model's forward (by up to {float((got - expected).abs().max()):.3g})"
-    if not step.packed and not (torch.equal(reference.keys, lean.keys) and torch.equal(reference.values, lean.values)):
+    if step.exact and not (torch.equal(reference.keys, lean.keys) and torch.equal(reference.values, lean.values)):
         return "its probe wrote other K/V than the model's forward"
     return ""

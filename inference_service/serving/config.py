@@ -38,7 +38,7 @@ class ServiceConfig:
     device: str = "auto"  # auto: cuda when present, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     threads: int = 0  # torch intra-op threads; 0: torch's default (the machine's cores)
-    decode_step: str = DEFAULT_DECODE_STEP  # the batched decode step: split, lean (exact), onednn (faster, opt-in), transformers
+    decode_step: str = DEFAULT_DECODE_STEP  # the batched decode step: split, lean (exact), wide/onednn (faster, opt-in), transformers
     mkl_dispatch: str = "auto"  # MKL's kernels by instruction set (features) or by CPU vendor; set before torch loads
     chunk_size: int = 128
     kv_cache_bits: int = 16
@@ -193,6 +193,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
              "overhead, bitwise its forward (checked at start-up; the model's forward runs where it cannot); "
              "onednn = lean with the weights packed for oneDNN, faster on CPU but rounded differently, so greedy "
              "output may differ from model.generate (opt-in; agreement measured in docs/performance.md); "
+             "wide = lean for one row (bitwise), and rows decoded together through a transposed copy of every "
+             "weight: 1.3-1.6x faster steps at 8-16 rows on CPU, twice the weights' memory, batched rows rounded "
+             "differently (opt-in; their answers' K/V are not stored); "
              "split = lean with each weight's rows read by two threads at once (CPU), bitwise too, faster for one "
              "stream but not for many rows on two cores (docs/performance.md); "
              "transformers = the model's own forward (KVBOOST_DECODE_STEP)")

@@ -90,12 +90,13 @@ def test_smollm2_chat_turns_recompute_only_their_new_message(smollm2):
     engine.stop()
 
 
-def test_answers_decoded_by_a_step_that_rounds_differently_are_not_stored(tiny_llama):
-    """--decode-step onednn: its answers' K/V are not the model's own, and another service sharing the cache would
-    take them as exact; the prompt (prefilled by the model's forward) is still stored whole."""
+@pytest.mark.parametrize("step", ["onednn", "wide"])
+def test_answers_decoded_by_a_step_that_rounds_differently_are_not_stored(tiny_llama, step):
+    """--decode-step onednn or wide: its answers' K/V are not the model's own, and another service sharing the
+    cache would take them as exact; the prompt (prefilled by the model's forward) is still stored whole."""
     model, tokenizer = tiny_llama
-    engine = make(tiny_llama, decode_step="onednn")
-    assert engine.stats()["decode_step"] == "onednn"
+    engine = make(tiny_llama, decode_step=step)
+    assert engine.stats()["decode_step"] == step
     first_prompt = text_of_length(37)
     first = engine.generate(GenerationParams(prompt=first_prompt, max_new_tokens=20))
     engine.flush_writes()

@@ -134,3 +134,22 @@ def test_the_transformers_step_is_identical_too_and_onednn_keeps_the_first_token
     assert outputs["transformers"] == expected
     # oneDNN sums in another order: not asserted identical; its first tokens come from the (shared) prefill.
     assert [row[0] for row in outputs["onednn"]] == [want[0] for want in expected]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_wide_step_is_identical_for_a_request_alone_and_keeps_batched_rows_first_tokens(kind):
+    """--decode-step wide: one row is lean's own product (bitwise the model's forward); rows decoded together
+    multiply a transposed copy of each weight, which sums in another order."""
+    model, tokenizer = tiny(kind, torch.float32)
+    expected = [reference_ids(model, tokenizer, prompt) for prompt in PROMPTS]
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=16, decode_step="wide"), InMemoryStore(),
+                    model_id=f"steps-{kind}-wide")
+    try:
+        assert engine.stats()["decode_step"] == "wide"
+        alone = [engine.generate(request).output_token_ids for request in requests("baseline")]
+        rows = together(engine, requests("baseline"))
+    finally:
+        engine.stop(30)
+    assert alone == expected
+    assert [row[0] for row in rows] == [want[0] for want in expected]
+    assert agreement(expected, rows) >= 0.9

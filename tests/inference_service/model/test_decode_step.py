@@ -136,6 +136,23 @@ def test_models_the_lean_step_does_not_repeat_run_the_models_forward_and_say_why
     assert choose_decode_step(tiny("llama"), "transformers") == step_choice.StepChoice(None, "transformers", "")
 
 
+def test_the_wide_step_is_the_models_forward_for_one_row_and_close_for_many():
+    model = tiny("llama")
+    choice = choose_decode_step(model, "wide")
+    assert choice.name == "wide" and choice.step.wide and not choice.step.packed
+    one = {2: (7, len(PROMPTS[2]))}
+    reference, wide = prefilled_slots(model), prefilled_slots(model)
+    wide.step = choice.step
+    assert torch.equal(reference.decode(model, one), wide.decode(model, one))
+    assert torch.equal(reference.keys, wide.keys) and torch.equal(reference.values, wide.values)
+    rows = {slot: (7 + slot, len(prompt)) for slot, prompt in PROMPTS.items()}
+    expected, got = reference.decode(model, rows), wide.decode(model, rows)
+    assert torch.allclose(expected, got, rtol=1e-4, atol=1e-5)
+    layer = choice.step.layers[0]
+    assert torch.equal(layer.gate.transposed, layer.gate.weight.t())  # a copy of the same weight, transposed
+    assert layer.gate.transposed.is_contiguous()
+
+
 def test_the_onednn_step_rounds_close_to_the_models_forward():
     model = tiny("llama")
     reference, packed = prefilled_slots(model), prefilled_slots(model)

@@ -1,0 +1,269 @@
+"""Where a streamed token's time goes between the step loop and the client's socket, on the running stack.
+
+For each stack (three processes: daemon, service, gateway; or one: `python -m kvboost_server`) and each number of
+concurrent streams, N clients stream chat completions at temperature 0 (ignore_eos, T new tokens each) and:
+
+1. an unprofiled window measures the tokens delivered per second at the clients and the CPU time each process
+   spent (utime + stime from /proc, every thread: MKL's worker threads included), per token delivered;
+2. a second window of the same load runs py-spy (a sampling profiler of Python stacks, from PyPI) on the service
+   and the gateway, and attributes each non-idle sample of their Python threads to a component by the innermost
+   frame that names one: the model step (the decode/prefill ops), sampling and stop checks, detokenization, the
+   step loop's own bookkeeping, the service's streaming hand-off and protobuf messages, the gRPC runtime, the
+   gateway's handlers, JSON/SSE encoding, the HTTP server (uvicorn/starlette), the event loop, thread hand-offs.
+   A component's share of the samples splits the CPU of the process's "python"-named threads (OpenMP's workers,
+   which run the model step's products, included); gRPC's C-core threads are reported by their own names.
+
+Both figures share the machine's cores with the clients (this script's threads, also reported) and, in the second
+window, with py-spy itself: its delivered rate is printed beside the first so the perturbation shows.
+
+    flock /tmp/kvboost-bench.lock python bench/bench_token_path.py                      # 1 and 16 streams, both stacks
+    python bench/bench_token_path.py --streams 1 --stacks one --tokens 64               # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import httpx  # noqa: E402
+
+from bench_peers import OneProcessStack, OurStack, Server  # noqa: E402
+
+# (a fragment of the frame's file name or function, the component), innermost frame first; the first match wins.
+COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("detokenizer.py", "detokenize"),
+    ("tokenizers", "detokenize"),
+    ("sampling.py", "sampling + stop checks"),
+    ("request/generation.py", "sampling + stop checks"),
+    ("request/logprobs.py", "sampling + stop checks"),
+    ("decode_step.py", "model step"),
+    ("graph_step.py", "model step"),
+    ("slot_buffers.py", "model step"),
+    ("batch_forward.py", "model step"),
+    ("model/forward.py", "model step"),
+    ("/torch/", "model step"),
+    ("/transformers/", "model step"),
+    ("inference_service/engine/", "step loop bookkeeping"),
+    ("inference_service/reuse/", "cache reuse + write-back"),
+    ("inference_service/kv/", "cache reuse + write-back"),
+    ("inference_service/store/", "cache reuse + write-back"),
+    ("google/protobuf", "protobuf messages"),
+    ("_pb2", "protobuf messages"),
+    ("proto_convert.py", "protobuf messages"),
+    ("inference_service/serving/", "service streaming hand-off"),
+    ("inference_service/request/", "service streaming hand-off"),
+    ("kvboost_server/", "in-process upstream"),
+    ("/grpc/", "gRPC runtime"),
+    ("json/", "JSON/SSE encoding"),
+    ("http_gateway/sse.py", "JSON/SSE encoding"),
+    ("http_gateway/stream_chunks.py", "JSON/SSE encoding"),
+    ("http_gateway/", "gateway handlers"),
+    ("/uvicorn/", "HTTP server (uvicorn/starlette)"),
+    ("/starlette/", "HTTP server (uvicorn/starlette)"),
+    ("/fastapi/", "HTTP server (uvicorn/starlette)"),
+    ("/h11/", "HTTP server (uvicorn/starlette)"),
+    ("/httptools/", "HTTP server (uvicorn/starlette)"),
+    ("/anyio/", "HTTP server (uvicorn/starlette)"),
+    ("asyncio/", "event loop"),
+    ("threading.py", "thread hand-offs"),
+    ("queue.py", "thread hand-offs"),
+    ("concurrent/futures", "thread hand-offs"),
+)
+
+
+def py_spy() -> str | None:
+    """py-spy beside this Python (a virtual environment's bin) or on PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def component_of(stack: str) -> str:
+    """The component of one collapsed py-spy stack ("frame;frame;...", outermost first)."""
+    for frame in reversed(stack.split(";")):
+        for fragment, component in COMPONENTS:
+            if fragment in frame:
+                return component
+    return "other Python"
+
+
+def parse_raw(path: Path) -> Counter:
+    """py-spy's raw (collapsed) output: 'thread (id): frame;frame;... count' per line -> samples per component."""
+    samples: Counter = Counter()
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            samples[component_of(stack)] += int(count)
+    return samples
+
+
+def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """{thread id: (its name, utime + stime so far in seconds)} for every live thread of the process."""
+    threads = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rpartition(")")[2].split()
+        threads[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return threads
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of the whole process so far (ended threads included), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def snapshot(pid: int) -> tuple[float, dict]:
+    return process_cpu_s(pid), thread_cpu_s(pid)
+
+
+def cpu_by_thread_name(before: tuple[float, dict], after: tuple[float, dict]) -> Counter:
+    """CPU seconds spent between two snapshots, by thread name (threads born meanwhile counted from 0); what
+    threads that ended meanwhile spent is "(ended threads)"."""
+    spent: Counter = Counter()
+    for tid, (name, seconds) in after[1].items():
+        spent[name] += seconds - before[1].get(tid, (name, 0.0))[1]
+    ended = (after[0] - before[0]) - sum(spent.values())
+    if ended > 0:
+        spent["(ended threads)"] += ended
+    return spent
+
+
+@dataclass
+class Window:
+    tokens: int = 0
+    wall_s: float = 0.0
+    cpu_s: dict = field(default_factory=dict)  # process name -> Counter of CPU seconds by thread name
+    samples: dict = field(default_factory=dict)  # process name -> Counter of components
+    main_names: dict = field(default_factory=dict)  # process name -> its main thread's OS name, which every thread
+    # CPython and OpenMP start inherits (gRPC's C core names its own)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+def load(server: Server, streams: int, tokens: int, processes: dict[str, int], profile_rate: int,
+         work_dir: Path) -> Window:
+    """streams clients at once, each one streamed chat of `tokens` new tokens; CPU per process over the window,
+    and py-spy over the service/gateway processes when profile_rate > 0."""
+    window = Window()
+    results = [0] * streams
+    messages = [[{"role": "user", "content": f"Story {index}: write a long story about a lighthouse keeper."}]
+                for index in range(streams)]
+
+    def client(index: int) -> None:
+        with httpx.Client() as http:
+            results[index] = server.chat(messages[index], tokens, http, ignore_eos=True).completion_tokens
+
+    profilers = []
+    if profile_rate:
+        for name, pid in processes.items():
+            if name == "clients":
+                continue
+            out = work_dir / f"{name}-{streams}-{time.monotonic_ns()}.txt"
+            profilers.append((name, out, subprocess.Popen(
+                [py_spy(), "record", "--pid", str(pid), "--rate", str(profile_rate),
+                 "--format", "raw", "--threads", "--nonblocking", "--output", str(out)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+        time.sleep(1.0)  # py-spy attaches
+    before = {name: snapshot(pid) for name, pid in processes.items()}
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    window.wall_s = time.perf_counter() - started
+    window.cpu_s = {name: cpu_by_thread_name(before[name], snapshot(pid)) for name, pid in processes.items()}
+    window.tokens = sum(results)
+    window.main_names = {name: Path(f"/proc/{pid}/comm").read_text().strip() for name, pid in processes.items()}
+    for name, out, profiler in profilers:
+        profiler.send_signal(signal.SIGINT)
+        profiler.wait(timeout=60)
+        window.samples[name] = parse_raw(out) if out.exists() else Counter()
+    return window
+
+
+def report(stack: str, streams: int, plain: Window, profiled: Window) -> None:
+    print(f"\n{stack}, {streams} stream(s): {plain.tokens_per_s:.1f} tokens/s delivered "
+          f"({plain.tokens} tokens in {plain.wall_s:.1f} s, {1000 / plain.tokens_per_s:.1f} ms a token); under py-spy "
+          f"{profiled.tokens_per_s:.1f}")
+    per_token = 1000 / plain.tokens
+    print("  CPU per token delivered (unprofiled window), by process and thread name:")
+    for name, by_thread in plain.cpu_s.items():
+        threads = ", ".join(f"{thread} {seconds * per_token:.2f}" for thread, seconds in by_thread.most_common()
+                            if seconds * per_token >= 0.01)
+        print(f"    {name:8s} {sum(by_thread.values()) * per_token:6.2f} ms  ({threads})")
+    for name, samples in profiled.samples.items():
+        python_s = profiled.cpu_s[name].get(profiled.main_names[name], 0.0)
+        total = sum(samples.values())
+        if not total:
+            continue
+        print(f"  {name}: its '{profiled.main_names[name]}' threads' CPU ({python_s * 1000 / profiled.tokens:.2f} ms a token "
+              "under py-spy, MKL's OpenMP workers included) split by py-spy's samples of its Python threads:")
+        for component, count in samples.most_common():
+            print(f"    {component:34s} {count / total:6.1%}  {count / total * python_s * 1000 / profiled.tokens:6.2f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stacks", nargs="+", default=["three", "one"], choices=["three", "one"],
+                        help="three: daemon, service and gateway processes (make up's shape); one: python -m "
+                             "kvboost_server (gateway and service in one process) over the same daemon")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16], help="concurrent streams per window")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per stream")
+    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument("--threads", type=int, default=2, help="the service's OMP_NUM_THREADS")
+    args = parser.parse_args(argv)
+    if py_spy() is None:
+        parser.error("py-spy is not installed: pip install -e '.[bench]' (or make setup)")
+    work_dir = Path(tempfile.mkdtemp(prefix="kvboost-token-path-"))
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, SmolLM2-135M-Instruct fp32, {os.cpu_count()} "
+          f"cores, {args.tokens} tokens a stream, py-spy at {args.rate} Hz; logs in {work_dir}")
+    three = OurStack(work_dir, args.threads).start()
+    try:
+        daemon_address = three.processes[2].address
+        stacks = {}
+        if "three" in args.stacks:
+            stacks["three"] = (three.base_url, {"service": three.processes[1].process.pid,
+                                                "gateway": three.processes[0].process.pid})
+        one = OneProcessStack(work_dir, daemon_address).start() if "one" in args.stacks else None
+        if one is not None:
+            stacks["one"] = (one.base_url, {"server": one.process.pid})
+        try:
+            for streams in args.streams:
+                for name, (base_url, processes) in stacks.items():
+                    server = Server(name, base_url, "SmolLM2-135M-Instruct")
+                    processes = {**processes, "clients": os.getpid()}
+                    load(server, 1, 8, processes, 0, work_dir)  # warm-up
+                    plain = load(server, streams, args.tokens, processes, 0, work_dir)
+                    profiled = load(server, streams, args.tokens, processes, args.rate, work_dir)
+                    report(name, streams, plain, profiled)
+        finally:
+            if one is not None:
+                one.stop()
+    finally:
+        three.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,7 +39,8 @@ RSS_FIELDS = {"VmRSS": "all", "RssAnon": "anonymous", "RssFile": "mapped LMDB fi
 
 
 def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str, max_queue: int,
-                   work_dir: Path, baseline_tree: Path | None = None) -> tuple[dict[str, str], str, int]:
+                   work_dir: Path, baseline_tree: Path | None = None,
+                   decode_steps: tuple[str, ...] = ()) -> tuple[dict[str, str], str, int]:
     """The daemon and one service per configuration; ({label: address}, daemon address, daemon pid)."""
     from tests.conftest import pick_free_port
     from tests.e2e.daemon_process import start_daemon
@@ -51,6 +52,8 @@ def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str
     daemon = start_daemon(work_dir / "lmdb", pick_free_port(), "--max-bytes", max_bytes)
     stack.callback(lambda: daemon.process.poll() is None and daemon.terminate())
     configs = {label: (flags, None) for label, flags in CONFIGS.items()}
+    for step in decode_steps:  # the running batch again, under another decode step
+        configs[f"batched-{step}"] = (("--decode-step", step), None)
     if baseline_tree is not None:
         configs = {BEFORE: ((), baseline_tree), **configs}
     addresses = {}
@@ -101,8 +104,8 @@ def write_plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path)
 
 
-def ratio(row: dict, baseline: str, field: str = "output_tokens_per_s") -> float:
-    return row["batched"][field] / row[baseline][field] if row[baseline][field] else 0.0
+def ratio(row: dict, baseline: str, field: str = "output_tokens_per_s", batched: str = "batched") -> float:
+    return row[batched][field] / row[baseline][field] if row[baseline][field] else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                              "`before` beside this one, in the same run")
     parser.add_argument("--no-warm", action="store_true",
                         help="do not Warm the system prompt first (then every request also prefills its tail)")
+    parser.add_argument("--decode-steps", nargs="+", default=[], choices=["wide", "onednn", "split", "transformers"],
+                        help="also run the batched service under each of these --decode-step choices (label "
+                             "batched-STEP), beside the default's")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="folder for concurrency.png and .json")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the services inherit it; torch sizes its pool by it
@@ -129,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-concurrency-")))
         addresses, daemon_address, daemon_pid = start_services(
-            stack, args.model, args.chunk_size, args.max_bytes, args.max_queue, work_dir, args.baseline_tree)
+            stack, args.model, args.chunk_size, args.max_bytes, args.max_queue, work_dir, args.baseline_tree,
+            tuple(args.decode_steps))
         if not args.no_warm:  # as a deployment would: the shared system prompt, its partial last chunk included
             warm_system_prompt(addresses["batched"])
         for scheduler in addresses:  # each service's first forward
@@ -152,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         if BEFORE in row:
             line += (f"; batched / before: output tok/s {ratio(row, BEFORE):.2f}x, TTFT p50 "
                      f"{row['batched']['ttft_ms_p50']:.1f} vs {row[BEFORE]['ttft_ms_p50']:.1f} ms")
+        for step in args.decode_steps:
+            line += f"; batched-{step} / one-at-a-time {ratio(row, 'one-at-a-time', batched=f'batched-{step}'):.2f}x"
         print(line)
     mib = (lambda value: "n/a" if value is None else f"{value / (1 << 20):.1f} MiB")
     print("daemon RSS " + ", ".join(f"{RSS_FIELDS[field]} {mib(rss_start[field])} -> {mib(rss_end[field])}"

@@ -311,12 +311,13 @@ class OneProcessStack:
         self.work_dir, self.daemon_address = work_dir, daemon_address
         self.process = None
         self.base_url = ""
+        self.grpc_address = ""  # the gRPC contract it also serves
 
     def start(self) -> OneProcessStack:
         from tests.e2e.one_process import start_one_process
 
-        server, _ = start_one_process("SmolLM2-135M-Instruct", self.daemon_address, self.work_dir / "one-process.log",
-                                      timeout_s=180)
+        server, self.grpc_address = start_one_process("SmolLM2-135M-Instruct", self.daemon_address,
+                                                      self.work_dir / "one-process.log", timeout_s=180)
         self.process, self.base_url = server.process, server.address
         return self
 

@@ -25,6 +25,7 @@ import argparse
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -149,6 +150,7 @@ def cpu_by_thread_name(before: tuple[float, dict], after: tuple[float, dict]) ->
 class Window:
     tokens: int = 0
     wall_s: float = 0.0
+    decode_rate: float = 0.0  # the streams' decode rates summed (tokens after the first per second, each stream)
     cpu_s: dict = field(default_factory=dict)  # process name -> Counter of CPU seconds by thread name
     samples: dict = field(default_factory=dict)  # process name -> Counter of components
     main_names: dict = field(default_factory=dict)  # process name -> its main thread's OS name, which every thread
@@ -165,17 +167,19 @@ def load(server: Server, streams: int, tokens: int, processes: dict[str, int], p
     and py-spy over the service/gateway processes when profile_rate > 0."""
     window = Window()
     results = [0] * streams
+    decode_rates = [0.0] * streams
     messages = [[{"role": "user", "content": f"Story {index}: write a long story about a lighthouse keeper."}]
                 for index in range(streams)]
 
     def client(index: int) -> None:
         with httpx.Client() as http:
-            results[index] = server.chat(messages[index], tokens, http, ignore_eos=True).completion_tokens
+            reply = server.chat(messages[index], tokens, http, ignore_eos=True)
+            results[index], decode_rates[index] = reply.completion_tokens, reply.decode_tps
 
     profilers = []
     if profile_rate:
         for name, pid in processes.items():
-            if name == "clients":
+            if name in ("clients", "daemon"):
                 continue
             out = work_dir / f"{name}-{streams}-{time.monotonic_ns()}.txt"
             profilers.append((name, out, subprocess.Popen(
@@ -193,6 +197,7 @@ def load(server: Server, streams: int, tokens: int, processes: dict[str, int], p
     window.wall_s = time.perf_counter() - started
     window.cpu_s = {name: cpu_by_thread_name(before[name], snapshot(pid)) for name, pid in processes.items()}
     window.tokens = sum(results)
+    window.decode_rate = sum(decode_rates)
     window.main_names = {name: Path(f"/proc/{pid}/comm").read_text().strip() for name, pid in processes.items()}
     for name, out, profiler in profilers:
         profiler.send_signal(signal.SIGINT)
@@ -201,12 +206,53 @@ def load(server: Server, streams: int, tokens: int, processes: dict[str, int], p
     return window
 
 
-def report(stack: str, streams: int, plain: Window, profiled: Window) -> None:
-    print(f"\n{stack}, {streams} stream(s): {plain.tokens_per_s:.1f} tokens/s delivered "
-          f"({plain.tokens} tokens in {plain.wall_s:.1f} s, {1000 / plain.tokens_per_s:.1f} ms a token); under py-spy "
-          f"{profiled.tokens_per_s:.1f}")
+def grpc_window(address: str, streams: int, tokens: int) -> tuple[float, float]:
+    """The same load through the service's gRPC contract (no HTTP): (the streams' decode rates summed, at the gRPC
+    clients: tokens after the first per second between a stream's first and last token; the same sum of the step
+    loop's own rates, GenerationResult.tokens_per_sec: each request's tokens after the first per second as the step
+    loop chose them)."""
+    import grpc
+    from kvboost.v1 import inference_pb2 as pb
+    from kvboost.v1 import inference_pb2_grpc
+
+    rates, counts, delivered = [0.0] * streams, [0] * streams, [0.0] * streams
+
+    def client(index: int) -> None:
+        first = last = None
+        with grpc.insecure_channel(address) as channel:
+            request = pb.GenerateRequest(
+                messages=[pb.ChatMessage(role="user", content=f"Story {index}: write a long story about a lighthouse "
+                                                               "keeper.")],
+                max_new_tokens=tokens, temperature=0, ignore_eos=True)
+            for event in inference_pb2_grpc.InferenceServiceStub(channel).Generate(request, timeout=600):
+                if event.token_ids:
+                    last = time.perf_counter()
+                    first = first or last
+                if event.HasField("result"):
+                    rates[index], counts[index] = event.result.tokens_per_sec, event.result.generated_tokens
+        if first is not None and last > first and counts[index] > 1:
+            delivered[index] = (counts[index] - 1) / (last - first)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(delivered), sum(rates)
+
+
+def report(stack: str, streams: int, rounds: list[tuple[tuple[float, float], Window]], profiled: Window) -> None:
+    print(f"\n{stack}, {streams} stream(s): decode tokens/s, the streams' rates summed (tokens after the first per "
+          "second, each stream), gRPC and HTTP windows alternating:")
+    for over_grpc, window in rounds:
+        print(f"  HTTP {window.decode_rate:6.1f} ({window.tokens} tokens in {window.wall_s:.1f} s with the prefills: "
+              f"{window.tokens_per_s:.1f}/s); gRPC {over_grpc[0]:6.1f}, the step loop's own {over_grpc[1]:6.1f}; "
+              f"HTTP / step loop {window.decode_rate / over_grpc[1]:.2f}x")
+    print(f"  under py-spy: HTTP {profiled.decode_rate:.1f}")
+    plain = rounds[-1][1]
     per_token = 1000 / plain.tokens
-    print("  CPU per token delivered (unprofiled window), by process and thread name:")
+    print("  CPU per token delivered (the last HTTP window), by process and thread name:")
     for name, by_thread in plain.cpu_s.items():
         threads = ", ".join(f"{thread} {seconds * per_token:.2f}" for thread, seconds in by_thread.most_common()
                             if seconds * per_token >= 0.01)
@@ -232,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per stream")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--threads", type=int, default=2, help="the service's OMP_NUM_THREADS")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating gRPC and HTTP windows per case")
     args = parser.parse_args(argv)
     if py_spy() is None:
         parser.error("py-spy is not installed: pip install -e '.[bench]' (or make setup)")
@@ -240,23 +287,26 @@ def main(argv: list[str] | None = None) -> int:
           f"cores, {args.tokens} tokens a stream, py-spy at {args.rate} Hz; logs in {work_dir}")
     three = OurStack(work_dir, args.threads).start()
     try:
-        daemon_address = three.processes[2].address
+        daemon_address, daemon_pid = three.processes[2].address, three.processes[2].process.pid
         stacks = {}
         if "three" in args.stacks:
-            stacks["three"] = (three.base_url, {"service": three.processes[1].process.pid,
-                                                "gateway": three.processes[0].process.pid})
+            stacks["three"] = (three.base_url, three.processes[1].address,
+                               {"service": three.processes[1].process.pid, "gateway": three.processes[0].process.pid})
         one = OneProcessStack(work_dir, daemon_address).start() if "one" in args.stacks else None
         if one is not None:
-            stacks["one"] = (one.base_url, {"server": one.process.pid})
+            stacks["one"] = (one.base_url, one.grpc_address, {"server": one.process.pid})
         try:
             for streams in args.streams:
-                for name, (base_url, processes) in stacks.items():
+                for name, (base_url, grpc_address, processes) in stacks.items():
                     server = Server(name, base_url, "SmolLM2-135M-Instruct")
-                    processes = {**processes, "clients": os.getpid()}
+                    processes = {**processes, "daemon": daemon_pid, "clients": os.getpid()}
                     load(server, 1, 8, processes, 0, work_dir)  # warm-up
-                    plain = load(server, streams, args.tokens, processes, 0, work_dir)
+                    rounds = []
+                    for _ in range(args.rounds):  # gRPC and HTTP alternate
+                        over_grpc = grpc_window(grpc_address, streams, args.tokens)
+                        rounds.append((over_grpc, load(server, streams, args.tokens, processes, 0, work_dir)))
                     profiled = load(server, streams, args.tokens, processes, args.rate, work_dir)
-                    report(name, streams, plain, profiled)
+                    report(name, streams, rounds, profiled)
         finally:
             if one is not None:
                 one.stop()

@@ -102,6 +102,17 @@ class Server:
         return reply
 
 
+def at_once(target, count: int) -> float:
+    """Runs target(0) .. target(count - 1) on threads started together; the seconds until the last returned."""
+    started = time.perf_counter()
+    threads = [threading.Thread(target=target, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile (0..1) by linear interpolation between closest ranks."""
     ordered = sorted(values)
@@ -171,13 +182,7 @@ def run_clients(servers: list[Server], counts: list[int], runs: int) -> dict:
                     with lock:
                         replies.append(reply)
 
-                started = time.perf_counter()
-                threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
-                elapsed = time.perf_counter() - started
+                elapsed = at_once(one, count)
                 samples.append({"output_tps": sum(r.completion_tokens for r in replies) / elapsed,
                                 "ttft_ms": [r.ttft_ms for r in replies]})
             ttfts = [t for sample in samples for t in sample["ttft_ms"]]

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import httpx  # noqa: E402
 
-from bench_peers import OneProcessStack, OurStack, Server  # noqa: E402
+from bench_peers import OneProcessStack, OurStack, Server, at_once  # noqa: E402
 
 # (a fragment of the frame's file name or function, the component), innermost frame first; the first match wins.
 COMPONENTS: tuple[tuple[str, str], ...] = (
@@ -188,13 +188,7 @@ def load(server: Server, streams: int, tokens: int, processes: dict[str, int], p
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
         time.sleep(1.0)  # py-spy attaches
     before = {name: snapshot(pid) for name, pid in processes.items()}
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(index,)) for index in range(streams)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    window.wall_s = time.perf_counter() - started
+    window.wall_s = at_once(client, streams)
     window.cpu_s = {name: cpu_by_thread_name(before[name], snapshot(pid)) for name, pid in processes.items()}
     window.tokens = sum(results)
     window.decode_rate = sum(decode_rates)
@@ -233,12 +227,7 @@ def grpc_window(address: str, streams: int, tokens: int) -> tuple[float, float]:
         if first is not None and last > first and counts[index] > 1:
             delivered[index] = (counts[index] - 1) / (last - first)
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(index,)) for index in range(streams)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    at_once(client, streams)
     return sum(delivered), sum(rates)
 
 

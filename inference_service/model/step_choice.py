@@ -19,6 +19,14 @@ PACK_ROWS = 16  # the row count oneDNN's weight layout is tuned for (the engine'
 PACKED_TOLERANCE = 1e-3
 
 
+# Steps that become lean where they cannot run: (why not here, LeanStep's arguments, what the log says it is).
+LEAN_VARIANTS = {
+    "split": (split_support, {"split": True}, "projections on two threads, bitwise the model's forward"),
+    "wide": (wide_support, {"wide": True},
+             "one row bitwise the model's forward; several rows through transposed weights, rounded differently"),
+}
+
+
 @dataclass(slots=True, frozen=True)
 class StepChoice:
     step: LeanStep | None  # None: the model's own forward
@@ -28,32 +36,22 @@ class StepChoice:
 
 def choose_decode_step(model, asked: str = DEFAULT_DECODE_STEP) -> StepChoice:
     """The step asked for when the model supports it and a probe step agrees with the model's forward (bitwise for
-    split and lean, within rounding for onednn); otherwise the model's own forward, with the reason (logged). split
-    that cannot run here (one inter-op thread, not a CPU, a probe that differs) becomes lean, with the reason."""
+    split and lean, within rounding for onednn and for wide's rows decoded together); otherwise the model's own
+    forward, with the reason (logged). split or wide that cannot run here (one inter-op thread, not a CPU, a probe
+    that differs) becomes lean, with the reason."""
     assert asked in DECODE_STEPS, f"decode step must be one of {DECODE_STEPS}, got {asked!r}"
     if asked == "transformers":
         return StepChoice(None, asked, "")
-    if asked == "split":
-        reason = lean_step_support(model) or split_support(model.device)
+    if asked in LEAN_VARIANTS:
+        support, build, described = LEAN_VARIANTS[asked]
+        reason = lean_step_support(model) or support(model.device)
         if not reason:
-            step = LeanStep(model, split=True)
+            step = LeanStep(model, **build)
             reason = probe_mismatch(model, step)
             if not reason:
-                logger.info("decode step: split (projections on two threads, bitwise the model's forward)")
+                logger.info("decode step: %s (%s)", asked, described)
                 return StepChoice(step, asked, "")
-        logger.info("decode step split is off for this model (%s); trying lean", reason)
-        fallback = choose_decode_step(model, "lean")
-        return StepChoice(fallback.step, fallback.name, reason + (f"; {fallback.reason}" if fallback.reason else ""))
-    if asked == "wide":
-        reason = lean_step_support(model) or wide_support(model.device)
-        if not reason:
-            step = LeanStep(model, wide=True)
-            reason = probe_mismatch(model, step)
-            if not reason:
-                logger.info("decode step: wide (one row bitwise the model's forward; several rows through transposed "
-                            "weights, rounded differently)")
-                return StepChoice(step, asked, "")
-        logger.info("decode step wide is off for this model (%s); trying lean", reason)
+        logger.info("decode step %s is off for this model (%s); trying lean", asked, reason)
         fallback = choose_decode_step(model, "lean")
         return StepChoice(fallback.step, fallback.name, reason + (f"; {fallback.reason}" if fallback.reason else ""))
     reason = lean_step_support(model)

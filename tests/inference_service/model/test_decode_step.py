@@ -9,7 +9,8 @@ import torch
 from inference_service.model import step_choice
 from inference_service.model.attention import use_engine_attention
 from inference_service import mkl_dispatch
-from inference_service.model.decode_step import Linear, LeanStep, RmsNorm, lean_step_support, project, split_support
+from inference_service.model.decode_step import (Linear, LeanStep, RmsNorm, lean_step_support, project, split_support,
+                                                  wide_support)
 from inference_service.model.forward import prefill
 from inference_service.model.kv_buffers import build_cache, kv_geometry
 from inference_service.model.slot_buffers import SlotBuffers
@@ -98,9 +99,21 @@ def test_split_is_declined_where_mkl_already_threads_the_one_row_product(monkeyp
 
 
 def test_split_falls_back_to_lean_with_the_reason(monkeypatch):
-    monkeypatch.setattr(step_choice, "split_support", lambda device: "torch's inter-op pool has one thread")
+    _, build, described = step_choice.LEAN_VARIANTS["split"]
+    monkeypatch.setitem(step_choice.LEAN_VARIANTS, "split",
+                        (lambda device: "torch's inter-op pool has one thread", build, described))
     choice = choose_decode_step(tiny("llama"), "split")
     assert choice.name == "lean" and not choice.step.split and "one thread" in choice.reason
+
+
+def test_wide_is_a_cpu_path_and_falls_back_to_lean_elsewhere(monkeypatch):
+    assert "CPU path" in wide_support(torch.device("cuda"))
+    assert wide_support(torch.device("cpu")) == ""
+    _, build, described = step_choice.LEAN_VARIANTS["wide"]
+    monkeypatch.setitem(step_choice.LEAN_VARIANTS, "wide", (lambda device: wide_support(torch.device("cuda")), build,
+                                                            described))
+    choice = choose_decode_step(tiny("llama"), "wide")
+    assert choice.name == "lean" and not choice.step.wide and "CPU path" in choice.reason
 
 
 def test_a_step_that_rounds_differently_is_refused_and_the_models_forward_runs(monkeypatch):

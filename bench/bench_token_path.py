@@ -43,34 +43,32 @@ import httpx  # noqa: E402
 
 from bench_peers import OneProcessStack, OurStack, Server, at_once  # noqa: E402
 
-# (a fragment of the frame's file name or function, the component), innermost frame first; the first match wins.
+# Libraries whose frames say nothing of what their caller does with them: a sample in torch's, transformers' or
+# tokenizers' code counts for the innermost project frame that called it (model step, sampling, detokenizing).
+PASS_THROUGH = ("/torch/", "/transformers/", "/tokenizers/", "/numpy/", "/safetensors/")
+# (a fragment of the frame's full file name, the component), tried on each frame from the innermost outwards (after
+# the frames of PASS_THROUGH); the first match wins.
 COMPONENTS: tuple[tuple[str, str], ...] = (
-    ("detokenizer.py", "detokenize"),
-    ("tokenizers", "detokenize"),
-    ("sampling.py", "sampling + stop checks"),
-    ("request/generation.py", "sampling + stop checks"),
-    ("request/logprobs.py", "sampling + stop checks"),
-    ("decode_step.py", "model step"),
-    ("graph_step.py", "model step"),
-    ("slot_buffers.py", "model step"),
-    ("batch_forward.py", "model step"),
-    ("model/forward.py", "model step"),
-    ("/torch/", "model step"),
-    ("/transformers/", "model step"),
+    ("inference_service/model/detokenizer.py", "detokenize"),
+    ("inference_service/model/sampling.py", "sampling + stop checks"),
+    ("inference_service/model/logprobs.py", "sampling + stop checks"),
+    ("inference_service/request/generation.py", "sampling + stop checks"),
+    ("inference_service/request/logprobs.py", "sampling + stop checks"),
+    ("inference_service/model/", "model step"),
     ("inference_service/engine/", "step loop bookkeeping"),
     ("inference_service/reuse/", "cache reuse + write-back"),
     ("inference_service/kv/", "cache reuse + write-back"),
     ("inference_service/store/", "cache reuse + write-back"),
-    ("google/protobuf", "protobuf messages"),
+    ("/google/protobuf/", "protobuf messages"),
     ("_pb2", "protobuf messages"),
-    ("proto_convert.py", "protobuf messages"),
+    ("inference_service/serving/proto_convert.py", "protobuf messages"),
+    ("/grpc/", "gRPC runtime"),
+    ("/json/", "JSON/SSE encoding"),
+    ("http_gateway/sse.py", "JSON/SSE encoding"),
+    ("http_gateway/stream_chunks.py", "JSON/SSE encoding"),
     ("inference_service/serving/", "service streaming hand-off"),
     ("inference_service/request/", "service streaming hand-off"),
     ("kvboost_server/", "in-process upstream"),
-    ("/grpc/", "gRPC runtime"),
-    ("json/", "JSON/SSE encoding"),
-    ("http_gateway/sse.py", "JSON/SSE encoding"),
-    ("http_gateway/stream_chunks.py", "JSON/SSE encoding"),
     ("http_gateway/", "gateway handlers"),
     ("/uvicorn/", "HTTP server (uvicorn/starlette)"),
     ("/starlette/", "HTTP server (uvicorn/starlette)"),
@@ -78,10 +76,10 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("/h11/", "HTTP server (uvicorn/starlette)"),
     ("/httptools/", "HTTP server (uvicorn/starlette)"),
     ("/anyio/", "HTTP server (uvicorn/starlette)"),
-    ("asyncio/", "event loop"),
-    ("threading.py", "thread hand-offs"),
-    ("queue.py", "thread hand-offs"),
-    ("concurrent/futures", "thread hand-offs"),
+    ("/asyncio/", "event loop"),
+    ("/threading.py", "thread hand-offs"),
+    ("/queue.py", "thread hand-offs"),
+    ("/concurrent/futures/", "thread hand-offs"),
 )
 
 
@@ -92,8 +90,10 @@ def py_spy() -> str | None:
 
 
 def component_of(stack: str) -> str:
-    """The component of one collapsed py-spy stack ("frame;frame;...", outermost first)."""
+    """The component of one collapsed py-spy stack ("frame (file:line);...", outermost first, full file names)."""
     for frame in reversed(stack.split(";")):
+        if any(fragment in frame for fragment in PASS_THROUGH):
+            continue
         for fragment, component in COMPONENTS:
             if fragment in frame:
                 return component
@@ -184,18 +184,22 @@ def load(server: Server, streams: int, tokens: int, processes: dict[str, int], p
             out = work_dir / f"{name}-{streams}-{time.monotonic_ns()}.txt"
             profilers.append((name, out, subprocess.Popen(
                 [py_spy(), "record", "--pid", str(pid), "--rate", str(profile_rate),
-                 "--format", "raw", "--threads", "--nonblocking", "--output", str(out)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+                 "--format", "raw", "--threads", "--nonblocking", "--full-filenames", "--output", str(out)],
+                stdout=subprocess.DEVNULL, stderr=(work_dir / f"{out.stem}.log").open("wb"))))
         time.sleep(1.0)  # py-spy attaches
     before = {name: snapshot(pid) for name, pid in processes.items()}
     window.wall_s = at_once(client, streams)
     window.cpu_s = {name: cpu_by_thread_name(before[name], snapshot(pid)) for name, pid in processes.items()}
     window.tokens = sum(results)
     window.decode_rate = sum(decode_rates)
+    if not window.tokens:
+        raise RuntimeError(f"{server.name}: no tokens came back from {streams} stream(s); see the logs")
     window.main_names = {name: Path(f"/proc/{pid}/comm").read_text().strip() for name, pid in processes.items()}
     for name, out, profiler in profilers:
         profiler.send_signal(signal.SIGINT)
         profiler.wait(timeout=60)
+        if not out.exists():
+            print(f"  py-spy wrote nothing for {name} (pid {processes[name]}): see {work_dir / (out.stem + '.log')}")
         window.samples[name] = parse_raw(out) if out.exists() else Counter()
     return window
 
@@ -237,7 +241,7 @@ def report(stack: str, streams: int, rounds: list[tuple[tuple[float, float], Win
     for over_grpc, window in rounds:
         print(f"  HTTP {window.decode_rate:6.1f} ({window.tokens} tokens in {window.wall_s:.1f} s with the prefills: "
               f"{window.tokens_per_s:.1f}/s); gRPC {over_grpc[0]:6.1f}, the step loop's own {over_grpc[1]:6.1f}; "
-              f"HTTP / step loop {window.decode_rate / over_grpc[1]:.2f}x")
+              f"HTTP / step loop {window.decode_rate / max(over_grpc[1], 1e-9):.2f}x")
     print(f"  under py-spy: HTTP {profiled.decode_rate:.1f}")
     plain = rounds[-1][1]
     per_token = 1000 / plain.tokens
@@ -251,10 +255,11 @@ def report(stack: str, streams: int, rounds: list[tuple[tuple[float, float], Win
         total = sum(samples.values())
         if not total:
             continue
-        print(f"  {name}: its '{profiled.main_names[name]}' threads' CPU ({python_s * 1000 / profiled.tokens:.2f} ms a token "
-              "under py-spy, MKL's OpenMP workers included) split by py-spy's samples of its Python threads:")
+        per = 1000 / profiled.tokens
+        print(f"  {name}: its '{profiled.main_names[name]}' threads' CPU ({python_s * per:.2f} ms a token under "
+              "py-spy, MKL's OpenMP workers included) split by py-spy's samples of its Python threads:")
         for component, count in samples.most_common():
-            print(f"    {component:34s} {count / total:6.1%}  {count / total * python_s * 1000 / profiled.tokens:6.2f} ms")
+            print(f"    {component:34s} {count / total:6.1%}  {count / total * python_s * per:6.2f} ms")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,9 +22,8 @@ from inference_service.reuse.hot_tier import hot_tier_for
 from inference_service.reuse.writeback import WriteBack
 from inference_service.errors import InvalidRequest
 from inference_service.kv import codec
-from kvboost_keys.namespace import (
-    NamespaceSpec, canonical_config_json, dtype_name, namespace_digest, tokenizer_identity,
-)
+from kvboost_keys.namespace import (NamespaceSpec, canonical_config_json, dtype_name, namespace_digest,
+                                   tokenizer_identity)
 from inference_service.kv.repair import MASKABLE_ATTENTION, RepairOptions
 from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_parameters
 from inference_service.model.attention import use_engine_attention
@@ -132,6 +131,8 @@ class Engine:
         """
         parts = salted(self.parts, cache_salt)
         prompt = plan_warm(parts, text, messages, content_addressed)
+        if not prompt.num_tokens:  # a text of no tokens: nothing to compute or store
+            return on_done(WarmOutcome(0, 0, parts.config.chunk_size, True, 0, ""), None)
         params = GenerationParams(prompt=text or "(messages)", max_new_tokens=1, request_id="warm")
         self.core.submit([Sequence(params, None, should_stop, on_done, parts, "prefix_cache", prompt, 0,
                                    warm=WarmSpec(content_addressed, pin), label=" warm")])
@@ -145,7 +146,7 @@ class Engine:
         """
         prompt = plan_warm(salted(self.parts, cache_salt), text, messages, content_addressed)
         keys = list(prompt.prefix_keys) + ([prompt.tail_key] if prompt.tail_key is not None else [])
-        return self.parts.store.unpin(keys), prompt.num_tokens
+        return (self.parts.store.unpin(keys) if keys else 0), prompt.num_tokens
 
     def start(self) -> None:
         self.core.start()

@@ -131,7 +131,8 @@ def wide_support(device: torch.device) -> str:
 
 @dataclass(slots=True, frozen=True)
 class Linear:
-    """y = x W^T + b, through F.linear (what nn.Linear runs) or a oneDNN linear over weights packed once."""
+    """y = x W^T + b, through F.linear (what nn.Linear runs), a oneDNN linear over weights packed once, or, for
+    several rows, a product with a transposed copy of W (wide)."""
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None
@@ -160,9 +161,11 @@ class Linear:
         return cls(weight, bias, packed, (weight[:cut], weight[cut:]), bias_halves)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.transposed is not None and x.shape[0] > 1:
-            product = torch.matmul(x, self.transposed)
-            return product if self.bias is None else product + self.bias
+        if self.transposed is not None and x.shape[0] > 1:  # x: [rows, 1, in]
+            flat = x.reshape(-1, x.shape[-1])
+            product = (torch.mm(flat, self.transposed) if self.bias is None
+                       else torch.addmm(self.bias, flat, self.transposed))
+            return product.view(*x.shape[:-1], -1)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

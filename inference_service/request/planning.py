@@ -113,10 +113,14 @@ def plan_segments(parts: EngineParts, segments: list[list[int]]) -> PromptPlan:
 def plan_warm(parts: EngineParts, text: str | None, messages, content_addressed: bool) -> PromptPlan:
     """Chunks and keys of a warm-up (and of the Unpin that undoes its pins): a chat prefix without the
     generation prompt, a document chunked as a segment (content-addressed: every chunk also keyed by its
-    content), or raw text keyed by prefix only. Raises InvalidRequest (neither text nor messages) or PromptTooLong."""
+    content), or raw text keyed by prefix only; no chunks for a text of no tokens (only characters the tokenizer
+    drops, "\x04" say: nothing to store). Raises InvalidRequest (neither text nor messages) or PromptTooLong."""
     if not text and not messages:
         raise InvalidRequest("Warm needs text or messages")
-    prompt = plan_segments(parts, tokenize_warm(parts.tokenizer, text, messages, content_addressed))
+    segments = tokenize_warm(parts.tokenizer, text, messages, content_addressed)
+    if not any(segments):
+        return plan_prompt(parts.namespace, [], parts.config.chunk_size)
+    prompt = plan_segments(parts, segments)
     if content_addressed:
         return prompt
     return dataclasses.replace(prompt, content_keys=(None,) * len(prompt.prefix_keys))

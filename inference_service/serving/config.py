@@ -38,7 +38,7 @@ class ServiceConfig:
     device: str = "auto"  # auto: cuda when present, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     threads: int = 0  # torch intra-op threads; 0: torch's default (the machine's cores)
-    decode_step: str = DEFAULT_DECODE_STEP  # the batched decode step: split, lean (exact), wide/onednn (faster, opt-in), transformers
+    decode_step: str = DEFAULT_DECODE_STEP  # split, lean (exact), wide/onednn (faster, opt-in), transformers
     mkl_dispatch: str = "auto"  # MKL's kernels by instruction set (features) or by CPU vendor; set before torch loads
     chunk_size: int = 128
     kv_cache_bits: int = 16

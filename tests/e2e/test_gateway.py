@@ -8,6 +8,7 @@ import json
 import re
 import socket
 import threading
+import time
 import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -152,10 +153,15 @@ def test_second_call_of_a_shared_prefix_shows_cached_tokens(stack):
     # hits them to the last shared token (one token a character): the whole system message, not only its whole
     # chunks. A question asked while only the leading chunks have landed sees fewer; the next try sees the rest.
     # Each try asks a new question: a repeated one would find the previous try's own partial last chunk.
-    tries = itertools.count()
-    second = wait_for(lambda: (reply := ask(f"And the last one? (try {next(tries)})")).usage.prompt_tokens_details
-                      .cached_tokens >= len(system["content"]) and reply, "the shared prefix to be cached",
-                      timeout_s=WAIT_S)
+    deadline, seen = time.monotonic() + WAIT_S, []
+    for attempt in itertools.count():
+        second = ask(f"And the last one? (try {attempt})")
+        seen.append(second.usage.prompt_tokens_details.cached_tokens)
+        if seen[-1] >= len(system["content"]):
+            break
+        assert time.monotonic() < deadline, f"the system message ({len(system['content'])} tokens) was never " \
+                                            f"cached whole; cached tokens per try: {seen}"
+        time.sleep(0.05)
     assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
 
 

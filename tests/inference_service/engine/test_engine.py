@@ -305,6 +305,31 @@ def test_warm_without_text_is_invalid(tiny_llama):
         make_engine(tiny_llama).warm("")
 
 
+class DropsControlCharacters:
+    """SmolLM2's tokenizer gives no token for "\x04" and five other control characters; the tiny one gives one."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def __call__(self, text, **kwargs):
+        return self._tokenizer(text.replace("\x04", ""), **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_a_warm_of_a_text_without_tokens_stores_nothing_and_says_so(tiny_llama):
+    """Found by the schema fuzzer: such a text is a valid Warm; there is nothing to compute or store, not a 400."""
+    cache = InMemoryStore()
+    engine = make_engine(tiny_llama, cache=cache)
+    engine.parts = dataclasses.replace(engine.parts, tokenizer=DropsControlCharacters(engine.tokenizer))
+    warmed = engine.warm("\x04\x04", pin=True)
+    assert (warmed.chunks_stored, warmed.token_count, warmed.partial_tail_tokens) == (0, 0, 0) and not cache._entries
+    assert engine.warm("\x04", content_addressed=True).chunks_stored == 0
+    assert engine.unpin("\x04") == (0, 0)
+    assert engine.warm(text_of_length(16)).chunks_stored == 2  # and the engine carries on
+
+
 # -- streaming, stopping, sampling ---------------------------------------------------------------------
 
 

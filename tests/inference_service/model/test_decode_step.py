@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from inference_service.model import step_choice
 from inference_service.model.attention import use_engine_attention
@@ -149,8 +150,9 @@ def test_models_the_lean_step_does_not_repeat_run_the_models_forward_and_say_why
     assert choose_decode_step(tiny("llama"), "transformers") == step_choice.StepChoice(None, "transformers", "")
 
 
-def test_the_wide_step_is_the_models_forward_for_one_row_and_close_for_many():
-    model = tiny("llama")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_the_wide_step_is_the_models_forward_for_one_row_and_close_for_many(kind):
+    model = tiny(kind)
     choice = choose_decode_step(model, "wide")
     assert choice.name == "wide" and choice.step.wide and not choice.step.packed
     one = {2: (7, len(PROMPTS[2]))}
@@ -164,6 +166,20 @@ def test_the_wide_step_is_the_models_forward_for_one_row_and_close_for_many():
     layer = choice.step.layers[0]
     assert torch.equal(layer.gate.transposed, layer.gate.weight.t())  # a copy of the same weight, transposed
     assert layer.gate.transposed.is_contiguous()
+
+
+def test_a_wide_linear_runs_one_row_through_f_linear_and_several_through_the_transposed_copy():
+    module = torch.nn.Linear(64, 48, bias=True)
+    wide = Linear.of(module, wide=True)
+    rows = torch.randn(5, 1, 64)
+    weight, bias = module.weight.detach(), module.bias.detach()
+    with torch.inference_mode():
+        assert torch.equal(wide(rows[:1]), F.linear(rows[:1], weight, bias))
+        several = wide(rows)
+        assert several.shape == (5, 1, 48)
+        assert torch.equal(several, torch.addmm(bias, rows.reshape(5, 64), weight.t().contiguous()).view(5, 1, 48))
+        without_bias = Linear.of(torch.nn.Linear(64, 48, bias=False), wide=True)
+        assert torch.equal(without_bias(rows), (rows.reshape(5, 64) @ without_bias.transposed).view(5, 1, 48))
 
 
 def test_the_onednn_step_rounds_close_to_the_models_forward():

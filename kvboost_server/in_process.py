@@ -4,11 +4,17 @@ deadlines, and no channel, HTTP/2 framing or second process in between."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from typing import Any, AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout_at
+else:  # the stdlib's asyncio.timeout_at, backported by aio-libs
+    from async_timeout import timeout_at
 
 from http_gateway.upstream import SERVICE_NAME, status_of
 from kvboost.v1 import inference_pb2 as pb
@@ -36,34 +42,41 @@ class Context:
 
 class InProcessCall:
     """A streamed Generate: read() gives the next event or grpc.aio.EOF; cancel() stops the request at the engine's
-    next step, as a cancelled gRPC call does."""
+    next step, as a cancelled gRPC call does.
+
+    Each read awaits the servicer's generator in the reader's own task, under a timeout that cancels only that
+    await. (Not asyncio.wait_for: before Python 3.12 it runs the read in a task of its own and, when the reader is
+    cancelled just as that task finishes, returns the event and drops the cancellation. A client that left then
+    went unnoticed and its request ran to its last token.) A reader that is cancelled cancels the servicer's
+    generator with it, whose `finally` cancels the job."""
 
     def __init__(self, events: AsyncIterator[pb.GenerateEvent], timeout_s: float | None) -> None:
         self._events = events
-        self._timeout_s = timeout_s
-        self._started = time.monotonic()
+        self._deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         self._done = False
 
     async def read(self):
         if self._done:
             return grpc.aio.EOF
-        remaining = None if self._timeout_s is None else self._timeout_s - (time.monotonic() - self._started)
         try:
-            if remaining is not None and remaining <= 0:
-                raise asyncio.TimeoutError
-            return await asyncio.wait_for(self._events.__anext__(), remaining)
+            async with timeout_at(self._deadline):
+                return await self._events.__anext__()
         except StopAsyncIteration:
             self._done = True
             return grpc.aio.EOF
-        except asyncio.TimeoutError:
-            self.cancel()
+        except asyncio.TimeoutError:  # the generator saw the cancellation: its job is cancelled
+            self._done = True
             raise InProcessError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except BaseException:
+            self._done = True  # cancelled, or the servicer aborted: the generator is finished either way
+            raise
 
     def cancel(self) -> bool:
         if self._done:
             return False
         self._done = True
-        asyncio.ensure_future(self._events.aclose())  # runs the servicer's finally: the job is cancelled
+        # Between reads the generator is suspended at a yield: closing it runs the servicer's finally.
+        asyncio.ensure_future(self._events.aclose())
         return True
 
 
@@ -82,7 +95,8 @@ class InProcessUpstream:
     async def _unary(self, method, request):
         context = Context(self.timeout_s)
         try:
-            return await asyncio.wait_for(method(request, context), self.timeout_s)
+            async with timeout_at(asyncio.get_running_loop().time() + self.timeout_s):
+                return await method(request, context)
         except asyncio.TimeoutError:
             raise InProcessError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
 

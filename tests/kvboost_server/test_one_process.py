@@ -79,10 +79,6 @@ def test_bad_input_gets_the_gateways_statuses(one_process):
     assert back.status_code == 200 and back.json()["prompt"] == "ferry"
 
 
-@pytest.mark.skip(reason="known bug, not fixed yet: in one process a stream whose client left is sometimes not "
-                         "cancelled (1 in 3-8 tries here: the event loop sits idle in select while the step loop "
-                         "decodes the request to its end; py-spy dump in docs/testing.md); the three-process "
-                         "gateway's disconnect tests (tests/e2e/test_gateway.py) cover the contract meanwhile")
 def test_a_client_that_leaves_stops_its_request(one_process):
     server, _, model_dir, _, _ = one_process
     request_id = uuid.uuid4().hex

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -40,8 +41,10 @@ RSS_FIELDS = {"VmRSS": "all", "RssAnon": "anonymous", "RssFile": "mapped LMDB fi
 
 def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str, max_queue: int,
                    work_dir: Path, baseline_tree: Path | None = None,
-                   decode_steps: tuple[str, ...] = ()) -> tuple[dict[str, str], str, int]:
-    """The daemon and one service per configuration; ({label: address}, daemon address, daemon pid)."""
+                   decode_steps: tuple[str, ...] = ()) -> tuple[dict[str, str], str, int, dict[str, str]]:
+    """The daemon and one service per configuration; ({label: address}, daemon address, daemon pid, {label: the
+    decode step the service runs, from its log}): a step that cannot run here falls back (split and wide to
+    lean), and a row must not be credited to a step that did not run."""
     from tests.conftest import pick_free_port
     from tests.e2e.daemon_process import start_daemon
     from tests.e2e.service_process import start_service
@@ -56,14 +59,23 @@ def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str
         configs[f"batched-{step}"] = (("--decode-step", step), None)
     if baseline_tree is not None:
         configs = {BEFORE: ((), baseline_tree), **configs}
-    addresses = {}
+    addresses, steps_run = {}, {}
     for label, (flags, tree) in configs.items():
         service = start_service(model, daemon.address, pick_free_port(), work_dir / f"service-{label}.log",
                                 "--chunk-size", str(chunk_size), "--max-queue", str(max_queue), *flags,
                                 timeout_s=300, tree=tree)
         stack.callback(lambda service=service: service.process.poll() is None and service.terminate())
         addresses[label] = service.address
-    return addresses, daemon.address, daemon.process.pid
+        steps_run[label] = step_run(service.log())
+    return addresses, daemon.address, daemon.process.pid, steps_run
+
+
+def step_run(log: str) -> str:
+    """The decode step a service's start-up log says it runs (step_choice logs the last choice it made)."""
+    if "each step runs transformers' forward" in log:
+        return "transformers"
+    found = re.findall(r"decode step: (\w+)", log)
+    return found[-1] if found else "unknown"
 
 
 def warm_system_prompt(address: str) -> None:
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, failed = [], False
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-concurrency-")))
-        addresses, daemon_address, daemon_pid = start_services(
+        addresses, daemon_address, daemon_pid, steps_run = start_services(
             stack, args.model, args.chunk_size, args.max_bytes, args.max_queue, work_dir, args.baseline_tree,
             tuple(args.decode_steps))
         if not args.no_warm:  # as a deployment would: the shared system prompt, its partial last chunk included
@@ -144,13 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         rss_start = {field: rss_bytes(daemon_pid, field) for field in RSS_FIELDS}
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, {args.duration:.0f} s per row, "
               f"max_new_tokens {args.max_new_tokens}, {args.threads} torch thread(s) per service, system prompt "
-              f"{'not ' if args.no_warm else ''}warmed", flush=True)
+              f"{'not ' if args.no_warm else ''}warmed; decode step run by each service {steps_run}", flush=True)
         for clients in args.levels:
             for scheduler in addresses:
                 report = run_load(addresses[scheduler], clients, args.duration, args.max_new_tokens,
                                   daemon_address, daemon_pid)
                 print(format_row(scheduler, report), flush=True)
-                rows.append({"scheduler": scheduler, **asdict(report)})
+                rows.append({"scheduler": scheduler, "decode_step_run": steps_run[scheduler], **asdict(report)})
                 failed |= report.errors > 0 or report.budget_exceeded
         rss_end = {field: rss_bytes(daemon_pid, field) for field in RSS_FIELDS}
     for clients in args.levels:
@@ -160,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             line += (f"; batched / before: output tok/s {ratio(row, BEFORE):.2f}x, TTFT p50 "
                      f"{row['batched']['ttft_ms_p50']:.1f} vs {row[BEFORE]['ttft_ms_p50']:.1f} ms")
         for step in args.decode_steps:
-            line += f"; batched-{step} / one-at-a-time {ratio(row, 'one-at-a-time', batched=f'batched-{step}'):.2f}x"
+            ran = steps_run[f"batched-{step}"]
+            label = f"batched-{step}" + ("" if ran == step else f" (ran {ran})")
+            line += f"; {label} / one-at-a-time {ratio(row, 'one-at-a-time', batched=f'batched-{step}'):.2f}x"
         print(line)
     mib = (lambda value: "n/a" if value is None else f"{value / (1 << 20):.1f} MiB")
     print("daemon RSS " + ", ".join(f"{RSS_FIELDS[field]} {mib(rss_start[field])} -> {mib(rss_end[field])}"

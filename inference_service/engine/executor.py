@@ -20,6 +20,7 @@ from inference_service.request.types import TokenEvent
 from inference_service.reuse.assembler import AssembledContext
 from inference_service.errors import EngineError, EngineFatal
 from inference_service.model.detokenizer import IncrementalDetokenizer
+from inference_service.model.batch_forward import BatchWorkspace
 from inference_service.model.forward import decode_step
 from inference_service.model.kv_buffers import build_cache
 from inference_service.model.graph_step import capture_graphs
@@ -43,6 +44,7 @@ class Executor:
         self.model, self.owner, self.scheduler = model, owner, scheduler
         self.batched = batched  # False: rows decode one at a time, each in its own cache (sliding-window models)
         self.pad_token_id = pad_token_id
+        self.workspace = BatchWorkspace.for_device(model.device)  # batched prefills' buffers, kept on a CPU
         choice = choose_decode_step(model, decode_step)  # says why when the model cannot take it
         owner.buffers.step = choice.step if batched else None
         owner.buffers.graphs = capture_graphs(model, owner.buffers.step, owner.buffers)  # None on a CPU
@@ -98,7 +100,8 @@ class Executor:
         if not seqs:
             return
         try:  # one forward for all of them: its failure is each one's
-            prefill.run_together(seqs, [self.owner.views(seq.state.slots[0]) for seq in seqs], self.pad_token_id)
+            prefill.run_together(seqs, [self.owner.views(seq.state.slots[0]) for seq in seqs], self.pad_token_id,
+                                 self.workspace)
         except Exception as error:
             for seq in seqs:
                 self._fail(seq, error)

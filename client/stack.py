@@ -1,8 +1,14 @@
 """`python -m client.stack up|down|status`: the cache daemon, inference service and HTTP gateway as background processes.
 
+By default the inference service and the HTTP gateway run in one process (`python -m kvboost_server`: the gateway
+calls the servicer in process, and the service still serves its gRPC contract on --address), beside the cache
+daemon: measured on 2 cores it streams more tokens/s at 8 and 16 clients with a lower TTFT than the gateway as a
+process of its own (docs/benchmarks.md). `--separate-gateway` runs the gateway as its own process over gRPC (three
+processes), `--no-gateway` the daemon and the service only.
+
 Pid files, logs and the LMDB data live under the run folder (default `.run/`); `up` waits on each
-server's gRPC health service (the gateway's HTTP /health), `down` stops the gateway, the service, then
-the daemon (SIGTERM, then SIGKILL).
+server's gRPC health service (and HTTP /health where it serves HTTP), `down` stops them in reverse order
+(SIGTERM, then SIGKILL).
 """
 from __future__ import annotations
 
@@ -38,12 +44,16 @@ class Component:
     address: str
     arguments: tuple[str, ...]
     http_health: bool = False  # health is GET http://<address>/health (200 = serving), not gRPC health
+    http_address: str = ""  # a gRPC server that also serves HTTP here: both must be serving
 
     def health(self, timeout: float = 2.0) -> str:
         """SERVING, another health status, or UNREACHABLE."""
         if self.http_health:
             return http_health_status(f"http://{self.address}/health", timeout)
-        return check_health(self.address, timeout=timeout)
+        status = check_health(self.address, timeout=timeout)
+        if status == "SERVING" and self.http_address:
+            return http_health_status(f"http://{self.http_address}/health", timeout)
+        return status
 
     def pid_file(self, run_dir: Path) -> Path:
         return run_dir / f"{self.name}.pid"
@@ -56,7 +66,8 @@ class Component:
 
 
 def build_components(args: argparse.Namespace) -> list[Component]:
-    """Daemon first, service second: the order of `up`; `down` goes in reverse."""
+    """Daemon first, then the service and the gateway (one process, or two with --separate-gateway): the order of
+    `up`; `down` goes in reverse."""
     run_dir = Path(args.run_dir).resolve()
     daemon_arguments = ["--data-dir", str(run_dir / "lmdb"), "--listen", args.daemon_address]
     if args.max_bytes is not None:
@@ -64,12 +75,15 @@ def build_components(args: argparse.Namespace) -> list[Component]:
     service_arguments = ["--listen", args.address, "--cache-addr", args.daemon_address]
     if args.model:
         service_arguments += ["--model", args.model]
-    components = [
-        Component("daemon", "cache daemon", "cache_daemon", args.daemon_address,
-                  tuple(daemon_arguments + args.daemon_arg)),
-        Component("service", "inference service", "inference_service", args.address,
-                  tuple(service_arguments + args.service_arg)),
-    ]
+    components = [Component("daemon", "cache daemon", "cache_daemon", args.daemon_address,
+                            tuple(daemon_arguments + args.daemon_arg))]
+    if args.gateway and not args.separate_gateway:
+        arguments = service_arguments + args.service_arg + ["--gateway", "--listen", args.gateway_address]
+        components.append(Component("server", "inference service and HTTP gateway", "kvboost_server", args.address,
+                                    tuple(arguments + args.gateway_arg), http_address=args.gateway_address))
+        return components
+    components.append(Component("service", "inference service", "inference_service", args.address,
+                                tuple(service_arguments + args.service_arg)))
     if args.gateway:
         gateway_arguments = ["--listen", args.gateway_address, "--service-addr", args.address]
         components.append(Component("gateway", "HTTP gateway", "http_gateway", args.gateway_address,
@@ -148,10 +162,14 @@ def start(component: Component, run_dir: Path, timeout_s: float) -> int:
     def is_alive() -> bool:
         return process.poll() is None
 
+    give_up_at = time.monotonic() + timeout_s
     if component.http_health:
         status = wait_until_http_serving(f"http://{component.address}/health", timeout_s, is_alive)
     else:
         status = wait_until_serving(component.address, timeout_s, is_alive=is_alive)
+        if status == "SERVING" and component.http_address:  # its HTTP listener opens once the model is loaded
+            status = wait_until_http_serving(f"http://{component.http_address}/health",
+                                             max(1.0, give_up_at - time.monotonic()), is_alive)
     if status == "SERVING":
         return process.pid
     reason = (f"exited with status {process.returncode}" if process.poll() is not None
@@ -233,7 +251,8 @@ def command_up(args: argparse.Namespace) -> int:
         print(f"{component.title} serving (pid {pid}, {component.address})")
     _write_state(run_dir, args)
     gateway = f", OpenAI-compatible HTTP gateway http://{args.gateway_address}/v1" if args.gateway else ""
-    print(f"stack up: inference service {args.address}, cache daemon {args.daemon_address}{gateway}; "
+    together = " (one process)" if args.gateway and not args.separate_gateway else ""
+    print(f"stack up: inference service {args.address}{gateway}{together}, cache daemon {args.daemon_address}; "
           f"stop it with `make down` or `python -m client.stack down`")
     return EXIT_OK
 
@@ -249,11 +268,13 @@ def command_down(args: argparse.Namespace) -> int:
 def command_status(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
     all_serving = True
-    for component in build_components(_with_state(args, run_dir)):
+    components = build_components(_with_state(args, run_dir))
+    width = max(len(component.title) for component in components)
+    for component in components:
         pid = running_pid(component, run_dir)
         health = component.health() if pid is not None else "-"
         all_serving &= health == "SERVING"
-        print(f"{component.title:<18} {'pid ' + str(pid) if pid else 'not running':<12} "
+        print(f"{component.title:<{width}} {'pid ' + str(pid) if pid else 'not running':<12} "
               f"{component.address:<22} {health}")
     return EXIT_OK if all_serving else EXIT_FAILED
 
@@ -261,7 +282,8 @@ def command_status(args: argparse.Namespace) -> int:
 def _write_state(run_dir: Path, args: argparse.Namespace) -> None:
     # `down` and `status` read the addresses `up` used, whatever flags they are given themselves.
     state = {"address": args.address, "daemon_address": args.daemon_address,
-             "gateway_address": args.gateway_address, "gateway": args.gateway}
+             "gateway_address": args.gateway_address, "gateway": args.gateway,
+             "separate_gateway": args.separate_gateway}
     (run_dir / "stack.json").write_text(json.dumps(state) + "\n")
 
 
@@ -270,6 +292,7 @@ def _with_state(args: argparse.Namespace, run_dir: Path) -> argparse.Namespace:
         state = json.loads((run_dir / "stack.json").read_text())
     except (OSError, ValueError):
         return args
+    state.setdefault("separate_gateway", True)  # written before the one-process default: three processes
     return argparse.Namespace(**{**vars(args), **state})
 
 
@@ -286,12 +309,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HTTP gateway listen address (env KVBOOST_GATEWAY_LISTEN, default %(default)s)")
     parser.add_argument("--no-gateway", dest="gateway", action="store_false",
                         help="start the daemon and the service only, without the HTTP gateway")
+    parser.add_argument("--separate-gateway", action="store_true",
+                        help="run the HTTP gateway as its own process, calling the service over gRPC (three processes); "
+                             "by default the gateway and the service share one process (python -m kvboost_server)")
     parser.add_argument("--model", help="model name or path (default: the service's, env KVBOOST_MODEL)")
     parser.add_argument("--max-bytes",
                         help="daemon byte budget, e.g. 512M or 8G (default: the daemon's, env KVBOOST_MAX_BYTES)")
     parser.add_argument("--daemon-arg", action="append", default=[], help="extra daemon flag (repeatable)")
     parser.add_argument("--service-arg", action="append", default=[], help="extra service flag (repeatable)")
-    parser.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag (repeatable)")
+    parser.add_argument("--gateway-arg", action="append", default=[],
+                        help="extra gateway flag (repeatable; in one process its --service-addr, --token and --tls "
+                             "do not apply)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds to wait for each server to be SERVING (default %(default)s)")
     parser.add_argument("--grace", type=float, default=15.0,

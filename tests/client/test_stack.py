@@ -43,32 +43,46 @@ def argparse_for(run_dir: Path, grace: float = 5.0):
 
 
 def test_components_carry_the_real_flags(tmp_path) -> None:
-    args = parse(tmp_path, "--address", "127.0.0.1:7001", "--daemon-address", "127.0.0.1:7002", "--model", "m",
-                 "--max-bytes", "1000", "--service-arg=--chunk-size=64", "--daemon-arg=--metrics-port=0",
-                 "--gateway-address", "127.0.0.1:7003", "--gateway-arg=--timeout=30")
-    daemon, service, gateway = stack.build_components(args)
+    flags = ("--address", "127.0.0.1:7001", "--daemon-address", "127.0.0.1:7002", "--model", "m", "--max-bytes", "1000",
+             "--service-arg=--chunk-size=64", "--daemon-arg=--metrics-port=0", "--gateway-address", "127.0.0.1:7003",
+             "--gateway-arg=--timeout=30")
+    daemon, server = stack.build_components(parse(tmp_path, *flags))  # the default: service and gateway together
     assert daemon.command()[1:] == ["-m", "cache_daemon", "--data-dir", str(tmp_path.resolve() / "lmdb"),
                                     "--listen", "127.0.0.1:7002", "--max-bytes", "1000", "--metrics-port=0"]
+    assert server.command()[1:] == ["-m", "kvboost_server", "--listen", "127.0.0.1:7001", "--cache-addr",
+                                    "127.0.0.1:7002", "--model", "m", "--chunk-size=64", "--gateway", "--listen",
+                                    "127.0.0.1:7003", "--timeout=30"]
+    assert (server.address, server.http_address, server.http_health) == ("127.0.0.1:7001", "127.0.0.1:7003", False)
+
+    daemon, service, gateway = stack.build_components(parse(tmp_path, *flags, "--separate-gateway"))
     assert service.command()[1:] == ["-m", "inference_service", "--listen", "127.0.0.1:7001",
                                      "--cache-addr", "127.0.0.1:7002", "--model", "m", "--chunk-size=64"]
     assert gateway.command()[1:] == ["-m", "http_gateway", "--listen", "127.0.0.1:7003", "--service-addr",
                                      "127.0.0.1:7001", "--timeout=30"]
-    assert gateway.http_health and not service.http_health
+    assert gateway.http_health and not service.http_health and not service.http_address
 
 
 def test_no_gateway_leaves_it_out(tmp_path) -> None:
-    assert [component.name for component in stack.build_components(parse(tmp_path, "--no-gateway"))] == [
-        "daemon", "service"]
+    for extra in ((), ("--separate-gateway",)):
+        assert [component.name for component in stack.build_components(parse(tmp_path, "--no-gateway", *extra))] == [
+            "daemon", "service"]
 
 
 def test_defaults_leave_model_and_budget_to_the_servers(tmp_path, monkeypatch) -> None:
     for name in ("KVBOOST_ADDRESS", "KVBOOST_DAEMON_ADDRESS", "KVBOOST_RUN_DIR", "KVBOOST_GATEWAY_LISTEN"):
         monkeypatch.delenv(name, raising=False)
     args = stack.build_parser().parse_args(["up"])
-    daemon, service, gateway = stack.build_components(args)
-    assert (args.run_dir, daemon.address, service.address, gateway.address) == (
+    daemon, server = stack.build_components(args)
+    assert (args.run_dir, daemon.address, server.address, server.http_address) == (
         ".run", "127.0.0.1:50052", "127.0.0.1:50051", "127.0.0.1:8000")
-    assert "--max-bytes" not in daemon.arguments and "--model" not in service.arguments
+    assert "--max-bytes" not in daemon.arguments and "--model" not in server.arguments
+
+
+def test_a_stack_started_before_the_one_process_default_is_stopped_as_three(tmp_path) -> None:
+    tmp_path.joinpath("stack.json").write_text('{"address": "127.0.0.1:7001", "daemon_address": "127.0.0.1:7002", '
+                                               '"gateway_address": "127.0.0.1:7003", "gateway": true}')
+    args = stack._with_state(stack.build_parser().parse_args(["down", "--run-dir", str(tmp_path)]), tmp_path)
+    assert [component.name for component in stack.build_components(args)] == ["daemon", "service", "gateway"]
 
 
 def test_up_is_idempotent_status_reports_down_stops(fake_stack, capsys) -> None:

@@ -57,11 +57,12 @@ def stack_command(paths: StackPaths, action: str, *extra: str) -> subprocess.Com
 
 
 @contextmanager
-def running_stack(run_dir: Path, model_dir: Path):
-    """Starts the stack on free loopback ports; yields its StackPaths; always stops it."""
+def running_stack(run_dir: Path, model_dir: Path, *extra: str):
+    """Starts the stack on free loopback ports (extra: more `client.stack up` flags); yields its StackPaths; always
+    stops it."""
     paths = StackPaths(run_dir, *(f"127.0.0.1:{pick_free_port()}" for _ in range(3)))
     try:
-        started = stack_command(paths, "up", "--model", str(model_dir), "--timeout", str(STACK_TIMEOUT_S))
+        started = stack_command(paths, "up", "--model", str(model_dir), "--timeout", str(STACK_TIMEOUT_S), *extra)
         assert started.returncode == 0, f"stack up failed:\n{started.stdout}\n{started.stderr}"
         yield paths
     finally:

@@ -1,9 +1,11 @@
-"""`make up`-like: client.stack starts the real daemon and service (tiny model), clients use them, down stops them."""
+"""`make up`-like: client.stack starts the real daemon, and the service with the HTTP gateway in one process (or, with
+--separate-gateway, as two), tiny model; clients of both use them, down stops them."""
 from __future__ import annotations
 
 import json
 import time
 
+import httpx
 import pytest
 
 from client import CacheClient, KVBoostClient, cli
@@ -24,13 +26,15 @@ def tiny_model_dir(tmp_path_factory):
 def test_up_serves_clients_is_idempotent_and_down_stops_everything(tmp_path, tiny_model_dir, capsys) -> None:
     run_dir = tmp_path / "run"
     with running_stack(run_dir, tiny_model_dir) as paths:
-        assert {path.name for path in run_dir.iterdir()} >= {"daemon.pid", "service.pid", "gateway.pid", "daemon.log",
-                                                               "service.log", "gateway.log", "lmdb", "stack.json"}
+        assert {path.name for path in run_dir.iterdir()} >= {"daemon.pid", "server.pid", "daemon.log", "server.log",
+                                                               "lmdb", "stack.json"}
         again = stack_command(paths, "up", "--model", str(tiny_model_dir))
         assert again.returncode == 0
-        assert "cache daemon already running" in again.stdout and "inference service already running" in again.stdout
-        assert "HTTP gateway already running" in again.stdout
+        assert "cache daemon already running" in again.stdout
+        assert "inference service and HTTP gateway already running" in again.stdout
         assert stack_command(paths, "status").returncode == 0
+        models = httpx.get(f"http://{paths.gateway_address}/v1/models", timeout=30)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == str(tiny_model_dir)
 
         with KVBoostClient(paths.address, timeout=120) as client:
             warmed = client.warm(SHARED_TEXT)
@@ -53,8 +57,8 @@ def test_up_serves_clients_is_idempotent_and_down_stops_everything(tmp_path, tin
 
         stopped = stack_command(paths, "down")
         assert stopped.returncode == 0
-        assert stopped.stdout == "HTTP gateway: stopped\ninference service: stopped\ncache daemon: stopped\n"
-        assert not (run_dir / "daemon.pid").exists() and not (run_dir / "service.pid").exists()
+        assert stopped.stdout == "inference service and HTTP gateway: stopped\ncache daemon: stopped\n"
+        assert not (run_dir / "daemon.pid").exists() and not (run_dir / "server.pid").exists()
         assert check_health(paths.address, timeout=0.5) == "UNREACHABLE"
         assert check_health(paths.daemon_address, timeout=0.5) == "UNREACHABLE"
         assert stack_command(paths, "status").returncode == 1
@@ -64,3 +68,18 @@ def test_up_serves_clients_is_idempotent_and_down_stops_everything(tmp_path, tin
         assert restarted.returncode == 0, restarted.stderr
         with CacheClient(paths.daemon_address) as cache:
             assert cache.stats().entries == entries
+
+
+def test_separate_gateway_runs_three_processes(tmp_path, tiny_model_dir) -> None:
+    run_dir = tmp_path / "run"
+    with running_stack(run_dir, tiny_model_dir, "--separate-gateway") as paths:
+        assert {path.name for path in run_dir.iterdir()} >= {"daemon.pid", "service.pid", "gateway.pid"}
+        assert not (run_dir / "server.pid").exists()
+        assert stack_command(paths, "status").returncode == 0
+        with KVBoostClient(paths.address, timeout=120) as client:
+            assert client.generate("hello", max_new_tokens=2).result.generated_tokens == 2
+        reply = httpx.post(f"http://{paths.gateway_address}/v1/completions", timeout=60,
+                           json={"model": str(tiny_model_dir), "prompt": "hello", "max_tokens": 2})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+        stopped = stack_command(paths, "down")  # without the flag: stack.json says how it was started
+        assert stopped.stdout == "HTTP gateway: stopped\ninference service: stopped\ncache daemon: stopped\n"

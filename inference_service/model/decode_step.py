@@ -6,6 +6,9 @@ projection, RMSNorm and the gated MLP. LeanStep calls those ops in that order on
 its logits are bitwise the model's own (step_choice checks it at start-up on a probe); what it leaves out is the
 per-call machinery around them (output dataclasses, Cache objects, mask preprocessing, kwargs merging, hooks).
 
+On a CPU the plain lean step runs its layers as one TorchScript function (model/scripted_layers.py): the same
+ops in the same order without Python between them (1.08x at 1 and 8 rows on the dev machine), bitwise the same.
+
 With `split` (opt-in) every projection's weight rows are cut in two halves and the halves run at once, one on the
 calling thread and one on torch's inter-op pool (TorchScript fork, no GIL). It helps only where MKL's one-row fp32
 product is single-threaded (MKL's own dispatch on a non-Intel CPU: ~18 GB/s of the memory's ~53); each output
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 
 from inference_service import mkl_dispatch
 from inference_service.model.batch_forward import has_sliding_layers
+from inference_service.model.scripted_layers import scripted_decoder_layers
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})  # decoders whose forward LeanStep repeats op for op
 SDPA_IMPLEMENTATIONS = frozenset({"sdpa", "kvboost_sdpa"})  # kvboost_sdpa runs transformers' SDPA for one query
@@ -230,6 +234,11 @@ class LeanStep:
         self.wide = wide
         self.exact = not (self.packed or wide)  # every call bitwise the model's forward over the same rows
         self.split = split
+        # The layers as one TorchScript call (model/scripted_layers.py) on a CPU where every projection is plain
+        # F.linear and every MLP SiLU-gated; None: the Python loop below. Not on a GPU: TorchScript's GPU fuser
+        # would fuse the pointwise ops (other roundings), and CUDA graphs already remove the per-op cost there.
+        on_cpu = self.embedding.device.type == "cpu"
+        self.scripted = _script_arguments(self.layers) if self.exact and not split and on_cpu else None
 
     @torch.inference_mode()
     def __call__(self, keys: torch.Tensor, values: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
@@ -244,6 +253,10 @@ class LeanStep:
         hidden = F.embedding(token_ids, self.embedding)  # [rows, 1, hidden]
         cos, sin = self.rotary(hidden, positions.view(num_rows, 1))  # [rows, 1, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [rows, 1, 1, head_dim], over the heads
+        if self.scripted is not None:
+            hidden = scripted_decoder_layers(hidden, keys, values, rows, columns, length, mask, cos, sin,
+                                             *self.scripted, self.head_dim, self.num_kv_heads, self.groups)
+            return project(self.final_norm(hidden), (self.lm_head,))[0][:, -1].float()
         for index, layer in enumerate(self.layers):
             attended = self._attention(layer, layer.input_norm(hidden), keys[index], values[index], rows, columns,
                                        length, mask, cos, sin)
@@ -270,6 +283,30 @@ class LeanStep:
                                                 dropout_p=0.0, scale=layer.scaling, is_causal=False)
         output = output.reshape(num_rows, -1, 1, self.head_dim).transpose(1, 2).contiguous()  # [rows, 1, heads, dim]
         return project(output.reshape(num_rows, 1, -1).contiguous(), (layer.o,))[0]
+
+
+def _script_arguments(layers: list[LayerWeights]) -> tuple | None:
+    """(weights, biases, norms, eps, scalings) for scripted_decoder_layers, or None where a layer cannot go there."""
+    for layer in layers:
+        linears = (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+        if not _plain_silu(layer.act) or any(linear.packed is not None or linear.halves is not None
+                                                       or linear.transposed is not None for linear in linears):
+            return None
+    order = [(layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down) for layer in layers]
+    return ([[linear.weight for linear in linears] for linears in order],
+            [[linear.bias for linear in linears] for linears in order],
+            [[layer.input_norm.weight, layer.post_norm.weight] for layer in layers],
+            [[float(layer.input_norm.eps), float(layer.post_norm.eps)] for layer in layers],
+            [float(layer.scaling) for layer in layers])
+
+
+def _plain_silu(act: torch.nn.Module) -> bool:
+    """F.silu and nothing else: torch's SiLU, or transformers' SiLUActivation with its own forward (not a kernel
+    from the Hub swapped in)."""
+    if type(act) is torch.nn.SiLU:
+        return True
+    return type(act).__name__ == "SiLUActivation" and getattr(type(act).forward, "__qualname__", "") == \
+        "SiLUActivation.forward" and "forward" not in vars(act)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_service.model import step_choice
+from inference_service.model import decode_step, step_choice
 from inference_service.model.attention import use_engine_attention
 from inference_service import mkl_dispatch
 from inference_service.model.decode_step import (Linear, LeanStep, RmsNorm, lean_step_support, project, split_support,
@@ -40,10 +40,13 @@ def prefilled_slots(model) -> SlotBuffers:
     return slots
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["lean", "split"])
+@pytest.mark.parametrize("variant", ["lean", "lean-python-loop", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_the_lean_step_writes_and_returns_bitwise_what_the_models_forward_does(kind, dtype, split):
+def test_the_lean_step_writes_and_returns_bitwise_what_the_models_forward_does(kind, dtype, variant):
+    """lean runs its layers as one TorchScript call on a CPU; lean-python-loop the same step without it (what other
+    activations get); split the projections' halves on two threads."""
+    split = variant == "split"
     declined = split_support(torch.device("cpu"))
     if split and dtype == torch.float32 and declined:
         # Under --mkl-dispatch features MKL threads the one-row float32 product itself, rows cut its own way, so
@@ -52,6 +55,9 @@ def test_the_lean_step_writes_and_returns_bitwise_what_the_models_forward_does(k
     model = tiny(kind, dtype)
     reference, lean = prefilled_slots(model), prefilled_slots(model)
     lean.step = LeanStep(model, split=split)
+    assert (lean.step.scripted is not None) == (not split)
+    if variant == "lean-python-loop":
+        lean.step.scripted = None
     rows = {slot: (7 + slot, len(prompt)) for slot, prompt in PROMPTS.items()}
     for step in range(6):
         if step == 3:  # a lone row, then the rows in another order than their slots
@@ -128,6 +134,7 @@ def test_a_step_that_rounds_differently_is_refused_and_the_models_forward_runs(m
             first = self.layers[0]
             self.layers[0] = dataclasses.replace(first, input_norm=RmsNorm(first.input_norm.weight,
                                                                            first.input_norm.eps * 2))
+            self.scripted = decode_step._script_arguments(self.layers)  # the scripted layers see it too
 
     assert "differ" in probe_mismatch(model, Perturbed(model))
     monkeypatch.setattr(step_choice, "LeanStep", Perturbed)
@@ -190,3 +197,12 @@ def test_the_onednn_step_rounds_close_to_the_models_forward():
     rows = {slot: (7 + slot, len(prompt)) for slot, prompt in PROMPTS.items()}
     expected, got = reference.decode(model, rows), packed.decode(model, rows)
     assert torch.allclose(expected, got, rtol=1e-4, atol=1e-5)
+
+
+def test_only_plain_silu_layers_on_a_cpu_are_scripted():
+    model = tiny("llama")
+    assert LeanStep(model).scripted is not None
+    assert LeanStep(model, wide=True).scripted is None  # several rows through transposed weights
+    assert LeanStep(model, split=True).scripted is None
+    model.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    assert LeanStep(model).scripted is None

@@ -1,0 +1,72 @@
+"""The lean decode step's decoder layers as one TorchScript function: the same ATen ops, in the same order, on the same
+tensors as LeanStep's Python loop (so the same bits), without Python between them.
+
+Measured on the 2-core dev machine (docs/performance.md): the lean step over a 30-layer Llama with almost no
+arithmetic takes 6.9 ms, which is the per-op cost of ~40 ops a layer run from Python; SmolLM2's one-row step is
+26 ms. The TorchScript interpreter runs the same ops for less. step_choice's probe checks the scripted step
+bitwise against the model's forward at start-up, as it does the Python loop.
+
+Only plain projections (F.linear, no packed, split or wide weights) and SiLU-gated MLPs (Llama, Mistral, Qwen2) go
+through it; anything else keeps the Python loop.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # transformers' LlamaRMSNorm.forward, op for op (decode_step.RmsNorm)
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.size(-1) // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, columns: Tensor, length: int,
+                   mask: Tensor, cos: Tensor, sin: Tensor, weights: List[List[Tensor]],
+                   biases: List[List[Optional[Tensor]]], norms: List[List[Tensor]], eps: List[List[float]],
+                   scalings: List[float], head_dim: int, num_kv_heads: int, groups: int) -> Tensor:
+    """LeanStep's layer loop. weights[i], biases[i]: layer i's q, k, v, o, gate, up, down; norms[i], eps[i]: its
+    input and post-attention norms."""
+    num_rows = hidden.size(0)
+    for index in range(len(weights)):
+        weight, bias, norm, epsilon = weights[index], biases[index], norms[index], eps[index]
+        x = _rms_norm(hidden, norm[0], epsilon[0])
+        query = F.linear(x, weight[0], bias[0])
+        key = F.linear(x, weight[1], bias[1])
+        value = F.linear(x, weight[2], bias[2])
+        query = query.view(num_rows, 1, -1, head_dim).transpose(1, 2)
+        key = key.view(num_rows, 1, -1, head_dim).transpose(1, 2)
+        value = value.view(num_rows, 1, -1, head_dim).transpose(1, 2)
+        query = (query * cos) + (_rotate_half(query) * sin)
+        key = (key * cos) + (_rotate_half(key) * sin)
+        layer_keys, layer_values = keys[index], values[index]
+        layer_keys[rows, :, columns] = key[:, :, 0]
+        layer_values[rows, :, columns] = value[:, :, 0]
+        if groups > 1:
+            query = query.reshape(num_rows, num_kv_heads, groups, head_dim)
+        output = F.scaled_dot_product_attention(query, layer_keys[:, :, :length], layer_values[:, :, :length],
+                                                attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scalings[index])
+        output = output.reshape(num_rows, -1, 1, head_dim).transpose(1, 2).contiguous()
+        hidden = hidden + F.linear(output.reshape(num_rows, 1, -1).contiguous(), weight[3], bias[3])
+        x = _rms_norm(hidden, norm[1], epsilon[1])
+        gate = F.linear(x, weight[4], bias[4])
+        up = F.linear(x, weight[5], bias[5])
+        hidden = hidden + F.linear(F.silu(gate) * up, weight[6], bias[6])
+    return hidden
+
+
+with warnings.catch_warnings():  # TorchScript is deprecated in torch 2.x; the pinned torch has it (decode_step.py)
+    warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
+    scripted_decoder_layers = torch.jit.script(decoder_layers)

@@ -233,10 +233,33 @@ def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
+def every_component(args: argparse.Namespace) -> list[Component]:
+    """The components of every layout (daemon, server, service, gateway), each once."""
+    found: dict[str, Component] = {}
+    for layout in ({"gateway": True, "separate_gateway": False}, {"gateway": True, "separate_gateway": True}):
+        for component in build_components(argparse.Namespace(**{**vars(args), **layout})):
+            found.setdefault(component.name, component)
+    return list(found.values())
+
+
+def others_running(args: argparse.Namespace, run_dir: Path, components: list[Component]) -> list[Component]:
+    """Running processes of this run folder that are not among `components` (another layout's)."""
+    names = {component.name for component in components}
+    return [component for component in every_component(args)
+            if component.name not in names and running_pid(component, run_dir) is not None]
+
+
 def command_up(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
     (run_dir / "lmdb").mkdir(parents=True, exist_ok=True)
-    for component in build_components(args):
+    components = build_components(args)
+    others = others_running(args, run_dir, components)
+    if others:  # its servers hold the ports this layout would take
+        print(f"error: {', '.join(component.title for component in others)} already running from {run_dir} in "
+              "another layout (--separate-gateway, --no-gateway or neither); stop the stack first with `make down` "
+              "(or `python -m client.stack down`)", file=sys.stderr)
+        return EXIT_FAILED
+    for component in components:
         pid = running_pid(component, run_dir)
         if pid is not None:
             print(f"{component.title} already running (pid {pid}, {component.address})")
@@ -259,7 +282,11 @@ def command_up(args: argparse.Namespace) -> int:
 
 def command_down(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
-    for component in reversed(build_components(_with_state(args, run_dir))):
+    args = _with_state(args, run_dir)
+    components = build_components(args)
+    # Whatever else of this run folder still runs (a layout stack.json does not record: an `up` that failed half
+    # way) goes first: the daemon is last in every layout.
+    for component in list(reversed(others_running(args, run_dir, components))) + list(reversed(components)):
         print(f"{component.title}: {stop(component, run_dir, args.grace)}")
     (run_dir / "stack.json").unlink(missing_ok=True)
     return EXIT_OK

@@ -52,12 +52,18 @@ class InProcessCall:
 
     def __init__(self, events: AsyncIterator[pb.GenerateEvent], timeout_s: float | None) -> None:
         self._events = events
-        self._deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._deadline = None if timeout_s is None else self._loop.time() + timeout_s
         self._done = False
+        self._reader: asyncio.Task | None = None  # the task inside read(), while it is there
 
     async def read(self):
         if self._done:
             return grpc.aio.EOF
+        if self._deadline is not None and self._loop.time() >= self._deadline:  # even if an event is ready
+            self.cancel()
+            raise InProcessError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        self._reader = asyncio.current_task()
         try:
             async with timeout_at(self._deadline):
                 return await self._events.__anext__()
@@ -70,13 +76,19 @@ class InProcessCall:
         except BaseException:
             self._done = True  # cancelled, or the servicer aborted: the generator is finished either way
             raise
+        finally:
+            self._reader = None
 
     def cancel(self) -> bool:
         if self._done:
             return False
         self._done = True
-        # Between reads the generator is suspended at a yield: closing it runs the servicer's finally.
-        asyncio.ensure_future(self._events.aclose())
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            # A read is under way in another task: cancelling it cancels the generator where it waits (a cancelled
+            # gRPC call's pending read raises CancelledError too).
+            self._reader.cancel()
+        else:  # between reads the generator is suspended at a yield: closing it runs the servicer's finally
+            asyncio.ensure_future(self._events.aclose())
         return True
 
 

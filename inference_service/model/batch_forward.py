@@ -33,8 +33,9 @@ class BatchWorkspace:
     in: measured on the 2-core dev machine, copying 7 rows' 960 cached tokens of SmolLM2 (2 x 150 MB) took 90 ms
     into new buffers and 20-25 ms into reused ones, of a 480 ms batched prefill. Buffers up to max_bytes (keys and
     values together) are kept; a larger batch gets buffers of its own, as before. The contents never carry over:
-    prefill_rows writes every column it reads (zeros, cached K/V, or the forward's new K/V). On a GPU torch's
-    caching allocator already reuses memory: for_device gives None there."""
+    prefill_rows writes every column it reads (zeros, cached K/V, or the forward's new K/V). The kept buffers are
+    process memory outside --kv-cache-bytes (at most max_bytes; a batch too large for them releases them and gets
+    its own). On a GPU torch's caching allocator already reuses memory: for_device gives None there."""
 
     DEFAULT_MAX_BYTES = 512 << 20
 
@@ -51,12 +52,15 @@ class BatchWorkspace:
         numel = 1
         for size in shape:
             numel *= size
+        held = self._storage
+        if held is not None and held[0].numel() >= numel and held[0].dtype == dtype \
+                and held[0].device == torch.device(device):
+            return held[0][:numel].view(shape), held[1][:numel].view(shape)
+        self._storage = held = None  # released before anything new is allocated: never two sets at once
         if 2 * numel * dtype.itemsize > self.max_bytes:
             return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
-        held = self._storage
-        if held is None or held[0].numel() < numel or held[0].dtype != dtype or held[0].device != torch.device(device):
-            held = self._storage = (torch.empty(numel, dtype=dtype, device=device),
-                                    torch.empty(numel, dtype=dtype, device=device))
+        held = self._storage = (torch.empty(numel, dtype=dtype, device=device),
+                                torch.empty(numel, dtype=dtype, device=device))
         return held[0][:numel].view(shape), held[1][:numel].view(shape)
 
 

@@ -237,7 +237,8 @@ class LeanStep:
         # The layers as one TorchScript call (model/scripted_layers.py) on a CPU where every projection is plain
         # F.linear and every MLP SiLU-gated; None: the Python loop below. Not on a GPU: TorchScript's GPU fuser
         # would fuse the pointwise ops (other roundings), and CUDA graphs already remove the per-op cost there.
-        on_cpu = self.embedding.device.type == "cpu"
+        # (Nor where TorchScript could fuse CPU ops, which the pinned torch does not: checked, not assumed.)
+        on_cpu = self.embedding.device.type == "cpu" and not torch._C._jit_can_fuse_on_cpu()
         self.scripted = _script_arguments(self.layers) if self.exact and not split and on_cpu else None
 
     @torch.inference_mode()

@@ -41,6 +41,7 @@ def choose_decode_step(model, asked: str = DEFAULT_DECODE_STEP) -> StepChoice:
     that differs) becomes lean, with the reason."""
     assert asked in DECODE_STEPS, f"decode step must be one of {DECODE_STEPS}, got {asked!r}"
     if asked == "transformers":
+        logger.info("decode step: transformers (the model's own forward)")
         return StepChoice(None, asked, "")
     if asked in LEAN_VARIANTS:
         support, build, described = LEAN_VARIANTS[asked]

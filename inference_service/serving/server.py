@@ -92,7 +92,8 @@ def build_server(config: ServiceConfig, engine: Engine | None = None, store: Any
     interceptors = [BearerTokenInterceptor(token)] if token else []
     interceptors.append(UndecodableRequestInterceptor())
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
-               ("grpc.max_send_message_length", config.max_message_bytes)]
+               ("grpc.max_send_message_length", config.max_message_bytes),
+               ("grpc.so_reuseport", 0)]  # a second service on the same port must fail, not share its calls
     if config.max_concurrent_streams:
         options.append(("grpc.max_concurrent_streams", config.max_concurrent_streams))
     server = grpc.aio.server(interceptors=interceptors, options=options)

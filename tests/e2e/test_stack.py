@@ -81,5 +81,10 @@ def test_separate_gateway_runs_three_processes(tmp_path, tiny_model_dir) -> None
         reply = httpx.post(f"http://{paths.gateway_address}/v1/completions", timeout=60,
                            json={"model": str(tiny_model_dir), "prompt": "hello", "max_tokens": 2})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
-        stopped = stack_command(paths, "down")  # without the flag: stack.json says how it was started
-        assert stopped.stdout == "HTTP gateway: stopped\ninference service: stopped\ncache daemon: stopped\n"
+        other = stack_command(paths, "up", "--model", str(tiny_model_dir))  # the one-process layout: its ports are taken
+        assert other.returncode == 1 and "already running" in other.stderr and "make down" in other.stderr, other.stderr
+        assert not (run_dir / "server.pid").exists()
+        (run_dir / "stack.json").unlink()  # as after an `up` that failed half way: down finds them by their pid files
+        stopped = stack_command(paths, "down")
+        assert stopped.stdout == ("HTTP gateway: stopped\ninference service: stopped\n"
+                                  "inference service and HTTP gateway: not running\ncache daemon: stopped\n"), stopped.stdout

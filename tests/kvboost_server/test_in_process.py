@@ -1,6 +1,7 @@
 """The in-process transport's streamed call: a reader that is cancelled (the HTTP client left) always cancels the
 servicer's generator, even when the cancellation arrives just as an event is ready; a deadline ends the call with
-DEADLINE_EXCEEDED; cancel() between reads closes the generator."""
+DEADLINE_EXCEEDED, even when events are ready; cancel() between reads closes the generator, and during a read in
+another task cancels that read."""
 from __future__ import annotations
 
 import asyncio
@@ -65,5 +66,35 @@ def test_cancel_between_reads_closes_the_generator():
         await asyncio.sleep(0.01)
         assert closed == ["job cancelled"]
         assert await call.read() is grpc.aio.EOF
+
+    asyncio.run(scenario())
+
+
+def test_a_passed_deadline_ends_the_call_even_with_an_event_ready():
+    async def scenario():
+        gate, closed = asyncio.get_running_loop().create_future(), []
+        gate.set_result(None)
+        call = InProcessCall(servicer_events(gate, closed), timeout_s=0.05)
+        assert await call.read() == "first"  # the job is on the engine (a generator not started holds none)
+        await asyncio.sleep(0.1)
+        with pytest.raises(InProcessError) as raised:
+            await call.read()
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.sleep(0.01)
+        assert closed == ["job cancelled"]
+
+    asyncio.run(scenario())
+
+
+def test_cancel_during_a_read_in_another_task_cancels_that_read_and_the_generator():
+    async def scenario():
+        gate, closed = asyncio.get_running_loop().create_future(), []
+        call = InProcessCall(servicer_events(gate, closed), timeout_s=60)
+        reader = asyncio.ensure_future(call.read())
+        await asyncio.sleep(0)  # the reader waits for the model
+        assert call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert closed == ["job cancelled"]
 
     asyncio.run(scenario())

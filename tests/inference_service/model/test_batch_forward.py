@@ -28,7 +28,7 @@ def copies(rows: list[PrefillRow]) -> list[PrefillRow]:
 def test_a_reused_workspace_gives_the_bits_of_fresh_buffers(tiny_llama):
     model, _ = tiny_llama
     workspace = BatchWorkspace()
-    larger = make_rows(model, [40, 9, 25, 31], [7, 12, 3, 5], seed=1)
+    larger = make_rows(model, [60, 9, 25, 31, 5], [7, 12, 3, 5, 9], seed=1)  # wider and taller than every case
     prefill_rows(model, larger, workspace=workspace)
     with torch.inference_mode():  # whatever was left: it must never be read
         workspace._storage[0].fill_(float("nan"))
@@ -37,7 +37,9 @@ def test_a_reused_workspace_gives_the_bits_of_fresh_buffers(tiny_llama):
         rows = make_rows(model, cached, new, seed)
         fresh, kept = copies(rows), copies(rows)
         expected = prefill_rows(model, fresh)
+        storage = workspace._storage[0].data_ptr()
         got = prefill_rows(model, kept, workspace=workspace)
+        assert workspace._storage[0].data_ptr() == storage  # the NaN-filled buffers were the ones used
         assert torch.equal(expected, got)
         for one, other in zip(fresh, kept):
             assert torch.equal(one.keys, other.keys) and torch.equal(one.values, other.values)
@@ -51,5 +53,7 @@ def test_a_batch_over_the_budget_gets_buffers_of_its_own():
     assert workspace._storage is not None and keys.data_ptr() == workspace._storage[0].data_ptr()
     again, _ = workspace.take((3, 10), torch.float32, torch.device("cpu"))  # smaller: the same memory
     assert again.data_ptr() == keys.data_ptr()
+    workspace.take((2, 3, 50), torch.float32, torch.device("cpu"))  # over the budget: the kept ones are let go
+    assert workspace._storage is None
     assert BatchWorkspace.for_device(torch.device("cpu")) is not None
     assert BatchWorkspace.for_device(torch.device("meta")) is None

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from inference_service import mkl_dispatch
 from inference_service.model.batch_forward import has_sliding_layers
-from inference_service.model.scripted_layers import scripted_decoder_layers
+from inference_service.model.scripted_layers import rms_norm, rotate_half, scripted_decoder_layers
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})  # decoders whose forward LeanStep repeats op for op
 SDPA_IMPLEMENTATIONS = frozenset({"sdpa", "kvboost_sdpa"})  # kvboost_sdpa runs transformers' SDPA for one query
@@ -189,12 +189,7 @@ class RmsNorm:
     eps: float
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers' LlamaRMSNorm.forward, op for op (the casts matter at bfloat16 and float16)
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 @dataclass(slots=True, frozen=True)
@@ -274,8 +269,8 @@ class LeanStep:
         query = query.view(num_rows, 1, -1, self.head_dim).transpose(1, 2)  # [rows, heads, 1, head_dim]
         key = key.view(num_rows, 1, -1, self.head_dim).transpose(1, 2)  # [rows, kv_heads, 1, head_dim]
         value = value.view(num_rows, 1, -1, self.head_dim).transpose(1, 2)
-        query = (query * cos) + (_rotate_half(query) * sin)
-        key = (key * cos) + (_rotate_half(key) * sin)
+        query = (query * cos) + (rotate_half(query) * sin)
+        key = (key * cos) + (rotate_half(key) * sin)
         keys[rows, :, columns] = key[:, :, 0]  # keys: [rows, kv_heads, capacity, head_dim]
         values[rows, :, columns] = value[:, :, 0]
         if self.groups > 1:  # one query token: its heads' groups become the query length (transformers' pack_gqa)
@@ -308,11 +303,6 @@ def _plain_silu(act: torch.nn.Module) -> bool:
         return True
     return type(act).__name__ == "SiLUActivation" and getattr(type(act).forward, "__qualname__", "") == \
         "SiLUActivation.forward" and "forward" not in vars(act)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _norm(module) -> RmsNorm:

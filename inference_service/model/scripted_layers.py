@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # transformers' LlamaRMSNorm.forward, op for op (decode_step.RmsNorm)
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # transformers' LlamaRMSNorm.forward, op for op (the casts matter at bfloat16 and float16)
     dtype = x.dtype
     x = x.to(torch.float32)
     variance = x.pow(2).mean(-1, keepdim=True)
@@ -28,7 +28,7 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x.to(dtype)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
+def rotate_half(x: Tensor) -> Tensor:
     half = x.size(-1) // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -42,15 +42,15 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
     num_rows = hidden.size(0)
     for index in range(len(weights)):
         weight, bias, norm, epsilon = weights[index], biases[index], norms[index], eps[index]
-        x = _rms_norm(hidden, norm[0], epsilon[0])
+        x = rms_norm(hidden, norm[0], epsilon[0])
         query = F.linear(x, weight[0], bias[0])
         key = F.linear(x, weight[1], bias[1])
         value = F.linear(x, weight[2], bias[2])
         query = query.view(num_rows, 1, -1, head_dim).transpose(1, 2)
         key = key.view(num_rows, 1, -1, head_dim).transpose(1, 2)
         value = value.view(num_rows, 1, -1, head_dim).transpose(1, 2)
-        query = (query * cos) + (_rotate_half(query) * sin)
-        key = (key * cos) + (_rotate_half(key) * sin)
+        query = (query * cos) + (rotate_half(query) * sin)
+        key = (key * cos) + (rotate_half(key) * sin)
         layer_keys, layer_values = keys[index], values[index]
         layer_keys[rows, :, columns] = key[:, :, 0]
         layer_values[rows, :, columns] = value[:, :, 0]
@@ -60,7 +60,7 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
                                                 attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scalings[index])
         output = output.reshape(num_rows, -1, 1, head_dim).transpose(1, 2).contiguous()
         hidden = hidden + F.linear(output.reshape(num_rows, 1, -1).contiguous(), weight[3], bias[3])
-        x = _rms_norm(hidden, norm[1], epsilon[1])
+        x = rms_norm(hidden, norm[1], epsilon[1])
         gate = F.linear(x, weight[4], bias[4])
         up = F.linear(x, weight[5], bias[5])
         hidden = hidden + F.linear(F.silu(gate) * up, weight[6], bias[6])

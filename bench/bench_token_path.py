@@ -266,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stacks", nargs="+", default=["three", "one"], choices=["three", "one"],
-                        help="three: daemon, service and gateway processes (make up's shape); one: python -m "
-                             "kvboost_server (gateway and service in one process) over the same daemon")
+                        help="three: daemon, service and gateway processes (client.stack up --separate-gateway); one: "
+                             "python -m kvboost_server (gateway and service in one process, as make up runs it) over "
+                             "the same daemon")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16], help="concurrent streams per window")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per stream")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")

@@ -161,6 +161,16 @@ def _l2_metrics(l2) -> Iterator[Metric]:
     yield _gauge("kvboost_l2_calls_in_flight", "Calls waiting on Redis now (in the daemon's own L2 threads, apart "
                  "from Fetch's).", l2.calls_in_flight)
     yield _counter("kvboost_l2_errors", "Failed calls to L2.", l2.errors)
+    yield _counter("kvboost_l2_promoted", "Chunks a Lookup reported from L2 and promoted into LMDB after it.",
+                   l2.promoted)
+    yield _counter("kvboost_l2_promoted_bytes", "Blob bytes promoted from L2 into LMDB.", l2.promoted_bytes)
+    yield _counter("kvboost_l2_not_arrived", "Chunks a Lookup reported from L2 that never reached LMDB (gone, "
+                   "failing their MAC, or past the promotion's deadline): a reader's run ends there.", l2.not_arrived)
+    yield _counter("kvboost_l2_arrival_waits", "Fetch reads that waited for a chunk still arriving from L2.",
+                   l2.arrival_waits)
+    yield _gauge("kvboost_l2_arriving", "Chunks on their way from L2 into LMDB now.", l2.arriving)
+    yield _counter("kvboost_l2_seconds", "Time spent on L2 by Lookups' value-free checks and by promotions.",
+                   l2.seconds)
     yield _gauge("kvboost_l2_queued_writes", "Chunks waiting in the L2 write-behind queue.", l2.queued_writes)
 
 

@@ -204,7 +204,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def _l2_stats(self) -> cache_pb2.L2Stats | None:
         if not isinstance(self._cache, TieredCache):
             return None
-        return cache_pb2.L2Stats(**dataclasses.asdict(self._cache.l2_stats()))
+        # The fields the contract has; the rest (L2 time and bytes, arrivals) are on /metrics.
+        fields = cache_pb2.L2Stats.DESCRIPTOR.fields_by_name
+        return cache_pb2.L2Stats(**{name: value for name, value in dataclasses.asdict(self._cache.l2_stats()).items()
+                                    if name in fields})
 
     def _tenant_stats(self, tenant: Tenant, stats: CacheStats, namespace: bytes) -> cache_pb2.CacheStatsReply:
         """Only the tenant's own namespaces and totals, max_bytes its share (the daemon's budget when

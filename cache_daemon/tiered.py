@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar
 
@@ -11,6 +13,7 @@ from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
 from cache_daemon.store import HeldChunk
 from cache_daemon.errors import BudgetExceeded, L2NotAcknowledged, NotFound
 from cache_daemon.events import EventJournal, EventKind
+from cache_daemon.l2.promotion import ArrivingKeys, promotion_deadline_s, sized_batches
 from cache_daemon.l2.redis_tier import L2Hit, L2Unavailable, RedisTier
 from cache_daemon.l2.writer import WriteBehindQueue
 
@@ -20,6 +23,7 @@ T = TypeVar("T")
 
 MAX_CONTENT_CANDIDATES = 4  # contexts tried per content key in L2
 DEFAULT_PROMOTE_BATCH = 64  # L2 hits held in memory at once while they are copied into LMDB
+PROMOTION_THREADS = 2  # promotions run beside each other; LMDB serializes their writes anyway
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,12 +40,18 @@ class L2Stats:
     forged: int
     promotion_batches: int
     calls_in_flight: int
+    promoted: int  # chunks copied from L2 into LMDB after a Lookup reported them
+    promoted_bytes: int
+    not_arrived: int  # reported by a Lookup, then missing, failing their MAC, or past the promotion's deadline
+    arrival_waits: int  # Fetch reads that waited for a chunk still arriving
+    arriving: int  # chunks arriving now
+    seconds: float  # time spent on L2: Lookups' value-free checks and promotions
 
 
 class TieredCache:
-    """The ChunkCache interface over two tiers. Lookup asks L2 only for what LMDB misses, promotes
-    L2 hits into LMDB (so Fetch and co-located readers serve them from L1), and counts the rest
-    as misses. Store commits to LMDB first; L2 gets the chunks behind (bounded queue) or, with
+    """The ChunkCache interface over two tiers. Lookup asks L2 only for what LMDB misses, and only
+    whether it holds them (no values move while the caller waits); the values follow into LMDB in the
+    background, and Fetch waits for a chunk still arriving. Store commits to LMDB first; L2 gets the chunks behind (bounded queue) or, with
     sync_writes, before Store replies. Pins, budget and eviction stay LMDB's; L2 evicts by its
     own maxmemory policy. An unreachable L2 turns into LMDB-only service, never a failed call.
     KV events report LMDB alone: Redis evicts by itself without telling any daemon, so what L2
@@ -62,7 +72,17 @@ class TieredCache:
         self._num_misses = 0
         self._num_sync_writes = 0
         self._num_promotion_batches = 0
+        self._num_promoted = 0
+        self._promoted_bytes = 0
+        self._num_not_arrived = 0
+        self._num_arrival_waits = 0
+        self._l2_seconds = 0.0
+        self._clock = time.monotonic
+        self._closing = False
         self.promote_batch = promote_batch
+        self.arriving = ArrivingKeys()
+        self._promoter = ThreadPoolExecutor(PROMOTION_THREADS, thread_name_prefix="l2-promote")
+        self._jobs: set[Future] = set()
 
     @property
     def store(self):
@@ -96,34 +116,84 @@ class TieredCache:
 
     def lookup_with_l2(self, namespace: bytes, prefix_keys: Sequence[bytes], content_keys: Sequence[bytes],
                        partial_keys: Sequence[bytes] = ()) -> LookupResult:
-        """Asks L2 for what LMDB misses, promotes the hits into LMDB and answers from LMDB."""
+        """LMDB's index, then one value-free round trip to L2 (STRLEN of what LMDB misses, the content sets):
+        the L2 keys are answered as hits *arriving*, and their promotion into LMDB starts in the background.
+        Fetch of an arriving key waits for it (ArrivingKeys); one that never arrives (gone, failing its
+        MAC, past its deadline) is a miss there, which ends the reader's run. Content keys are answered
+        from LMDB alone: a content set's members are unverified until their records are read, so L2's
+        candidates are promoted (checked against their signed headers) for the next Lookup to find."""
         result = self.l1.probe(namespace, prefix_keys, content_keys, partial_keys)
-        missing, content_wanted = _wanted_from_l2(result, prefix_keys, content_keys, partial_keys)
-        if missing or content_wanted:
-            num_promoted = self._promote_from_l2(namespace, missing, content_wanted)
-            if num_promoted:
-                result = self.l1.probe(namespace, prefix_keys, content_keys, partial_keys)
         self.l1.record_lookup(result, prefix_keys, partial_keys)
+        missing, content_wanted = _wanted_from_l2(result, prefix_keys, content_keys, partial_keys)
+        if not missing and not content_wanted:
+            return result
+        already = self.arriving.arriving(missing)
+        asked = [key for key in missing if key not in already]
+        started = self._clock()
+        try:
+            sizes, candidates = self.l2.sizes_with_content(asked, content_wanted)
+        except L2Unavailable:  # logged once per outage by the tier: LMDB's answer stands
+            sizes, candidates = [0] * len(asked), []
+        in_l2 = {key: size for key, size in zip(asked, sizes) if size > 0}
+        with self._lock:
+            self._l2_seconds += self._clock() - started
+            self._num_hits += len(in_l2)
+            self._num_misses += len(asked) - len(in_l2) + len(content_wanted)
+        result, wanted = _with_arriving(result, prefix_keys, partial_keys, already | set(in_l2))
+        sized = [(key, in_l2[key]) for key in wanted if key in in_l2]
+        if sized or any(candidates):
+            self._start_promotion(namespace, sized, content_wanted, candidates)
         return result
 
-    def _promote_from_l2(self, namespace: bytes, keys: list[ChunkKey], content_keys: list[bytes]) -> int:
-        """Copies what L2 holds of these keys (and of these content keys' contexts) into LMDB, at most
-        `promote_batch` chunks in memory at a time: a 65,536-key Lookup never loads every hit at once.
-        The chunks go in as the namespace's owner stores them (charged to that tenant's share)."""
-        batch = self.promote_batch
-        promoted = _Promoted()
+    def _start_promotion(self, namespace: bytes, sized: list[tuple[ChunkKey, int]], content_keys: list[bytes],
+                         candidates: list[list[ChunkKey]]) -> None:
+        """Claims the keys (so Fetch waits for them from now on) and promotes them on the promotion pool."""
+        deadline = self._clock() + promotion_deadline_s(sum(size for _, size in sized))
+        claimed = set(self.arriving.claim((key for key, _ in sized), deadline))
+        sized = [(key, size) for key, size in sized if key in claimed]
         try:
-            hits, candidates = self.l2.get_with_content(keys[:batch], content_keys)
-            self._promote(namespace, hits, promoted)
-            for start in range(batch, len(keys), batch):
-                self._promote(namespace, self.l2.get(keys[start:start + batch]), promoted)
-            self._promote_content(namespace, content_keys, candidates, promoted)
+            job = self._promoter.submit(self._promote_from_l2, namespace, sized, content_keys, candidates, deadline)
+        except RuntimeError:  # shutting down: nothing will arrive
+            self.arriving.release(claimed)
+            return
+        with self._lock:
+            self._jobs.add(job)
+        job.add_done_callback(self._job_done)
+
+    def _job_done(self, job: Future) -> None:
+        with self._lock:
+            self._jobs.discard(job)
+
+    def _promote_from_l2(self, namespace: bytes, sized: list[tuple[ChunkKey, int]], content_keys: list[bytes],
+                         candidates: list[list[ChunkKey]], deadline: float) -> None:
+        """Copies the claimed keys from L2 into LMDB in prompt order, in batches bounded by chunks and bytes,
+        releasing each batch's keys once it is stored (or found missing, or failing its MAC). The
+        chunks go in as the namespace's owner stores them (charged to that tenant's share)."""
+        promoted = _Promoted()
+        started = self._clock()
+        remaining = [key for key, _ in sized]
+        try:
+            for batch in sized_batches(sized, self.promote_batch):
+                if self._closing or self._clock() > deadline:
+                    logger.warning("promotion of %d L2 chunks stopped (%s): they are misses", len(remaining),
+                                   "closing" if self._closing else "past its deadline")
+                    break
+                try:
+                    self._promote(namespace, self.l2.get(batch), promoted)
+                finally:
+                    self.arriving.release(batch)
+                    remaining = remaining[len(batch):]
+            if content_keys and not self._closing:
+                self._promote_content(namespace, content_keys, candidates, promoted)
         except L2Unavailable:
             pass  # logged once per outage by the tier; what was promoted so far stays
-        with self._lock:
-            self._num_hits += promoted.num_found
-            self._num_misses += len(keys) + len(content_keys) - promoted.num_found
-        return promoted.num_stored
+        finally:
+            self.arriving.release(remaining)
+            with self._lock:
+                self._l2_seconds += self._clock() - started
+                self._num_promoted += promoted.num_stored
+                self._promoted_bytes += promoted.num_bytes
+                self._num_not_arrived += len(sized) - len([key for key, _ in sized if key in promoted.keys])
 
     def _promote(self, namespace: bytes, hits: Sequence[L2Hit | None], promoted: _Promoted,
                  content_key: bytes | None = None) -> None:
@@ -132,13 +202,16 @@ class TieredCache:
         if not found:
             return
         promoted.num_found += len(found)
-        promoted.keys.update(hit.key for hit in found)
         with self._lock:
             self._num_promotion_batches += 1
         try:
-            promoted.num_stored += self.l1.put_many([_incoming(hit) for hit in found], EventKind.PROMOTED).stored
+            result = self.l1.put_many([_incoming(hit) for hit in found], EventKind.PROMOTED)
         except BudgetExceeded as error:
             logger.warning("L2 hits not promoted into LMDB: %s", error)
+            return
+        promoted.keys.update(hit.key for hit in found)
+        promoted.num_stored += result.stored
+        promoted.num_bytes += sum(len(hit.blob) for hit in found)
 
     def _promote_content(self, namespace: bytes, content_keys: list[bytes], candidates: list[list[ChunkKey]],
                          promoted: _Promoted) -> None:
@@ -160,6 +233,12 @@ class TieredCache:
                 if hit is not None and all(hit.key != other.key for other in chosen):
                     chosen.append(hit)
             self._promote(namespace, chosen, promoted)
+
+    def wait_for_promotions(self, timeout_s: float | None = None) -> bool:
+        """Until every promotion started so far has ended (tests, benchmarks); False on timeout."""
+        with self._lock:
+            jobs = list(self._jobs)
+        return not wait(jobs, timeout_s).not_done
 
     def put_many(self, chunks: Sequence[IncomingChunk]) -> PutResult:
         """Raises L2NotAcknowledged (sync writes) when L2 did not take them; LMDB holds them anyway."""
@@ -206,7 +285,13 @@ class TieredCache:
             return default
 
     def read(self, key: ChunkKey, copy_out: Callable[[memoryview], T], verify: bool = True) -> tuple[Entry, T] | None:
-        return self.l1.read(key, copy_out, verify)
+        """LMDB's chunk; a key a Lookup answered from L2 is waited for until its promotion ends."""
+        found = self.l1.read(key, copy_out, verify)
+        if found is None and self.arriving.wait(key):
+            with self._lock:
+                self._num_arrival_waits += 1
+            found = self.l1.read(key, copy_out, verify)
+        return found
 
     def entry(self, key: ChunkKey) -> Entry | None:
         return self.l1.entry(key)
@@ -239,10 +324,17 @@ class TieredCache:
                        writes=self._writer.num_written + sync_writes, dropped_writes=self._writer.num_dropped,
                        corrupted=self.l2.num_corrupted, errors=self.l2.num_errors,
                        queued_writes=self._writer.num_queued, forged=self.l2.num_forged,
-                       promotion_batches=self._num_promotion_batches, calls_in_flight=self.l2.num_in_flight)
+                       promotion_batches=self._num_promotion_batches, calls_in_flight=self.l2.num_in_flight,
+                       promoted=self._num_promoted, promoted_bytes=self._promoted_bytes,
+                       not_arrived=self._num_not_arrived, arrival_waits=self._num_arrival_waits,
+                       arriving=len(self.arriving), seconds=self._l2_seconds)
 
     def close(self) -> None:
-        """Gives queued L2 writes a few seconds, then closes both tiers."""
+        """Stops promotions between batches (what they stored stays), gives queued L2 writes a few
+        seconds, then closes both tiers."""
+        self._closing = True
+        self._promoter.shutdown(wait=True, cancel_futures=True)
+        self.arriving.release(list(self.arriving.snapshot()))
         self._writer.close()
         self.l1.close()
         self.l2.close()
@@ -260,12 +352,29 @@ def _wanted_from_l2(result: LookupResult, prefix_keys: Sequence[bytes], content_
     return missing, content_wanted
 
 
+def _with_arriving(result: LookupResult, prefix_keys: Sequence[bytes], partial_keys: Sequence[bytes],
+                   in_l2: set[ChunkKey]) -> tuple[LookupResult, list[ChunkKey]]:
+    """LMDB's answer with the keys L2 holds counted as hits, and those keys in the order they should
+    arrive: the prefix keys in prompt order (the run's head first), then the partial chunk answered."""
+    prefix_hit = [hit or key in in_l2 for key, hit in zip(prefix_keys, result.prefix_hit)]
+    wanted = [ChunkKey(key) for key, hit in zip(prefix_keys, result.prefix_hit) if not hit and key in in_l2]
+    partial_index = result.partial_index
+    if partial_index is None:
+        partial_index = next((index for index, key in enumerate(partial_keys) if key in in_l2), None)
+        if partial_index is not None:
+            wanted.append(ChunkKey(partial_keys[partial_index]))
+    prefix_run = prefix_hit.index(False) if False in prefix_hit else len(prefix_hit)
+    return LookupResult(prefix_hit=prefix_hit, prefix_run=prefix_run, content_hits=result.content_hits,
+                        partial_index=partial_index), wanted
+
+
 @dataclass(slots=True)
 class _Promoted:
     """What one Lookup's promotion found in L2 and stored into LMDB so far."""
 
     num_found: int = 0
     num_stored: int = 0
+    num_bytes: int = 0
     keys: set[ChunkKey] = field(default_factory=set)
 
 

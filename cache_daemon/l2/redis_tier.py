@@ -181,6 +181,19 @@ class RedisTier:
         candidates = [sorted(ChunkKey(bytes(key)) for key in found) for found in replies[len(keys):]]
         return hits, candidates
 
+    def sizes_with_content(self, keys: Sequence[ChunkKey], content_keys: Sequence[bytes]
+                           ) -> tuple[list[int], list[list[ChunkKey]]]:
+        """Each key's record length in bytes (0: absent) and, for each content key, the keys stored with
+        those tokens in some context, in one pipelined round trip that moves no values: what a Lookup may
+        ask while a request waits. Nothing here is verified; the values are checked when promoted."""
+        if not keys and not content_keys:
+            return [], []
+        commands = [("strlen", CHUNK_PREFIX + key) for key in keys]
+        commands += [("smembers", CONTENT_PREFIX + key) for key in content_keys]
+        replies = self._call(lambda client: _pipelined(client, commands))
+        candidates = [sorted(ChunkKey(bytes(key)) for key in found) for found in replies[len(keys):]]
+        return [int(size) for size in replies[:len(keys)]], candidates
+
     def _decoded(self, keys: Sequence[ChunkKey], values: Sequence[bytes | None]) -> list[L2Hit | None]:
         """Every record checked (CRC-32, then MAC) before anyone may use it; what fails is a miss.
         Corrupted and forged records are deleted; one signed with a key id not held here is left

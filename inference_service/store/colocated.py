@@ -91,8 +91,20 @@ class ColocatedStore:
         return LentBlobs(self._read_locally(reader, keys))
 
     def _read_locally(self, reader: LmdbBlobReader, keys: list[bytes]):
+        """The map's blobs in order; from the first key the map misses, the rest over the Fetch stream: a
+        Lookup answers chunks still arriving from L2 as hits, this read's snapshot predates their
+        promotion, and the daemon's Fetch waits for each (a chunk that never arrives is a miss there)."""
         try:
-            yield from reader.fetch(keys)
+            blobs = reader.fetch(keys)
+            try:
+                for index, (key, blob) in enumerate(blobs):
+                    if blob is None:
+                        self.num_stream_fetches += 1
+                        yield from self.remote.fetch(keys[index:])
+                        return
+                    yield key, blob
+            finally:
+                blobs.close()
         except LocalReadUnavailable as error:
             with self._lock:
                 if self._reader is reader:

@@ -23,8 +23,8 @@ _PROBE = cache_pb2.LookupRequest(namespace=bytes(32))
 STREAM_FLOOR_BYTES_PER_S = 16e6
 # Keys per Fetch stream: a long prompt's chunks come over several streams, each with its own deadline.
 FETCH_BATCH_KEYS = 32
-# Codes that say the daemon cannot serve us at all: stop asking until a probe answers. A Fetch or Store that runs
-# past its deadline is not one of them (a slow or large transfer; Lookup's deadline is the reachability probe).
+# Codes that say the daemon cannot serve us at all: stop asking until a probe answers. A call that runs past its
+# deadline is not one of them (a slow tier or a large transfer degrades that request only): a probe decides.
 _UNREACHABLE_CODES = frozenset({
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -67,6 +67,8 @@ class GrpcChunkStore:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._reconnector: threading.Thread | None = None
+        self._slow_call_probe: threading.Thread | None = None
+        self.num_slow_call_probes = 0  # probes run after a call ran past its deadline (answered or not)
         self._metadata = (("authorization", f"Bearer {options.auth_token}"),) if options.auth_token else ()
         self._channel = self._open_channel()
         self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
@@ -189,15 +191,36 @@ class GrpcChunkStore:
 
     def _failure(self, method: str, error: grpc.RpcError) -> StoreUnavailable:
         code, details = error.code(), error.details()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED and method in ("Fetch", "Store"):
-            logger.warning("cache daemon %s: a %s stream ran past its deadline (a slow or large transfer; the "
-                           "daemon stays in use): %s", self.address, method, details)
-            return StoreTimeout(f"cache daemon {method} ran past its deadline: {details}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            # One slow call (a busy machine, a slow L2 behind the daemon, a large transfer) costs this request
+            # the cache, not every request: only a daemon that does not answer a probe is marked unreachable.
+            logger.warning("cache daemon %s: %s ran past its deadline (this request goes on without the rest of "
+                           "it; probing the daemon): %s", self.address, method, details)
+            self._probe_in_background(method)
+            return StoreTimeout(f"cache daemon {method} ran past its deadline ({code.name}): {details}")
         if code in _UNREACHABLE_CODES:
             self._mark_degraded(f"{method}: {code.name} {details}")
         else:
             logger.error("cache daemon %s refused %s: %s %s", self.address, method, code.name, details)
         return StoreUnavailable(f"cache daemon {method} failed: {code.name}: {details}")
+
+    def _probe_in_background(self, method: str) -> None:
+        """One probe at a time on the current channel; degrades only when the daemon does not answer it."""
+        with self._lock:
+            if self.degraded or self._closed.is_set() or self._slow_call_probe is not None:
+                return
+            self._slow_call_probe = threading.Thread(target=self._probe_after_slow_call, args=(method,),
+                                                     name="cache-probe", daemon=True)
+            self._slow_call_probe.start()
+
+    def _probe_after_slow_call(self, method: str) -> None:
+        try:
+            if not self._probe(self._channel):
+                self._mark_degraded(f"{method} ran past its deadline and a probe got no answer")
+        finally:
+            with self._lock:
+                self._slow_call_probe = None
+            self.num_slow_call_probes += 1
 
     def _mark_degraded(self, reason: str) -> None:
         with self._lock:

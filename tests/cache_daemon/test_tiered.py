@@ -64,9 +64,13 @@ def test_a_content_hit_warmed_on_host_a_is_found_on_host_b_in_another_context(tw
         store_chunks(stub_a, [document])
         assert host_a.cache.drain_writes(10)
         # On B the same tokens come after another prefix: a different prefix key, the same content key.
-        reply = lookup(stub_b, [digest("system prompt"), digest("doc in context 2")],
-                       [b"", document.content_key])
-        assert reply.prefix_run == 0
+        keys, content_keys = [digest("system prompt"), digest("doc in context 2")], [b"", document.content_key]
+        # L2's content sets are unverified until their records are read: the first Lookup answers from
+        # LMDB alone (no hit) and promotes the candidate, checked against its signed header.
+        reply = lookup(stub_b, keys, content_keys)
+        assert (reply.prefix_run, list(reply.content_hits)) == (0, [])
+        assert host_b.cache.wait_for_promotions(10)
+        reply = lookup(stub_b, keys, content_keys)
         assert [(hit.index, hit.stored_key) for hit in reply.content_hits] == [(1, document.key)]
         assert fetch_chunks(stub_b, [document.key])[0].blob == document.blob
 
@@ -82,6 +86,10 @@ def test_a_corrupted_l2_record_is_a_miss_and_is_deleted(two_hosts, redis):
         value = bytearray(client.get(redis_key))
         value[-1] ^= 0xFF  # one flipped bit in the blob
         client.set(redis_key, bytes(value))
+        # Lookup reads no value, so it reports the record arriving; its promotion finds the flip and
+        # Fetch answers a miss (a reader's run ends there).
+        assert list(lookup(stub_b, [chunk.key]).prefix_hit) == [True]
+        assert [found.found for found in fetch_chunks(stub_b, [chunk.key])] == [False]
         assert list(lookup(stub_b, [chunk.key]).prefix_hit) == [False]
         assert client.exists(redis_key) == 0
         assert stats(stub_b).l2.corrupted == 1

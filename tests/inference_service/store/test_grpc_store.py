@@ -36,6 +36,7 @@ class FakeCacheService(cache_pb2_grpc.CacheServiceServicer):
         self.content: dict[bytes, bytes] = {}  # content key -> prefix key
         self.corrupt_keys: set[bytes] = set()  # served with a wrong checksum
         self.stall = threading.Event()  # set: Lookup blocks until `release` is set
+        self.stall_spares_probes = False  # True: an empty Lookup (a probe) still answers (a slow tier, a live daemon)
         self.release = threading.Event()
         self.largest_stored_frame = 0
         self.num_lookups = 0
@@ -49,7 +50,7 @@ class FakeCacheService(cache_pb2_grpc.CacheServiceServicer):
     def Lookup(self, request, context):
         self.num_lookups += 1
         self._check_token(context)
-        if self.stall.is_set():
+        if self.stall.is_set() and (request.prefix_keys or not self.stall_spares_probes):
             self.release.wait(10)
         hits = [key in self.blobs for key in request.prefix_keys]
         run = hits.index(False) if False in hits else len(hits)
@@ -225,11 +226,28 @@ def test_a_stalled_daemon_costs_one_short_deadline(service) -> None:
     with running_daemon(service) as address, connected_cache(address, rpc_timeout_s=0.2) as cache:
         service.stall.set()
         asked, answered = service.num_lookups, service.num_lookups_answered
-        with pytest.raises(StoreUnavailable, match="DEADLINE_EXCEEDED"):
+        with pytest.raises(StoreTimeout, match="DEADLINE_EXCEEDED"):
             cache.lookup(NAMESPACE, [make_key(1)])
-        # One attempt, given up by the client's deadline while the daemon still holds it (no retry, no waiting it out).
-        assert (service.num_lookups, service.num_lookups_answered) == (asked + 1, answered)
-        assert cache.degraded
+        # One attempt, given up by the client's deadline while the daemon still holds it (no retry, no waiting it
+        # out); then one probe, which stalls too: only that marks the daemon unreachable.
+        wait_for(lambda: cache.degraded, "the probe after the slow call", timeout_s=10.0, interval_s=0.02)
+        assert (service.num_lookups, service.num_lookups_answered) == (asked + 2, answered)
+        service.release.set()
+
+
+def test_a_slow_lookup_costs_that_request_only_when_the_daemon_answers_a_probe(service) -> None:
+    """A Lookup slowed past its deadline (a busy machine, a slow L2 behind the daemon) is not an outage."""
+    service.blobs[make_key(1)] = b"x"
+    with running_daemon(service) as address, connected_cache(address, rpc_timeout_s=0.2) as cache:
+        service.stall.set()
+        service.stall_spares_probes = True
+        with pytest.raises(StoreTimeout, match="DEADLINE_EXCEEDED"):
+            cache.lookup(NAMESPACE, [make_key(1)])
+        wait_for(lambda: cache.num_slow_call_probes == 1, "the probe after the slow call", timeout_s=10.0,
+                 interval_s=0.02)
+        assert not cache.degraded
+        service.stall.clear()
+        assert cache.lookup(NAMESPACE, [make_key(1)]).prefix_run == 1  # the next request uses the cache
         service.release.set()
 
 

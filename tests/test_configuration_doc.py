@@ -1,5 +1,6 @@
 """docs/configuration.md against the real argument parsers: every flag a process takes is in that process's
-section, and no section lists a flag its process does not take (a misplaced, removed or misspelt one)."""
+section, no section lists a flag its process does not take (a misplaced, removed or misspelt one), and each row
+names the environment variable the flag's own help names."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ def gateway_mark() -> str:
 
 
 FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
+ENV = re.compile(r"KVBOOST_[A-Z0-9_]+")
 
 
 def sections(text: str) -> dict[str, list[str]]:
@@ -62,6 +64,30 @@ def table_flags(lines: list[str]) -> set[str]:
         if line.startswith("|") and not is_separator(line):
             flags.update(FLAG.findall(line.split("|")[1]))
     return flags
+
+
+def env_cells(lines: list[str]) -> dict[str, str]:
+    """flag -> the env cell of its row (a row may name several flags: `--tls-cert` / `--tls-key`)."""
+    cells = {}
+    for line in lines:
+        if line.startswith("|") and not is_separator(line):
+            columns = line.split("|")
+            for flag in FLAG.findall(columns[1]):
+                cells[flag] = columns[2] if len(columns) > 2 else ""
+    return cells
+
+
+def wrong_env_names(lines: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """'--flag: KVBOOST_X' for every documented flag whose row does not name the variable its help ends with
+    (every parser's help names its variable last: "... (KVBOOST_MODEL)")."""
+    cells = env_cells(lines)
+    wrong = []
+    for action in parser._actions:
+        names = [name for name in action.option_strings if name in cells]
+        named = ENV.findall(action.help or "")
+        if names and named and action.help != argparse.SUPPRESS and named[-1] not in cells[names[0]]:
+            wrong.append(f"{names[0]}: {named[-1]}")
+    return wrong
 
 
 def parser_flags(parser: argparse.ArgumentParser) -> list[tuple[str, ...]]:
@@ -102,6 +128,12 @@ def test_each_process_section_lists_exactly_its_flags(command):
     assert not misplaced, f"docs/configuration.md lists under `{command}` flags it does not take: {misplaced}"
 
 
+@pytest.mark.parametrize("command", sorted(PARSERS))
+def test_each_row_names_the_environment_variable_its_flag_reads(command):
+    wrong = wrong_env_names(section_of(DOC.read_text(), command), PARSERS[command]({}))
+    assert not wrong, f"rows of `{command}` in docs/configuration.md that miss the flag's variable: {wrong}"
+
+
 def test_the_one_process_server_section_says_how_flags_split():
     lines = section_of(DOC.read_text(), "python -m kvboost_server")
     mark = gateway_mark()
@@ -115,9 +147,10 @@ def test_no_table_is_split_by_a_paragraph():
 
 def test_the_check_fails_on_a_missing_and_a_misplaced_flag():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--listen")
-    parser.add_argument("--keys", action=argparse.BooleanOptionalAction)
+    parser.add_argument("--listen", help="where (KVBOOST_LISTEN)")
+    parser.add_argument("--keys", action=argparse.BooleanOptionalAction, help="keys (KVBOOST_KEYS)")
     parser.add_argument("--old", help=argparse.SUPPRESS)
     doc = ["| flag | env |", "|---|---|", "| `--no-keys` | X |", "| `--store-deadline` | Y |"]
     assert missing_and_misplaced(doc, parser) == (["--listen"], ["--store-deadline"])
+    assert wrong_env_names(doc + ["| `--listen` | `KVBOOST_LISTEN` |"], parser) == ["--no-keys: KVBOOST_KEYS"]
     assert split_tables(["| a |", "|---|", "| `--x` |", "", "text", "| `--y` | 1 |"]) == ["| `--y` | 1 |"]

@@ -115,3 +115,21 @@ def test_a_failing_local_read_falls_back_for_later_fetches(writer, tmp_path, mon
         assert list(store.fetch([KEY_A])) == [(KEY_A, b"over grpc")]
     finally:
         store.close()
+
+
+def test_chunks_the_map_misses_come_over_the_fetch_stream_from_the_first_miss_on(writer, tmp_path):
+    """A Lookup may answer chunks still arriving from L2; this read's snapshot predates them, so from the first
+    key the map misses the rest come over Fetch (where the daemon waits for them, or answers a miss)."""
+    remote = FakeRemote(str(tmp_path / "lmdb"), writer.environment_id)
+    store = ColocatedStore(remote, "auto")
+    arriving = [b"\x0b" * 32, b"\x0c" * 32]
+    try:
+        assert store.check()
+        blobs = store.fetch([KEY_A, *arriving])
+        assert [(key, bytes(blob)) for key, blob in blobs] == [
+            (KEY_A, b"a" * 10), (arriving[0], b"over grpc"), (arriving[1], b"over grpc")]
+        blobs.close()
+        assert remote.calls == ["describe", "fetch"] and store.num_stream_fetches == 1
+        assert store.reads_locally  # a miss is not a failed read: the map stays in use
+    finally:
+        store.close()

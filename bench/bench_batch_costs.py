@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     from inference_service.model.batch_forward import PrefillRow, prefill_rows
     from inference_service.model.forward import prefill
     from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+    from inference_service.model.model_step import ModelStep
     from inference_service.model.slot_buffers import SlotBuffers
+    from inference_service.model.step_runner import StepRunner
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,10 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             slot_keys[:, :, :context].copy_(keys[:, :, :context])
             slot_values[:, :, :context].copy_(values[:, :, :context])
             slots.written(slot, context)
+        runner = StepRunner(slots, ModelStep(model))  # the model's own forward over the slots
         position = [context]
 
         def step() -> None:
-            slots.decode(model, {slot: (tokens[0], position[0]) for slot in range(num_rows)})
+            runner.decode({slot: (tokens[0], position[0]) for slot in range(num_rows)})
             position[0] += 1
 
         step()  # first call: buffers and kernels warm

@@ -43,8 +43,8 @@ def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str
                    work_dir: Path, baseline_tree: Path | None = None,
                    decode_steps: tuple[str, ...] = ()) -> tuple[dict[str, str], str, int, dict[str, str]]:
     """The daemon and one service per configuration; ({label: address}, daemon address, daemon pid, {label: the
-    decode step the service runs, from its log}): a step that cannot run here falls back (split and wide to
-    lean), and a row must not be credited to a step that did not run."""
+    decode step the service runs, from its log}): a step that cannot run here falls back (lean to
+    transformers), and a row must not be credited to a step that did not run."""
     from tests.conftest import pick_free_port
     from tests.e2e.daemon_process import start_daemon
     from tests.e2e.service_process import start_service
@@ -71,7 +71,7 @@ def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str
 
 
 def step_run(log: str) -> str:
-    """The decode step a service's start-up log says it runs (step_choice logs the last choice it made)."""
+    """The decode step a service's start-up log says it runs (model/step_runner.py logs its choice)."""
     if "each step runs transformers' forward" in log:
         return "transformers"
     found = re.findall(r"decode step: (\w+)", log)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                              "`before` beside this one, in the same run")
     parser.add_argument("--no-warm", action="store_true",
                         help="do not Warm the system prompt first (then every request also prefills its tail)")
-    parser.add_argument("--decode-steps", nargs="+", default=[], choices=["wide", "onednn", "split", "transformers"],
+    parser.add_argument("--decode-steps", nargs="+", default=[], choices=["transformers"],
                         help="also run the batched service under each of these --decode-step choices (label "
                              "batched-STEP), beside the default's")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="folder for concurrency.png and .json")

@@ -4,14 +4,22 @@ chat prompts of 64 tokens, served as the engine serves them (prefixes from the c
 running batch).
 
     flock /tmp/kvboost-bench.lock python bench/bench_fast_step.py --threads 1
-    python bench/bench_fast_step.py --threads 1 --skip-timing --sweep 200 --steps lean onednn
+    python bench/bench_fast_step.py --threads 1 --skip-timing --sweep 200 --steps lean
     flock /tmp/kvboost-bench.lock python bench/bench_fast_step.py --model tiny --cases 1x20 --rounds 2 --sweep 4
+
+--baseline-tree DIR (a checkout of an earlier commit: git worktree add DIR COMMIT, or git archive COMMIT | tar -x)
+times the lean step in that tree and in this one, in separate processes that alternate (ABBA order, --pairs
+pairs), and prints each tree's median and their ratio:
+
+    flock /tmp/kvboost-bench.lock python bench/bench_fast_step.py --baseline-tree /tmp/before --cases 1x50
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import re
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -181,6 +189,7 @@ def compare_compile(model, context: int, num_steps: int) -> None:
     import torch
 
     from inference_service.model.decode_step import LeanStep
+    from inference_service.model.scripted_layers import decoder_layers
     from inference_service.model.kv_buffers import kv_geometry
 
     capacity = context + 2 * num_steps + 8
@@ -192,6 +201,7 @@ def compare_compile(model, context: int, num_steps: int) -> None:
         keys = (torch.randn(shape, generator=generator.manual_seed(0)) * 0.5).to(model.dtype)
         buffers.append((keys, keys.flip(-1).clone()))
     step = LeanStep(model)
+    step.layers = decoder_layers  # the Python loop (a GPU's): inductor compiles Python, not TorchScript
     raw = LeanStep.__call__.__wrapped__  # without inference_mode, which compiled graphs cannot mutate buffers under
 
     def run(which, position: int, fn):
@@ -235,6 +245,43 @@ def _start_rows(engine, tokenizer, num_rows: int, context: int, num_steps: int) 
     return stop
 
 
+TIMED = re.compile(r"^ *(\d+) row\(s\) x ~(\d+) tokens, (.+?) *: +([\d.]+) ms per step", re.M)
+
+
+def timed_lines(output: str) -> dict[str, float]:
+    """{'ROWS x CONTEXT LABEL': ms per step} from this script's timing lines."""
+    return {f"{rows}x{context} {label}": float(ms) for rows, context, label, ms in TIMED.findall(output)}
+
+
+def against_baseline(args) -> int:
+    """This tree's lean step against the baseline tree's, one process per run, alternating ABBA; per case each
+    tree's median over its runs and the ratio (baseline / this: above 1 this tree is faster)."""
+    trees = {"this": ROOT, "before": args.baseline_tree.resolve()}
+    script = Path("bench") / "bench_fast_step.py"
+    assert (trees["before"] / script).is_file(), f"{trees['before']} holds no {script}"
+    common = ["--model", args.model, "--steps", "lean", "--cases", *args.cases, "--rounds", str(args.rounds),
+              "--steps-per-round", str(args.steps_per_round), "--threads", *map(str, args.threads)]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, the lean step: this tree {ROOT} against "
+          f"{trees['before']}, {args.pairs} runs each, alternating ABBA; {' '.join(common)}", flush=True)
+    for index in range(args.pairs):
+        for name in (("before", "this") if index % 2 == 0 else ("this", "before")):
+            done = subprocess.run([sys.executable, str(trees[name] / script), *common], cwd=trees[name],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                print(done.stdout + done.stderr, file=sys.stderr)
+                return 1
+            runs[name].append(timed_lines(done.stdout))
+            print(f"  run {index + 1} {name:6s}: " + ", ".join(f"{case} {ms:.1f} ms"
+                                                          for case, ms in runs[name][-1].items()), flush=True)
+    for case in runs["this"][0]:
+        this = statistics.median(run[case] for run in runs["this"])
+        before = statistics.median(run[case] for run in runs["before"] if case in run)
+        print(f"{case}: this tree {this:.2f} ms per step, before {before:.2f} ms: {before / this:.3f}x "
+              f"(this tree {'faster' if this < before else 'slower'} by {abs(before - this) / before * 100:.1f}%)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -244,9 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(e.g. qwen2.5-coder-0.5b)")
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                         help="model dtypes to time (a copy of the model each); the sweep runs at the first")
-    parser.add_argument("--steps", nargs="+", default=["transformers", "lean", "split", "onednn"],
-                        choices=["split", "lean", "wide", "onednn", "transformers"],
-                        help="decode steps to compare (the first is the baseline of the ratios)")
+    parser.add_argument("--steps", nargs="+", default=["transformers", "lean"], choices=["lean", "transformers"],
+                        help="decode steps to compare (the first is the baseline of the ratios); the retired split, "
+                             "wide and onednn steps are measured in docs/performance.md")
     parser.add_argument("--cases", nargs="+", default=["1x50", "16x700"],
                         help="ROWSxCONTEXT: rows decoding together, each after about CONTEXT prompt tokens")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per case")
@@ -259,7 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", type=int, default=0, help="prompts in the identity sweep (0: no sweep)")
     parser.add_argument("--sweep-tokens", type=int, default=64, help="greedy tokens per sweep prompt")
     parser.add_argument("--sweep-wave", type=int, default=16, help="sweep prompts submitted at once")
+    parser.add_argument("--baseline-tree", type=Path,
+                        help="time the lean step in this tree and in DIR (an earlier commit), alternating processes")
+    parser.add_argument("--pairs", type=int, default=4, help="with --baseline-tree: runs of each tree")
     args = parser.parse_args(argv)
+    if args.baseline_tree is not None:
+        return against_baseline(args)
 
     import torch
 

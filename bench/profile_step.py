@@ -161,6 +161,7 @@ def run_case(engine, tokenizer, num_rows: int, context: int, num_steps: int):
     from inference_service.engine.executor import Executor
     from inference_service.engine.engine import GenerationParams
     from inference_service.model.slot_buffers import SlotBuffers
+    from inference_service.model.step_runner import StepRunner
 
     core, stop = engine.core, threading.Event()
     tokens = [0] * num_rows
@@ -179,23 +180,17 @@ def run_case(engine, tokenizer, num_rows: int, context: int, num_steps: int):
         started = time.perf_counter()
         core.step()
         times.append(time.perf_counter() - started)
-    buffers = core.owner.buffers
-    step = buffers.step
-    with (scoped(core, "step", "engine step"), scoped(SlotBuffers, "decode", "decode"),
-          scoped(SlotBuffers, "_keep_finite", "keep finite"), scoped(Executor, "_take", "sample+stream")):
-        if step is not None:
-            buffers.step = lambda *args: _in_scope("model step", step, *args)
-        else:
-            patch = scoped(SlotBuffers, "_model_forward", "model step")
-            patch.__enter__()
+    runner = core.executor.runner
+    step = runner.step
+    with (scoped(core, "step", "engine step"), scoped(StepRunner, "decode", "decode"),
+          scoped(SlotBuffers, "keep_finite", "keep finite"), scoped(Executor, "_take", "sample+stream")):
+        runner.step = lambda *args: _in_scope("model step", step, *args)
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 for _ in range(num_steps):
                     core.step()
         finally:
-            buffers.step = step
-            if step is None:
-                patch.__exit__(None, None, None)
+            runner.step = step
     stop.set()
     while core.has_work():
         core.step()
@@ -260,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", default=["1x50", "1x1600", "8x700", "16x700"],
                         help="ROWSxCONTEXT: rows decoding together, each after about CONTEXT prompt tokens")
     parser.add_argument("--steps", type=int, default=10, help="decode steps timed, then profiled, per case")
-    parser.add_argument("--decode-step", default="lean", choices=["split", "lean", "onednn", "transformers"],
+    parser.add_argument("--decode-step", default="lean", choices=["lean", "transformers"],
                         help="the engine's decode step (inference_service --decode-step)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the tensor the bandwidth sum reads")

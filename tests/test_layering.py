@@ -204,3 +204,95 @@ def test_the_scheduler_decides_without_tensors(module):
     heavy = [name for name in imported_modules(ENGINE_ROOM / f"{module}.py")
              if name.split(".")[0] in ("torch", "transformers") or ".model." in name or name.endswith(".model")]
     assert not heavy, f"engine/{module}.py imports {heavy}: the scheduler must stay pure"
+
+
+def module_arrows(package_dir: Path) -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, every import counted wherever it sits (a function-local import
+    runs too, later) except those under `if TYPE_CHECKING:`, which never run. A name resolves to the longest
+    module it starts with (`pkg.mod.Name` -> `pkg.mod`; `pkg.sub` -> its `__init__`)."""
+    root = package_dir.parent
+    modules = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    arrows = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(sub) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for sub in ast.walk(node)}
+        names = [name for name in imported_modules(path, root) if name.startswith(package_dir.name)]
+        if typing_only:  # the same walk over the file without its TYPE_CHECKING blocks
+            kept = ast.Module(body=[node for node in tree.body if id(node) not in typing_only], type_ignores=[])
+            names = [name for node in ast.walk(kept) if isinstance(node, (ast.Import, ast.ImportFrom))
+                     for name in _names_of(node, module, path)]
+        targets = set()
+        for name in names:
+            parts = name.split(".")
+            found = next((".".join(parts[:end]) for end in range(len(parts), 0, -1) if ".".join(parts[:end]) in modules),
+                         None)
+            if found is not None and found != module:
+                targets.add(found)
+        arrows[module] = targets
+    return arrows
+
+
+def _names_of(node: ast.stmt, module: str, path: Path) -> list[str]:
+    package = module if path.stem == "__init__" else module.rpartition(".")[0]
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(parent + ([base] if base else []))
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
+
+
+def import_cycles(arrows: dict[str, set[str]]) -> list[list[str]]:
+    """Every group of modules that import each other, directly or around a loop (Tarjan's strongly connected
+    components of more than one module), each sorted."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(arrows.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(arrows):
+        if module not in index:
+            visit(module)
+    return sorted(cycles)
+
+
+def test_no_import_cycle_anywhere_in_the_inference_service():
+    cycles = import_cycles(module_arrows(ROOT / "inference_service"))
+    assert not cycles, "modules that import each other (function-local imports count):\n" + "\n".join(
+        " <-> ".join(group) for group in cycles)
+
+
+def test_the_cycle_check_sees_function_local_imports_and_skips_type_checking_ones(tmp_path):
+    package = tmp_path / "inference_service"
+    (package / "model").mkdir(parents=True)
+    (package / "model" / "__init__.py").write_text("")
+    (package / "model" / "a.py").write_text("from inference_service.model.b import B\n")
+    (package / "model" / "b.py").write_text("def probe():\n    from inference_service.model.a import A\n")
+    (package / "model" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                            "    from inference_service.model.d import D\n")
+    (package / "model" / "d.py").write_text("from . import c\n")
+    arrows = module_arrows(package)
+    assert arrows["inference_service.model.b"] == {"inference_service.model.a"}
+    assert arrows["inference_service.model.c"] == set()
+    assert arrows["inference_service.model.d"] == {"inference_service.model", "inference_service.model.c"}
+    assert import_cycles(arrows) == [["inference_service.model.a", "inference_service.model.b"]]

@@ -19,6 +19,7 @@ from inference_service.engine.sequence import Sequence
 from inference_service.request.types import MAX_CHOICES
 from inference_service.errors import EngineFatal, EngineStopped, InvalidRequest, QueueFull
 from inference_service.model.batch_forward import has_sliding_layers
+from inference_service.model.step_runner import choose_runner
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,8 @@ class EngineCore:
         self.owner = KvOwner(ledger, parts.model.config, parts.geometry, self.layout.capacity, parts.device,
                              parts.dtype)
         self.scheduler = Scheduler(limits, self.owner.ledger)
-        self.executor = Executor(parts.model, self.owner, self.scheduler, batched, pad_token_id,
-                                 parts.config.decode_step)
+        runner = choose_runner(parts.model, self.owner.buffers, parts.config.decode_step)  # logs what runs, and why
+        self.executor = Executor(parts.model, self.owner, self.scheduler, runner, batched, pad_token_id)
         self.max_queue = max_queue
         self.on_fatal: Callable[[BaseException], None] | None = None  # the process must restart (serving exits)
         self.num_steps = 0
@@ -159,7 +160,8 @@ class EngineCore:
 
     def stats(self) -> dict:
         return {"running_rows": self.scheduler.num_running_rows, "waiting_requests": self.num_waiting,
-                **self.owner.stats(), **(self._hot.snapshot() if self._hot is not None else {})}
+                **self.owner.stats(), "decode_step": self.executor.runner.name,
+                **(self._hot.snapshot() if self._hot is not None else {})}
 
     def _loop(self) -> None:
         while True:

@@ -23,13 +23,11 @@ from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.batch_forward import BatchWorkspace
 from inference_service.model.forward import decode_step
 from inference_service.model.kv_buffers import build_cache
-from inference_service.model.graph_step import capture_graphs
-from inference_service.model.step_choice import choose_decode_step
-from inference_service.model.step_names import DEFAULT_DECODE_STEP
 
 if TYPE_CHECKING:  # annotations only: the core builds both and hands them in
     from inference_service.engine.kv_owner import KvOwner
     from inference_service.engine.scheduler import Scheduler, StepPlan
+    from inference_service.model.step_runner import StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +35,13 @@ logger = logging.getLogger(__name__)
 class Executor:
     """The only part of the engine that runs forwards; every sequence it knows is in `sequences` by seq id."""
 
-    def __init__(self, model, owner: KvOwner, scheduler: Scheduler, batched: bool, pad_token_id: int = 0,
-                 decode_step: str = DEFAULT_DECODE_STEP) -> None:
-        """decode_step: the batched step asked for (model.step_names.DECODE_STEPS); the model's own forward runs
-        instead where it cannot run exactly as asked (logged, and named in the owner's stats)."""
-        self.model, self.owner, self.scheduler = model, owner, scheduler
+    def __init__(self, model, owner: KvOwner, scheduler: Scheduler, runner: StepRunner, batched: bool,
+                 pad_token_id: int = 0) -> None:
+        """runner: the batched decode step over the owner's slots (model.step_runner.choose_runner)."""
+        self.model, self.owner, self.scheduler, self.runner = model, owner, scheduler, runner
         self.batched = batched  # False: rows decode one at a time, each in its own cache (sliding-window models)
         self.pad_token_id = pad_token_id
         self.workspace = BatchWorkspace.for_device(model.device)  # batched prefills' buffers, kept on a CPU
-        choice = choose_decode_step(model, decode_step)  # says why when the model cannot take it
-        owner.buffers.step = choice.step if batched else None
-        owner.buffers.graphs = capture_graphs(model, owner.buffers.step, owner.buffers)  # None on a CPU
-        owner.decode_step = (choice.name if batched else "transformers") + ("+graphs" if owner.buffers.graphs else "")
         self.sequences: dict[int, Sequence] = {}
 
     # ---- admission and prefill --------------------------------------------------------------------
@@ -175,8 +168,7 @@ class Executor:
             for _, row in rows:
                 self.owner.buffers.finite_until[row.slot] = max(self.owner.buffers.finite_until[row.slot],
                                                                 row.next_position)
-            return self.owner.buffers.decode(
-                self.model, {row.slot: (row.next_token_id, row.next_position) for _, row in rows})
+            return self.runner.decode({row.slot: (row.next_token_id, row.next_position) for _, row in rows})
         return [decode_step(self.model, row.cache, torch.tensor(row.next_token_id, device=self.model.device),
                             row.next_position) for _, row in rows]
 
@@ -223,13 +215,11 @@ class Executor:
 
     def _store_answer(self, seq: Sequence, row: Row) -> None:
         """The prompt's tail and the answer's K/V (first completion only) as chunks, so the next turn of a
-        conversation reuses the whole previous turn; only K/V that are exact, of single-segment prompts (a decode
-        step that rounds differently from the model's forward, --decode-step onednn or wide, computes answers' K/V
-        that another service sharing the cache would take as exact: they are not stored)."""
+        conversation reuses the whole previous turn; only K/V that are exact (every decode step is bitwise the
+        model's forward: the start-up probe checks it), of single-segment prompts."""
         limit = seq.parts.config.max_answer_tokens_stored
         answer = row.decoder.token_ids[:-1][:limit]  # the last token was never fed back: it has no K/V
-        exact_step = self.owner.buffers.step is None or self.owner.buffers.step.exact
-        if (not answer or not self.batched or not exact_step or seq.approximate or seq.mode == "baseline"
+        if (not answer or not self.batched or seq.approximate or seq.mode == "baseline"
                 or seq.context.degraded or seq.params.segments):
             return
         pending = answer_chunks(seq.prompt, answer, seq.parts.config.chunk_size, self.owner.views(row.slot),

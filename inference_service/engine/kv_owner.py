@@ -30,7 +30,6 @@ class KvOwner:
                  dtype: torch.dtype) -> None:
         self.ledger = ledger
         self.buffers = SlotBuffers(config, geometry, ledger.num_slots, capacity, device, dtype)
-        self.decode_step = "transformers"  # the decode step the executor chose (model.step_names.DECODE_STEPS)
         self._holds: Counter[int] = Counter()
         self._released: list[int] = []
         self._lock = threading.Lock()
@@ -70,4 +69,4 @@ class KvOwner:
 
     def stats(self) -> dict:
         return {"kv_bytes_in_use": self.ledger.bytes_in_use, "kv_budget_bytes": self.ledger.budget_bytes,
-                "kv_slots_free": self.ledger.num_free_slots, "decode_step": self.decode_step}
+                "kv_slots_free": self.ledger.num_free_slots}

@@ -13,7 +13,7 @@ Exactness: a bucket runs the same kernels as the eager step on more rows and mor
 may round apart from the exact shapes: the GPU tests compare answers with model.generate (fp32) and bench_gpu.py
 reports bf16 agreement. Before the first request a probe runs the same buckets eagerly and from captured graphs
 over the same random K/V and compares them bitwise; where they differ, or capture fails, the eager step runs at
-exact shapes and the log says why.
+exact shapes and the log says why (model/step_runner.py runs that probe).
 """
 from __future__ import annotations
 
@@ -30,14 +30,12 @@ MIN_LENGTH_BUCKET = 256
 MAX_GRAPHS = 64  # buckets captured at most; a step outside them runs eagerly
 
 
-def graph_support(device: torch.device, step: LeanStep | None) -> str:
+def graph_support(device: torch.device, step) -> str:
     """Why decode steps cannot be captured here; '' when they can (the probe still decides)."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device; the model is on {device.type}"
-    if step is None:
+    if not isinstance(step, LeanStep):
         return "the decode step is transformers' own forward (only the lean step is captured)"
-    if step.packed or step.split or step.wide:
-        return "packed, split and wide steps are CPU paths"
     return ""
 
 
@@ -144,52 +142,3 @@ class GraphSteps:
         logger.info("decode step captured as a CUDA graph for %d rows x %d columns (%d graphs)", num_rows, columns,
                     len(self._graphs))
         return captured
-
-
-def capture_graphs(model, step: LeanStep | None, buffers) -> GraphSteps | None:
-    """Graphs over `buffers` (a SlotBuffers) when the device and step allow them and the probe replays bitwise what
-    the eager step computes; None (the reason logged) otherwise."""
-    reason = graph_support(model.device, step)
-    if not reason:
-        try:
-            reason = _probe_mismatch(model, step)
-        except Exception as error:  # a capture that fails (an op that syncs, an allocator limit): eager it is
-            reason = f"capture failed: {type(error).__name__}: {error}"
-    if reason:
-        (logger.warning if model.device.type == "cuda" else logger.debug)("decode steps run eagerly: %s", reason)
-        return None
-    logger.info("decode steps replay CUDA graphs (bitwise the eager step on the probe)")
-    return GraphSteps(step, buffers.keys, buffers.values, buffers.capacity)
-
-
-@torch.inference_mode()
-def _probe_mismatch(model, step: LeanStep) -> str:
-    """The same steps run eagerly and replayed from captured graphs, in the same buckets, over the same random K/V
-    (one row, a row above slot 0, two rows with a gap, one at the capacity's bucket); '' when logits and the K/V
-    written agree bitwise (what capture could change: an op that read a stale address or skipped a copy)."""
-    from inference_service.model.kv_buffers import kv_geometry
-    from inference_service.model.slot_buffers import SlotBuffers
-
-    geometry = kv_geometry(model.config)
-    capacity = MIN_LENGTH_BUCKET + 44  # a bucket below the capacity and one capped at it
-    generator = torch.Generator(device="cpu").manual_seed(1)
-    pair = [SlotBuffers(model.config, geometry, 4, capacity, model.device, model.dtype) for _ in range(2)]
-    noise = torch.randn(pair[0].keys.shape, generator=generator).to(model.device, model.dtype)
-    for slots, eager in zip(pair, (True, False)):
-        slots.keys.copy_(noise)
-        slots.values.copy_(noise.flip(-1))
-        slots.step = step
-        slots.graphs = GraphSteps(step, slots.keys, slots.values, capacity, eager=eager)
-        for slot in range(4):
-            slots.written(slot, 12)
-    vocab_size = model.get_input_embeddings().num_embeddings
-    tokens = torch.randint(0, vocab_size, (4,), generator=generator).tolist()
-    for rows in ({0: (tokens[0], 12)}, {1: (tokens[1], 9)}, {0: (tokens[2], 13), 3: (tokens[3], capacity - 1)}):
-        expected, got = pair[0].decode(model, rows), pair[1].decode(model, rows)
-        if not torch.equal(expected, got):
-            return f"replayed logits differ from the eager step's (by up to {float((got - expected).abs().max()):.3g})"
-    if not (torch.equal(pair[0].keys, pair[1].keys) and torch.equal(pair[0].values, pair[1].values)):
-        return "replayed steps wrote other K/V than the eager step"
-    if pair[1].graphs.num_replays != 3:
-        return f"the probe replayed {pair[1].graphs.num_replays} of its 3 steps"
-    return ""

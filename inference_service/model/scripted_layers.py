@@ -1,13 +1,10 @@
-"""The lean decode step's decoder layers as one TorchScript function: the same ATen ops, in the same order, on the same
-tensors as LeanStep's Python loop (so the same bits), without Python between them.
+"""The decode step's layer loop, written once: the same ATen ops, in the same order, on the same tensors as
+transformers' Llama/Mistral/Qwen2 decoder layers for one new token per row (so the same bits).
 
-Measured on the 2-core dev machine (docs/performance.md): the lean step over a 30-layer Llama with almost no
-arithmetic takes 6.9 ms, which is the per-op cost of ~40 ops a layer run from Python; SmolLM2's one-row step is
-26 ms. The TorchScript interpreter runs the same ops for less. step_choice's probe checks the scripted step
-bitwise against the model's forward at start-up, as it does the Python loop.
-
-Only plain projections (F.linear, no packed, split or wide weights) and SiLU-gated MLPs (Llama, Mistral, Qwen2) go
-through it; anything else keeps the Python loop.
+LeanStep (model/decode_step.py) runs it as TorchScript on a CPU, where the interpreter runs the ~40 ops of a layer
+without Python between them (docs/performance.md), and as this Python function on a GPU, where CUDA graphs
+(model/graph_step.py) capture it: TorchScript's GPU fuser would fuse the pointwise ops and round them apart.
+The start-up probe (model/step_runner.py) checks whichever runs bitwise against the model's forward.
 """
 from __future__ import annotations
 
@@ -37,8 +34,11 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
                    mask: Tensor, cos: Tensor, sin: Tensor, weights: List[List[Tensor]],
                    biases: List[List[Optional[Tensor]]], norms: List[List[Tensor]], eps: List[List[float]],
                    scalings: List[float], head_dim: int, num_kv_heads: int, groups: int) -> Tensor:
-    """LeanStep's layer loop. weights[i], biases[i]: layer i's q, k, v, o, gate, up, down; norms[i], eps[i]: its
-    input and post-attention norms."""
+    """Each layer over one token per row; writes each row's K/V at its column and returns the hidden states.
+
+    hidden: [rows, 1, hidden]; keys, values: [layers, rows, kv_heads, capacity, head_dim]; rows, columns: [rows];
+    mask: bool [rows, 1, 1, length]; cos, sin: [rows, 1, 1, head_dim]. weights[i], biases[i]: layer i's q, k, v,
+    o, gate, up, down; norms[i], eps[i]: its input and post-attention norms."""
     num_rows = hidden.size(0)
     for index in range(len(weights)):
         weight, bias, norm, epsilon = weights[index], biases[index], norms[index], eps[index]
@@ -52,9 +52,9 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
         query = (query * cos) + (rotate_half(query) * sin)
         key = (key * cos) + (rotate_half(key) * sin)
         layer_keys, layer_values = keys[index], values[index]
-        layer_keys[rows, :, columns] = key[:, :, 0]
+        layer_keys[rows, :, columns] = key[:, :, 0]  # layer_keys: [rows, kv_heads, capacity, head_dim]
         layer_values[rows, :, columns] = value[:, :, 0]
-        if groups > 1:
+        if groups > 1:  # one query token: its heads' groups become the query length (transformers' pack_gqa)
             query = query.reshape(num_rows, num_kv_heads, groups, head_dim)
         output = F.scaled_dot_product_attention(query, layer_keys[:, :, :length], layer_values[:, :, :length],
                                                 attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scalings[index])
@@ -67,6 +67,8 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
     return hidden
 
 
-with warnings.catch_warnings():  # TorchScript is deprecated in torch 2.x; the pinned torch has it (decode_step.py)
+# TorchScript is deprecated in torch 2.x; torch is pinned, and tests/inference_service/model/test_decode_step.py
+# fails loudly if a later torch changes what the scripted loop returns.
+with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
     scripted_decoder_layers = torch.jit.script(decoder_layers)

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
 from inference_service.request.types import MODES, RECOMPUTE_STRATEGIES
-from inference_service.model.step_names import DECODE_STEPS, DEFAULT_DECODE_STEP
+from inference_service.model.step_names import (DECODE_STEPS, DEFAULT_DECODE_STEP, RETIRED_DECODE_STEPS,
+                                                 current_decode_step)
 from inference_service.model.weights import DEFAULT_MODEL
 from inference_service.mkl_dispatch import CHOICES as MKL_DISPATCHES
 from inference_service.store.colocated import LOCAL_READ_MODES
@@ -38,7 +40,7 @@ class ServiceConfig:
     device: str = "auto"  # auto: cuda when present, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     threads: int = 0  # torch intra-op threads; 0: torch's default (the machine's cores)
-    decode_step: str = DEFAULT_DECODE_STEP  # split, lean (exact), wide/onednn (faster, opt-in), transformers
+    decode_step: str = DEFAULT_DECODE_STEP  # lean (bitwise the model's forward, faster) or transformers
     mkl_dispatch: str = "auto"  # MKL's kernels by instruction set (features) or by CPU vendor; set before torch loads
     chunk_size: int = 128
     kv_cache_bits: int = 16
@@ -188,17 +190,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
              "instruction set as on Intel (a tiny library compiled once with cc, loaded before torch); "
              "vendor = MKL's own choice; auto = features on a non-Intel x86-64 Linux CPU. Greedy output stays "
              "identical to model.generate under the same dispatch (docs/performance.md) (KVBOOST_MKL_DISPATCH)")
-    add("--decode-step", default=default("DECODE_STEP", defaults.decode_step), choices=DECODE_STEPS,
-        help="how each batched decode step runs: lean (default) = the model's own ops without transformers' per-call "
-             "overhead, bitwise its forward (checked at start-up; the model's forward runs where it cannot); "
-             "onednn = lean with the weights packed for oneDNN, faster on CPU but rounded differently, so greedy "
-             "output may differ from model.generate (opt-in; agreement measured in docs/performance.md); "
-             "wide = lean for one row (bitwise), and rows decoded together through a transposed copy of every "
-             "weight: 1.3-1.6x faster steps at 8-16 rows on CPU, twice the weights' memory, batched rows rounded "
-             "differently (opt-in; their answers' K/V are not stored); "
-             "split = lean with each weight's rows read by two threads at once (CPU), bitwise too, faster for one "
-             "stream but not for many rows on two cores (docs/performance.md); "
-             "transformers = the model's own forward (KVBOOST_DECODE_STEP)")
+    add("--decode-step", default=default("DECODE_STEP", defaults.decode_step),
+        choices=DECODE_STEPS + tuple(RETIRED_DECODE_STEPS), metavar="{" + ",".join(DECODE_STEPS) + "}",
+        help="how each batched decode step runs: lean (default) = the model's own ops in one layer loop without "
+             "transformers' per-call overhead (scripted on a CPU, replayed from CUDA graphs on a GPU), bitwise its "
+             "forward (checked at start-up; the model's forward runs where it is not); transformers = the model's "
+             "own forward. The retired split, wide and onednn run lean, with a warning (KVBOOST_DECODE_STEP)")
     add("--chunk-size", type=int, default=default("CHUNK_SIZE", defaults.chunk_size), help="tokens per cached chunk (KVBOOST_CHUNK_SIZE)")
     add("--kv-cache-bits", type=int, default=default("KV_CACHE_BITS", defaults.kv_cache_bits), choices=(4, 8, 16), help="stored K/V precision (KVBOOST_KV_CACHE_BITS)")
     add("--tenant-salt", default=default("TENANT_SALT", defaults.tenant_salt), help="isolates this service's cache entries from other tenants (KVBOOST_TENANT_SALT)")
@@ -260,3 +257,6 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     except ValueError as error:
         parser.error(str(error))
         raise  # unreachable: parser.error exits
+    args.decode_step, retired = current_decode_step(args.decode_step)
+    if retired:  # a deployment that named a retired step keeps starting, on the exact step nearest to it
+        logging.getLogger(__name__).warning("%s", retired)

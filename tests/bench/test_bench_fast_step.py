@@ -37,3 +37,20 @@ def test_it_compares_torch_compile_of_the_lean_step_with_it_eager(capsys) -> Non
     assert re.search(r"torch.compile of the lean step \(inductor, static shapes, 1 row over \d+ columns\): first call "
                      r"[\d.]+ s; step [\d.]+ ms vs [\d.]+ ms eager \([\d.]+x\); logits (bitwise equal|differ by up to )",
                      capsys.readouterr().out)
+
+
+def test_a_baseline_tree_alternates_with_this_one_and_prints_the_ratio(tmp_path, capsys) -> None:
+    # this tree as its own baseline: both trees' runs are timed, alternating, and compared case by case
+    assert bench_fast_step.main(["--model", "tiny", "--cases", "1x20", "--rounds", "1", "--steps-per-round", "2",
+                                 "--threads", "1", "--baseline-tree", str(bench_fast_step.ROOT), "--pairs", "2"]) == 0
+    out = capsys.readouterr().out
+    order = re.findall(r"^  run (\d) (this|before) *: 1x20 float32 lean [\d.]+ ms$", out, re.M)
+    assert order == [("1", "before"), ("1", "this"), ("2", "this"), ("2", "before")], out
+    assert re.search(r"^1x20 float32 lean: this tree [\d.]+ ms per step, before [\d.]+ ms: [\d.]+x \(this tree "
+                     r"(faster|slower) by [\d.]+%\)$", out, re.M), out
+
+
+def test_timed_lines_read_every_case_and_step() -> None:
+    out = ("   1 row(s) x ~50 tokens, float32 lean              :    24.3 ms per step,   41.1 tokens/s, 1.00x x\n"
+           "  16 row(s) x ~700 tokens, float32 transformers     :    95.0 ms per step,  168.4 tokens/s, 0.91x x\n")
+    assert bench_fast_step.timed_lines(out) == {"1x50 float32 lean": 24.3, "16x700 float32 transformers": 95.0}

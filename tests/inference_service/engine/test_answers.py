@@ -88,18 +88,3 @@ def test_smollm2_chat_turns_recompute_only_their_new_message(smollm2):
         previous_prompt_tokens, previous_answer_tokens = len(prompt_ids), outcome.generated_tokens
         messages += [("assistant", outcome.output_text), ("user", question)]
     engine.stop()
-
-
-@pytest.mark.parametrize("step", ["onednn", "wide"])
-def test_answers_decoded_by_a_step_that_rounds_differently_are_not_stored(tiny_llama, step):
-    """--decode-step onednn or wide: its answers' K/V are not the model's own, and another service sharing the
-    cache would take them as exact; the prompt (prefilled by the model's forward) is still stored whole."""
-    model, tokenizer = tiny_llama
-    engine = make(tiny_llama, decode_step=step)
-    assert engine.stats()["decode_step"] == step
-    first_prompt = text_of_length(37)
-    first = engine.generate(GenerationParams(prompt=first_prompt, max_new_tokens=20))
-    engine.flush_writes()
-    next_ids = tokenize_prompt(tokenizer, first_prompt)[0] + first.output_token_ids[:-1] + list(b" Next?")
-    assert generate_ids(engine, next_ids, 4).cached_tokens == 37
-    engine.stop()

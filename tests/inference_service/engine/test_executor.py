@@ -14,7 +14,7 @@ from inference_service.engine.engine import Engine, EngineConfig, GenerationPara
 from inference_service.request.generation import NonFiniteLogits, RowDecoder
 from inference_service.errors import InvalidRequest
 from inference_service.model.detokenizer import IncrementalDetokenizer
-from inference_service.model.slot_buffers import SlotBuffers
+from inference_service.model.step_runner import StepRunner
 from kvboost_keys.prompts import tokenize_prompt
 from inference_service.store.memory import InMemoryStore
 from tests.conftest import wait_for
@@ -120,10 +120,10 @@ def test_the_stop_handler_raising_ends_that_request_alone(engine, references, mo
 
 
 def test_nan_logits_in_the_batched_decode_end_that_row_alone(engine, references, monkeypatch):
-    decode, calls = SlotBuffers.decode, []
+    decode, calls = StepRunner.decode, []
 
-    def poisoned(self, model, rows):
-        logits = decode(self, model, rows)
+    def poisoned(self, rows):
+        logits = decode(self, rows)
         victim = [seq for seq in engine.core.executor.sequences.values() if seq.request_id == "victim"]
         if victim and victim[0].rows and len(victim[0].rows[0].decoder.token_ids) >= 2 and not calls:
             calls.append(1)  # once, a few tokens into its decode
@@ -131,7 +131,7 @@ def test_nan_logits_in_the_batched_decode_end_that_row_alone(engine, references,
             logits[order.index(victim[0].rows[0].slot)] = float("nan")
         return logits
 
-    monkeypatch.setattr(SlotBuffers, "decode", poisoned)
+    monkeypatch.setattr(StepRunner, "decode", poisoned)
     results = Run(engine).wait()
     assert isinstance(results["victim"], NonFiniteLogits)
     assert_others_identical(results, references)
@@ -213,7 +213,7 @@ def test_a_failed_shared_forward_reports_to_each_of_its_requests(engine, monkeyp
     def broken(*args, **kwargs):
         raise RuntimeError("the batched decode failed")
 
-    monkeypatch.setattr(SlotBuffers, "decode", broken)
+    monkeypatch.setattr(StepRunner, "decode", broken)
     results = Run(engine).wait()
     # Every row shares the decode forward: each request ends, through its own on_done, with the error.
     assert sorted(results) == ["other0", "other1", "other2", "victim"]

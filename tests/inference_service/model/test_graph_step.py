@@ -7,9 +7,11 @@ import torch
 
 from inference_service.model import graph_step
 from inference_service.model.decode_step import LeanStep
-from inference_service.model.graph_step import GraphSteps, bucket, capture_graphs, graph_support
+from inference_service.model.graph_step import GraphSteps, bucket, graph_support
 from inference_service.model.kv_buffers import kv_geometry
+from inference_service.model.model_step import ModelStep
 from inference_service.model.slot_buffers import SlotBuffers
+from inference_service.model.step_runner import StepRunner, choose_runner, probe_mismatch
 
 
 def test_buckets_are_powers_of_two_within_their_bounds():
@@ -20,9 +22,8 @@ def test_buckets_are_powers_of_two_within_their_bounds():
 def test_graphs_need_cuda_and_the_lean_step(tiny_llama):
     model, _ = tiny_llama
     assert "CUDA" in graph_support(torch.device("cpu"), LeanStep(model))
-    assert "transformers" in graph_support(torch.device("cuda"), None)
+    assert "transformers" in graph_support(torch.device("cuda"), ModelStep(model))
     assert graph_support(torch.device("cuda"), LeanStep(model)) == ""
-    assert capture_graphs(model, LeanStep(model), None) is None, "no graphs on a CPU"
 
 
 def buffers_pair(model, num_slots=6, capacity=300):
@@ -34,11 +35,10 @@ def buffers_pair(model, num_slots=6, capacity=300):
     for slots in pair:
         slots.keys.copy_(noise)
         slots.values.copy_(noise.flip(-1))
-        slots.step = step
         for slot in range(num_slots):
             slots.written(slot, 20)
-    pair[1].graphs = GraphSteps(step, pair[1].keys, pair[1].values, capacity, eager=True)
-    return pair
+    return (StepRunner(pair[0], step),
+            StepRunner(pair[1], step, GraphSteps(step, pair[1].keys, pair[1].values, capacity, eager=True)))
 
 
 @pytest.mark.parametrize("rows", [{0: (5, 20)}, {2: (7, 3)}, {1: (9, 21), 4: (11, 280), 5: (1, 40)}])
@@ -47,17 +47,18 @@ def test_a_bucket_step_is_the_exact_step_on_every_decoding_row(tiny_llama, rows)
     model, _ = tiny_llama
     eager, bucketed = buffers_pair(model)
     for _ in range(3):  # the same rows step on: positions move, the bucket stays
-        expected, got = eager.decode(model, rows), bucketed.decode(model, rows)
+        expected, got = eager.decode(rows), bucketed.decode(rows)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
         rows = {slot: (token + 1, position + 1) for slot, (token, position) in rows.items()}
     for slot, (_, position) in rows.items():  # the columns each row wrote (past them both zero differently)
-        torch.testing.assert_close(bucketed.keys[:, slot, :, :position], eager.keys[:, slot, :, :position],
-                                   atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(bucketed.values[:, slot, :, :position], eager.values[:, slot, :, :position],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(bucketed.buffers.keys[:, slot, :, :position],
+                                   eager.buffers.keys[:, slot, :, :position], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(bucketed.buffers.values[:, slot, :, :position],
+                                   eager.buffers.values[:, slot, :, :position], atol=1e-5, rtol=1e-5)
     untouched = [slot for slot in range(6) if slot not in rows]
-    assert torch.equal(bucketed.keys[:, untouched, :, :20], eager.keys[:, untouched, :, :20]), "idle rows wrote"
+    assert torch.equal(bucketed.buffers.keys[:, untouched, :, :20], eager.buffers.keys[:, untouched, :, :20]), \
+        "idle rows wrote"
     assert bucketed.graphs.num_replays == 3
 
 
@@ -66,7 +67,7 @@ def test_steps_past_the_captured_buckets_run_eagerly(tiny_llama, monkeypatch):
     model, _ = tiny_llama
     eager, bucketed = buffers_pair(model)
     for rows in ({0: (5, 20)}, {3: (6, 20)}):  # the second needs a second bucket
-        torch.testing.assert_close(bucketed.decode(model, rows), eager.decode(model, rows), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(bucketed.decode(rows), eager.decode(rows), atol=1e-5, rtol=1e-5)
     assert bucketed.graphs.num_replays == 1
 
 
@@ -76,10 +77,10 @@ def test_captured_graphs_replay_the_eager_step_bitwise(tiny_llama):
 
     model = copy.deepcopy(tiny_llama[0]).to("cuda")
     step = LeanStep(model)
-    assert graph_step._probe_mismatch(model, step) == ""
+    assert probe_mismatch(model, step, graphs=True) == ""
     geometry = kv_geometry(model.config)
-    graphs = capture_graphs(model, step, SlotBuffers(model.config, geometry, 4, 300, model.device, model.dtype))
-    assert graphs is not None
+    runner = choose_runner(model, SlotBuffers(model.config, geometry, 4, 300, model.device, model.dtype))
+    assert runner.name == "lean+graphs" and runner.graphs is not None
 
 
 def test_a_capture_that_fails_while_serving_leaves_the_step_eager(tiny_llama, monkeypatch):
@@ -92,6 +93,6 @@ def test_a_capture_that_fails_while_serving_leaves_the_step_eager(tiny_llama, mo
     monkeypatch.setattr(GraphSteps, "_capture", fails)
     for position in (20, 21):  # the failed step, then the next: both eager, both exact
         rows = {1: (5, position)}
-        assert torch.equal(eager.decode(model, rows), bucketed.decode(model, rows))
+        assert torch.equal(eager.decode(rows), bucketed.decode(rows))
     assert "out of memory" in bucketed.graphs.failure and not bucketed.graphs.can_run(1, 22)
     assert bucketed.graphs.num_replays == 0

@@ -1,4 +1,5 @@
-"""Batched decode over fixed slots: rows of different lengths in one forward, each identical to its own forward."""
+"""Batched decode over fixed slots (the model's forward through a StepRunner): rows of different lengths in one
+forward, each identical to its own forward."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +7,9 @@ import torch
 from inference_service.model.attention import use_engine_attention
 from inference_service.model.forward import decode_step, prefill
 from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+from inference_service.model.model_step import ModelStep
 from inference_service.model.slot_buffers import SlotBuffers
+from inference_service.model.step_runner import StepRunner
 from tests.factories import build_tiny_model
 
 
@@ -31,9 +34,10 @@ def test_rows_of_different_lengths_decode_together_as_each_would_alone():
         for step in range(4):
             alone[-1].append(int(decode_step(model, own, torch.tensor(alone[-1][-1]), len(prompt) + step).argmax()))
     together = {slot: [token] for slot, (token, _) in rows.items()}
+    runner = StepRunner(slots, ModelStep(model))
     for _ in range(4):
         rows = dict(reversed(rows.items()))  # the logits follow the order asked for, not the slots'
-        logits = slots.decode(model, rows)  # [3, vocab], in the order of rows
+        logits = runner.decode(rows)  # [3, vocab], in the order of rows
         rows = {slot: (int(row_logits.argmax()), position + 1)
                 for (slot, (_, position)), row_logits in zip(rows.items(), logits)}
         for slot, (token, _) in rows.items():
@@ -52,6 +56,6 @@ def test_columns_a_row_reads_masked_are_made_finite_first():
         keys, values = slots.views(slot)
         prefill(model, build_cache(model.config, keys, values, 0), torch.arange(length) + 5, 0)
         slots.written(slot, length)
-    logits = slots.decode(model, {0: (7, 3), 1: (8, 9)})  # row 0 reads columns 4..9 masked
+    logits = StepRunner(slots, ModelStep(model)).decode({0: (7, 3), 1: (8, 9)})  # row 0 reads columns 4..9 masked
     assert bool(torch.isfinite(logits).all())
     assert bool(torch.isfinite(slots.values[:, 0, :, :10]).all())

@@ -72,8 +72,16 @@ def test_loopback_detection(listen, loopback) -> None:
 def test_threads_and_decode_step_default_to_torchs_threads_and_the_exact_lean_step() -> None:
     config = parse_config([], environ={})
     assert (config.threads, config.decode_step) == (0, "lean")
-    config = parse_config(["--threads", "1"], environ={"KVBOOST_DECODE_STEP": "onednn", "KVBOOST_THREADS": "2"})
-    assert (config.threads, config.decode_step) == (1, "onednn")
+    config = parse_config(["--threads", "1"], environ={"KVBOOST_DECODE_STEP": "transformers", "KVBOOST_THREADS": "2"})
+    assert (config.threads, config.decode_step) == (1, "transformers")
+
+
+@pytest.mark.parametrize("retired", ["split", "wide", "onednn"])
+def test_a_retired_decode_step_runs_lean_with_a_warning(retired, caplog) -> None:
+    with caplog.at_level("WARNING"):
+        assert parse_config(["--decode-step", retired], environ={}).decode_step == "lean"
+        assert parse_config([], environ={"KVBOOST_DECODE_STEP": retired}).decode_step == "lean"
+    assert f"--decode-step {retired} was retired" in caplog.text
 
 
 @pytest.mark.parametrize("argv, message", [

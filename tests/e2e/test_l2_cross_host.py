@@ -3,16 +3,24 @@ single redis-server or a 3x3 Redis Cluster: a document warmed through service A 
 service B, and B's greedy output stays token-identical to plain model.generate."""
 from __future__ import annotations
 
+import math
+import os
 import time
+import zlib
 from contextlib import ExitStack, contextmanager
 
 import pytest
+import redis as redis_py
 from kvboost.v1 import cache_pb2
 from kvboost.v1 import inference_pb2 as pb
 
+from cache_daemon.entry import ChunkKey, IncomingChunk
+from cache_daemon.l2.record_auth import load_keyring
+from cache_daemon.l2.redis_tier import CHUNK_PREFIX, encode_record
 from tests.conftest import pick_free_port
-from tests.daemon_support import cache_stub
+from tests.daemon_support import NAMESPACE, cache_stub, digest, shared_l2_key_file
 from tests.e2e.daemon_process import start_daemon
+from tests.e2e.memory_load import memory_heavy_load
 from tests.e2e.service_process import generate, running_service
 from tests.e2e.stack_process import reference_ids, save_tiny_model
 from tests.e2e.tenancy_support import as_tenant, write_tenants_file, write_token_file
@@ -111,3 +119,99 @@ def test_tenancy_holds_in_l2_across_hosts(tmp_path, tiny_model_dir):
     assert alice_result.cached_tokens >= 0.9 * len(DOCUMENT)
     expected = reference_ids(tiny_model_dir, prompt, MAX_NEW_TOKENS)
     assert list(alice_result.output_token_ids) == expected == list(bob_result.output_token_ids)
+
+
+@contextmanager
+def two_hosts(tmp_path, tiny_model_dir, url):
+    """Daemons A and B on one L2, each with its own service (co-located reads, the default)."""
+    with ExitStack() as stack:
+        daemons = []
+        for name in ("a", "b"):
+            daemon = start_daemon(tmp_path / f"lmdb-{name}", pick_free_port(), "--l2", url)
+            stack.callback(daemon.terminate)
+            daemons.append(daemon)
+        services = [stack.enter_context(running_service(str(tiny_model_dir), daemon.address, pick_free_port(),
+                                                        tmp_path / f"service-{index}.log", *SERVICE_FLAGS))
+                    for index, daemon in enumerate(daemons)]
+        yield daemons, services
+
+
+def test_under_memory_load_a_document_warmed_on_host_a_is_reused_on_host_b(tmp_path, tiny_model_dir):
+    """The busy machine of the report (two processes rewriting 256 MB buffers): B's Lookup answers from its
+    index and a value-free check of L2, the values arrive behind it, and B reuses the document."""
+    prompt = DOCUMENT + QUESTION
+    with redis_node(tmp_path / "redis") as node, two_hosts(tmp_path, tiny_model_dir, node.url) as (daemons, services):
+        with services[0].stub() as stub_a:
+            warmed = stub_a.Warm(pb.WarmRequest(text=DOCUMENT), timeout=60)
+        wait_for_l2_writes(daemons[0].address, warmed.chunks_stored)
+        with memory_heavy_load(), services[1].stub() as stub_b:
+            _, reused = generate(stub_b, prompt, max_new_tokens=MAX_NEW_TOKENS, mode=pb.PREFIX_CACHE)
+        with cache_stub(daemons[1].address) as daemon_b:
+            l2_on_b = daemon_b.Stats(cache_pb2.CacheStatsRequest(), timeout=5).l2
+        service_log = services[1].log()
+    assert reused.kv_reuse_ratio >= 0.9, (reused, service_log[-2000:])
+    assert l2_on_b.hits >= warmed.chunks_stored - 1 and not l2_on_b.degraded
+    assert "unreachable" not in service_log
+    assert list(reused.output_token_ids) == reference_ids(tiny_model_dir, prompt, MAX_NEW_TOKENS)
+
+
+LOOKUP_KEYS = 64
+LOOKUP_VALUE_BYTES = 256 << 10  # 16 MiB behind every Lookup: what a Lookup that moved values had to read
+LOOKUP_ROUNDS = 25
+
+
+def test_under_memory_load_a_lookup_of_64_l2_only_keys_answers_within_50_ms_p99(tmp_path):
+    """Each round plants 64 fresh records (signed with the daemons' key) in Redis only and times B's Lookup of
+    them from this process; the promotions of earlier rounds run behind, as they would in service."""
+    keyring = load_keyring(shared_l2_key_file(tmp_path))
+    blob = os.urandom(LOOKUP_VALUE_BYTES)
+    timings = []
+    with redis_node(tmp_path / "redis") as node, ExitStack() as stack:
+        daemon = start_daemon(tmp_path / "lmdb-b", pick_free_port(), "--l2", node.url)
+        stack.callback(daemon.terminate)
+        client = stack.enter_context(redis_py.Redis(host="127.0.0.1", port=node.port))
+        stub = stack.enter_context(cache_stub(daemon.address))
+        stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=[digest("warm-up")]), timeout=10)
+        with memory_heavy_load():
+            for round_index in range(LOOKUP_ROUNDS):
+                keys = [digest(f"round {round_index} key {index}") for index in range(LOOKUP_KEYS)]
+                records = {CHUNK_PREFIX + key: encode_record(IncomingChunk(
+                    key=ChunkKey(key), namespace=NAMESPACE, content_key=b"", num_tokens=16,
+                    checksum=zlib.crc32(blob), pinned=False, blob=blob), keyring) for key in keys}
+                client.mset(records)
+                started = time.perf_counter()
+                reply = stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=keys), timeout=10)
+                timings.append(time.perf_counter() - started)
+                assert reply.prefix_run == LOOKUP_KEYS
+                client.delete(*records)  # Redis stays small; a promotion not yet done finds them gone (misses)
+    p99 = sorted(timings)[math.ceil(0.99 * len(timings)) - 1]
+    print(f"Lookup of {LOOKUP_KEYS} L2-only keys ({LOOKUP_VALUE_BYTES >> 10} KiB each) under memory load: "
+          f"p50 {sorted(timings)[len(timings) // 2] * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms over {len(timings)}")
+    assert p99 <= 0.050, [round(timing * 1000, 1) for timing in timings]
+
+
+def test_a_record_failing_its_mac_on_b_ends_the_reuse_run_there(tmp_path, tiny_model_dir):
+    """The first chunks are warmed alone, then the whole document: one of the later records is altered in
+    Redis. B's Lookup reports it (it reads no value), its promotion finds the MAC failing, and B's run ends
+    there: the chunks before it are reused, the rest computed, the output unchanged."""
+    prompt = DOCUMENT + QUESTION
+    head = DOCUMENT[:len(DOCUMENT) // 2]
+    with redis_node(tmp_path / "redis") as node, two_hosts(tmp_path, tiny_model_dir, node.url) as (daemons, services):
+        client = redis_py.Redis(host="127.0.0.1", port=node.port)
+        with services[0].stub() as stub_a:
+            warmed_head = stub_a.Warm(pb.WarmRequest(text=head), timeout=60)
+            wait_for_l2_writes(daemons[0].address, warmed_head.chunks_stored)
+            head_records = set(client.keys(CHUNK_PREFIX + b"*"))
+            warmed = stub_a.Warm(pb.WarmRequest(text=DOCUMENT), timeout=60)
+        wait_for_l2_writes(daemons[0].address, warmed_head.chunks_stored + warmed.chunks_stored)
+        later = sorted(set(client.keys(CHUNK_PREFIX + b"*")) - head_records)
+        altered = bytearray(client.get(later[0]))
+        altered[-1] ^= 0x01
+        client.set(later[0], bytes(altered))
+        with services[1].stub() as stub_b:
+            _, reused = generate(stub_b, prompt, max_new_tokens=MAX_NEW_TOKENS, mode=pb.PREFIX_CACHE)
+        client.close()
+    num_chunks = len(DOCUMENT) // 8
+    assert later and warmed_head.chunks_stored > 0
+    assert 8 * warmed_head.chunks_stored <= reused.cached_tokens < 8 * num_chunks
+    assert list(reused.output_token_ids) == reference_ids(tiny_model_dir, prompt, MAX_NEW_TOKENS)

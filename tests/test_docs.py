@@ -100,3 +100,19 @@ def test_the_readme_stays_a_quick_start():
     assert len(lines) <= 150, f"README.md has {len(lines)} lines; keep it <= 150 and move depth to docs/"
     first_screen = "\n".join(lines[:40])
     assert "make run" in first_screen and "make test" in first_screen, "the two commands belong on the first screen"
+
+
+def test_the_readme_room_table_has_every_room_on_its_floor():
+    from tests.test_layering import ROOM_FLOORS
+
+    rows = [line.split("|") for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `")]
+    floors = {}
+    for row in rows:
+        for name in re.findall(r"`([^`]+)`", row[1]):
+            floors[name.removeprefix("inference_service/").rstrip("/").removesuffix(".py")] = row[2].strip()
+    for room, floor in ROOM_FLOORS.items():
+        assert floors.get(room) == str(floor), f"README's room table: inference_service/{room} on floor {floor}"
+    # inference_service is there room by room (above).
+    packages = [path.parent.name for path in ROOT.glob("*/__init__.py") if path.parent.name != "inference_service"]
+    missing = [package for package in packages if f"{package}/" not in floors and package not in floors]
+    assert not missing, f"README's room table leaves out {missing}"

@@ -252,11 +252,11 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     for removed, message in REMOVED_FLAGS.items():
         if vars(args).pop(removed) is not None:
             parser.error(f"{message} (KVBOOST_{removed.upper()} in the environment counts too)")
+    args.decode_step, retired = current_decode_step(args.decode_step)
+    if retired:  # a deployment that named a retired step keeps starting, on the exact step nearest to it
+        logging.getLogger(__name__).warning("%s", retired)
     try:
         return ServiceConfig(**vars(args))
     except ValueError as error:
         parser.error(str(error))
         raise  # unreachable: parser.error exits
-    args.decode_step, retired = current_decode_step(args.decode_step)
-    if retired:  # a deployment that named a retired step keeps starting, on the exact step nearest to it
-        logging.getLogger(__name__).warning("%s", retired)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from typing import Iterable, NewType, Sequence
 
 from kvboost_keys.namespace import Namespace
@@ -17,12 +19,24 @@ DIGEST_SIZE = 32
 _MAX_TOKEN_ID = 2**32 - 1
 
 
+# The machine's 4-byte unsigned array type: its constructor range-checks every id in C.
+_UINT32 = "I" if array("I").itemsize == 4 else "L"
+
+
 def encode_token_ids(token_ids: Sequence[int]) -> bytes:
-    """Token ids as 4-byte little-endian unsigned integers (never Python's hash())."""
-    for token_id in token_ids:
-        if not 0 <= token_id <= _MAX_TOKEN_ID:
-            raise ValueError(f"token id {token_id} does not fit in 4 bytes")
-    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    """Token ids as 4-byte little-endian unsigned integers (never Python's hash()).
+
+    Raises:
+        ValueError: an id below 0 or above 2**32 - 1.
+    """
+    try:
+        packed = array(_UINT32, token_ids)
+    except (OverflowError, TypeError):
+        bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t <= _MAX_TOKEN_ID)), None)
+        raise ValueError(f"token id {bad!r} does not fit in 4 bytes") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def hash_prefix_chunk(parent: bytes, token_ids: Sequence[int]) -> PrefixKey:
@@ -38,6 +52,29 @@ def prefix_keys(namespace: Namespace, chunks: Iterable[Sequence[int]]) -> list[P
         parent = hash_prefix_chunk(parent, token_ids)
         keys.append(PrefixKey(parent))
     return keys
+
+
+def keys_of_packed(namespace: Namespace, packed: bytes, spans: Sequence[tuple[int, int]],
+                   with_content: bool = True) -> tuple[list[PrefixKey], list[ContentKey]]:
+    """(prefix keys, content keys) of the chunks at token spans [start, end) of a prompt whose ids are packed once
+    (encode_token_ids): the same digests as prefix_keys and content_key, each chunk's bytes sliced, not re-packed."""
+    assert len(namespace) == DIGEST_SIZE, f"namespace must be {DIGEST_SIZE} bytes, got {len(namespace)}"
+    view = memoryview(packed)
+    prefix: list[PrefixKey] = []
+    content: list[ContentKey] = []
+    parent = bytes(namespace)
+    sha256 = hashlib.sha256
+    for start, end in spans:
+        chunk = view[4 * start : 4 * end]
+        running = sha256(parent)
+        running.update(chunk)
+        parent = running.digest()
+        prefix.append(PrefixKey(parent))
+        if with_content:
+            running = sha256(namespace)
+            running.update(chunk)
+            content.append(ContentKey(running.digest()))
+    return prefix, content
 
 
 def content_key(namespace: Namespace, token_ids: Sequence[int]) -> ContentKey:

@@ -94,7 +94,7 @@ def plan_segments(
     offset = 0
     tail: tuple[int, ...] = ()
     for index, segment in enumerate(segments):
-        ids = tuple(int(t) for t in segment)
+        ids = segment if type(segment) is tuple else tuple(segment)  # slices of a tuple are C copies, not loops
         boundary = None if is_boundary is None else (lambda i, ids=ids: is_boundary(ids[i]))
         cuts = find_cuts(len(ids), chunk_size, boundary_window, boundary)
         last = 0

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Sequence
 
 from kvboost_keys.chunking import Chunk, ChunkPlan, plan_segments
 from kvboost_keys.chunk_keys import (
-    ContentKey, PrefixKey, content_key, hash_prefix_chunk, partial_prefix_keys, prefix_keys,
+    ContentKey, PrefixKey, encode_token_ids, hash_prefix_chunk, keys_of_packed, partial_prefix_keys,
 )
 from kvboost_keys.namespace import Namespace
 from kvboost_keys.token_cache import TokenCache
@@ -122,15 +123,23 @@ def tokenize_warm(tokenizer, text: str | None, messages: Sequence[tuple[str, str
 
 
 def plan_prompt(namespace: Namespace, segments: Sequence[Sequence[int]], chunk_size: int) -> PromptPlan:
-    """Chunks every segment from its own start and keys every chunk (prefix chain and content) and the tail."""
+    """Chunks every segment from its own start and keys every chunk (prefix chain and content) and the tail.
+
+    The prompt's ids are packed (and range-checked) once; every key hashes a slice of those bytes.
+    Raises ValueError for a token id that does not fit in 4 bytes.
+    """
+    token_ids = tuple(chain.from_iterable(segments))
+    packed = encode_token_ids(token_ids)
     chunks = plan_segments(segments, chunk_size)
-    chunk_ids = [chunk.token_ids for chunk in chunks.chunks]
-    keys = tuple(prefix_keys(namespace, chunk_ids))
+    keys, contents = keys_of_packed(namespace, packed, [(chunk.start, chunk.end) for chunk in chunks.chunks])
+    tail_key = None
+    if chunks.tail:
+        tail_key = hash_prefix_chunk(keys[-1] if keys else namespace, chunks.tail)
     return PromptPlan(
-        token_ids=tuple(token for segment in segments for token in segment),
+        token_ids=token_ids,
         chunks=chunks,
-        prefix_keys=keys,
-        content_keys=tuple(content_key(namespace, ids) for ids in chunk_ids),
-        tail_key=hash_prefix_chunk(keys[-1] if keys else namespace, chunks.tail) if chunks.tail else None,
+        prefix_keys=tuple(keys),
+        content_keys=tuple(contents),
+        tail_key=tail_key,
         namespace=namespace,
     )

@@ -18,6 +18,7 @@ from inference_service.reuse.hot_tier import HotTier
 from inference_service.reuse.writeback import PendingChunks, WriteBack
 from inference_service.errors import InvalidRequest, PromptTooLong
 from kvboost_keys.namespace import Namespace, salted_namespace
+from kvboost_keys.token_cache import TokenCache
 from inference_service.kv.repair import RepairOptions
 from inference_service.kv.rope import RopeParams
 from inference_service.model.kv_buffers import KVGeometry
@@ -46,6 +47,8 @@ class EngineParts:
     key_rope: RopeParams | None
     # Content hits are reused (re-rotated and repaired) only with this; None: they fall back to prefix reuse.
     content_rope: RopeParams | None
+    # Token ids of long pieces of text seen before, keyed by the request's namespace; None: every text is tokenized.
+    token_cache: TokenCache | None = None
 
     @property
     def hot(self) -> HotTier | None:
@@ -90,7 +93,8 @@ def plan_request(parts: EngineParts, params: GenerationParams) -> tuple[str, Pro
     outside = [token_id for token_id in params.stop_token_ids if token_id >= vocab_size]
     if outside:
         raise InvalidRequest(f"stop_token_ids {outside[:5]} are outside the vocabulary (0..{vocab_size - 1})")
-    prompt = plan_segments(parts, tokenize_request(parts.tokenizer, params.prompt, params.messages, params.segments))
+    prompt = plan_segments(parts, tokenize_request(parts.tokenizer, params.prompt, params.messages, params.segments,
+                                                   parts.token_cache, parts.namespace))
     max_context = parts.geometry.max_context
     if params.strict_context and prompt.num_tokens + params.max_new_tokens > max_context:
         raise InvalidRequest(f"the context holds {max_context} tokens, but {prompt.num_tokens + params.max_new_tokens} "
@@ -117,7 +121,7 @@ def plan_warm(parts: EngineParts, text: str | None, messages, content_addressed:
     drops, "\x04" say: nothing to store). Raises InvalidRequest (neither text nor messages) or PromptTooLong."""
     if not text and not messages:
         raise InvalidRequest("Warm needs text or messages")
-    segments = tokenize_warm(parts.tokenizer, text, messages, content_addressed)
+    segments = tokenize_warm(parts.tokenizer, text, messages, content_addressed, parts.token_cache, parts.namespace)
     if not any(segments):
         return plan_prompt(parts.namespace, [], parts.config.chunk_size)
     prompt = plan_segments(parts, segments)

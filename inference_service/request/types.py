@@ -53,7 +53,7 @@ class EngineConfig:
     # (reserved at admission: prompt + max_new_tokens per row), prompt tokens prefilled per step, prompt tokens of
     # short prefills batched in one forward, and requests waiting before new ones are refused.
     max_running_requests: int = 16
-    kv_cache_bytes: int = 2 * 1024**3
+    kv_cache_bytes: int | None = None  # None: auto, sized by the engine from the machine (engine/memory_plan.py)
     max_prefill_tokens: int = 0  # 0: by device (engine/scheduler.device_limits)
     max_forward_tokens: int = 0  # 0: by device
     max_queue: int = 64
@@ -66,8 +66,11 @@ class EngineConfig:
     # that commit memory at allocation (CUDA), not on a CPU (pages committed as written).
     kv_slots_by_budget: bool | None = None
     # L0: K/V of the chunks written back or fetched, kept in the service's memory (16-bit storage only: quantized
-    # blobs do not decode to the computed values); 0: off.
-    hot_tier_bytes: int = 512 << 20
+    # blobs do not decode to the computed values); 0: off; None: auto, as kv_cache_bytes.
+    hot_tier_bytes: int | None = None
+    # Token ids of long pieces of prompt text (between special tokens) kept so a repeated system prompt, document or
+    # earlier turn is not tokenized again (kvboost_keys/token_cache.py); 0: off.
+    tokenizer_cache_bytes: int = 64 << 20
 
     @property
     def keys_before_rope(self) -> bool:
@@ -88,12 +91,15 @@ class EngineConfig:
         assert self.overlap_tokens >= 0, f"overlap_tokens must be >= 0, got {self.overlap_tokens}"
         assert self.check_layers >= 1, f"check_layers must be >= 1, got {self.check_layers}"
         assert self.max_running_requests > 0, f"max_running_requests must be positive, got {self.max_running_requests}"
-        assert self.kv_cache_bytes > 0, f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}"
+        assert self.kv_cache_bytes is None or self.kv_cache_bytes > 0, (
+            f"kv_cache_bytes must be positive (None: auto), got {self.kv_cache_bytes}")
         assert self.max_prefill_tokens >= 0, f"max_prefill_tokens must be >= 0 (0: by device), got {self.max_prefill_tokens}"
         assert self.max_forward_tokens >= 0, f"max_forward_tokens must be >= 0 (0: by device), got {self.max_forward_tokens}"
         assert self.max_queue > 0, f"max_queue must be positive, got {self.max_queue}"
         assert self.max_answer_tokens_stored >= 0, "max_answer_tokens_stored must be >= 0"
-        assert self.hot_tier_bytes >= 0, f"hot_tier_bytes must be >= 0, got {self.hot_tier_bytes}"
+        assert self.hot_tier_bytes is None or self.hot_tier_bytes >= 0, (
+            f"hot_tier_bytes must be >= 0 (None: auto), got {self.hot_tier_bytes}")
+        assert self.tokenizer_cache_bytes >= 0, f"tokenizer_cache_bytes must be >= 0, got {self.tokenizer_cache_bytes}"
         assert self.max_store_stream_bytes > 0, f"max_store_stream_bytes must be positive, got {self.max_store_stream_bytes}"
         assert 0 <= self.kv_group_size <= 65535, f"kv_group_size must be in 0..65535, got {self.kv_group_size}"
         assert self.decode_step in DECODE_STEPS, f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}"

@@ -167,3 +167,28 @@ def test_partial_prefix_keys_are_the_prefix_keys_of_every_shorter_chunk_longest_
     assert keys == expected
     assert keys[0] == hash_prefix_chunk(parent, tokens)
     assert partial_prefix_keys(parent, []) == []
+
+
+def test_plan_prompt_keys_from_packed_bytes_are_the_stored_keys():
+    # Chunks stored before keys were hashed from one packed array stay valid: the pinned key, and every prefix and
+    # content key equal to the per-chunk definitions, across segments (a partial chunk mid-prompt included).
+    from kvboost_keys.prompts import plan_prompt
+
+    namespace = namespace_digest(make_spec())
+    plan = plan_prompt(namespace, [[1, 2, 3, 4, 5, 6, 7, 8]], 4)
+    assert plan.prefix_keys[1].hex() == PINNED_SECOND_PREFIX_KEY_HEX
+    segments = [[9, 1, 2, 3, 4, 5], [7, 7, 7, 7, 2**32 - 1], [3, 3]]
+    plan = plan_prompt(namespace, segments, 4)
+    chunk_ids = [list(chunk.token_ids) for chunk in plan.chunks.chunks]
+    assert chunk_ids == [[9, 1, 2, 3], [4, 5], [7, 7, 7, 7], [2**32 - 1]]
+    assert list(plan.prefix_keys) == prefix_keys(namespace, chunk_ids)
+    assert list(plan.content_keys) == [sha256(namespace + token_bytes(ids)) for ids in chunk_ids]
+    assert plan.tail_key == sha256(plan.prefix_keys[-1] + token_bytes([3, 3]))
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5])
+def test_plan_prompt_refuses_ids_that_do_not_fit(bad):
+    from kvboost_keys.prompts import plan_prompt
+
+    with pytest.raises(ValueError, match="does not fit in 4 bytes"):
+        plan_prompt(namespace_digest(make_spec()), [[1, 2, bad, 4, 5]], 4)

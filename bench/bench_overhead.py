@@ -1,0 +1,385 @@
+"""The host's work per request: a fully cached chat prompt with a model whose compute is negligible.
+
+The model: random weights, hidden 64, 2 layers, SmolLM2-135M-Instruct's real tokenizer and chat template (so the
+token counts and the template are a real deployment's). A chat whose long system message (2k / 8k / 32k tokens) was
+asked once before is asked again with a new question; what is left of its TTFT is host work.
+
+Parts (each alternates this checkout with --baseline-tree's, request by request, and reports medians):
+- in-process: the service's engine built as `python -m inference_service` builds it (its defaults), in a child
+  process per tree; TTFT from the request's arrival, with L0 (the default) and with --l0-bytes 0 (every chunk from
+  the daemon), and cold (BASELINE mode: nothing reused). Split by replaying each stage of the same request alone:
+  template + tokenize, chunks + keys, the Lookup(s), placement; "rest" = TTFT minus those (the question's prefill,
+  the first token, hand-offs).
+- http / grpc: `python -m kvboost_server` per tree (each with its own daemon): a streamed chat completion over HTTP
+  and a streamed Generate over gRPC, TTFT at the client from sending the request to its first token.
+
+    flock /tmp/kvboost-heavy.lock python bench/bench_overhead.py
+    git worktree add /tmp/before HEAD~1 && flock /tmp/kvboost-heavy.lock python bench/bench_overhead.py --baseline-tree /tmp/before
+    python bench/bench_overhead.py --parts in-process --lengths 2048 --rounds 3       # the GPU check's part
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORDS = ("cache chunk key value prefix token model answer question document system prompt layer head memory "
+         "daemon tier request stream byte hash tenant budget eviction batch decode prefill slot router").split()
+STAGES = ("tokenize", "keys", "lookup", "placement")
+
+
+# ---- the workload ---------------------------------------------------------------------------------------------
+
+def document(tokenizer, num_tokens: int, seed: int = 0) -> str:
+    """Text of about num_tokens tokens (words of the cache's own vocabulary, sentences, paragraphs)."""
+    rng = random.Random(seed)
+    sentences = []
+    while True:
+        sentences.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 16))).capitalize() + ".")
+        if len(sentences) % 64 == 0 and len(tokenizer(" ".join(sentences))["input_ids"]) >= num_tokens:
+            break
+    text = " ".join(sentences)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer.decode(ids[:num_tokens])
+
+
+def messages(doc: str, question: int) -> list[tuple[str, str]]:
+    return [("system", doc), ("user", f"Question {question}: which tier does part {question} name first?")]
+
+
+def negligible_model(folder: Path) -> Path:
+    """A random 2-layer Llama of hidden 64 with SmolLM2's tokenizer and template, saved once."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from inference_service.model.weights import prepare_default_model
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# ---- in process (a child per tree) ---------------------------------------------------------------------------
+
+def in_process_worker(args) -> None:
+    """Runs in a child whose sys.path starts with the tree under test; prints one JSON line per measurement."""
+    from inference_service.__main__ import load_engine, make_store
+    from inference_service.engine.engine import GenerationParams
+    from inference_service.serving.config import parse_config
+
+    flags = ["--model", args.model, "--cache-addr", args.daemon, "--device", args.device]
+    if args.l0[0] == "off":
+        flags += ["--l0-bytes", "0"]
+    config = parse_config(flags)
+    engine = load_engine(config, make_store(config))
+    docs = {length: document(engine.tokenizer, length, seed=length) for length in args.lengths}
+    question = iter(range(1, 1 << 30))
+    for length in args.lengths:  # asked once before: its chunks are stored (and in L0 when L0 is on)
+        engine.generate(GenerationParams(messages=tuple(messages(docs[length], 0)), max_new_tokens=1))
+        engine.flush_writes(60)
+    line = json.loads(sys.stdin.readline())  # the parent's go: one measurement per line, alternating trees
+    while line:
+        length, mode = line["length"], line["mode"]
+        params = GenerationParams(messages=tuple(messages(docs[length], next(question))), max_new_tokens=1,
+                                  mode=mode)
+        outcome = engine.generate(params)
+        result = {"ttft_ms": outcome.ttft_ms, "cached_tokens": outcome.cached_tokens,
+                  "prompt_tokens": outcome.prompt_tokens}
+        if mode == "prefix_cache":
+            result.update(replay_stages(engine, params))
+        print(json.dumps(result), flush=True)
+        line = json.loads(sys.stdin.readline() or "null")
+    engine.flush_writes(60)
+
+
+def replay_stages(engine, params) -> dict:
+    """Each host stage of the request, run again alone and timed (ms)."""
+    import torch
+
+    from inference_service.request import planning
+    from inference_service.reuse import assembler
+    from kvboost_keys import prompts
+
+    parts = planning.for_request(engine.parts, params)
+    cache = getattr(parts, "token_cache", None)
+    start = time.perf_counter()
+    if cache is not None:
+        segments = prompts.tokenize_request(parts.tokenizer, None, params.messages, None, cache, parts.namespace)
+    else:
+        segments = prompts.tokenize_request(parts.tokenizer, None, params.messages, None)
+    tokenized = time.perf_counter()
+    plan = prompts.plan_prompt(parts.namespace, segments, parts.config.chunk_size)
+    keyed = time.perf_counter()
+    parts.store.lookup(parts.namespace, list(plan.prefix_keys))
+    looked_up = time.perf_counter()
+    geometry = parts.geometry
+    shape = (geometry.num_layers, geometry.num_kv_heads, plan.num_tokens + 1, geometry.head_dim)
+    buffers = (torch.zeros(shape, dtype=parts.dtype, device=parts.device),
+               torch.zeros(shape, dtype=parts.dtype, device=parts.device))
+    placing = time.perf_counter()
+    context = assembler.assemble_context(parts.store, parts.namespace, plan, buffers, False, parts.key_rope, parts.hot)
+    if parts.device.type == "cuda":
+        torch.cuda.synchronize()
+    placed = time.perf_counter()
+    return {"tokenize": (tokenized - start) * 1e3, "keys": (keyed - tokenized) * 1e3,
+            "lookup": (looked_up - keyed) * 1e3,
+            # assemble_context runs the Lookup(s) and places; the Lookup measured alone is taken out
+            "placement": max(0.0, (placed - placing) - (looked_up - keyed)) * 1e3,
+            "replayed_cached_tokens": context.num_cached_tokens}
+
+
+class Worker:
+    """A child process running in_process_worker for one tree."""
+
+    def __init__(self, tree: Path, model: str, daemon: str, lengths, device: str, l0: str, log: Path) -> None:
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", model, "--daemon", daemon,
+                   "--device", device, "--l0", l0, "--lengths", *map(str, lengths)]
+        env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "proto")])
+        self.log = open(log, "ab")
+        self.process = subprocess.Popen(command, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self.log, text=True)
+
+    def measure(self, length: int, mode: str) -> dict:
+        self.process.stdin.write(json.dumps({"length": length, "mode": mode}) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited ({self.process.poll()}); see {self.log.name}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write("null\n")
+            self.process.stdin.close()
+            self.process.wait(120)
+        self.log.close()
+
+
+# ---- through kvboost_server ----------------------------------------------------------------------------------
+
+def start_server(stack: ExitStack, tree: Path, model: str, work: Path, label: str, device: str) -> tuple[str, str]:
+    """(HTTP base URL, gRPC address) of `python -m kvboost_server` of that tree, beside a daemon of its own."""
+    import httpx
+
+    from tests.conftest import pick_free_port, wait_for
+    from tests.e2e.daemon_process import start_daemon
+
+    daemon = start_daemon(work / f"lmdb-{label}", pick_free_port())
+    stack.callback(daemon.terminate)
+    grpc_port, http_port = pick_free_port(), pick_free_port()
+    env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "proto")])
+    log = open(work / f"server-{label}.log", "ab")
+    process = subprocess.Popen([sys.executable, "-m", "kvboost_server", "--model", model, "--cache-addr",
+                                daemon.address, "--listen", f"127.0.0.1:{grpc_port}", "--device", device,
+                                "--gateway", "--listen", f"127.0.0.1:{http_port}"],
+                               cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+    stack.callback(lambda: (process.terminate(), process.wait(30), log.close()))
+    base = f"http://127.0.0.1:{http_port}"
+
+    def answering() -> bool:
+        assert process.poll() is None, f"kvboost_server ({label}) exited; see {log.name}"
+        try:
+            return httpx.get(f"{base}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(answering, f"kvboost_server ({label})", timeout_s=180)
+    return base, f"127.0.0.1:{grpc_port}"
+
+
+_MODEL_IDS: dict[str, str] = {}
+
+
+def http_ttft(client, base: str, chat: list[tuple[str, str]]) -> float:
+    """ms from sending a streamed chat completion to its first content."""
+    body = {"model": client.get(f"{base}/v1/models").json()["data"][0]["id"] if base not in _MODEL_IDS else
+            _MODEL_IDS[base], "stream": True, "max_tokens": 2,
+            "messages": [{"role": role, "content": content} for role, content in chat]}
+    start = time.perf_counter()
+    with client.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=300) as response:
+        response.raise_for_status()
+        lines = response.iter_lines()
+        for line in lines:
+            if line.startswith("data:") and '"content"' in line and '"content":""' not in line.replace(" ", ""):
+                first = time.perf_counter()
+                for _ in lines:  # the rest of the stream
+                    pass
+                return (first - start) * 1e3
+    raise RuntimeError("the stream ended without content")
+
+
+def grpc_ttft(stub, chat: list[tuple[str, str]]) -> float:
+    """ms from sending a streamed Generate to its first token event."""
+    from kvboost.v1 import inference_pb2 as pb
+
+    request = pb.GenerateRequest(messages=[pb.ChatMessage(role=role, content=content) for role, content in chat],
+                                 max_new_tokens=2)
+    start = time.perf_counter()
+    first = None
+    for event in stub.Generate(request, timeout=300):
+        if first is None and event.token_ids:
+            first = time.perf_counter()
+    if first is None:
+        raise RuntimeError("no token came back")
+    return (first - start) * 1e3
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+
+def run(args) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    trees = {"now": ROOT}
+    if args.baseline_tree is not None:
+        trees = {"before": args.baseline_tree.resolve(), "now": ROOT}
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as folder, ExitStack() as stack:
+        work = Path(folder)
+        model = str(negligible_model(args.model_dir or work / "negligible"))
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        if "in-process" in args.parts:
+            rows += run_in_process(stack, trees, model, work, args)
+            print_rows(rows, args)
+        if {"http", "grpc"} & set(args.parts):
+            rows += run_served(stack, trees, model, work, tokenizer, args)
+    return rows
+
+
+def run_in_process(stack: ExitStack, trees: dict, model: str, work: Path, args) -> list[dict]:
+    from tests.conftest import pick_free_port
+    from tests.e2e.daemon_process import start_daemon
+
+    samples: dict[tuple, list[dict]] = {}
+    for l0 in args.l0:
+        workers = {}
+        for label, tree in trees.items():
+            daemon = start_daemon(work / f"lmdb-ip-{label}-{l0}", pick_free_port())
+            stack.callback(daemon.terminate)
+            worker = Worker(tree, model, daemon.address, args.lengths, args.device, l0, work / f"worker-{label}.log")
+            stack.callback(worker.close)
+            workers[label] = worker
+        for length in args.lengths:
+            modes = ["prefix_cache"] + (["baseline"] if length in args.cold_lengths and l0 == args.l0[0] else [])
+            for mode in modes:
+                for _ in range(args.rounds if mode == "prefix_cache" else max(1, args.rounds // 2)):
+                    for label, worker in workers.items():  # alternating: one request each, in turn
+                        samples.setdefault((label, l0, length, mode), []).append(worker.measure(length, mode))
+        for worker in workers.values():
+            worker.close()
+    rows = []
+    for (label, l0, length, mode), measured in samples.items():
+        row = {"part": "in-process", "tree": label, "source": "cold" if mode == "baseline" else f"L0 {l0}",
+               "length": length, "prompt_tokens": measured[0]["prompt_tokens"],
+               "cached_tokens": measured[0]["cached_tokens"],
+               "ttft_ms": statistics.median(m["ttft_ms"] for m in measured)}
+        if mode == "prefix_cache":
+            for stage in STAGES:
+                row[stage] = statistics.median(m[stage] for m in measured)
+            row["host"] = sum(row[stage] for stage in STAGES)
+        rows.append(row)
+    return rows
+
+
+def run_served(stack: ExitStack, trees: dict, model: str, work: Path, tokenizer, args) -> list[dict]:
+    import grpc
+    import httpx
+
+    from kvboost.v1 import inference_pb2_grpc
+
+    servers = {label: start_server(stack, tree, model, work, label, args.device) for label, tree in trees.items()}
+    client = stack.enter_context(httpx.Client())
+    stubs = {}
+    for label, (_, address) in servers.items():
+        channel = stack.enter_context(grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]))
+        stubs[label] = inference_pb2_grpc.InferenceServiceStub(channel)
+    docs = {length: document(tokenizer, length, seed=length) for length in args.lengths}
+    for label, (base, _) in servers.items():  # asked once before
+        _MODEL_IDS[base] = client.get(f"{base}/v1/models").json()["data"][0]["id"]
+        for length in args.lengths:
+            http_ttft(client, base, messages(docs[length], 0))
+    time.sleep(1.0)  # the first answers' write-backs land (a fixed pause: both trees get the same)
+    question = iter(range(1, 1 << 30))
+    samples: dict[tuple, list[float]] = {}
+    for length in args.lengths:
+        for _ in range(args.rounds):
+            for part in [p for p in ("http", "grpc") if p in args.parts]:
+                for label, (base, _) in servers.items():
+                    chat = messages(docs[length], next(question))
+                    ttft = http_ttft(client, base, chat) if part == "http" else grpc_ttft(stubs[label], chat)
+                    samples.setdefault((part, label, length), []).append(ttft)
+    return [{"part": part, "tree": label, "source": "L0 auto", "length": length,
+             "ttft_ms": statistics.median(values), "p90_ms": sorted(values)[int(0.9 * (len(values) - 1))]}
+            for (part, label, length), values in samples.items()]
+
+
+def print_rows(rows: list[dict], args) -> None:
+    print(f"# bench_overhead: negligible model (random, hidden 64, 2 layers, SmolLM2 tokenizer + template), "
+          f"{args.rounds} rounds, medians, device {args.device}")
+    print("| part | tree | source | tokens | cached | TTFT ms | tokenize | keys | lookup | placement | host | rest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        stages = [f"{row[s]:.2f}" if s in row else "" for s in (*STAGES, "host")]
+        rest = f"{row['ttft_ms'] - row['host']:.2f}" if "host" in row else ""
+        print(f"| {row['part']} | {row['tree']} | {row['source']} | {row.get('prompt_tokens', row['length'])} | "
+              f"{row.get('cached_tokens', '')} | {row['ttft_ms']:.1f} | " + " | ".join(stages) + f" | {rest} |")
+    befores = {(r["part"], r["source"], r["length"]): r["ttft_ms"] for r in rows if r["tree"] == "before"}
+    for row in rows:
+        key = (row["part"], row["source"], row["length"])
+        if row["tree"] == "now" and key in befores:
+            print(f"  {row['part']} {row['source']} {row['length']}: before {befores[key]:.1f} ms -> now "
+                  f"{row['ttft_ms']:.1f} ms ({befores[key] / row['ttft_ms']:.2f}x)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", default=["in-process", "http", "grpc"],
+                        choices=["in-process", "http", "grpc"], help="what to measure (default: all)")
+    parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 8192, 32768],
+                        help="system-message lengths in tokens")
+    parser.add_argument("--cold-lengths", nargs="*", type=int, default=[2048, 8192],
+                        help="lengths also measured cold, BASELINE mode (32k cold takes ~20 s a request on a CPU)")
+    parser.add_argument("--rounds", type=int, default=7, help="requests per length, part and tree")
+    parser.add_argument("--l0", nargs="+", default=["auto", "off"], choices=["auto", "off"],
+                        help="in process: L0 at its default (auto) and off (every chunk from the daemon)")
+    parser.add_argument("--baseline-tree", type=Path, help="a checkout of an earlier commit to alternate with")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--model-dir", type=Path, help="where to keep the negligible model (default: a temp folder)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--daemon", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        in_process_worker(args)
+        return
+    rows = run(args)
+    print_rows([row for row in rows if row["part"] != "in-process"], args)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
+
+logger = logging.getLogger(__name__)
 
 # Pieces shorter than this are tokenized every time (in one batch call): a cache entry would cost more than it saves.
 MIN_CACHED_CHARS = 256
@@ -223,3 +226,23 @@ def _split_pattern(special_ids: dict[str, int]) -> re.Pattern | None:
         return None
     alternatives = sorted(special_ids, key=len, reverse=True)
     return re.compile("(" + "|".join(re.escape(token) for token in alternatives) + ")")
+
+
+def token_cache_for(tokenizer, max_bytes: int) -> TokenCache | None:
+    """A cache for this tokenizer, said in the log; None when off (max_bytes 0) or when the tokenizer cannot be split
+    as this module assumes (prompts are then tokenized whole)."""
+    if max_bytes <= 0:
+        return None
+    cache = TokenCache(tokenizer, max_bytes)
+    if cache.reason:
+        logger.info("prompts are tokenized whole every time: %s", cache.reason)
+        return None
+    logger.info("tokenization cache: up to %d MiB of token ids of long prompt pieces", max_bytes >> 20)
+    return cache
+
+
+def token_cache_stats(cache: TokenCache | None) -> dict[str, int]:
+    """The cache's counters as stats fields (zeros when there is none)."""
+    stats = cache.stats if cache is not None else TokenCacheStats()
+    return {"tokenizer_cache_hits": stats.hits, "tokenizer_cache_misses": stats.misses,
+            "tokenizer_cache_hit_tokens": stats.hit_tokens, "tokenizer_cache_bytes": stats.bytes}

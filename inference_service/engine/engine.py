@@ -19,6 +19,7 @@ from inference_service.engine.sequence import OnDone, Sequence, WarmSpec
 from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.request.verification import BUILTIN_PROMPTS, compare_modes
 from inference_service.reuse.hot_tier import hot_tier_for
+from inference_service.engine.memory_plan import size_tiers
 from inference_service.reuse.writeback import WriteBack
 from inference_service.errors import InvalidRequest
 from inference_service.kv import codec
@@ -29,7 +30,7 @@ from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_paramete
 from inference_service.model.attention import use_engine_attention
 from inference_service.model.kv_buffers import kv_geometry
 from inference_service.model.weights import state_fingerprint
-from inference_service.store.protocol import ChunkStore, NullStore
+from inference_service.store.protocol import ChunkStore
 
 ShouldStop = Callable[[], bool]
 
@@ -49,6 +50,7 @@ class Engine:
         self.weights_id = weights_id or getattr(model, "kvboost_weights_id", "") or state_fingerprint(model)
         geometry = kv_geometry(model.config)
         counters = EngineStats()
+        config = size_tiers(config, model, geometry)  # auto K/V and L0 bytes become numbers, logged with their tokens
         # Rotary parameters for moving stored keys: re-rotating content hits, un-rotating keys before they
         # are quantized and rotating such keys back into place on every hit. None: RoPE that cannot be moved.
         key_rope = _rope_or_none(model.config)
@@ -76,9 +78,7 @@ class Engine:
             counters=counters,
             writeback=WriteBack(store, config.kv_cache_bits, counters.add_stored, config.kv_group_size,
                                 key_rope if config.keys_before_rope else None, config.max_store_stream_bytes,
-                                # No L0 without a cache: a NullStore means every request runs without one.
-                                None if isinstance(store, NullStore) else hot_tier_for(config.hot_tier_bytes,
-                                                                                       config.kv_cache_bits)),
+                                hot_tier_for(config.hot_tier_bytes, config.kv_cache_bits, store)),
             key_rope=key_rope,
             content_rope=content_rope,
         )

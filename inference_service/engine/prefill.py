@@ -33,6 +33,8 @@ def start(seq: Sequence, buffers: Buffers) -> None:
         keys = buffers[0]
         per_token = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()
         parts.counters.add_load(seq.context.num_cached_tokens * per_token, time.perf_counter() - started)
+    for load in seq.context.tier_loads:  # each tier's own rate (L0, the daemon's map or its Fetch stream)
+        parts.counters.add_tier_load(load.tier, load.num_chunks, load.num_bytes, load.seconds)
     seq.whole = seq.params.prompt_logprobs is not None or needs_repair(seq.mode, seq.context)
     # The last prompt token runs when its logits choose the first new token.
     place(seq, buffers, min(seq.context.num_cached_tokens, prompt.num_tokens - int(seq.need_logits)))

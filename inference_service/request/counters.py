@@ -1,4 +1,4 @@
-"""Thread-safe engine counters, reported under ServiceStatsReply field names."""
+"""Thread-safe engine counters, reported under ServiceStatsReply field names (per-tier loads: /metrics only)."""
 from __future__ import annotations
 
 import threading
@@ -27,9 +27,20 @@ class _Counters:
     total_ttft_ms: float = 0.0
 
 
+@dataclass(slots=True)
+class TierCounters:
+    """What one tier (l0, daemon_map, daemon_fetch, store) placed into requests' slots."""
+
+    chunks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0  # host seconds from the tier's first read to its last copy issued
+    loads: int = 0  # requests it placed chunks for
+
+
 class EngineStats:
     def __init__(self) -> None:
         self._counters = _Counters()
+        self._tiers: dict[str, TierCounters] = {}
         self._lock = threading.Lock()
 
     def add_request(self, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int,
@@ -58,6 +69,15 @@ class EngineStats:
             self._counters.load_bytes += num_bytes
             self._counters.load_seconds += seconds
 
+    def add_tier_load(self, tier: str, chunks: int, num_bytes: int, seconds: float) -> None:
+        """One request's placement from one tier (see reuse.tier_rates.TierLoad)."""
+        with self._lock:
+            counters = self._tiers.setdefault(tier, TierCounters())
+            counters.chunks += chunks
+            counters.bytes += num_bytes
+            counters.seconds += seconds
+            counters.loads += 1
+
     def add_guard(self, fell_back: bool) -> None:
         with self._lock:
             self._counters.guard_checks += 1
@@ -69,9 +89,11 @@ class EngineStats:
             self._counters.bytes_stored += num_bytes
 
     def snapshot(self) -> dict:
-        """Counters under ServiceStatsReply names, plus mean_ttft_ms."""
+        """Counters under ServiceStatsReply names, plus mean_ttft_ms and tier_loads ({tier: its TierCounters as a
+        dict}; no ServiceStatsReply field yet: /metrics shows it)."""
         with self._lock:
             values = asdict(self._counters)
+            values["tier_loads"] = {tier: asdict(counters) for tier, counters in sorted(self._tiers.items())}
         answered = values.pop("requests_with_first_token")
         total_ttft_ms = values.pop("total_ttft_ms")
         values["mean_ttft_ms"] = total_ttft_ms / answered if answered else 0.0

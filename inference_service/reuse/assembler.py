@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, TypeVar
 
@@ -16,7 +17,9 @@ from inference_service.kv.loader import RunLoad, copies_raw, staging_ring
 from kvboost_keys.prompts import PromptPlan
 from kvboost_keys.chunking import Chunk
 from inference_service.kv.rope import RopeParams
+from inference_service.reuse.hot_placement import place_from_hot
 from inference_service.reuse.hot_tier import HotTier
+from inference_service.reuse.tier_rates import TierLoad, store_tier
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +45,13 @@ class AssembledContext:
     repair_checked: bool = False  # cacheblend measured the content hits' risk (see kv.repair)
     repair_risk: float = 0.0
     fidelity_guard: bool = False  # the guard recomputed every content-hit token
-    # Whole chunks placed from the store, not from L0: (prefix key, start, end) for L0 to keep, off the request path.
-    fetched_whole: list[tuple[bytes, int, int]] = field(default_factory=list)
+    # Whole chunks placed from the store, not from L0: (prefix key, start, end, the key it chains from or None for
+    # the prompt's first chunk) for L0 to keep, off the request path.
+    fetched_whole: list[tuple[bytes, int, int, bytes | None]] = field(default_factory=list)
     num_hot_chunks: int = 0  # chunks placed from L0: the leading whole ones, and the partial one when all came from it
     approximate: bool = False  # content hits were placed: K/V computed under another prefix are in the context
     num_approximate_tokens: int = 0  # content-hit tokens whose K/V repair kept (not recomputed)
+    tier_loads: list[TierLoad] = field(default_factory=list)  # what each tier placed, and how long it took
 
     @property
     def num_fetched_blobs(self) -> int:
@@ -147,11 +152,22 @@ def fetch_prefix_run(
     run there.
     """
     keys, values = buffers
-    num_hot = _place_from_hot(hot, prompt, run, keys, values)
-    if partial is not None and partial.hot:
-        if num_hot == run and _place_chunk_from_hot(hot, partial.key, partial.chunk, keys, values):
+    per_token = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()  # K/V bytes of one token
+    started = time.perf_counter()
+    run_chunks, run_keys = list(prompt.chunks.chunks[:run]), list(prompt.prefix_keys[:run])
+    hot_partial = partial is not None and partial.hot
+    if hot_partial:  # the partial chunk right after the run: placed with it when L0 holds the whole run
+        run_chunks.append(partial.chunk)
+        run_keys.append(partial.key)
+    num_hot = place_from_hot(hot, run_chunks, run_keys, buffers)
+    hot_load = [TierLoad("l0", num_hot, run_chunks[num_hot - 1].end * per_token, time.perf_counter() - started)
+                ] if num_hot else []
+    if hot_partial:
+        if num_hot == run + 1:
             return AssembledContext(keys, values, partial.chunk.end, run, partial_key=partial.key,  # all from L0
-                                    num_partial_tokens=len(partial.chunk.token_ids), num_hot_chunks=num_hot + 1)
+                                    num_partial_tokens=len(partial.chunk.token_ids), num_hot_chunks=num_hot,
+                                    tier_loads=hot_load)
+        num_hot = min(num_hot, run)
         partial = None  # evicted since, or a whole chunk before it comes from the daemon: the tail is recomputed
     chunks = list(prompt.chunks.chunks[num_hot:run])
     keys_to_fetch = list(prompt.prefix_keys[num_hot:run])
@@ -161,7 +177,9 @@ def fetch_prefix_run(
     if not chunks:
         if num_hot == 0:
             return AssembledContext(None, None)
-        return AssembledContext(keys, values, prompt.chunks.chunks[num_hot - 1].end, num_hot, num_hot_chunks=num_hot)
+        return AssembledContext(keys, values, prompt.chunks.chunks[num_hot - 1].end, num_hot, num_hot_chunks=num_hot,
+                                tier_loads=hot_load)
+    started = time.perf_counter()
     leading_index = run - num_hot if partial is not None and partial.leading else -1
     shape = (keys.shape[0], keys.shape[1], chunks[-1].end, keys.shape[3])
     verify = not getattr(store, "verifies_blobs", False)  # one checksum per blob is enough
@@ -204,19 +222,22 @@ def fetch_prefix_run(
     if failed is not None:
         num_placed = min(num_placed, failed)
     num_bytes = sum(sizes[:num_placed])
-    fetched_whole = [(keys_to_fetch[i], chunks[i].start, chunks[i].end) for i in range(min(num_placed, run - num_hot))
-                     ] if hot is not None else []
+    fetched_whole = [(keys_to_fetch[i], chunks[i].start, chunks[i].end,
+                      prompt.parent_key(num_hot + i) if num_hot + i else None)  # None: the prompt's first chunk
+                     for i in range(min(num_placed, run - num_hot))] if hot is not None else []
     if num_placed == 0 and num_hot == 0:
         return AssembledContext(None, None, num_bytes_fetched=num_bytes, degraded=degraded)
     if num_placed == 0:
         return AssembledContext(keys, values, prompt.chunks.chunks[num_hot - 1].end, num_hot, degraded=degraded,
-                                num_hot_chunks=num_hot)
+                                num_hot_chunks=num_hot, tier_loads=hot_load)
+    store_load = TierLoad(store_tier(store), num_placed, (chunks[num_placed - 1].end - chunks[0].start) * per_token,
+                          time.perf_counter() - started)
     placed_partial = partial is not None and num_placed == len(chunks)
     return AssembledContext(keys, values, chunks[num_placed - 1].end, min(num_hot + num_placed, run),
                             num_bytes_fetched=num_bytes, degraded=degraded,
                             partial_key=partial.key if placed_partial else None,
                             num_partial_tokens=len(partial.chunk.token_ids) if placed_partial else 0,
-                            fetched_whole=fetched_whole, num_hot_chunks=num_hot)
+                            fetched_whole=fetched_whole, num_hot_chunks=num_hot, tier_loads=[*hot_load, store_load])
 
 
 def _raw_header(expected_key: bytes, key: bytes, blob, chunk: Chunk, leading: bool,
@@ -230,28 +251,6 @@ def _raw_header(expected_key: bytes, key: bytes, blob, chunk: Chunk, leading: bo
     except BlobError:
         return None
     return header if copies_raw(header, chunk.start, len(chunk.token_ids), buffers) else None
-
-
-def _place_from_hot(hot: HotTier | None, prompt: PromptPlan, run: int, keys: torch.Tensor, values: torch.Tensor) -> int:
-    """Copies the leading chunks of the run that L0 holds into the buffers; returns how many."""
-    if hot is None:
-        return 0
-    placed = 0
-    for chunk, key in zip(prompt.chunks.chunks[:run], prompt.prefix_keys[:run]):
-        if not _place_chunk_from_hot(hot, key, chunk, keys, values):
-            break
-        placed += 1
-    return placed
-
-
-def _place_chunk_from_hot(hot: HotTier, key: bytes, chunk: Chunk, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    entry = hot.take(key)
-    if entry is None or entry[0].shape[2] != len(chunk.token_ids):  # evicted since, or not this chunk's length
-        return False
-    span = slice(chunk.start, chunk.end)
-    keys[:, :, span].copy_(entry[0])
-    values[:, :, span].copy_(entry[1])
-    return True
 
 
 def report_corrupt(store: ChunkStore, key: bytes) -> None:

@@ -3,10 +3,16 @@ a repeated prefix is one copy into the slot, with no daemon read, checksum or de
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from inference_service.reuse.l0_eviction import DEFAULT_HALF_LIFE_S, L0Entry, plan_admission, record_hit
+from inference_service.store.protocol import ChunkStore, NullStore
+
+KV = tuple[torch.Tensor, torch.Tensor]  # a chunk's keys, values: [layers, kv_heads, n, head_dim]
 
 
 @dataclass(slots=True)
@@ -15,10 +21,11 @@ class HotTierStats:
     bytes_placed: int = 0  # their K/V bytes
     chunks_added: int = 0
     chunks_evicted: int = 0
+    chunks_rejected: int = 0  # not kept: only their own ancestors could have made room (see l0_eviction)
 
 
 class HotTier:
-    """Whole chunks' K/V by prefix key, least recently used evicted first, within max_bytes.
+    """Whole chunks' K/V by prefix key within max_bytes, evicted leaf first by decayed frequency (l0_eviction).
 
     Exact by construction: an entry holds the K/V the service computed (or decoded) for exactly that key (a prefix
     key commits to every token before it), the values a hit on the daemon's 16-bit blob decodes to; the engine keeps
@@ -26,81 +33,113 @@ class HotTier:
     (pending) may hit on L0 alone. Thread-safe: the write-back threads add and settle, the step loop reads.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, half_life: float = DEFAULT_HALF_LIFE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         assert max_bytes > 0, f"max_bytes must be positive, got {max_bytes}"
+        assert half_life > 0, f"half_life must be positive, got {half_life}"
         self.max_bytes = max_bytes
+        self.half_life = half_life
         self.bytes_held = 0
         self.stats = HotTierStats()
-        self._entries: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._clock = clock
+        self._kv: dict[bytes, KV] = {}
+        self._entries: dict[bytes, L0Entry] = {}  # what eviction weighs, by the same keys as _kv
         self._pending: set[bytes] = set()  # added by a write-back the daemon has not confirmed yet
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._kv)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._entries
+        return key in self._kv
 
     def is_pending(self, key: bytes) -> bool:
         """Held, and its write-back to the daemon has not ended: L0 alone may serve it (the daemon's Lookup
         decides for every other key, so a Delete at the daemon reaches this process too)."""
-        return key in self._pending and key in self._entries
+        return key in self._pending and key in self._kv
 
     def settle(self, keys) -> None:
         """Their write-back ended (stored or failed): from now on the daemon's Lookup decides whether they hit."""
         with self._lock:
             self._pending.difference_update(keys)
 
-    def take(self, key: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def take(self, key: bytes) -> KV | None:
         """The chunk's keys, values [layers, kv_heads, n, head_dim] (not to be written), or None; counts a hit."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            self._entries.move_to_end(key)
-            self.stats.chunks_hit += 1
-            self.stats.bytes_placed += _nbytes(entry)
-            return entry
+        taken = self.take_run([key], [None])
+        return taken[0] if taken else None
 
-    def add(self, key: bytes, keys: torch.Tensor, values: torch.Tensor, pending: bool = False) -> None:
-        """Keeps copies of a chunk's K/V (keys, values: [layers, kv_heads, n, head_dim]); a chunk larger than the
-        whole tier is not kept. pending: its write-back is starting (see is_pending; settle ends it)."""
-        size = keys.numel() * keys.element_size() + values.numel() * values.element_size()
-        if size > self.max_bytes:
-            return
+    def take_run(self, keys: Sequence[bytes], lengths: Sequence[int | None]) -> list[KV]:
+        """The K/V of the leading keys L0 holds with the given token counts (None: any), up to the first it does not:
+        one lock for the whole run. Counts a hit on each (not to be written)."""
+        now = self._clock()
+        taken: list[KV] = []
         with self._lock:
-            if pending:
-                self._pending.add(key)
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return
-        entry = (keys.clone(), values.clone())  # outside the lock: the slot may be reused once this returns
+            for key, length in zip(keys, lengths):
+                entry = self._kv.get(key)
+                if entry is None or (length is not None and entry[0].shape[2] != length):
+                    break
+                self._entries[key] = record_hit(self._entries[key], now, self.half_life)
+                taken.append(entry)
+            self.stats.chunks_hit += len(taken)
+            self.stats.bytes_placed += sum(self._entries[key].size_bytes for key in keys[: len(taken)])
+        return taken
+
+    def add(self, key: bytes, keys: torch.Tensor, values: torch.Tensor, pending: bool = False,
+            parent: bytes | None = None) -> bool:
+        """Keeps copies of a chunk's K/V (keys, values: [layers, kv_heads, n, head_dim]); returns whether L0 holds it.
+
+        parent: the prefix key the chunk chains from (None: a prompt's first chunk). A chunk is
+        not kept when it is larger than the whole tier or only its ancestors could make room (l0_eviction).
+        pending: its write-back is starting (see is_pending; settle ends it).
+        """
+        size = _nbytes((keys, values))
         with self._lock:
-            if key in self._entries:
-                return
-            self._entries[key] = entry
+            if key in self._kv:
+                if pending:
+                    self._pending.add(key)
+                return True
+        kv = (keys.clone(), values.clone())  # outside the lock: the slot may be reused once this returns
+        with self._lock:
+            if key in self._kv:
+                return True
+            incoming = L0Entry(size, parent, 1.0, self._clock())
+            victims = [] if self.bytes_held + size <= self.max_bytes else plan_admission(
+                self._entries, key, incoming, self.max_bytes, self.half_life)
+            if victims is None:
+                self.stats.chunks_rejected += 1
+                return False
+            for victim in victims:
+                self._drop(victim)
+            self._kv[key], self._entries[key] = kv, incoming
             self.bytes_held += size
             self.stats.chunks_added += 1
-            while self.bytes_held > self.max_bytes:
-                evicted_key, evicted = self._entries.popitem(last=False)
-                self._pending.discard(evicted_key)
-                self.bytes_held -= _nbytes(evicted)
-                self.stats.chunks_evicted += 1
+            if pending:
+                self._pending.add(key)
+            return True
+
+    def _drop(self, key: bytes) -> None:
+        del self._kv[key]
+        self.bytes_held -= self._entries.pop(key).size_bytes
+        self._pending.discard(key)
+        self.stats.chunks_evicted += 1
 
     def snapshot(self) -> dict:
-        """Counters under ServiceStatsReply names."""
+        """Counters under ServiceStatsReply names (l0_chunks_rejected: /metrics only)."""
         with self._lock:
             return {"l0_chunks_hit": self.stats.chunks_hit, "l0_bytes_placed": self.stats.bytes_placed,
-                    "l0_bytes_held": self.bytes_held, "l0_chunks_held": len(self._entries),
-                    "l0_chunks_evicted": self.stats.chunks_evicted}
+                    "l0_bytes_held": self.bytes_held, "l0_chunks_held": len(self._kv),
+                    "l0_chunks_evicted": self.stats.chunks_evicted, "l0_chunks_rejected": self.stats.chunks_rejected}
 
 
-def hot_tier_for(max_bytes: int, kv_cache_bits: int) -> HotTier | None:
+def hot_tier_for(max_bytes: int, kv_cache_bits: int, store: ChunkStore | None = None) -> HotTier | None:
     """L0 of max_bytes (None: off), kept only at 16-bit storage, where a blob decodes to exactly what was computed:
-    a quantized blob decodes to other values, which an L0 copy of the computed ones would not match."""
+    a quantized blob decodes to other values, which an L0 copy of the computed ones would not match. No L0 without
+    a cache either: a NullStore means every request runs without one."""
+    if isinstance(store, NullStore):
+        return None
     return HotTier(max_bytes) if max_bytes and kv_cache_bits == 16 else None
 
 
-def _nbytes(entry: tuple[torch.Tensor, torch.Tensor]) -> int:
+def _nbytes(entry: KV) -> int:
     keys, values = entry
     return keys.numel() * keys.element_size() + values.numel() * values.element_size()

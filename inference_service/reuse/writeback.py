@@ -175,21 +175,22 @@ class WriteBack:
         if self.hot is None:
             return
         try:
-            for chunk, key in zip(pending.chunks, pending.prefix_keys):
-                self.hot.add(key, *pending.chunk_kv(chunk), pending=True)
+            parents = pending.parent_keys or (None,) * len(pending.chunks)  # L0 evicts a chunk after its successors
+            for chunk, key, parent in zip(pending.chunks, pending.prefix_keys, parents):
+                self.hot.add(key, *pending.chunk_kv(chunk), pending=True, parent=parent if chunk.start else None)
         except Exception:
             logger.exception("[%s] keeping chunks in L0 failed", pending.request_id)
 
-    def submit_hot(self, buffers: tuple[torch.Tensor, torch.Tensor], spans: list[tuple[bytes, int, int]],
+    def submit_hot(self, buffers: tuple[torch.Tensor, torch.Tensor], spans: list[tuple[bytes, int, int, bytes | None]],
                    on_done: Callable[[], None]) -> None:
         """Queues copies of chunks placed from the store (key, start, end in `buffers`, keys and values
-        [layers, kv_heads, capacity, head_dim]) into L0; on_done runs on the write-back thread once they are
-        copied (the buffers may be reused from then on)."""
+        [layers, kv_heads, capacity, head_dim], and the prefix key each chains from) into L0; on_done runs on the
+        write-back thread once they are copied (the buffers may be reused from then on)."""
         def copy() -> None:
             try:
                 with torch.inference_mode():
-                    for key, start, end in spans:
-                        self.hot.add(key, buffers[0][:, :, start:end], buffers[1][:, :, start:end])
+                    for key, start, end, parent in spans:
+                        self.hot.add(key, buffers[0][:, :, start:end], buffers[1][:, :, start:end], parent=parent)
             except Exception:  # a background thread has no caller to raise to; L0 only misses these chunks
                 logger.exception("keeping %d fetched chunks in L0 failed", len(spans))
             finally:

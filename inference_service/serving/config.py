@@ -59,8 +59,9 @@ class ServiceConfig:
     kv_keys_before_rope: bool = False  # at 8 and 4 bits, quantize keys un-rotated (opt-in: see --help)
     max_queue: int = 64  # requests waiting for the model worker before RESOURCE_EXHAUSTED
     max_running_requests: int = 16  # requests running at once (one with n completions decodes as n rows)
-    kv_cache_bytes: int = 2 * 1024**3  # K/V memory reserved by running requests (prompt + max_new_tokens per row)
-    l0_bytes: int = 512 << 20  # L0: decoded K/V of recent whole chunks in the service's memory; 0 = off
+    # K/V memory reserved by running requests (prompt + max_new_tokens per row); None: auto (engine/memory_plan.py)
+    kv_cache_bytes: int | None = None
+    l0_bytes: int | None = None  # L0: decoded K/V of whole chunks in the service's memory; 0 = off; None: auto
     max_prefill_tokens: int = 0  # prompt tokens prefilled between two decode steps; 0: by device
     metrics_port: int = 0  # Prometheus /metrics HTTP port on the listen host; 0 = off
     max_answer_tokens_stored: int = 1024  # generated tokens written back per request (the next turn reuses them)
@@ -106,8 +107,10 @@ class ServiceConfig:
         _require(0 <= self.kv_group_size <= 65535, f"--kv-group-size must be in 0..65535, got {self.kv_group_size}")
         _require(self.max_queue > 0, f"--max-queue must be positive, got {self.max_queue}")
         _require(self.max_running_requests > 0, f"--max-running-requests must be positive, got {self.max_running_requests}")
-        _require(self.kv_cache_bytes > 0, f"--kv-cache-bytes must be positive, got {self.kv_cache_bytes}")
-        _require(self.l0_bytes >= 0, f"--l0-bytes must be >= 0 (0 = off), got {self.l0_bytes}")
+        _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
+                 f"--kv-cache-bytes must be positive or auto, got {self.kv_cache_bytes}")
+        _require(self.l0_bytes is None or self.l0_bytes >= 0,
+                 f"--l0-bytes must be >= 0 (0 = off) or auto, got {self.l0_bytes}")
         _require(0 <= self.metrics_port < 65536, f"--metrics-port out of range: {self.metrics_port}")
         _require(self.max_answer_tokens_stored >= 0,
                  f"--max-answer-tokens-stored must be >= 0, got {self.max_answer_tokens_stored}")
@@ -146,12 +149,24 @@ class ServiceConfig:
 
     def describe(self) -> str:
         """One line per setting for the start-up log (secrets appear as file paths only)."""
-        return "\n".join(f"  {name} = {value!r}" for name, value in asdict(self).items())
+        auto = {"kv_cache_bytes", "l0_bytes"}  # None there means sized from the machine at start
+        return "\n".join(f"  {name} = {'auto' if value is None and name in auto else repr(value)}"
+                         for name, value in asdict(self).items())
 
 
 def read_secret(path: str) -> str | None:
     """The stripped contents of a token file; None when no file is configured."""
     return load_token(path) if path else None
+
+
+def bytes_or_auto(text: str) -> int | None:
+    """A byte count, or None for 'auto' (sized from the machine at start)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is neither a number of bytes nor auto") from None
 
 
 def _require(condition: bool, message: str) -> None:
@@ -217,8 +232,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
              "keys as computed (KVBOOST_KV_KEYS_BEFORE_ROPE=1)")
     add("--max-queue", type=int, default=default("MAX_QUEUE", defaults.max_queue), help="requests waiting for the model before RESOURCE_EXHAUSTED (KVBOOST_MAX_QUEUE)")
     add("--max-running-requests", type=int, default=default("MAX_RUNNING_REQUESTS", defaults.max_running_requests), help="requests prefilling or decoding at once; more wait. A request with n completions counts once and decodes as n rows, one K/V slot each (the slots: max(this, 16) plus spares) (KVBOOST_MAX_RUNNING_REQUESTS)")
-    add("--kv-cache-bytes", type=int, default=default("KV_CACHE_BYTES", defaults.kv_cache_bytes), help="K/V memory the running requests may reserve, in bytes: each reserves prompt + max_new_tokens per row when it is admitted, so nothing runs out mid-decode; a request that does not fit waits, one that could never fit is INVALID_ARGUMENT (KVBOOST_KV_CACHE_BYTES)")
-    add("--l0-bytes", type=int, default=default("L0_BYTES", defaults.l0_bytes), help="L0, the service's own cache tier: K/V of the chunks this process wrote back (kept before the daemon has them) or fetched, in this process's memory (the GPU's on CUDA), least recently used dropped first; a prefix it holds is copied into place without a daemon read, checksum or decoding, and a prompt asked again while its write-back is in flight does not wait for it. Exact (16-bit storage only; off at --kv-cache-bits 8 and 4). 0 = off (KVBOOST_L0_BYTES)")
+    add("--kv-cache-bytes", type=_bytes_flag, default=default("KV_CACHE_BYTES", "auto", str), help="K/V memory the running requests may reserve, in bytes: each reserves prompt + max_new_tokens per row when it is admitted, so nothing runs out mid-decode; a request that does not fit waits, one that could never fit is INVALID_ARGUMENT. auto: on CUDA half of the device's free memory after the weights less a reserve for activations and captured graphs (a tenth of the device, at least 2 GiB), or all of it less --l0-bytes when that is a number; on a CPU a quarter of the RAM available at start. The start-up log says the bytes and tokens chosen (KVBOOST_KV_CACHE_BYTES)")
+    add("--l0-bytes", type=_bytes_flag, default=default("L0_BYTES", "auto", str), help="L0, the service's own cache tier: K/V of the chunks this process wrote back (kept before the daemon has them) or fetched, in this process's memory (the GPU's on CUDA); a prefix it holds is copied into place without a daemon read, checksum or decoding, and a prompt asked again while its write-back is in flight does not wait for it. Evicted leaf first (a chunk leaves after every chunk that continues it, so a prefix is never stranded; a prompt longer than L0 keeps its head), by hit frequency decayed over an hour, as the daemon's LFU. Exact (16-bit storage only; off at --kv-cache-bits 8 and 4). auto: on CUDA what the device has free after the weights, the reserve and the K/V slots; on a CPU a quarter of the RAM available at start. 0 = off (KVBOOST_L0_BYTES)")
     add("--max-prefill-tokens", type=int, default=default("MAX_PREFILL_TOKENS", defaults.max_prefill_tokens), help="prompt tokens prefilled between two decode steps: a long prompt runs in pieces while others decode; 0 (default): by device, 512 on a CPU, 8192 on a GPU (KVBOOST_MAX_PREFILL_TOKENS)")
     add("--metrics-port", type=int, default=default("METRICS_PORT", defaults.metrics_port), help="Prometheus /metrics HTTP port on the listen host (the step loop's running rows, waiting requests, K/V bytes reserved and budget; request counters); 0 = off (KVBOOST_METRICS_PORT)")
     add("--max-answer-tokens-stored", type=int, default=default("MAX_ANSWER_TOKENS_STORED", defaults.max_answer_tokens_stored), help="when a request ends, the K/V of its prompt's tail and of up to this many generated tokens (its first completion) are written back, keyed as the next turn of the conversation will key them, so that turn recomputes only its new message; 0 = answers are not stored (KVBOOST_MAX_ANSWER_TOKENS_STORED)")
@@ -243,6 +258,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
              "stream, on refuses to start without it, off always streams (KVBOOST_CACHE_LOCAL_READ)")
     add("--log-level", default=default("LOG_LEVEL", defaults.log_level), help="DEBUG, INFO, WARNING or ERROR (KVBOOST_LOG_LEVEL)")
     return parser
+
+
+def _bytes_flag(text: str) -> int | None:
+    try:
+        return bytes_or_auto(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServiceConfig:

@@ -16,6 +16,8 @@ GAUGES = {
     "kv_budget_bytes": ("kvboost_engine_kv_budget_bytes", "K/V bytes admitted requests may reserve (--kv-cache-bytes)"),
     "l0_bytes_held": ("kvboost_engine_l0_bytes_held", "K/V bytes L0 holds now (--l0-bytes)"),
     "l0_chunks_held": ("kvboost_engine_l0_chunks_held", "whole chunks L0 holds now"),
+    "tokenizer_cache_bytes": ("kvboost_engine_tokenizer_cache_bytes",
+                              "bytes of token ids the tokenization cache holds now (--tokenizer-cache-bytes)"),
 }
 COUNTERS = {
     "requests": ("kvboost_engine_requests", "requests finished"),
@@ -33,10 +35,26 @@ COUNTERS = {
     "l0_chunks_hit": ("kvboost_engine_l0_chunks_hit", "whole chunks placed from L0, the service's own tier"),
     "l0_bytes_placed": ("kvboost_engine_l0_bytes_placed", "K/V bytes placed from L0"),
     "l0_chunks_evicted": ("kvboost_engine_l0_chunks_evicted", "chunks L0 dropped for room"),
+    "l0_chunks_rejected": ("kvboost_engine_l0_chunks_rejected",
+                           "chunks L0 did not keep: only their own prefix could have made room (it keeps a prompt's head)"),
+    "tokenizer_cache_hits": ("kvboost_engine_tokenizer_cache_hits",
+                             "pieces of prompt text (between special tokens) whose token ids came from the cache"),
+    "tokenizer_cache_misses": ("kvboost_engine_tokenizer_cache_misses", "long pieces of prompt text tokenized and kept"),
+    "tokenizer_cache_hit_tokens": ("kvboost_engine_tokenizer_cache_hit_tokens",
+                                   "token ids served from the tokenization cache instead of the tokenizer"),
     "approximate_answers": ("kvboost_engine_approximate_answers",
                             "answers that reused content hits (K/V computed under another prefix): labelled approximate"),
     "approximate_tokens": ("kvboost_engine_approximate_tokens",
                            "prompt tokens of approximate answers whose K/V came from content hits, not recomputed"),
+}
+# stats["tier_loads"][tier] field -> (metric name, help), one series per tier (label tier: l0, daemon_map,
+# daemon_fetch, store); a tier's rate is bytes / seconds.
+TIER_COUNTERS = {
+    "chunks": ("kvboost_engine_tier_chunks", "chunks a cache tier placed into requests' K/V slots"),
+    "bytes": ("kvboost_engine_tier_bytes", "K/V bytes a cache tier placed into requests' slots"),
+    "seconds": ("kvboost_engine_tier_seconds",
+                "host seconds a cache tier took to place them, from its first read to its last copy issued"),
+    "loads": ("kvboost_engine_tier_loads", "requests a cache tier placed chunks for"),
 }
 
 
@@ -50,6 +68,12 @@ class EngineCollector(Collector):
             yield GaugeMetricFamily(name, description, value=values.get(field, 0))
         for field, (name, description) in COUNTERS.items():
             yield CounterMetricFamily(name, description, value=values.get(field, 0))
+        tiers = values.get("tier_loads", {})
+        for field, (name, description) in TIER_COUNTERS.items():
+            family = CounterMetricFamily(name, description, labels=["tier"])
+            for tier, counters in tiers.items():
+                family.add_metric([tier], counters.get(field, 0))
+            yield family
 
 
 def start_metrics_server(stats: Callable[[], dict], host: str, port: int) -> Callable[[], None]:

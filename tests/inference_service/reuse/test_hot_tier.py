@@ -1,4 +1,4 @@
-"""L0: whole chunks' K/V by prefix key, least recently used dropped first within its bytes, copies kept."""
+"""L0: whole chunks' K/V by prefix key within its bytes, evicted leaf first by decayed frequency, copies kept."""
 from __future__ import annotations
 
 import torch
@@ -8,8 +8,26 @@ from inference_service.reuse.hot_tier import HotTier
 CHUNK_BYTES = 2 * 2 * 3 * 4 * 5 * 4  # keys and values [2 layers, 3 heads, 4 tokens, 5 dims] in float32
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0  # every add and take happens one second after the one before
+        return self.now
+
+
 def chunk(fill: float) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.full((2, 3, 4, 5), fill), torch.full((2, 3, 4, 5), -fill)
+
+
+def add_chain(hot: HotTier, *names: bytes) -> list[bool]:
+    parent = None  # the prompt's first chunk
+    kept = []
+    for name in names:
+        kept.append(hot.add(name, *chunk(1.0), parent=parent))
+        parent = name
+    return kept
 
 
 def test_a_chunk_comes_back_as_it_was_added_even_when_its_source_changes():
@@ -21,24 +39,49 @@ def test_a_chunk_comes_back_as_it_was_added_even_when_its_source_changes():
     assert torch.equal(taken[0], torch.full((2, 3, 4, 5), 1.0)) and torch.equal(taken[1], torch.full((2, 3, 4, 5), -1.0))
     assert hot.take(b"b") is None
     assert hot.snapshot() == {"l0_chunks_hit": 1, "l0_bytes_placed": CHUNK_BYTES, "l0_bytes_held": CHUNK_BYTES,
-                              "l0_chunks_held": 1, "l0_chunks_evicted": 0}
+                              "l0_chunks_held": 1, "l0_chunks_evicted": 0, "l0_chunks_rejected": 0}
 
 
-def test_the_least_recently_used_chunk_goes_first_when_room_is_needed():
-    hot = HotTier(3 * CHUNK_BYTES)
-    for name in (b"a", b"b", b"c"):
+def test_the_least_recently_used_leaf_goes_first_when_room_is_needed():
+    hot = HotTier(3 * CHUNK_BYTES, clock=Clock())
+    for name in (b"a", b"b", b"c"):  # three one-chunk prompts
         hot.add(name, *chunk(1.0))
-    hot.take(b"a")  # a is now the most recently used: b is the oldest
+    hot.take(b"a")  # a is hit: b is now the least worth keeping
     hot.add(b"d", *chunk(2.0))
     assert [name in hot for name in (b"a", b"b", b"c", b"d")] == [True, False, True, True]
     assert hot.bytes_held == 3 * CHUNK_BYTES and hot.snapshot()["l0_chunks_evicted"] == 1
 
 
+def test_a_prompt_longer_than_l0_keeps_its_head_and_is_served_from_its_first_chunk():
+    hot = HotTier(3 * CHUNK_BYTES, clock=Clock())
+    assert add_chain(hot, b"p0", b"p1", b"p2", b"p3", b"p4") == [True, True, True, False, False]
+    assert len(hot.take_run([b"p0", b"p1", b"p2", b"p3", b"p4"], [4] * 5)) == 3  # its first three chunks
+    # Another prompt evicts the first prompt's chunks from its last one back, never its head before its tail.
+    assert add_chain(hot, b"q0", b"q1") == [True, True]
+    assert [name in hot for name in (b"p0", b"p1", b"p2", b"q0", b"q1")] == [True, False, False, True, True]
+    assert hot.snapshot()["l0_chunks_rejected"] == 2 and hot.snapshot()["l0_chunks_evicted"] == 2
+
+
+def test_take_run_stops_at_the_first_chunk_missing_or_of_another_length():
+    hot = HotTier(10 * CHUNK_BYTES)
+    add_chain(hot, b"a", b"b", b"c")
+    assert len(hot.take_run([b"a", b"b", b"c"], [4, 4, 3])) == 2  # c holds 4 tokens, the prompt's last chunk 3
+    assert len(hot.take_run([b"a", b"x", b"c"], [4, 4, 4])) == 1
+    assert hot.snapshot()["l0_chunks_hit"] == 3 and hot.snapshot()["l0_bytes_placed"] == 3 * CHUNK_BYTES
+
+
 def test_a_chunk_larger_than_the_tier_is_not_kept_and_a_second_add_keeps_the_first_copy():
     hot = HotTier(CHUNK_BYTES - 1)
-    hot.add(b"a", *chunk(1.0))
+    assert not hot.add(b"a", *chunk(1.0))
     assert len(hot) == 0 and hot.bytes_held == 0
     hot = HotTier(2 * CHUNK_BYTES)
     hot.add(b"a", *chunk(1.0))
     hot.add(b"a", *chunk(5.0))
     assert hot.take(b"a")[0][0, 0, 0, 0] == 1.0 and hot.bytes_held == CHUNK_BYTES
+
+
+def test_a_pending_chunk_that_is_not_kept_is_not_pending():
+    hot = HotTier(CHUNK_BYTES, clock=Clock())
+    add_chain(hot, b"a")
+    assert not hot.add(b"b", *chunk(1.0), pending=True, parent=b"a")  # only its own parent could make room
+    assert not hot.is_pending(b"b") and b"a" in hot

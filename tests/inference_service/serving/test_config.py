@@ -121,3 +121,29 @@ def test_a_negative_fidelity_guard_says_what_to_pass(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_config(["--fidelity-guard", "-1"], environ={})
     assert "--fidelity-guard must be a share >= 0 (0 = off)" in capsys.readouterr().err
+
+
+def test_memory_flags_default_to_auto_and_a_number_wins() -> None:
+    config = parse_config([], environ={})
+    assert (config.kv_cache_bytes, config.l0_bytes) == (None, None)  # sized from the machine at start
+    assert "kv_cache_bytes = auto" in config.describe() and "l0_bytes = auto" in config.describe()
+    config = parse_config(["--l0-bytes", "0"], environ={"KVBOOST_KV_CACHE_BYTES": "1073741824"})
+    assert (config.kv_cache_bytes, config.l0_bytes) == (1 << 30, 0)
+    assert parse_config(["--kv-cache-bytes", "AUTO"], environ={"KVBOOST_KV_CACHE_BYTES": "5"}).kv_cache_bytes is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--l0-bytes", "lots"], "'lots' is neither a number of bytes nor auto"),
+    (["--kv-cache-bytes", "0"], "--kv-cache-bytes must be positive or auto"),
+    (["--l0-bytes", "-1"], "--l0-bytes must be >= 0 (0 = off) or auto"),
+])
+def test_bad_memory_flags_say_what_is_accepted(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(argv, environ={})
+    assert message in capsys.readouterr().err
+
+
+def test_help_says_what_auto_means() -> None:
+    from inference_service.serving.config import build_parser
+    text = " ".join(build_parser({}).format_help().split())
+    assert "auto: on CUDA half of the device's free memory" in text and "a quarter of the RAM available" in text

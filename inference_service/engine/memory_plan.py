@@ -1,0 +1,114 @@
+"""K/V slots' and L0's bytes by default from the machine: the device's free memory on CUDA, RAM on a CPU
+(plan_memory is pure; size_tiers reads the machine)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from inference_service.request.types import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+# CUDA: what stays free beside the weights, the K/V slots and L0 for activations (a prefill piece's MLP and logits,
+# the placement's temporaries) and the lazily captured decode graphs: a tenth of the device, at least 2 GiB.
+CUDA_RESERVE_SHARE = 0.10
+CUDA_MIN_RESERVE_BYTES = 2 * GIB
+CUDA_KV_SHARE = 0.5  # of what is left when both are auto: half for running requests' slots, half for L0
+# CPU: a share of the RAM available at start-up each (pages are committed as written, so neither is taken up front).
+CPU_KV_SHARE = 0.25
+CPU_L0_SHARE = 0.25
+MIN_BYTES = 64 << 20  # less than this for K/V slots means the machine cannot serve: refused with the reason
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryPlan:
+    kv_cache_bytes: int
+    l0_bytes: int
+    basis: str  # one line for the start-up log: what the auto values came from
+
+
+def plan_memory(device_type: str, free_bytes: int, total_bytes: int, kv_cache_bytes: int | None,
+                l0_bytes: int | None) -> MemoryPlan:
+    """The K/V slots' and L0's bytes; None asks for auto, a number is kept as given.
+
+    device_type "cuda": free_bytes is the device's free memory after the weights, total_bytes its size; the auto
+    values share what is left after the reserve (CUDA_RESERVE_SHARE), and one given value leaves the rest to the
+    other. Otherwise free_bytes is the RAM available (MemAvailable), and each auto value is its own share of it.
+
+    Raises:
+        ValueError: auto K/V slots would get less than MIN_BYTES (the message says what to set).
+    """
+    if device_type == "cuda":
+        reserve = max(CUDA_MIN_RESERVE_BYTES, int(total_bytes * CUDA_RESERVE_SHARE))
+        usable = max(0, free_bytes - reserve)
+        basis = (f"{free_bytes / GIB:.1f} GiB free on the device after the weights, {reserve / GIB:.1f} GiB kept "
+                 f"for activations and captured graphs")
+        if kv_cache_bytes is None:
+            kv_cache_bytes = int(usable * CUDA_KV_SHARE) if l0_bytes is None else usable - l0_bytes
+            _check_kv(kv_cache_bytes, basis, l0_bytes)
+        if l0_bytes is None:
+            l0_bytes = max(0, usable - kv_cache_bytes)
+        return MemoryPlan(kv_cache_bytes, l0_bytes, basis)
+    basis = f"{free_bytes / GIB:.1f} GiB of RAM available"
+    if kv_cache_bytes is None:
+        kv_cache_bytes = int(free_bytes * CPU_KV_SHARE)
+        _check_kv(kv_cache_bytes, basis, l0_bytes)
+    if l0_bytes is None:
+        l0_bytes = int(free_bytes * CPU_L0_SHARE)
+    return MemoryPlan(kv_cache_bytes, l0_bytes, basis)
+
+
+def _check_kv(kv_cache_bytes: int, basis: str, l0_bytes: int | None) -> None:
+    if kv_cache_bytes < MIN_BYTES:
+        given = f", --l0-bytes {l0_bytes}" if l0_bytes is not None else ""
+        raise ValueError(f"--kv-cache-bytes auto: {basis}{given} leave {max(0, kv_cache_bytes)} bytes for K/V slots "
+                         f"(at least {MIN_BYTES} needed): set --kv-cache-bytes to a number, or lower --l0-bytes")
+
+
+def mem_available(meminfo: str) -> int | None:
+    """MemAvailable from /proc/meminfo's text, in bytes; None when it is not there."""
+    for line in meminfo.splitlines():
+        name, _, rest = line.partition(":")
+        if name == "MemAvailable":
+            return int(rest.split()[0]) * 1024
+    return None
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) RAM in bytes: /proc/meminfo's MemAvailable where there is one, else free pages."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = mem_available(meminfo.read())
+    except OSError:
+        available = None
+    return (available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * page), total
+
+
+def tokens_held(num_bytes: int, bytes_per_token: int) -> int:
+    return num_bytes // bytes_per_token if bytes_per_token else 0
+
+
+def size_tiers(config: EngineConfig, model, geometry) -> EngineConfig:
+    """The config with auto (None) kv_cache_bytes and hot_tier_bytes sized from the machine: the device's free memory
+    after the weights on CUDA, the RAM available on a CPU (memory_plan.plan_memory); says at start what each holds."""
+    device = model.device
+    if config.kv_cache_bytes is not None and config.hot_tier_bytes is not None:
+        return config
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    else:
+        free, total = host_memory()
+    plan = plan_memory(device.type, free, total, config.kv_cache_bytes, config.hot_tier_bytes)
+    per_token = 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * model.dtype.itemsize
+    logger.info("memory (%s): K/V slots %.2f GiB%s = %d tokens, L0 %.2f GiB%s = %d tokens (%d bytes a token)",
+                plan.basis, plan.kv_cache_bytes / 2**30, "" if config.kv_cache_bytes is None else " (given)",
+                tokens_held(plan.kv_cache_bytes, per_token), plan.l0_bytes / 2**30,
+                "" if config.hot_tier_bytes is None else " (given)", tokens_held(plan.l0_bytes, per_token), per_token)
+    return dataclasses.replace(config, kv_cache_bytes=plan.kv_cache_bytes, hot_tier_bytes=plan.l0_bytes)

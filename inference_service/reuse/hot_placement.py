@@ -1,0 +1,70 @@
+"""Places a run of chunks L0 holds into a request's slot: one lock for the run, a few batched copies, not two per chunk."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+
+import torch
+
+from inference_service.reuse.hot_tier import KV, HotTier
+from kvboost_keys.chunking import Chunk
+
+# On CUDA a group of chunks is gathered into one contiguous temporary before its one strided copy into the slot: the
+# temporary's size is bounded by this (per tensor), so a 32k-token prompt's placement needs no second copy of it.
+PLACEMENT_GROUP_BYTES = 512 << 20
+
+
+def place_from_hot(hot: HotTier | None, chunks: Sequence[Chunk], keys: Sequence[bytes],
+                   buffers: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Copies the leading chunks of a contiguous run that L0 holds (with their lengths) into their slices of the
+    buffers (keys, values [layers, kv_heads, capacity, head_dim]); returns how many."""
+    if hot is None or not chunks:
+        return 0
+    assert all(before.end == after.start for before, after in pairwise(chunks)), "a run of adjacent chunks"
+    taken = hot.take_run(keys, [len(chunk.token_ids) for chunk in chunks])
+    if taken:
+        copy_run_(taken, chunks[0].start, buffers)
+    return len(taken)
+
+
+def copy_run_(entries: Sequence[KV], start: int, buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Writes the entries' keys and values ([layers, kv_heads, n_i, head_dim] each) one after another into the
+    buffers from position `start`: the same bytes per-chunk copies would write.
+
+    On a CPU one concatenation writes straight into the slot's slice of each buffer. On CUDA a concatenation whose
+    output is a strided slice of a large buffer falls back to one copy per input, so each group of chunks is
+    concatenated into a contiguous temporary (batched launches) and copied into the slice once.
+    """
+    for index, buffer in enumerate(buffers):
+        parts = [entry[index] for entry in entries]
+        if buffer.device.type != "cuda":
+            end = start + sum(part.shape[2] for part in parts)
+            _concatenate_into(parts, buffer[:, :, start:end])
+            continue
+        position = start
+        for group in _groups(parts, PLACEMENT_GROUP_BYTES):
+            length = sum(part.shape[2] for part in group)
+            buffer[:, :, position : position + length].copy_(group[0] if len(group) == 1 else torch.cat(group, dim=2))
+            position += length
+
+
+def _concatenate_into(parts: Sequence[torch.Tensor], target: torch.Tensor) -> None:
+    if len(parts) == 1:
+        target.copy_(parts[0])
+    else:
+        torch.cat(list(parts), dim=2, out=target)
+
+
+def _groups(parts: Sequence[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive parts in groups of at most max_bytes (a larger part goes alone)."""
+    groups: list[list[torch.Tensor]] = []
+    group_bytes = 0
+    for part in parts:
+        size = part.numel() * part.element_size()
+        if groups and group_bytes + size <= max_bytes:
+            groups[-1].append(part)
+            group_bytes += size
+        else:
+            groups.append([part])
+            group_bytes = size
+    return groups

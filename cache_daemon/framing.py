@@ -1,6 +1,8 @@
 """ChunkFrame streams: assembling Store uploads and wire-encoding Fetch replies."""
 from __future__ import annotations
 
+import hashlib
+from typing import Sequence
 
 from kvboost.v1 import cache_pb2
 
@@ -31,6 +33,35 @@ def check_continuation(parent_key: bytes, token_ids: bytes, what: str) -> None:
     if len(token_ids) % 4 or len(token_ids) > 4 * MAX_CONTINUATION_TOKENS:
         raise InvalidCacheRequest(f"{what} token ids must be little-endian uint32 values (a multiple of 4 bytes), "
                                   f"at most {MAX_CONTINUATION_TOKENS} of them; got {len(token_ids)} bytes")
+
+
+def check_continue_after_run(pieces: Sequence[bytes], num_prefix_keys: int, with_continue_parent: bool) -> None:
+    """LookupRequest.continue_after_run: at most one entry per run length (0..num_prefix_keys), each packed token ids
+    of at most MAX_CONTINUATION_TOKENS, and not beside continue_parent (both would answer the continuation)."""
+    if not pieces:
+        return
+    if with_continue_parent:
+        raise InvalidCacheRequest("LookupRequest: give continue_after_run or continue_parent, not both")
+    if len(pieces) > num_prefix_keys + 1:
+        raise InvalidCacheRequest(f"LookupRequest.continue_after_run has {len(pieces)} entries; at most one per "
+                                  f"run length 0..{num_prefix_keys} ({num_prefix_keys + 1})")
+    for index, token_ids in enumerate(pieces):
+        if len(token_ids) % 4 or len(token_ids) > 4 * MAX_CONTINUATION_TOKENS:
+            raise InvalidCacheRequest(f"LookupRequest.continue_after_run[{index}] must be little-endian uint32 token "
+                                      f"ids (a multiple of 4 bytes), at most {MAX_CONTINUATION_TOKENS} of them; got "
+                                      f"{len(token_ids)} bytes")
+
+
+def partial_chunk_keys(parent: bytes, token_ids: bytes) -> list[bytes]:
+    """SHA-256(parent || token_ids[:4n]) for n = len down to 1: the keys of the partial chunks after `parent` that
+    hold the first n of these packed token ids (the inference service's prefix chain), longest first."""
+    running = hashlib.sha256(parent)
+    keys = []
+    for start in range(0, len(token_ids), 4):
+        running.update(token_ids[start : start + 4])
+        keys.append(running.copy().digest())
+    keys.reverse()
+    return keys
 
 
 def chunk_meta(key: ChunkKey, entry: Entry) -> cache_pb2.ChunkMeta:

@@ -16,7 +16,8 @@ from cache_daemon.errors import InvalidCacheRequest, PermissionDenied, StoreStre
 from cache_daemon.executors import DaemonExecutors
 from cache_daemon.metrics import Refusals
 from cache_daemon.store import BLOB_DB_VERSION
-from cache_daemon.framing import (StoreStreamAssembler, check_continuation, check_digest, chunk_meta, encode_data_frames,
+from cache_daemon.framing import (StoreStreamAssembler, check_continuation, check_continue_after_run,
+                                   partial_chunk_keys, check_digest, chunk_meta, encode_data_frames,
                                   encode_header_frame)
 from cache_daemon.tiered import TieredCache
 from cache_daemon.tenancy import PLAIN, KeySpace, Tenancy, Tenant, current_tenant
@@ -79,27 +80,42 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         content_keys = checked_content_keys(request.content_keys, len(prefix_keys))
         partial_keys = checked_keys(request.partial_keys, "LookupRequest.partial_keys")
         check_continuation(request.continue_parent, request.continue_tokens, "LookupRequest continue_parent/tokens")
+        check_continue_after_run(request.continue_after_run, len(prefix_keys), bool(request.continue_parent))
         space = self._space()
         arguments = (space.scope(request.namespace), space.scope_all(prefix_keys),
                      [space.scope_optional(key) for key in content_keys], space.scope_all(partial_keys))
+        result = await self._lookup(arguments)
+        parent, tokens = request.continue_parent, request.continue_tokens
+        reply = cache_pb2.LookupReply(
+            prefix_run=result.prefix_run, prefix_hit=result.prefix_hit,
+            content_hits=[cache_pb2.ContentHit(index=index, stored_key=space.unscope(key))
+                          for index, key in result.content_hits],
+            partial_index=result.partial_index)
+        if request.continue_after_run:  # the second Lookup's question, asked of the run just found
+            reply.continued = True
+            run = result.prefix_run
+            parent = prefix_keys[run - 1] if run else request.namespace
+            tokens = request.continue_after_run[run] if run < len(request.continue_after_run) else b""
+            candidates = partial_chunk_keys(parent, tokens)  # longest first
+            if candidates:
+                found = await self._lookup((arguments[0], [], [], space.scope_all(candidates)))
+                if found.partial_index is not None:
+                    reply.partial_key = candidates[found.partial_index]
+                    reply.partial_tokens = len(candidates) - found.partial_index
+        if parent and tokens:  # LMDB's own index: L2 records carry no continuations
+            l1 = self._cache.l1 if isinstance(self._cache, TieredCache) else self._cache
+            continuation = l1.continuation(arguments[0], space.scope(parent), tokens)
+            if continuation is not None:
+                reply.continuation_key, reply.continuation_tokens = space.unscope(continuation[0]), continuation[1]
+        return reply
+
+    async def _lookup(self, arguments: tuple):
         if isinstance(self._cache, TieredCache):  # L2 behind LMDB: a round trip only for what LMDB misses
             result = self._cache.lookup_in_l1(*arguments)
             if result is None:
                 result = await self._executors.run(self._executors.l2, self._lookup_with_l2, arguments)
-        else:
-            result = self._cache.lookup(*arguments)
-        continuation = None
-        if request.continue_parent:  # LMDB's own index: L2 records carry no continuations
-            l1 = self._cache.l1 if isinstance(self._cache, TieredCache) else self._cache
-            continuation = l1.continuation(arguments[0], space.scope(request.continue_parent), request.continue_tokens)
-        return cache_pb2.LookupReply(
-            prefix_run=result.prefix_run, prefix_hit=result.prefix_hit,
-            content_hits=[cache_pb2.ContentHit(index=index, stored_key=space.unscope(key))
-                          for index, key in result.content_hits],
-            partial_index=result.partial_index,
-            continuation_key=b"" if continuation is None else space.unscope(continuation[0]),
-            continuation_tokens=0 if continuation is None else continuation[1],
-        )
+            return result
+        return self._cache.lookup(*arguments)
 
     def _lookup_with_l2(self, arguments: tuple) -> object:
         """A tenant's namespace gets its owner recorded first, so what L2 promotes into LMDB is charged to

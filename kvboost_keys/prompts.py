@@ -23,6 +23,7 @@ class PromptPlan:
     # when the prompt ends on a chunk boundary.
     tail_key: PrefixKey | None = None
     namespace: bytes = b""  # seeds the chain: the parent of the first chunk
+    packed_ids: bytes = b""  # token_ids as the keys hash them (encode_token_ids); empty: not kept
 
     def __post_init__(self) -> None:
         assert len(self.prefix_keys) == len(self.content_keys) == len(self.chunks.chunks), "one key of each kind per chunk"
@@ -44,14 +45,25 @@ class PromptPlan:
         A partial chunk is stored for the tail of a warmed text or of a written-back prompt; a prompt that
         continues that text reuses it to its last token. Exact: the key chains over every token before.
         """
-        chunks = self.chunks.chunks
-        if run < len(chunks):
-            start, length = chunks[run].start, len(chunks[run].token_ids) - 1
-        else:
-            start, length = self.chunks.tail_start, len(self.chunks.tail)
+        start, length = self.partial_span(run)
         if length <= 0:
             return start, []
         return start, partial_prefix_keys(self.parent_key(run), self.token_ids[start : start + length])
+
+    def partial_span(self, run: int) -> tuple[int, int]:
+        """(start, length) of the tokens a chunk continuing a run of `run` whole chunks may cover: chunk run's tokens
+        but its last, or the tail after the last chunk."""
+        chunks = self.chunks.chunks
+        if run < len(chunks):
+            return chunks[run].start, len(chunks[run].token_ids) - 1
+        return self.chunks.tail_start, len(self.chunks.tail)
+
+    def tokens_after_runs(self) -> tuple[bytes, ...]:
+        """For r = 0..len(chunks): the packed ids of partial_span(r), the tokens one Lookup asks about for whichever
+        run the daemon finds (AfterRun)."""
+        packed = self.packed_ids or encode_token_ids(self.token_ids)
+        spans = (self.partial_span(run) for run in range(len(self.chunks.chunks) + 1))
+        return tuple(packed[4 * start : 4 * (start + max(length, 0))] for start, length in spans)
 
     def tail_chunk(self) -> Chunk | None:
         """The tail as a (partial) chunk to store under tail_key; None when the prompt has no tail."""
@@ -142,4 +154,5 @@ def plan_prompt(namespace: Namespace, segments: Sequence[Sequence[int]], chunk_s
         content_keys=tuple(contents),
         tail_key=tail_key,
         namespace=namespace,
+        packed_ids=packed,
     )

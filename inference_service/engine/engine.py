@@ -31,6 +31,7 @@ from inference_service.model.attention import use_engine_attention
 from inference_service.model.kv_buffers import kv_geometry
 from inference_service.model.weights import state_fingerprint
 from inference_service.store.protocol import ChunkStore
+from kvboost_keys.token_cache import token_cache_for, token_cache_stats
 
 ShouldStop = Callable[[], bool]
 
@@ -81,6 +82,7 @@ class Engine:
                                 hot_tier_for(config.hot_tier_bytes, config.kv_cache_bits, store)),
             key_rope=key_rope,
             content_rope=content_rope,
+            token_cache=token_cache_for(tokenizer, config.tokenizer_cache_bytes),
         )
         use_engine_attention(model)  # after the namespace: the engine's forwards pick grouped SDPA per call
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -212,7 +214,7 @@ class Engine:
         if bool(prompt) == bool(messages):
             raise InvalidRequest("Tokenize needs exactly one of prompt and messages")
         if messages:
-            _check_roles(messages)
+            GenerationParams(messages=tuple(messages))  # the same check a Generate request's messages get
             token_ids = tokenize_messages(self.tokenizer, messages, add_generation_prompt)[0]
         else:
             token_ids = list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
@@ -262,7 +264,8 @@ class Engine:
         return {**self.parts.counters.snapshot(), **self.core.stats(),
                 "degraded": bool(getattr(self.store, "degraded", False)),
                 "read_mode": getattr(self.store, "read_mode", ""),  # how cached blobs are read (locked map, stream)
-                "stream_fetches": getattr(self.store, "num_stream_fetches", 0)}
+                "stream_fetches": getattr(self.store, "num_stream_fetches", 0),
+                **token_cache_stats(self.parts.token_cache)}
 
     def flush_writes(self, timeout: float | None = None) -> None:
         """Waits for queued write-backs (tests, shutdown)."""
@@ -294,7 +297,3 @@ def _rope_or_none(config) -> RopeParams | None:
         logger.info("content hits will not be reused by this model: %s", error)
         return None
 
-
-def _check_roles(messages) -> None:
-    # The same check a Generate request's messages get (GenerationParams validates them).
-    GenerationParams(messages=tuple(messages))

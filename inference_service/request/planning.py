@@ -94,7 +94,7 @@ def plan_request(parts: EngineParts, params: GenerationParams) -> tuple[str, Pro
     if outside:
         raise InvalidRequest(f"stop_token_ids {outside[:5]} are outside the vocabulary (0..{vocab_size - 1})")
     prompt = plan_segments(parts, tokenize_request(parts.tokenizer, params.prompt, params.messages, params.segments,
-                                                   parts.token_cache, parts.namespace))
+                                                   token_cache(parts), parts.namespace))
     max_context = parts.geometry.max_context
     if params.strict_context and prompt.num_tokens + params.max_new_tokens > max_context:
         raise InvalidRequest(f"the context holds {max_context} tokens, but {prompt.num_tokens + params.max_new_tokens} "
@@ -102,6 +102,12 @@ def plan_request(parts: EngineParts, params: GenerationParams) -> tuple[str, Pro
                              f"{params.max_new_tokens}): shorten the prompt or lower max_new_tokens")
     room = max(1, max_context - prompt.num_tokens)
     return params.mode or parts.config.default_mode, prompt, min(params.max_new_tokens, room)
+
+
+def token_cache(parts: EngineParts) -> TokenCache | None:
+    """The tokenization cache, when it was built for the tokenizer the parts hold (never another's ids)."""
+    cache = parts.token_cache
+    return cache if cache is not None and cache.tokenizer is parts.tokenizer else None
 
 
 def plan_segments(parts: EngineParts, segments: list[list[int]]) -> PromptPlan:
@@ -121,7 +127,7 @@ def plan_warm(parts: EngineParts, text: str | None, messages, content_addressed:
     drops, "\x04" say: nothing to store). Raises InvalidRequest (neither text nor messages) or PromptTooLong."""
     if not text and not messages:
         raise InvalidRequest("Warm needs text or messages")
-    segments = tokenize_warm(parts.tokenizer, text, messages, content_addressed, parts.token_cache, parts.namespace)
+    segments = tokenize_warm(parts.tokenizer, text, messages, content_addressed, token_cache(parts), parts.namespace)
     if not any(segments):
         return plan_prompt(parts.namespace, [], parts.config.chunk_size)
     prompt = plan_segments(parts, segments)

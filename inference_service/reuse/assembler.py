@@ -10,7 +10,8 @@ from typing import Iterator, TypeVar
 
 import torch
 
-from inference_service.store.protocol import ChunkStore, ContinuationQuery, StoreTimeout, StoreUnavailable
+from inference_service.store.protocol import (AfterRun, ChunkStore, ContinuationQuery, StoreLookup, StoreTimeout,
+                                             StoreUnavailable)
 from inference_service.kv.blobs import decode_hit, place_hit_
 from inference_service.kv.codec import BlobError, BlobHeader, read_header
 from inference_service.kv.loader import RunLoad, copies_raw, staging_ring
@@ -88,18 +89,20 @@ def assemble_context(
 
     Never raises for store trouble: an unreachable store gives an empty, degraded context; a bad or
     missing blob ends the reused run there. rope: rotates keys stored un-rotated into place (such blobs
-    end the run when it is None). After the run of whole chunks, a second Lookup finds the stored chunk
-    (whole or partial) chained from the run's last key that shares the most leading tokens with the prompt
-    (reuse inside a chunk: a follow-up question, the next turn of a chat), and those tokens' K/V are placed
-    too. A daemon without that index still answers the longest stored partial chunk the prompt continues.
+    end the run when it is None). After the run of whole chunks, the stored chunk (whole or partial) chained from
+    the run's last key that shares the most leading tokens with the prompt (reuse inside a chunk: a follow-up
+    question, the next turn of a chat) is placed too; the same Lookup answers it (AfterRun), unless L0 took the
+    run further or the daemon is older (then a second Lookup asks). A daemon without the continuation index still
+    answers the longest stored partial chunk the prompt continues.
     """
     content_keys = list(prompt.content_keys) if with_content_hits else None
     try:
-        lookup = store.lookup(namespace, list(prompt.prefix_keys), content_keys)
+        lookup = store.lookup(namespace, list(prompt.prefix_keys), content_keys,
+                              after_run=AfterRun(prompt.tokens_after_runs()))
         # The run goes on through the chunks L0 holds whose write-back is still in flight (a prefix key names exactly
         # one K/V, so this is exact); for every other key the daemon's Lookup decides (a Delete there reaches L0).
         run = _hot_run(hot, prompt, lookup.prefix_run)
-        partial = _find_partial(store, namespace, prompt, run, hot)
+        partial = _find_partial(store, namespace, prompt, run, hot, lookup)
     except StoreUnavailable as error:
         logger.warning("cache unavailable, serving without it: %s", error)
         return empty_context(degraded=True)
@@ -118,25 +121,35 @@ def _hot_run(hot: HotTier | None, prompt: PromptPlan, run: int) -> int:
 
 
 def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: int,
-                  hot: HotTier | None = None) -> PartialHit | None:
-    start, candidates = prompt.partial_candidates(run)
-    if not candidates:
+                  hot: HotTier | None = None, first: StoreLookup | None = None) -> PartialHit | None:
+    """The stored chunk that continues a run of `run` whole chunks; first: the run's Lookup, which answered this
+    when it was asked with AfterRun and its run is `run` (else a second Lookup asks)."""
+    start, length = prompt.partial_span(run)
+    if length <= 0:
         return None
-    tokens = tuple(prompt.token_ids[start : start + len(candidates)])  # the partial candidates' tokens
+    tokens = tuple(prompt.token_ids[start : start + length])  # the partial candidates' tokens
+    answered = first is not None and first.continued and first.prefix_run == run
+    # The keys of the first n tokens, longest first: only L0 (or a second Lookup) needs them.
+    candidates = prompt.partial_candidates(run)[1] if hot is not None or not answered else []
     # The longest candidate whose write-back L0 holds in flight (candidates run longest first).
-    in_hot = next((len(candidates) - rank for rank, key in enumerate(candidates)
-                   if hot is not None and hot.is_pending(key)), 0)
-    found = store.lookup(namespace, [], None, candidates, ContinuationQuery(prompt.parent_key(run), tokens))
-    exact = 0 if found.partial_index is None else len(candidates) - found.partial_index  # longest first
-    shared = min(found.continuation_tokens, len(tokens))
-    if exact and exact >= in_hot and hot is not None and candidates[found.partial_index] in hot:
+    in_hot = next((length - rank for rank, key in enumerate(candidates) if hot is not None and hot.is_pending(key)), 0)
+    if answered:
+        exact, exact_key = first.partial_tokens, first.partial_key
+        continuation_key, continuation_tokens = first.continuation_key, first.continuation_tokens
+    else:
+        found = store.lookup(namespace, [], None, candidates, ContinuationQuery(prompt.parent_key(run), tokens))
+        exact = 0 if found.partial_index is None else length - found.partial_index  # longest first
+        exact_key = None if found.partial_index is None else candidates[found.partial_index]
+        continuation_key, continuation_tokens = found.continuation_key, found.continuation_tokens
+    shared = min(continuation_tokens, len(tokens))
+    if exact and exact >= in_hot and hot is not None and exact_key in hot:
         in_hot = exact  # the daemon's own partial chunk, placed from L0's copy
     if in_hot and in_hot >= max(shared, exact):
-        return PartialHit(candidates[len(candidates) - in_hot], Chunk(tokens[:in_hot], start, 0), hot=True)
+        return PartialHit(candidates[length - in_hot], Chunk(tokens[:in_hot], start, 0), hot=True)
     if shared > exact:
-        return PartialHit(found.continuation_key, Chunk(tokens[:shared], start, 0), leading=True)
+        return PartialHit(continuation_key, Chunk(tokens[:shared], start, 0), leading=True)
     if exact:
-        return PartialHit(candidates[found.partial_index], Chunk(tokens[:exact], start, 0))
+        return PartialHit(exact_key, Chunk(tokens[:exact], start, 0))
     return None
 
 

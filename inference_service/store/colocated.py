@@ -8,7 +8,7 @@ from typing import Iterator
 
 from inference_service.store.grpc_store import GrpcChunkStore
 from inference_service.store.lmdb_reader import LmdbBlobReader, LocalReadUnavailable
-from inference_service.store.protocol import ContinuationQuery, StoreItem, StoreLookup, StoreUnavailable
+from inference_service.store.protocol import AfterRun, ContinuationQuery, StoreItem, StoreLookup, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,9 @@ class ColocatedStore:
         return "locked_map" if self._reader is not None else "stream"
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
-               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None) -> StoreLookup:
-        return self.remote.lookup(namespace, prefix_keys, content_keys, partial_keys, continuation)
+               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None,
+               after_run: AfterRun | None = None) -> StoreLookup:
+        return self.remote.lookup(namespace, prefix_keys, content_keys, partial_keys, continuation, after_run)
 
     def store(self, items: list[StoreItem]) -> int:
         return self.remote.store(items)

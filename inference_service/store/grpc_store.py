@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Iterator
 import grpc
 
 from inference_service.store.protocol import (
-    ContinuationQuery, StoreItem, StoreLookup, StoreTimeout, StoreUnavailable, pack_token_ids,
+    AfterRun, ContinuationQuery, StoreItem, StoreLookup, StoreTimeout, StoreUnavailable, pack_token_ids,
 )
 from kvboost_common.checksum import crc32
 from kvboost_common.frames import MAX_FRAME_BYTES
@@ -83,9 +83,11 @@ class GrpcChunkStore:
         return "remote"
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
-               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None) -> StoreLookup:
+               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None,
+               after_run: AfterRun | None = None) -> StoreLookup:
         request = cache_pb2.LookupRequest(namespace=namespace, prefix_keys=prefix_keys, content_keys=content_keys or [],
-                                          partial_keys=partial_keys or [])
+                                          partial_keys=partial_keys or [],
+                                          continue_after_run=after_run.tokens_after if after_run else ())
         if continuation is not None and continuation.token_ids:
             request.continue_parent, request.continue_tokens = continuation.parent, continuation.packed()
         stub = self._available_stub()
@@ -96,8 +98,11 @@ class GrpcChunkStore:
         partial = reply.partial_index if reply.HasField("partial_index") else None
         # An older daemon leaves the continuation fields unset: reuse then stops at exact partial chunks.
         found = bool(reply.continuation_key) and reply.continuation_tokens > 0
+        partial_found = bool(reply.partial_key) and reply.partial_tokens > 0
         return StoreLookup(reply.prefix_run, {hit.index: hit.stored_key for hit in reply.content_hits}, partial,
-                           reply.continuation_key if found else None, reply.continuation_tokens if found else 0)
+                           reply.continuation_key if found else None, reply.continuation_tokens if found else 0,
+                           continued=reply.continued, partial_key=reply.partial_key if partial_found else None,
+                           partial_tokens=reply.partial_tokens if partial_found else 0)
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
         keys = list(keys)

@@ -9,7 +9,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from inference_service.store.protocol import ContinuationQuery, StoreItem, StoreLookup, common_prefix
+from inference_service.store.protocol import AfterRun, ContinuationQuery, StoreItem, StoreLookup, common_prefix
+from kvboost_keys.chunk_keys import partial_prefix_keys
 
 
 @dataclass(slots=True)
@@ -37,11 +38,15 @@ class InMemoryStore:
             return len(self._entries)
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
-               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None) -> StoreLookup:
+               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None,
+               after_run: AfterRun | None = None) -> StoreLookup:
         with self._lock:
             run = 0
             while run < len(prefix_keys) and self._holds(namespace, prefix_keys[run]):
                 run += 1
+        if after_run is not None:  # what the daemon does: the second question asked of the run just found
+            return self._after_run(namespace, prefix_keys, content_keys, run, after_run)
+        with self._lock:
             content_hits: dict[int, bytes] = {}
             for index, content_key in enumerate(content_keys or ()):
                 stored = self._content_index.get(content_key)
@@ -56,6 +61,21 @@ class InMemoryStore:
                         if shared > best_shared:
                             best_key, best_shared = child, shared
         return StoreLookup(run, content_hits, partial, best_key, best_shared)
+
+    def _after_run(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None, run: int,
+                   after_run: AfterRun) -> StoreLookup:
+        parent = prefix_keys[run - 1] if run else namespace
+        packed = after_run.tokens_after[run] if run < len(after_run.tokens_after) else b""
+        token_ids = tuple(int.from_bytes(packed[i : i + 4], "little") for i in range(0, len(packed), 4))
+        candidates = partial_prefix_keys(parent, token_ids) if token_ids else []
+        # InMemoryStore's own lookup, not a subclass's: one call, as the daemon answers it in one Lookup
+        found = InMemoryStore.lookup(self, namespace, prefix_keys, content_keys, candidates,
+                                     ContinuationQuery(parent, token_ids) if token_ids else None)
+        index = found.partial_index
+        return StoreLookup(found.prefix_run, found.content_hits, None, found.continuation_key,
+                           found.continuation_tokens, continued=True,
+                           partial_key=None if index is None else candidates[index],
+                           partial_tokens=0 if index is None else len(candidates) - index)
 
     def copy(self) -> InMemoryStore:
         """An independent store holding the same entries now (blobs are shared: none is written after store)."""

@@ -27,9 +27,16 @@ class StoreLookup:
     # The stored continuation of the asked parent sharing the most leading tokens (None: none), and how many.
     continuation_key: bytes | None = None
     continuation_tokens: int = 0
+    # Asked with after_run (AfterRun): True when the store answered what continues the run it found (prefix_run):
+    # the continuation above, and the longest stored partial chunk after the run (its key and tokens; None: none).
+    # False: a store that does not answer it (an older daemon); the caller asks a second time.
+    continued: bool = False
+    partial_key: bytes | None = None
+    partial_tokens: int = 0
 
     def __post_init__(self) -> None:
         assert self.prefix_run >= 0, f"prefix_run must be >= 0, got {self.prefix_run}"
+        assert (self.partial_key is None) == (self.partial_tokens == 0), "a partial chunk holds tokens"
         assert (self.continuation_key is None) == (self.continuation_tokens == 0), "a continuation shares tokens"
 
 
@@ -43,6 +50,14 @@ class ContinuationQuery:
 
     def packed(self) -> bytes:
         return pack_token_ids(self.token_ids)
+
+
+@dataclass(slots=True, frozen=True)
+class AfterRun:
+    """One Lookup for the run and what continues it: tokens_after[r] (packed ids) are the tokens a chunk continuing
+    a run of r whole chunks may cover (chunk r's but its last; the tail after the last chunk)."""
+
+    tokens_after: tuple[bytes, ...]
 
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
@@ -85,7 +100,8 @@ class ChunkStore(Protocol):
     # "remote" (ServiceStatsReply.read_mode).
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
-               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None) -> StoreLookup:
+               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None,
+               after_run: AfterRun | None = None) -> StoreLookup:
         """Which chunks are stored; moves no blob bytes. partial_keys are tried in order, the first stored
         one is reported; continuation: the stored chunk sharing the most leading tokens (a store that keeps
         no such index answers none). Raises StoreUnavailable."""
@@ -113,8 +129,9 @@ class NullStore:
     degraded = False
 
     def lookup(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None = None,
-               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None) -> StoreLookup:
-        return StoreLookup(0, {})
+               partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None,
+               after_run: AfterRun | None = None) -> StoreLookup:
+        return StoreLookup(0, {}, continued=after_run is not None)
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
         return iter([(key, None) for key in keys])

@@ -2,6 +2,7 @@
 parent; a Lookup with continue_parent answers the stored chunk sharing the most leading tokens."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -153,3 +154,57 @@ def test_a_tenant_never_matches_another_tenants_continuations(tmp_path) -> None:
         mine = lookup(stub, [1, 2, 3, 0], TOKENS["alice"])
         assert (mine.continuation_key, mine.continuation_tokens) == (digest("alice's"), 3)
         assert lookup(stub, [1, 2, 3, 0], TOKENS["bob"]).continuation_key == b""
+
+
+# ---- one Lookup for the run and what continues it (continue_after_run) ------------------------------------------
+
+def chained(parent: bytes, tokens) -> bytes:
+    """A prefix key as the inference service chains them: SHA-256(parent || packed tokens)."""
+    return hashlib.sha256(parent + packed(tokens)).digest()
+
+
+def store_keyed(stub, key: bytes, tokens, parent: bytes | None = None) -> None:
+    sample = make_chunk(key.hex(), 300)
+    fields = dict(key=key, num_tokens=len(tokens))
+    if parent is not None:  # indexed as a continuation of parent
+        fields.update(parent_key=parent, token_ids=packed(tokens))
+    stub.Store(iter([header_frame(sample, **fields), cache_pb2.ChunkFrame(data=sample.blob)]), timeout=10)
+
+
+def test_one_lookup_answers_the_run_and_the_partial_chunk_after_it(tmp_path) -> None:
+    # A prompt of chunks [1 2 3 4] [5 6 7 8] and a tail [9]; stored: the first chunk, and after it a partial chunk
+    # [5 6] (not indexed, as L2-promoted chunks are) and a continuation [5 6 7 0] (indexed).
+    first = chained(NAMESPACE, [1, 2, 3, 4])
+    second = chained(first, [5, 6, 7, 8])
+    after = [packed([1, 2, 3]), packed([5, 6, 7]), packed([9])]  # run 0, 1, 2: the next chunk but its last; the tail
+    with running_daemon(tmp_path / "lmdb") as daemon, cache_stub(daemon.address) as stub:
+        store_keyed(stub, first, [1, 2, 3, 4], parent=NAMESPACE)
+        store_keyed(stub, chained(first, [5, 6]), [5, 6])
+        store_keyed(stub, digest("continuation"), [5, 6, 7, 0], parent=first)
+        reply = stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=[first, second],
+                                                    continue_after_run=after), timeout=10)
+        assert (reply.prefix_run, reply.continued) == (1, True)
+        assert (reply.partial_key, reply.partial_tokens) == (chained(first, [5, 6]), 2)  # derived by the daemon
+        assert (reply.continuation_key, reply.continuation_tokens) == (digest("continuation"), 3)
+        # Nothing stored at all: the run is 0, and the continuation of the namespace is the first chunk itself.
+        reply = stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=[digest("x"), second],
+                                                    continue_after_run=after), timeout=10)
+        assert (reply.prefix_run, reply.continued, reply.partial_key) == (0, True, b"")
+        assert (reply.continuation_key, reply.continuation_tokens) == (first, 3)
+        # A request without it is answered as before (older clients): no continuation, continued unset.
+        reply = stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=[first, second]), timeout=10)
+        assert (reply.prefix_run, reply.continued, reply.partial_key, reply.continuation_key) == (1, False, b"", b"")
+
+
+def test_bad_continue_after_run_is_invalid_argument(tmp_path) -> None:
+    keys = [digest("a"), digest("b")]
+    with running_daemon(tmp_path / "lmdb") as daemon, cache_stub(daemon.address) as stub:
+        for request, words in (
+                (cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=keys, continue_after_run=[b""] * 4),
+                 "at most one per run length"),
+                (cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=keys, continue_after_run=[b"\0" * 5]),
+                 "multiple of 4 bytes"),
+                (cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=keys, continue_after_run=[b"\0" * 4],
+                                         continue_parent=PARENT, continue_tokens=b"\0" * 4), "not both")):
+            error = rpc_error(stub.Lookup, request, timeout=10)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and words in error.details()

@@ -74,20 +74,22 @@ class ChunkFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "prefix_keys", "content_keys", "partial_keys", "continue_parent", "continue_tokens")
+    __slots__ = ("namespace", "prefix_keys", "content_keys", "partial_keys", "continue_parent", "continue_tokens", "continue_after_run")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_KEYS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_KEYS_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_PARENT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_AFTER_RUN_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     prefix_keys: _containers.RepeatedScalarFieldContainer[bytes]
     content_keys: _containers.RepeatedScalarFieldContainer[bytes]
     partial_keys: _containers.RepeatedScalarFieldContainer[bytes]
     continue_parent: bytes
     continue_tokens: bytes
-    def __init__(self, namespace: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., content_keys: _Optional[_Iterable[bytes]] = ..., partial_keys: _Optional[_Iterable[bytes]] = ..., continue_parent: _Optional[bytes] = ..., continue_tokens: _Optional[bytes] = ...) -> None: ...
+    continue_after_run: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., content_keys: _Optional[_Iterable[bytes]] = ..., partial_keys: _Optional[_Iterable[bytes]] = ..., continue_parent: _Optional[bytes] = ..., continue_tokens: _Optional[bytes] = ..., continue_after_run: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ContentHit(_message.Message):
     __slots__ = ("index", "stored_key")
@@ -98,20 +100,26 @@ class ContentHit(_message.Message):
     def __init__(self, index: _Optional[int] = ..., stored_key: _Optional[bytes] = ...) -> None: ...
 
 class LookupReply(_message.Message):
-    __slots__ = ("prefix_run", "prefix_hit", "content_hits", "partial_index", "continuation_key", "continuation_tokens")
+    __slots__ = ("prefix_run", "prefix_hit", "content_hits", "partial_index", "continuation_key", "continuation_tokens", "continued", "partial_key", "partial_tokens")
     PREFIX_RUN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HITS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_KEY_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_KEY_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prefix_run: int
     prefix_hit: _containers.RepeatedScalarFieldContainer[bool]
     content_hits: _containers.RepeatedCompositeFieldContainer[ContentHit]
     partial_index: int
     continuation_key: bytes
     continuation_tokens: int
-    def __init__(self, prefix_run: _Optional[int] = ..., prefix_hit: _Optional[_Iterable[bool]] = ..., content_hits: _Optional[_Iterable[_Union[ContentHit, _Mapping]]] = ..., partial_index: _Optional[int] = ..., continuation_key: _Optional[bytes] = ..., continuation_tokens: _Optional[int] = ...) -> None: ...
+    continued: bool
+    partial_key: bytes
+    partial_tokens: int
+    def __init__(self, prefix_run: _Optional[int] = ..., prefix_hit: _Optional[_Iterable[bool]] = ..., content_hits: _Optional[_Iterable[_Union[ContentHit, _Mapping]]] = ..., partial_index: _Optional[int] = ..., continuation_key: _Optional[bytes] = ..., continuation_tokens: _Optional[int] = ..., continued: _Optional[bool] = ..., partial_key: _Optional[bytes] = ..., partial_tokens: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("keys", "reader_verifies")

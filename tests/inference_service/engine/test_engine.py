@@ -489,9 +489,9 @@ class RecordingCache(InMemoryStore):
         self.calls: list[str] = []
         self.on_store = lambda: self.calls.append("store")
 
-    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None, continuation=None) -> StoreLookup:
+    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None, continuation=None, after_run=None) -> StoreLookup:
         self.calls.append("lookup")
-        return super().lookup(namespace, prefix_keys, content_keys, partial_keys, continuation)
+        return super().lookup(namespace, prefix_keys, content_keys, partial_keys, continuation, after_run)
 
     def fetch(self, keys):
         self.calls.append("fetch")
@@ -507,7 +507,7 @@ class UnreachableCache:
         self.degraded = True
         self.calls = threading.local()
 
-    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None, continuation=None):
+    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None, continuation=None, after_run=None):
         raise StoreUnavailable("daemon down")
 
     def fetch(self, keys):

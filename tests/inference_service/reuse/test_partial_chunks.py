@@ -18,9 +18,9 @@ class RecordingStore(InMemoryStore):
         self.lookups: list[tuple[int, int]] = []  # (prefix keys, partial keys) per Lookup
         self.fetches: list[list[bytes]] = []
 
-    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None, continuation=None):
+    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None, continuation=None, after_run=None):
         self.lookups.append((len(prefix_keys), len(partial_keys or ())))
-        return super().lookup(namespace, prefix_keys, content_keys, partial_keys, continuation)
+        return super().lookup(namespace, prefix_keys, content_keys, partial_keys, continuation, after_run)
 
     def fetch(self, keys):
         self.fetches.append(list(keys))
@@ -39,8 +39,9 @@ def test_a_warmed_unaligned_document_is_reused_to_its_last_token(tiny_model):
     assert (warmed.chunks_stored, warmed.partial_tail_tokens) == (3 + 1, 6)
     assert outcome.cached_tokens == 30
     assert outcome.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, DOCUMENT + QUESTION)[0])
-    # One Lookup of the 5 whole chunks (3 hit), one of the 7 partial candidates inside chunk 3, one Fetch of 4 blobs.
-    assert store.lookups == [(5, 0), (0, 7)]
+    # One Lookup of the 5 whole chunks (3 hit) that also answers the partial chunk inside chunk 3 (AfterRun: the
+    # store derives the 7 candidates from the run it finds), one Fetch of 4 blobs.
+    assert store.lookups == [(5, 0)]
     plan = plan_prompt(engine.namespace, tokenize_prompt(tokenizer, DOCUMENT)[0:1], 8)
     assert store.fetches[0] == [*plan.prefix_keys, plan.tail_key]
     # Counted by source: 24 tokens from whole chunks, 6 from the partial one, the rest prefilled.
@@ -48,6 +49,25 @@ def test_a_warmed_unaligned_document_is_reused_to_its_last_token(tiny_model):
     prompt_tokens = len(tokenize_prompt(tokenizer, DOCUMENT + QUESTION)[0])
     assert (stats["cached_tokens"], stats["partial_cached_tokens"]) == (30, 6)
     assert stats["computed_tokens"] == stats["prompt_tokens"] - 30 == prompt_tokens - 30
+
+
+class OlderDaemonStore(RecordingStore):
+    """A daemon from before continue_after_run: it ignores the field (continued stays False)."""
+
+    def lookup(self, namespace, prefix_keys, content_keys=None, partial_keys=None, continuation=None, after_run=None):
+        return super().lookup(namespace, prefix_keys, content_keys, partial_keys, continuation)
+
+
+def test_an_older_daemon_gets_the_second_lookup_and_the_same_reuse(tiny_model):
+    model, tokenizer = tiny_model
+    store = OlderDaemonStore()
+    engine = make_engine(tiny_model, cache=store, hot_tier_bytes=0)
+    engine.warm(DOCUMENT)
+    store.lookups.clear()
+    outcome = run(engine, prompt=DOCUMENT + QUESTION, mode="prefix_cache")
+    assert store.lookups == [(5, 0), (0, 7)]  # the run, then the 7 partial candidates inside chunk 3
+    assert outcome.cached_tokens == 30
+    assert outcome.output_token_ids == reference_ids(model, tokenize_prompt(tokenizer, DOCUMENT + QUESTION)[0])
 
 
 def test_the_chunk_that_held_the_partial_hit_is_stored_whole_afterwards(tiny_llama):

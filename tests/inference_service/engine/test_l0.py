@@ -88,3 +88,36 @@ def test_a_prompt_asked_again_while_its_write_back_is_in_flight_is_placed_from_l
     finally:
         store.gate.set()
         engine.close()
+
+
+def test_a_prompt_longer_than_l0_is_served_from_its_first_chunk_as_far_as_l0_holds_it(tiny_llama):
+    """Least-recently-used eviction dropped such a prompt's head (its oldest chunks) and then placed nothing from L0;
+    leaf-first eviction keeps the head, and the rest comes from the store."""
+    engine = make_engine(tiny_llama, chunk_size=8, hot_tier_bytes=3 * 8 * 512)  # three 8-token chunks of 512 B/token
+    try:
+        prompt = text_of_length(70)  # eight whole chunks and a tail
+        expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
+        run(engine, prompt=prompt)
+        engine.flush_writes()
+        for repeat in (1, 2):
+            answer = run(engine, prompt=prompt)
+            engine.flush_writes()  # the fetched chunks' copies for L0 (not kept: only the head's room)
+            stats = engine.stats()
+            assert answer.output_token_ids == expected and answer.cached_tokens == 69
+            assert stats["l0_chunks_hit"] == 3 * repeat  # the first three chunks, every time
+            assert stats["l0_chunks_held"] == 3 and stats["l0_chunks_evicted"] == 0
+    finally:
+        engine.close()
+
+
+def test_auto_sizes_l0_and_the_slots_from_the_ram_available_and_says_so(tiny_llama, monkeypatch, caplog):
+    from inference_service.engine import memory_plan
+    monkeypatch.setattr(memory_plan, "host_memory", lambda: (8 << 30, 16 << 30))
+    with caplog.at_level("INFO", logger="inference_service.engine.memory_plan"):
+        engine = make_engine(tiny_llama)  # kv_cache_bytes and hot_tier_bytes left to auto
+    try:
+        assert (engine.config.kv_cache_bytes, engine.config.hot_tier_bytes) == (2 << 30, 2 << 30)
+        assert engine.stats()["kv_budget_bytes"] == 2 << 30
+        assert "8.0 GiB of RAM available" in caplog.text and "= 4194304 tokens" in caplog.text  # 512 B a token
+    finally:
+        engine.close()

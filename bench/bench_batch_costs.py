@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     one_row = 0.0  # ms per token of a lone row, once measured
     for num_rows in args.rows:
-        slots = SlotBuffers(model.config, geometry, num_rows, context + 4 * args.repeats + 8, model.device, model.dtype)
+        slots = SlotBuffers(geometry, num_rows, context + 4 * args.repeats + 8, model.device, model.dtype)
         for slot in range(num_rows):  # each row's K/V in its slot, as the engine's K/V owner holds them
             slot_keys, slot_values = slots.views(slot)
             slot_keys[:, :, :context].copy_(keys[:, :, :context])

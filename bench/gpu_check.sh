@@ -12,6 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD:$PWD/proto" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, grpc; print('torch', torch.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'cpus', __import__('os').cpu_count())"
-timeout "${PYTEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/gpu tests/inference_service/kv -p no:cacheprovider \
+timeout "${PYTEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/gpu tests/inference_service/kv \
+  tests/inference_service/model/test_graph_step.py -p no:cacheprovider \
   2>&1 | tee "$out/pytest.log" | tail -25
 timeout "${BENCH_TIMEOUT:-330}" python3 bench/bench_gpu.py --json "$out/bench_gpu.json" "$@" 2>&1 | tee "$out/bench_gpu.log"

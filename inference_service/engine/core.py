@@ -54,8 +54,7 @@ class EngineCore:
                                  parts.device.type != "cpu" if by_budget is None else by_budget)
         log_layout(self.layout, per_token, kv_budget_bytes, max(num_slots, MAX_CHOICES) + spare, longest)
         ledger = SlotLedger(self.layout.num_slots, kv_budget_bytes, per_token)
-        self.owner = KvOwner(ledger, parts.model.config, parts.geometry, self.layout.capacity, parts.device,
-                             parts.dtype)
+        self.owner = KvOwner(ledger, parts.geometry, self.layout.capacity, parts.device, parts.dtype)
         self.scheduler = Scheduler(limits, self.owner.ledger)
         runner = choose_runner(parts.model, self.owner.buffers, parts.config.decode_step)  # logs what runs, and why
         self.executor = Executor(parts.model, self.owner, self.scheduler, runner, batched, pad_token_id)

@@ -26,10 +26,10 @@ class KvOwner:
     has encoded them. Releases from other threads are queued and applied by the step loop (`collect`), which
     alone touches the ledger."""
 
-    def __init__(self, ledger: SlotLedger, config, geometry: KVGeometry, capacity: int, device: torch.device,
+    def __init__(self, ledger: SlotLedger, geometry: KVGeometry, capacity: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.ledger = ledger
-        self.buffers = SlotBuffers(config, geometry, ledger.num_slots, capacity, device, dtype)
+        self.buffers = SlotBuffers(geometry, ledger.num_slots, capacity, device, dtype)
         self._holds: Counter[int] = Counter()
         self._released: list[int] = []
         self._lock = threading.Lock()

@@ -19,13 +19,13 @@ class SlotBuffers:
     """The K/V memory of every slot; the columns a decoding row may read are kept finite (masked columns still
     enter the products, and 0 x NaN is NaN)."""
 
-    def __init__(self, config, geometry: KVGeometry, num_slots: int, capacity: int, device: torch.device,
+    def __init__(self, geometry: KVGeometry, num_slots: int, capacity: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         shape = (geometry.num_layers, num_slots, geometry.num_kv_heads, capacity + 1, geometry.head_dim)
         # Uninitialized: on a CPU, pages are committed only as columns are written.
         self.keys = torch.empty(shape, device=device, dtype=dtype)
         self.values = torch.empty(shape, device=device, dtype=dtype)
-        self.config, self.capacity, self.device = config, capacity, device
+        self.capacity, self.device = capacity, device
         self.finite_until = [0] * num_slots  # columns [0, n) of each slot hold finite values
 
     @property

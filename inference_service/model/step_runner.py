@@ -110,7 +110,7 @@ def probe_mismatch(model, step, graphs: bool = False) -> str:
     generator = torch.Generator(device="cpu").manual_seed(0)
     runners, noise = [], None
     for candidate, eager in ((step if graphs else ModelStep(model), True), (step, False)):
-        buffers = SlotBuffers(model.config, geometry, 4, capacity, model.device, model.dtype)
+        buffers = SlotBuffers(geometry, 4, capacity, model.device, model.dtype)
         if noise is None:
             noise = torch.randn(buffers.keys.shape, generator=generator).to(model.device, model.dtype)
         buffers.keys.copy_(noise)

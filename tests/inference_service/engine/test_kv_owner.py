@@ -13,9 +13,8 @@ GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, max_context=32)
 
 
 def make_owner(num_slots: int = 3) -> KvOwner:
-    from tests.factories import tiny_config
     ledger = SlotLedger(num_slots, 10_000, bytes_per_token(GEOMETRY, torch.float32))
-    return KvOwner(ledger, tiny_config("llama", vocab_size=260), GEOMETRY, 33, torch.device("cpu"), torch.float32)
+    return KvOwner(ledger, GEOMETRY, 33, torch.device("cpu"), torch.float32)
 
 
 def test_bytes_per_token_count_keys_and_values_of_every_layer():

@@ -26,7 +26,7 @@ def tiny(kind: str, dtype: torch.dtype = torch.float32):
 
 def prefilled_slots(model) -> SlotBuffers:
     """Slots 0, 2, 3 prefilled with their prompts' K/V (the model's own prefill)."""
-    slots = SlotBuffers(model.config, kv_geometry(model.config), num_slots=4, capacity=40, device=torch.device("cpu"),
+    slots = SlotBuffers(kv_geometry(model.config), num_slots=4, capacity=40, device=torch.device("cpu"),
                         dtype=model.dtype)
     slots.keys.zero_()
     slots.values.zero_()

@@ -29,7 +29,7 @@ def test_graphs_need_cuda_and_the_lean_step(tiny_llama):
 def buffers_pair(model, num_slots=6, capacity=300):
     geometry = kv_geometry(model.config)
     generator = torch.Generator().manual_seed(3)
-    pair = [SlotBuffers(model.config, geometry, num_slots, capacity, model.device, model.dtype) for _ in range(2)]
+    pair = [SlotBuffers(geometry, num_slots, capacity, model.device, model.dtype) for _ in range(2)]
     noise = torch.randn(pair[0].keys.shape, generator=generator).to(model.device, model.dtype)
     step = LeanStep(model)
     for slots in pair:
@@ -79,7 +79,7 @@ def test_captured_graphs_replay_the_eager_step_bitwise(tiny_llama):
     step = LeanStep(model)
     assert probe_mismatch(model, step, graphs=True) == ""
     geometry = kv_geometry(model.config)
-    runner = choose_runner(model, SlotBuffers(model.config, geometry, 4, 300, model.device, model.dtype))
+    runner = choose_runner(model, SlotBuffers(geometry, 4, 300, model.device, model.dtype))
     assert runner.name == "lean+graphs" and runner.graphs is not None
 
 

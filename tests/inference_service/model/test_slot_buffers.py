@@ -18,7 +18,7 @@ def test_rows_of_different_lengths_decode_together_as_each_would_alone():
     use_engine_attention(model)
     geometry = kv_geometry(model.config)
     prompts = [list(range(5, 25)), list(range(30, 37)), list(range(40, 52))]
-    slots = SlotBuffers(model.config, geometry, num_slots=4, capacity=40, device=torch.device("cpu"),
+    slots = SlotBuffers(geometry, num_slots=4, capacity=40, device=torch.device("cpu"),
                         dtype=torch.float32)
     alone, rows = [], {}
     for slot, prompt in zip((0, 2, 3), prompts):  # slot 1 stays free: its row in the forward is never read
@@ -48,7 +48,7 @@ def test_rows_of_different_lengths_decode_together_as_each_would_alone():
 def test_columns_a_row_reads_masked_are_made_finite_first():
     model, _ = build_tiny_model("llama")
     geometry = kv_geometry(model.config)
-    slots = SlotBuffers(model.config, geometry, num_slots=2, capacity=16, device=torch.device("cpu"),
+    slots = SlotBuffers(geometry, num_slots=2, capacity=16, device=torch.device("cpu"),
                         dtype=torch.float32)
     slots.keys.fill_(float("nan"))  # what reused memory may hold
     slots.values.fill_(float("nan"))

@@ -16,7 +16,7 @@ from tests.inference_service.model.test_decode_step import tiny
 
 
 def slots_of(model) -> SlotBuffers:
-    return SlotBuffers(model.config, kv_geometry(model.config), 4, 40, model.device, model.dtype)
+    return SlotBuffers(kv_geometry(model.config), 4, 40, model.device, model.dtype)
 
 
 class Perturbed(LeanStep):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 _SCHEMES = {"redis": (False, False), "rediss": (False, True),
             "redis-cluster": (True, False), "rediss-cluster": (True, True)}  # scheme -> (cluster, tls)

@@ -4,6 +4,13 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass
 
+from inference_service.reuse.tier_rates import RateMeter, load_is_slower
+
+# A full prefill shorter than this is mostly fixed cost (tokenizing, the first token), not a rate; and a rate counts
+# only after this many samples, so one request's stall does not send the next ones to recompute.
+MIN_PREFILL_SAMPLE_TOKENS = 256
+MIN_RATE_SAMPLES = 3
+
 
 @dataclass(slots=True)
 class _Counters:
@@ -23,6 +30,8 @@ class _Counters:
     chunks_stored: int = 0
     bytes_fetched: int = 0
     bytes_stored: int = 0
+    loads_skipped: int = 0  # requests that recomputed cached tokens because their tier loads slower (skip_load)
+    load_skipped_tokens: int = 0  # those tokens
     requests_with_first_token: int = 0
     total_ttft_ms: float = 0.0
 
@@ -41,6 +50,8 @@ class EngineStats:
     def __init__(self) -> None:
         self._counters = _Counters()
         self._tiers: dict[str, TierCounters] = {}
+        self._tier_rates: dict[str, RateMeter] = {}  # K/V bytes per second each tier placed
+        self.prefill_rate = RateMeter()  # prompt tokens per second of requests that reused nothing (to first token)
         self._lock = threading.Lock()
 
     def add_request(self, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int,
@@ -63,6 +74,8 @@ class EngineStats:
             if ttft_ms is not None:
                 counters.requests_with_first_token += 1
                 counters.total_ttft_ms += ttft_ms
+        if ttft_ms and cached_tokens == 0 and prompt_tokens >= MIN_PREFILL_SAMPLE_TOKENS:
+            self.prefill_rate.add(prompt_tokens, ttft_ms / 1000)
 
     def add_load(self, num_bytes: int, seconds: float) -> None:
         with self._lock:
@@ -77,6 +90,22 @@ class EngineStats:
             counters.bytes += num_bytes
             counters.seconds += seconds
             counters.loads += 1
+            meter = self._tier_rates.setdefault(tier, RateMeter())
+        meter.add(num_bytes, seconds)
+
+    def skip_load(self, tier: str, num_tokens: int, bytes_per_token: int) -> bool:
+        """Whether recomputing num_tokens beats loading their K/V from `tier`, by this service's measured rates
+        (reuse.tier_rates.load_is_slower; False until each has MIN_RATE_SAMPLES samples); counts a skip."""
+        with self._lock:
+            meter = self._tier_rates.get(tier)
+        load_rate = meter.rate if meter is not None and meter.samples >= MIN_RATE_SAMPLES else None
+        prefill_rate = self.prefill_rate.rate if self.prefill_rate.samples >= MIN_RATE_SAMPLES else None
+        if not load_is_slower(num_tokens, bytes_per_token, load_rate, prefill_rate):
+            return False
+        with self._lock:
+            self._counters.loads_skipped += 1
+            self._counters.load_skipped_tokens += num_tokens
+        return True
 
     def add_guard(self, fell_back: bool) -> None:
         with self._lock:

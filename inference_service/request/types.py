@@ -68,6 +68,10 @@ class EngineConfig:
     # L0: K/V of the chunks written back or fetched, kept in the service's memory (16-bit storage only: quantized
     # blobs do not decode to the computed values); 0: off; None: auto, as kv_cache_bytes.
     hot_tier_bytes: int | None = None
+    # A request whose cached K/V would load slower than prefilling them (by the measured rates: reuse/tier_rates.py)
+    # recomputes them instead; None: on CUDA only (on a CPU loading beats prefill by far for real models, and the
+    # tiny test models' rates are mostly fixed costs).
+    recompute_when_faster: bool | None = None
     # Token ids of long pieces of prompt text (between special tokens) kept so a repeated system prompt, document or
     # earlier turn is not tokenized again (kvboost_keys/token_cache.py); 0: off.
     tokenizer_cache_bytes: int = 64 << 20

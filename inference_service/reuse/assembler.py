@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, TypeVar
+from typing import Callable
 
 import torch
 
@@ -20,12 +18,11 @@ from kvboost_keys.chunking import Chunk
 from inference_service.kv.rope import RopeParams
 from inference_service.reuse.hot_placement import place_from_hot
 from inference_service.reuse.hot_tier import HotTier
+from inference_service.reuse.prefetch import prefetched
 from inference_service.reuse.tier_rates import TierLoad, store_tier
 
 logger = logging.getLogger(__name__)
 
-_DONE = object()  # marks the end of a prefetched stream
-T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -52,12 +49,17 @@ class AssembledContext:
     num_hot_chunks: int = 0  # chunks placed from L0: the leading whole ones, and the partial one when all came from it
     approximate: bool = False  # content hits were placed: K/V computed under another prefix are in the context
     num_approximate_tokens: int = 0  # content-hit tokens whose K/V repair kept (not recomputed)
+    num_load_skipped_tokens: int = 0  # cached tokens recomputed instead: their tier loads slower (SkipLoad)
     tier_loads: list[TierLoad] = field(default_factory=list)  # what each tier placed, and how long it took
 
     @property
     def num_fetched_blobs(self) -> int:
         """Blobs that came from the store (L0's chunks did not)."""
         return self.num_cached_chunks + (self.partial_key is not None) - self.num_hot_chunks
+
+
+# (tier, tokens, K/V bytes per token) -> whether recomputing those tokens beats loading them from the tier.
+SkipLoad = Callable[[str, int, int], bool]
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +85,7 @@ def assemble_context(
     with_content_hits: bool,
     rope: RopeParams | None = None,
     hot: HotTier | None = None,
+    skip_load: SkipLoad | None = None,
 ) -> AssembledContext:
     """Everything the store can give for this prompt, placed into `buffers` (the request's slot: keys, values
     [layers, kv_heads, capacity, head_dim]).
@@ -108,7 +111,7 @@ def assemble_context(
         return empty_context(degraded=True)
     if run == 0 and partial is None:
         return AssembledContext(None, None, content_hits=lookup.content_hits)
-    context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, hot)
+    context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, hot, skip_load)
     context.content_hits = lookup.content_hits
     return context
 
@@ -156,9 +159,11 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
 def fetch_prefix_run(
     store: ChunkStore, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor],
     rope: RopeParams | None = None, partial: PartialHit | None = None, hot: HotTier | None = None,
+    skip_load: SkipLoad | None = None,
 ) -> AssembledContext:
     """Copies the first `run` chunks (then the partial chunk, if any) into their slices of the buffers: the
-    leading ones L0 holds from there, the rest fetched from the store and decoded.
+    leading ones L0 holds from there, the rest fetched from the store and decoded, unless skip_load(the store's tier,
+    their tokens, K/V bytes per token) says that recomputing them is faster (they are then prefilled).
 
     buffers: keys, values [layers, kv_heads, capacity, head_dim]. A missing blob, one that fails to
     decode, one that does not fit its chunk, or one whose keys cannot be rotated into place ends the
@@ -187,11 +192,14 @@ def fetch_prefix_run(
     if partial is not None:
         chunks.append(partial.chunk)
         keys_to_fetch.append(partial.key)
+    skipped = 0
+    if chunks and skip_load is not None and skip_load(store_tier(store), chunks[-1].end - chunks[0].start, per_token):
+        skipped, chunks = chunks[-1].end - chunks[0].start, []
     if not chunks:
         if num_hot == 0:
-            return AssembledContext(None, None)
+            return AssembledContext(None, None, num_load_skipped_tokens=skipped)
         return AssembledContext(keys, values, prompt.chunks.chunks[num_hot - 1].end, num_hot, num_hot_chunks=num_hot,
-                                tier_loads=hot_load)
+                                tier_loads=hot_load, num_load_skipped_tokens=skipped)
     started = time.perf_counter()
     leading_index = run - num_hot if partial is not None and partial.leading else -1
     shape = (keys.shape[0], keys.shape[1], chunks[-1].end, keys.shape[3])
@@ -271,41 +279,3 @@ def report_corrupt(store: ChunkStore, key: bytes) -> None:
     report = getattr(store, "report_corrupt", None)
     if report is not None:
         report([key])
-
-
-def prefetched(items: Iterator[T]) -> Iterator[T]:
-    """Iterates `items` on a helper thread, ahead of the consumer.
-
-    Receiving the next blob (network, parsing, checksum) then overlaps decoding and copying the current
-    one; the queue holds at most the run's blobs, which the consumer copies out anyway. An exception
-    raised by `items` reaches the consumer in order. When the consumer stops early, the helper stops
-    after the item it is receiving and closes `items` (ending the stream) on its own thread.
-    """
-    ready: queue.SimpleQueue = queue.SimpleQueue()
-    stop = threading.Event()
-
-    def drain() -> None:
-        try:
-            for item in items:
-                if stop.is_set():
-                    break
-                ready.put((item, None))
-            ready.put((_DONE, None))
-        except BaseException as error:  # handed to the consumer, never lost on this thread
-            ready.put((_DONE, error))
-        finally:
-            close = getattr(items, "close", None)
-            if close is not None:
-                close()
-
-    threading.Thread(target=drain, name="kvboost-fetch", daemon=True).start()
-    try:
-        while True:
-            item, error = ready.get()
-            if error is not None:
-                raise error
-            if item is _DONE:
-                return
-            yield item
-    finally:
-        stop.set()

@@ -34,6 +34,7 @@ class RateMeter:
         self._keep = keep
         self._units = 0.0
         self._seconds = 0.0
+        self.samples = 0
         self._lock = threading.Lock()
 
     def add(self, units: float, seconds: float) -> None:
@@ -42,6 +43,7 @@ class RateMeter:
         with self._lock:
             self._units = self._units * self._keep + units
             self._seconds = self._seconds * self._keep + seconds
+            self.samples += 1
 
     @property
     def rate(self) -> float | None:

@@ -121,3 +121,24 @@ def test_auto_sizes_l0_and_the_slots_from_the_ram_available_and_says_so(tiny_lla
         assert "8.0 GiB of RAM available" in caplog.text and "= 4194304 tokens" in caplog.text  # 512 B a token
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("recompute_when_faster", [True, None])  # None: the default, on CUDA only
+def test_a_tier_measured_slower_than_prefill_is_recomputed_instead_and_counted(tiny_llama, recompute_when_faster):
+    engine = make_engine(tiny_llama, hot_tier_bytes=0, recompute_when_faster=recompute_when_faster)
+    try:
+        prompt = text_of_length(64)
+        expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
+        run(engine, prompt=prompt)
+        engine.flush_writes()
+        for _ in range(3):  # measured: the store places 1 byte a second, prefill runs a million tokens a second
+            engine.parts.counters.add_tier_load("store", 1, 1, 1.0)
+            engine.parts.counters.prefill_rate.add(1e6, 1.0)
+        again = run(engine, prompt=prompt)
+        skipped = recompute_when_faster is True
+        assert again.output_token_ids == expected
+        assert again.cached_tokens == (0 if skipped else 63)
+        assert (engine.stats()["loads_skipped"], engine.stats()["load_skipped_tokens"]) == ((1, 64) if skipped
+                                                                                             else (0, 0))
+    finally:
+        engine.close()

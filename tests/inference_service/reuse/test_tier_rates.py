@@ -40,3 +40,21 @@ def test_store_tier_names_the_daemons_read_path():
     assert [store_tier(Store(mode)) for mode in ("locked_map", "stream", "remote", "")] == [
         "daemon_map", "daemon_fetch", "daemon_fetch", "store"]
     assert store_tier(object()) == "store"
+
+
+def test_skip_load_needs_three_samples_of_each_rate_and_counts_what_it_skips():
+    from inference_service.request.counters import EngineStats
+    counters = EngineStats()
+    counters.add_request(prompt_tokens=1024, cached_tokens=0, recomputed_tokens=0, chunks_fetched=0,
+                         bytes_fetched=0, ttft_ms=100.0)  # 10,240 tokens a second prefilled
+    counters.add_request(prompt_tokens=100, cached_tokens=0, recomputed_tokens=0, chunks_fetched=0,
+                         bytes_fetched=0, ttft_ms=1.0)  # too short to be a rate: not a sample
+    for _ in range(2):
+        counters.add_tier_load("daemon_fetch", 1, 1_000_000, 1.0)  # 1 MB/s: 7.6 tokens a second of 131 KiB
+    assert not counters.skip_load("daemon_fetch", 2048, PER_TOKEN)  # one prefill sample, two load samples
+    for _ in range(2):
+        counters.add_request(1024, 0, 0, 0, 0, 100.0)
+    counters.add_tier_load("daemon_fetch", 1, 1_000_000, 1.0)
+    assert counters.skip_load("daemon_fetch", 2048, PER_TOKEN)
+    assert not counters.skip_load("l0", 2048, PER_TOKEN)  # never measured
+    assert (counters.snapshot()["loads_skipped"], counters.snapshot()["load_skipped_tokens"]) == (1, 2048)

@@ -147,3 +147,10 @@ def test_help_says_what_auto_means() -> None:
     from inference_service.serving.config import build_parser
     text = " ".join(build_parser({}).format_help().split())
     assert "auto: on CUDA half of the device's free memory" in text and "a quarter of the RAM available" in text
+
+
+def test_recompute_when_faster_is_auto_unless_switched() -> None:
+    assert parse_config([], environ={}).recompute_when_faster == "auto"
+    assert parse_config([], environ={"KVBOOST_RECOMPUTE_WHEN_FASTER": "off"}).recompute_when_faster == "off"
+    with pytest.raises(ValueError, match="--recompute-when-faster must be one of"):
+        ServiceConfig(recompute_when_faster="sometimes")

@@ -1,6 +1,9 @@
 """L0: whole chunks' K/V by prefix key within its bytes, evicted leaf first by decayed frequency, copies kept."""
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from inference_service.reuse.hot_tier import HotTier
@@ -85,3 +88,21 @@ def test_a_pending_chunk_that_is_not_kept_is_not_pending():
     add_chain(hot, b"a")
     assert not hot.add(b"b", *chunk(1.0), pending=True, parent=b"a")  # only its own parent could make room
     assert not hot.is_pending(b"b") and b"a" in hot
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+def test_the_memory_l0_takes_is_its_budget_however_much_is_offered():
+    budget = 64 << 20
+    hot = HotTier(budget, clock=Clock())
+    source = torch.ones(2, 8, 128, 128)  # 1 MiB of keys and 1 MiB of values a chunk, written into fresh copies
+    before = resident_bytes()
+    for index in range(256):  # 512 MiB offered, one prompt after another (each its own first chunk)
+        hot.add(index.to_bytes(2, "big"), source, source)
+    grown = resident_bytes() - before
+    assert hot.bytes_held <= budget and len(hot) == 32
+    assert grown < budget + (32 << 20), f"RSS grew {grown >> 20} MiB for an L0 of {budget >> 20} MiB"

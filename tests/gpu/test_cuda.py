@@ -107,7 +107,7 @@ def test_l0_lives_on_the_device_is_shared_and_evicts_within_its_bytes(cuda_model
         shared = text_of_length(8 * CHUNK, salt=1)
         ask(engine, shared)
         hot = engine.parts.hot
-        assert all(entry[0].device.type == DEVICE for entry in hot._entries.values())
+        assert all(entry[0].device.type == DEVICE for entry in hot._kv.values())
         before = engine.stats()["l0_chunks_hit"]
         expected = reference_ids(model, tokenize_prompt(tokenizer, shared + " and more")[0])
         assert ask(engine, shared + " and more").output_token_ids == expected

@@ -14,6 +14,11 @@ The scale part (issue #16, bench/daemon_scale.py) times Store with eviction, Loo
 concurrent Stores, restart and RSS per entry at each entry count, writes docs/daemon_scale.png:
 
     python bench/bench_daemon.py --parts scale --entries 1e4,1e5,1e6
+
+With --baseline-tree DIR (another checkout, e.g. `git archive HEAD~1 | tar -x -C /tmp/base`), each entry count
+is measured with that tree's daemon too, alternating which goes first, on the same environment builder:
+
+    python bench/bench_daemon.py --parts scale --entries 1e4,1e5 --baseline-tree /tmp/base
 """
 from __future__ import annotations
 
@@ -227,6 +232,8 @@ def main() -> None:
     parser.add_argument("--entries", default="1e4,1e5,1e6", help="scale part: entry counts, e.g. 1e4,1e5,1e6")
     parser.add_argument("--stores", type=int, default=500, help="scale part: timed Stores per entry count")
     parser.add_argument("--lookups", type=int, default=2000, help="scale part: timed Lookups per phase")
+    parser.add_argument("--baseline-tree", type=Path, default=None, help="scale part: another source tree whose "
+                        "daemon is measured alternately with this one's (e.g. the previous commit)")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "daemon_scale.png", help="scale part: PNG")
     parser.add_argument("--serve-bare", type=int, nargs=2, metavar=("PORT", "TOTAL_BYTES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -242,22 +249,30 @@ def main() -> None:
         run(int(total_mb * 1e6), repeats, args.seed)
     if "scale" in parts:
         run_scale([int(float(count)) for count in args.entries.split(",")], args.stores, args.lookups, args.seed,
-                  args.plot)
+                  args.plot, args.baseline_tree)
 
 
-def run_scale(entry_counts: list[int], num_stores: int, num_lookups: int, seed: int, plot_path: Path) -> None:
+def run_scale(entry_counts: list[int], num_stores: int, num_lookups: int, seed: int, plot_path: Path,
+              baseline_tree: Path | None = None) -> None:
     from bench import daemon_scale
 
-    empty_rss = daemon_scale.empty_daemon_rss(free_port)
-    points = []
-    for num_entries in entry_counts:
-        points.append(daemon_scale.measure(num_entries, num_stores, num_lookups, seed, free_port, empty_rss))
-        print(f"{num_entries:,} entries: LMDB written directly through the store in {points[-1].build_s:.1f} s",
-              flush=True)
+    trees = {"this": None} if baseline_tree is None else {"this": None, "baseline": baseline_tree}
+    empty_rss = {name: daemon_scale.empty_daemon_rss(free_port, tree) for name, tree in trees.items()}
+    points, labels = [], []
+    for round_index, num_entries in enumerate(entry_counts):
+        order = list(trees.items()) if round_index % 2 == 0 else list(reversed(trees.items()))
+        for name, tree in order:
+            points.append(daemon_scale.measure(num_entries, num_stores, num_lookups, seed, free_port, empty_rss[name],
+                                               tree))
+            labels.append(name)
+            print(f"{name}: {num_entries:,} entries: LMDB written directly through the store in "
+                  f"{points[-1].build_s:.1f} s", flush=True)
     print(f"\n1 KiB blobs, budget exactly full (every Store of a new chunk evicts one), {num_stores} Stores, "
-          f"{num_lookups} Lookups per phase, {os.cpu_count()} CPUs, daemon empty RssAnon {empty_rss / 2**20:.1f} MiB")
-    print("\n".join(daemon_scale.table(points)))
-    daemon_scale.plot(points, plot_path)
+          f"{num_lookups} Lookups per phase, {os.cpu_count()} CPUs, daemon empty RssAnon "
+          + ", ".join(f"{name} {rss / 2**20:.1f} MiB" for name, rss in empty_rss.items())
+          + (f"; baseline tree {baseline_tree}" if baseline_tree else ""))
+    print("\n".join(daemon_scale.table(points, labels)))
+    daemon_scale.plot([point for point, label in zip(points, labels) if label == "this"], plot_path)
     print(f"plot: {plot_path}")
 
 

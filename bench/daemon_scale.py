@@ -4,14 +4,19 @@ restart, RSS per entry. Run through bench/bench_daemon.py --parts scale --entrie
 For each size the LMDB environment is written directly through cache_daemon.store (one write
 transaction per 20k chunks, what a million gRPC Stores would leave behind, in seconds instead of
 an hour); then a real daemon process is started on it with --max-bytes exactly full, so every
-Store of a new 1 KiB chunk evicts one. All timings are taken from gRPC clients in this process or
+Store of a new 1 KiB chunk evicts one. Before timing, 65,536 chunks are Stored over the wire (in streams of 1024,
+each with its parent key and token ids, as the service stores them), so the events journal holds its full default
+history and the continuation index is in use, as on a daemon that has served a while. All timings are taken from gRPC clients in this process or
 in a child process (the concurrent Stores), never inside the daemon.
 """
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
@@ -24,13 +29,16 @@ from kvboost.v1 import cache_pb2, cache_pb2_grpc
 from bench.plotting import pyplot
 from cache_daemon.entry import Entry
 from cache_daemon.store import LmdbStore
-from tests.e2e.daemon_process import start_daemon
+from tests.e2e.daemon_process import REPO_ROOT, DaemonProcess, _wait_until_serving, start_daemon
 
 BLOB_BYTES = 1024
 NAMESPACE = bytes(range(32))
 NUM_HOT = 1000  # chunks read by Lookups (high frequency, so never the victims); at most a tenth of all
 LOOKUP_KEYS = 16
 BUILD_BATCH = 20_000
+TOKENS_PER_CHUNK = 128
+JOURNAL_FILL = 65_536  # chunks Stored over the wire first: the events journal holds its default history of them
+FILL_STREAM_CHUNKS = 1024
 
 
 def chunk_key(label: str, number: int) -> bytes:
@@ -63,12 +71,25 @@ def build_environment(data_dir: Path, num_entries: int, seed: int) -> float:
     return time.perf_counter() - started
 
 
-def store_frames(key: bytes):
+def store_frames(key: bytes, parent: bytes = NAMESPACE):
+    """One chunk as the service stores it: with its parent key and token ids, so the continuation index is on."""
     blob = blob_for(key)
+    token_ids = b"".join((number % 50_000).to_bytes(4, "little") for number in range(TOKENS_PER_CHUNK))
     meta = cache_pb2.ChunkMeta(key=key, namespace=NAMESPACE, size_bytes=len(blob), checksum=zlib.crc32(blob),
-                               num_tokens=128)
+                               num_tokens=TOKENS_PER_CHUNK, parent_key=parent, token_ids=token_ids)
     yield cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=meta))
     yield cache_pb2.ChunkFrame(data=blob)
+
+
+def fill_journal(stub, count: int = JOURNAL_FILL) -> None:
+    """count new chunks (each evicting one) over the wire in streams of FILL_STREAM_CHUNKS, each chained from
+    the one before: the events journal then holds a full history and the continuation index as many parents."""
+    for first in range(0, count, FILL_STREAM_CHUNKS):
+        numbers = range(first, min(count, first + FILL_STREAM_CHUNKS))
+        frames = (frame for number in numbers for frame in store_frames(
+            chunk_key("fill", number), chunk_key("fill", number - 1) if number else NAMESPACE))
+        reply = stub.Store(frames, timeout=120)
+        assert reply.stored == len(numbers), f"fill: {reply}"
 
 
 def timed_stores(stub, label: str, count: int) -> list[float]:
@@ -76,7 +97,7 @@ def timed_stores(stub, label: str, count: int) -> list[float]:
     times = []
     for number in range(count):
         started = time.perf_counter()
-        reply = stub.Store(store_frames(chunk_key(label, number)))
+        reply = stub.Store(store_frames(chunk_key(label, number), chunk_key(label, number - 1) if number else NAMESPACE))
         times.append((time.perf_counter() - started) * 1e3)
         assert reply.stored == 1 and reply.evicted == 1, f"expected one stored and one evicted, got {reply}"
     return times
@@ -135,16 +156,38 @@ class ScalePoint:
     rss_per_entry: float
 
 
-def measure(num_entries: int, num_stores: int, num_lookups: int, seed: int, free_port, empty_rss: int) -> ScalePoint:
+def start_daemon_from(tree: Path | None, data_dir: Path, port: int, *args: str) -> DaemonProcess:
+    """The daemon of this checkout, or of another source tree (--baseline-tree: `python -m cache_daemon` run
+    there, its own modules first on the path), on 127.0.0.1:port; returns once it is SERVING."""
+    if tree is None or Path(tree).resolve() == REPO_ROOT:
+        return start_daemon(data_dir, port, *args)
+    tree = Path(tree).resolve()
+    log_path = data_dir.with_name(data_dir.name + ".log")
+    command = [sys.executable, "-m", "cache_daemon", "--data-dir", str(data_dir), "--listen", f"127.0.0.1:{port}", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "proto")])}
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(command, cwd=tree, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    daemon = DaemonProcess(process, f"127.0.0.1:{port}", log_path)
+    try:
+        _wait_until_serving(daemon, None, 30.0)
+    except BaseException:
+        daemon.kill()
+        raise
+    return daemon
+
+
+def measure(num_entries: int, num_stores: int, num_lookups: int, seed: int, free_port, empty_rss: int,
+            tree: Path | None = None) -> ScalePoint:
     with tempfile.TemporaryDirectory(prefix="kvboost-scale-") as work_dir:
         data_dir = Path(work_dir) / "lmdb"
         build_s = build_environment(data_dir, num_entries, seed)
         args = ("--max-bytes", str(num_entries * BLOB_BYTES), "--log-level", "WARNING")
-        daemon = start_daemon(data_dir, free_port(), *args)
+        daemon = start_daemon_from(tree, data_dir, free_port(), *args)
         try:
             with grpc.insecure_channel(daemon.address) as channel:
                 stub = cache_pb2_grpc.CacheServiceStub(channel)
                 wait_until_loaded(stub)
+                fill_journal(stub)
                 timed_stores(stub, "warm", 50)
                 store_ms = timed_stores(stub, "timed", num_stores)
                 timed_lookups(stub, 100, seed, num_entries)
@@ -160,7 +203,7 @@ def measure(num_entries: int, num_stores: int, num_lookups: int, seed: int, free
                 rss_per_entry = (rss_anon_bytes(daemon.process.pid) - empty_rss) / num_entries
             daemon.kill()  # kill -9: the restart below reads what a crash leaves
             started = time.perf_counter()
-            daemon = start_daemon(data_dir, free_port(), *args)
+            daemon = start_daemon_from(tree, data_dir, free_port(), *args)
             restart_serving_s = time.perf_counter() - started
             with grpc.insecure_channel(daemon.address) as channel:
                 wait_until_loaded(cache_pb2_grpc.CacheServiceStub(channel))
@@ -171,10 +214,10 @@ def measure(num_entries: int, num_stores: int, num_lookups: int, seed: int, free
                       restart_loaded_s, rss_per_entry)
 
 
-def empty_daemon_rss(free_port) -> int:
+def empty_daemon_rss(free_port, tree: Path | None = None) -> int:
     """RssAnon of a daemon over an empty environment, after one Store: the baseline per-entry RSS is above."""
     with tempfile.TemporaryDirectory(prefix="kvboost-scale-") as work_dir:
-        daemon = start_daemon(Path(work_dir) / "lmdb", free_port(), "--log-level", "WARNING")
+        daemon = start_daemon_from(tree, Path(work_dir) / "lmdb", free_port(), "--log-level", "WARNING")
         try:
             with grpc.insecure_channel(daemon.address) as channel:
                 stub = cache_pb2_grpc.CacheServiceStub(channel)
@@ -190,14 +233,15 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def table(points: list[ScalePoint]) -> list[str]:
-    lines = ["| entries | Store+evict p50 | p99 | Lookup(16) p50 | p99 | Lookup p50 beside Stores | p99 | "
+def table(points: list[ScalePoint], labels: list[str] | None = None) -> list[str]:
+    labels = labels or [""] * len(points)
+    lines = ["| tree | entries | Store+evict p50 | p99 | Lookup(16) p50 | p99 | Lookup p50 beside Stores | p99 | "
              "Stores/s beside | restart to SERVING | to index loaded | RSS/entry |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for p in points:
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, p in zip(labels, points):
         during_s = len(p.lookup_during_stores_ms) and sum(p.lookup_during_stores_ms) / 1e3
         lines.append(
-            f"| {p.num_entries:,} | {statistics.median(p.store_ms):.2f} ms | {percentile(p.store_ms, 0.99):.2f} ms | "
+            f"| {label} | {p.num_entries:,} | {statistics.median(p.store_ms):.2f} ms | {percentile(p.store_ms, 0.99):.2f} ms | "
             f"{statistics.median(p.lookup_ms):.2f} ms | {percentile(p.lookup_ms, 0.99):.2f} ms | "
             f"{statistics.median(p.lookup_during_stores_ms):.2f} ms | "
             f"{percentile(p.lookup_during_stores_ms, 0.99):.2f} ms | {p.stores_during_lookups / during_s:.0f} | "

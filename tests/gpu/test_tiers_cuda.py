@@ -43,7 +43,7 @@ def test_placement_from_l0_is_bitwise_the_per_chunk_copies_and_the_daemons_blobs
 
     batched, per_chunk, from_blobs = slot(), slot(), slot()
     assert place_from_hot(hot, chunks, [i.to_bytes(4, "big") for i in range(num_chunks)], batched) == num_chunks
-    for index, (chunk, (keys, values)) in enumerate(zip(chunks, host_kv)):
+    for chunk, (keys, values) in zip(chunks, host_kv):
         span = slice(chunk.start, chunk.end)
         per_chunk[0][:, :, span].copy_(keys)
         per_chunk[1][:, :, span].copy_(values)

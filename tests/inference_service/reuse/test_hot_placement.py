@@ -36,7 +36,7 @@ def test_a_run_from_l0_is_bitwise_one_copy_per_chunk_and_leaves_the_rest_of_the_
         chunks = chunks_of(8, 8, 8, 5)  # three whole chunks and a partial one
         entries = [kv(len(chunk.token_ids), seed, dtype) for seed, chunk in enumerate(chunks)]
         hot = HotTier(1 << 20)
-        for index, (chunk, entry) in enumerate(zip(chunks, entries)):
+        for index, entry in enumerate(entries):
             hot.add(bytes([index]), *entry, parent=bytes([index - 1]) if index else None)
         batched, per_chunk = slot(dtype), slot(dtype)
         assert place_from_hot(hot, chunks, [bytes([i]) for i in range(4)], batched) == 4

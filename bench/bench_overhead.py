@@ -32,7 +32,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if "--worker" not in sys.argv:  # a worker imports the tree under test, first on its PYTHONPATH
+    sys.path.insert(0, str(ROOT))
 
 WORDS = ("cache chunk key value prefix token model answer question document system prompt layer head memory "
          "daemon tier request stream byte hash tenant budget eviction batch decode prefill slot router").split()
@@ -255,7 +256,8 @@ def run(args) -> list[dict]:
         trees = {"before": args.baseline_tree.resolve(), "now": ROOT}
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as folder, ExitStack() as stack:
-        work = Path(folder)
+        work = Path(folder) if args.work_dir is None else args.work_dir
+        work.mkdir(parents=True, exist_ok=True)
         model = str(negligible_model(args.model_dir or work / "negligible"))
         tokenizer = AutoTokenizer.from_pretrained(model)
         if "in-process" in args.parts:
@@ -367,6 +369,7 @@ def main(argv=None) -> None:
     parser.add_argument("--baseline-tree", type=Path, help="a checkout of an earlier commit to alternate with")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--model-dir", type=Path, help="where to keep the negligible model (default: a temp folder)")
+    parser.add_argument("--work-dir", type=Path, help="keep the daemons' data and the logs here (default: a temp folder)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)

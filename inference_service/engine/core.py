@@ -138,6 +138,7 @@ class EngineCore:
         for deadline, seq in candidates:
             keys = [*seq.prompt.prefix_keys, *([seq.prompt.tail_key] if seq.prompt.tail_key else [])]
             if seq.mode != "baseline" and now < deadline and self._writeback.storing(keys):
+                seq.early_lookup = None  # asked before the write-back it waits for landed: asked again when it starts
                 held.append((deadline, seq))
             else:
                 ready.append(seq)

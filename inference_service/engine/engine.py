@@ -202,7 +202,7 @@ class Engine:
                   on_done: OnDone) -> Sequence:
         parts = salted(self.parts, params.cache_salt)
         mode, prompt, max_new_tokens = plan_request(parts, params)
-        return Sequence(params, on_token, should_stop, on_done, parts, mode, prompt, max_new_tokens)
+        return Sequence(params, on_token, should_stop, on_done, parts, mode, prompt, max_new_tokens).ask_early()
 
     def tokenize(self, prompt: str | None = None, messages=None, add_special_tokens: bool = True,
                  add_generation_prompt: bool = True) -> tuple[list[int], list[str]]:

@@ -143,8 +143,10 @@ class Executor:
                 cache = seq.cache if index == 0 else build_cache(parts.model.config, *self.owner.views(slot),
                                                                   prompt.num_tokens)
             seq.rows.append(Row(slot, index, decoder, next_position=prompt.num_tokens, cache=cache))
+        # One device -> host copy for the first token (its NaN check and greedy choice), as for a decode step's.
+        hint = step_hints(seq.first_logits.view(1, -1))[0]
         for row in list(seq.rows):
-            row.next_token_id = int(row.decoder.take(seq.first_logits))
+            row.next_token_id = int(row.decoder.take(seq.first_logits, hint))
             if row.decoder.reason:
                 self._finish_row(seq, row)
 

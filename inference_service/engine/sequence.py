@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from inference_service.reuse.assembler import AssembledContext, empty_context
+from inference_service.reuse.assembler import AssembledContext, early_lookup, empty_context
+from inference_service.store.protocol import StoreLookup
 from inference_service.request.generation import DecodeResult, OnToken, RowDecoder
 from inference_service.request.planning import EngineParts, label_repair, outcome_of, record_outcome
 from kvboost_keys.prompts import PromptPlan
@@ -78,11 +79,21 @@ class Sequence:
     num_shared_chunks: int = 0
     followers: list = field(default_factory=list)
     stored_keys: set | None = None  # a batch call's chunk keys already submitted for write-back (shared)
+    # The prompt's Lookup, asked on the submitting thread (reuse.assembler.early_lookup); None: the step loop asks.
+    early_lookup: StoreLookup | None = None
     # Set while decoding.
     rows: list[Row] = field(default_factory=list)
     held_slots: set = field(default_factory=set)  # slots this request still holds (its rows', or its prefill's)
     outcomes: list = field(default_factory=list)
     ended: bool = False
+
+    def ask_early(self) -> Sequence:
+        """Asks the prompt's Lookup now, on the submitting thread, when its prefill will look the prompt up: the step
+        loop then does not wait for the daemon's answer."""
+        if self.mode != "baseline" and self.params.prompt_logprobs is None and self.warm is None:
+            self.early_lookup = early_lookup(self.parts.store, self.parts.namespace, self.prompt,
+                                             self.mode == "chunk_kv_reuse")
+        return self
 
     @property
     def num_rows(self) -> int:

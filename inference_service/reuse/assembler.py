@@ -86,6 +86,7 @@ def assemble_context(
     rope: RopeParams | None = None,
     hot: HotTier | None = None,
     skip_load: SkipLoad | None = None,
+    early: StoreLookup | None = None,
 ) -> AssembledContext:
     """Everything the store can give for this prompt, placed into `buffers` (the request's slot: keys, values
     [layers, kv_heads, capacity, head_dim]).
@@ -96,12 +97,11 @@ def assemble_context(
     the run's last key that shares the most leading tokens with the prompt (reuse inside a chunk: a follow-up
     question, the next turn of a chat) is placed too; the same Lookup answers it (AfterRun), unless L0 took the
     run further or the daemon is older (then a second Lookup asks). A daemon without the continuation index still
-    answers the longest stored partial chunk the prompt continues.
+    answers the longest stored partial chunk the prompt continues. early: that Lookup, asked already (look_up, on
+    the submitting thread, so the step loop does not wait for it).
     """
-    content_keys = list(prompt.content_keys) if with_content_hits else None
     try:
-        lookup = store.lookup(namespace, list(prompt.prefix_keys), content_keys,
-                              after_run=AfterRun(prompt.tokens_after_runs()))
+        lookup = early if early is not None else look_up(store, namespace, prompt, with_content_hits)
         # The run goes on through the chunks L0 holds whose write-back is still in flight (a prefix key names exactly
         # one K/V, so this is exact); for every other key the daemon's Lookup decides (a Delete there reaches L0).
         run = _hot_run(hot, prompt, lookup.prefix_run)
@@ -114,6 +114,22 @@ def assemble_context(
     context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, hot, skip_load)
     context.content_hits = lookup.content_hits
     return context
+
+
+def look_up(store: ChunkStore, namespace: bytes, prompt: PromptPlan, with_content_hits: bool) -> StoreLookup:
+    """The prompt's one Lookup: its prefix run, its content hits (when asked) and what continues the run.
+    Raises StoreUnavailable."""
+    content_keys = list(prompt.content_keys) if with_content_hits else None
+    return store.lookup(namespace, list(prompt.prefix_keys), content_keys, after_run=AfterRun(prompt.tokens_after_runs()))
+
+
+def early_lookup(store: ChunkStore, namespace: bytes, prompt: PromptPlan, with_content_hits: bool) -> StoreLookup | None:
+    """look_up as soon as the prompt is planned, off the step loop; None when the store does not answer (the step
+    loop then asks again, and serves the request degraded if it still cannot)."""
+    try:
+        return look_up(store, namespace, prompt, with_content_hits)
+    except StoreUnavailable:
+        return None
 
 
 def _hot_run(hot: HotTier | None, prompt: PromptPlan, run: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from contextlib import ExitStack
 
 import pytest
@@ -11,6 +12,7 @@ from kvboost.v1 import cache_pb2
 
 from cache_daemon.entry import ChunkKey
 from cache_daemon.l2.redis_tier import CHUNK_PREFIX
+from tests.conftest import pick_free_port
 from tests.daemon_support import NAMESPACE, cache_stub, fetch_chunks, make_chunk, running_daemon, store_chunks
 from tests.redis_support import redis_node, requires_redis
 
@@ -56,8 +58,14 @@ class GatedReads:
         return self._get(keys)
 
 
-def test_a_lookup_of_l2_only_chunks_reads_no_value_and_fetch_waits_for_them(two_hosts):
-    host_a, host_b = two_hosts
+def test_a_lookup_of_l2_only_chunks_reads_no_value_and_fetch_waits_for_them(tmp_path, redis):
+    metrics_port = pick_free_port()
+    with running_daemon(tmp_path / "a", l2=redis.url) as host_a, \
+            running_daemon(tmp_path / "b", l2=redis.url, metrics_port=metrics_port) as host_b:
+        check_lookup_then_arrival(host_a, host_b, metrics_port)
+
+
+def check_lookup_then_arrival(host_a, host_b, metrics_port: int) -> None:
     chunks = [make_chunk(f"big {index}", 1 << 20) for index in range(64)]  # 64 MiB only in L2
     warm_on_a(host_a, chunks)
     keys = [chunk.key for chunk in chunks]
@@ -80,6 +88,12 @@ def test_a_lookup_of_l2_only_chunks_reads_no_value_and_fetch_waits_for_them(two_
     l2 = host_b.cache.l2_stats()
     assert (l2.promoted, l2.promoted_bytes, l2.not_arrived, l2.arriving) == (64, 64 << 20, 0, 0)
     assert l2.arrival_waits >= 1 and l2.seconds > 0
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    values = {name: float(value) for name, value in (line.split() for line in metrics.splitlines()
+                                                      if line.startswith("kvboost_l2_"))}
+    assert (values["kvboost_l2_promoted_bytes_total"], values["kvboost_l2_promoted_total"]) == (64 << 20, 64)
+    assert (values["kvboost_l2_not_arrived_total"], values["kvboost_l2_arriving"]) == (0, 0)
+    assert values["kvboost_l2_seconds_total"] > 0
 
 
 def test_a_chunk_failing_its_mac_or_gone_mid_run_is_a_miss_where_the_run_ends(two_hosts, redis):

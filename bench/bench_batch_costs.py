@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = StepRunner(slots, ModelStep(model))  # the model's own forward over the slots
         position = [context]
 
-        def step() -> None:
+        def step(runner=runner, position=position, num_rows=num_rows) -> None:  # this row count's, bound now
             runner.decode({slot: (tokens[0], position[0]) for slot in range(num_rows)})
             position[0] += 1
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prefill of {question} tokens after {context} cached, alone:      {seconds * 1000:8.1f} ms, "
           f"{seconds * 1000 / question:6.1f} ms per token")
     for num_rows in (4, 16):
-        def together() -> None:
+        def together(num_rows=num_rows) -> None:
             rows = []
             for _ in range(num_rows):
                 row_keys, row_values = allocate_kv(geometry, context + question, model.device, model.dtype)

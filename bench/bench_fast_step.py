@@ -92,7 +92,7 @@ def engine_outputs(model, tokenizer, decode_step: str, cases, max_new_tokens: in
             done = threading.Event()
             batch = range(start, min(start + wave, len(cases)))
 
-            def on_done_for(index):
+            def on_done_for(index, batch=batch, done=done):
                 def on_done(outcomes, error):
                     results[index] = error or outcomes[0]
                     if all(i in results for i in batch):

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                     if index < len(ORDINARY):
                         identical &= list(result.output_token_ids) == expected[index]
     worst_excess = 0.0
-    for index, prompt in enumerate(ORDINARY):
+    for index in range(len(ORDINARY)):
         own, at_once = statistics.median(alone[index]), statistics.median(together[index])
         worst_excess = max(worst_excess, at_once - own)
         print(f"ordinary {index}: alone {own * 1000:7.1f} ms, with the 7 others {at_once * 1000:7.1f} ms "

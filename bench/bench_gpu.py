@@ -88,7 +88,7 @@ def page_cache_to_pinned(path: Path, pinned: torch.Tensor, threads: int) -> floa
             for worker in workers:
                 worker.join()
             rates.append(size / (time.perf_counter() - started) / 1e9)
-        del source
+        source = None  # drop the tensor over the map before the map closes
     return statistics.median(rates)
 
 
@@ -192,7 +192,8 @@ def measure_length(length: int, args, model, tokenizer, engines: dict[str, Engin
     samples: dict[str, list[dict]] = {name: [] for name in ("BASELINE", "plain prefill", "warmed", "from L0")}
     for run in range(args.runs):
         questions = iter(range(100 * run + 10, 100 * run + 20))
-        prompt = lambda: document + " " + words(QUESTION_WORDS, seed=next(questions), vocab_size=vocab)
+        prompt = lambda questions=questions: document + " " + words(QUESTION_WORDS, seed=next(questions),
+                                                                    vocab_size=vocab)
         samples["BASELINE"].append(ask(engines["warmed"], prompt(), mode="baseline"))
         samples["plain prefill"].append({"ttft_ms": plain_prefill_ms(model, tokenizer, prompt())})
         samples["warmed"].append(ask(engines["warmed"], prompt()))
@@ -256,7 +257,8 @@ def profile_asks(engines: dict[str, Engine], document: str, vocab: int, path: Pa
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sections = []
     for seed, name in enumerate(("from L0", "warmed")):
-        prompt = lambda: document + " " + words(QUESTION_WORDS, seed=990 + 2 * seed + len(sections), vocab_size=vocab)
+        prompt = lambda seed=seed: document + " " + words(QUESTION_WORDS, seed=990 + 2 * seed + len(sections),
+                                                         vocab_size=vocab)
         with profile(activities=activities) as profiler:
             row = ask(engines[name], prompt())
         table = profiler.key_averages().table(sort_by="self_cuda_time_total" if len(activities) > 1 else

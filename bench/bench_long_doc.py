@@ -158,7 +158,7 @@ def part_repeat(ours: Server, args, count_tokens, client: httpx.Client) -> dict:
         ask(ours, repetitive, "first")
         ask(ours, repetitive, "again")
         window = ordinary[run * 10_000:]
-        plain = lead + fit(lambda n: window[:n * 8], 2000, count_tokens)
+        plain = lead + fit(lambda n, window=window: window[:n * 8], 2000, count_tokens)
         ask(ours, plain, "ordinary_first")
         ask(ours, plain, "ordinary_again")
         log = lead + LOG_LINE * 180

@@ -157,7 +157,7 @@ SHORT_QUESTIONS = ["When does the library open?", "How much is the pool?", "Is t
 def run_decode(servers: list[Server], client: httpx.Client, runs: int) -> dict:
     rows = {server.name: [] for server in servers}
     messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
-    for run in range(runs):
+    for _ in range(runs):
         for server in servers:
             reply = server.chat(messages, 128, client, ignore_eos=True)
             rows[server.name].append(reply.decode_tps)
@@ -173,7 +173,7 @@ def run_clients(servers: list[Server], counts: list[int], runs: int) -> dict:
                 replies: list[Reply] = []
                 lock = threading.Lock()
 
-                def one(index: int) -> None:
+                def one(index: int, run=run, server=server, lock=lock, replies=replies) -> None:
                     messages = [{"role": "system", "content": SYSTEM_700},
                                 {"role": "user", "content": SHORT_QUESTIONS[index % len(SHORT_QUESTIONS)]
                                  + f" (visitor {run}-{index})"}]

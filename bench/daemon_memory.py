@@ -267,7 +267,7 @@ def print_malloc_report(daemon, pid: int) -> None:
     arenas = re.findall(r"Arena \d+:\nsystem bytes\s+=\s+(\d+)\nin use bytes\s+=\s+(\d+)", report)
     total = re.search(r"Total \(incl. mmap\):\nsystem bytes\s+=\s+(\d+)\nin use bytes\s+=\s+(\d+)", report)
     if total is None:
-        print(f"malloc report: no malloc_stats() output in the daemon's log")
+        print("malloc report: no malloc_stats() output in the daemon's log")
         return
     system, in_use = (int(value) / MIB for value in total.groups())
     print(f"malloc_stats: {len(arenas)} arenas; system {system:.1f} MiB, in use {in_use:.1f} MiB, "

@@ -55,6 +55,7 @@ class InProcessCall:
         self._loop = asyncio.get_running_loop()
         self._deadline = None if timeout_s is None else self._loop.time() + timeout_s
         self._done = False
+        self._closing: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None  # the task inside read(), while it is there
 
     async def read(self):
@@ -88,7 +89,8 @@ class InProcessCall:
             # gRPC call's pending read raises CancelledError too).
             self._reader.cancel()
         else:  # between reads the generator is suspended at a yield: closing it runs the servicer's finally
-            asyncio.ensure_future(self._events.aclose())
+            # Held, so the loop cannot drop the task before the generator is closed.
+            self._closing = asyncio.ensure_future(self._events.aclose())
         return True
 
 

@@ -64,7 +64,7 @@ class Executor:
         for seq_id, num_tokens in plan.pieces:
             seq = self.sequences.get(seq_id)
             if seq is not None:
-                self._guard(seq, lambda: self._run_piece(seq, num_tokens))
+                self._guard(seq, lambda seq=seq, num_tokens=num_tokens: self._run_piece(seq, num_tokens))
         for group in plan.groups:
             self._run_group([self.sequences[seq_id] for seq_id in group if seq_id in self.sequences])
         decoding = [self.sequences[seq_id] for seq_id in plan.decode if seq_id in self.sequences]
@@ -100,7 +100,7 @@ class Executor:
                 self._fail(seq, error)
             return
         for seq in seqs:
-            self._guard(seq, lambda: self._maybe_prefilled(seq))
+            self._guard(seq, lambda seq=seq: self._maybe_prefilled(seq))
 
     def _maybe_prefilled(self, seq: Sequence) -> None:
         """After the last prompt token: the followers take the shared K/V, then the sequence picks its first token."""

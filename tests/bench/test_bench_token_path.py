@@ -41,12 +41,12 @@ def test_runtime_libraries_are_their_own_components():
         == "protobuf messages"
     assert token_path.component_of(stack(serve, handler)) == "service streaming hand-off"
     assert token_path.component_of(stack(serve, f"event ({REPO}/http_gateway/sse.py:17)",
-                                         f"dumps (/usr/lib/python3.11/json/__init__.py:231)")) == "JSON/SSE encoding"
+                                         "dumps (/usr/lib/python3.11/json/__init__.py:231)")) == "JSON/SSE encoding"
     assert token_path.component_of(stack(serve, f"send ({SITE}/uvicorn/protocols/http/h11_impl.py:500)")) == \
         "HTTP server (uvicorn/starlette)"
-    assert token_path.component_of(stack(serve, f"select (/usr/lib/python3.11/selectors.py:468)")) == "event loop"
-    assert token_path.component_of(stack(f"wait (/usr/lib/python3.11/threading.py:320)")) == "thread hand-offs"
-    assert token_path.component_of(stack(f"main (/tmp/elsewhere.py:1)")) == "other Python"
+    assert token_path.component_of(stack(serve, "select (/usr/lib/python3.11/selectors.py:468)")) == "event loop"
+    assert token_path.component_of(stack("wait (/usr/lib/python3.11/threading.py:320)")) == "thread hand-offs"
+    assert token_path.component_of(stack("main (/tmp/elsewhere.py:1)")) == "other Python"
 
 
 def test_raw_output_is_summed_by_component(tmp_path):

@@ -13,7 +13,7 @@ from cache_daemon.entry import ChunkKey, IncomingChunk
 from cache_daemon.l2.record_auth import parse_keyring
 from cache_daemon.l2.redis_tier import CHUNK_PREFIX, NAMESPACE_PREFIX, decode_record, encode_record
 from cache_daemon.tenancy import PLAIN, KeySpace, tenant_secret
-from tests.daemon_support import (NAMESPACE, TEST_L2_KEY, cache_stub, digest, fetch_chunks, make_chunk, running_daemon,
+from tests.daemon_support import (NAMESPACE, TEST_L2_KEY, cache_stub, fetch_chunks, make_chunk, running_daemon,
                                   store_chunks)
 from tests.redis_support import redis_node, requires_redis
 

@@ -5,7 +5,6 @@ import json
 import struct
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest

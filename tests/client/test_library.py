@@ -133,7 +133,7 @@ def test_result_without_iterating_consumes_the_stream(client) -> None:
 
 
 def test_generate_sends_chat_messages(client, inference) -> None:
-    client.generate(messages=[{"role": "system", "content": "Be brief."}, ("user", "Hi")]).result
+    _ = client.generate(messages=[{"role": "system", "content": "Be brief."}, ("user", "Hi")]).result
     assert [(m.role, m.content) for m in inference.requests[0].messages] == [("system", "Be brief."), ("user", "Hi")]
     assert inference.requests[0].prompt == ""
 
@@ -141,7 +141,7 @@ def test_generate_sends_chat_messages(client, inference) -> None:
 def test_stream_without_result_is_an_error(client) -> None:
     stream = client.generate("noresult")
     with pytest.raises(KVBoostError, match="ended without a result"):
-        stream.result
+        _ = stream.result
 
 
 def test_server_errors_become_typed_exceptions_with_the_code(client) -> None:
@@ -152,13 +152,13 @@ def test_server_errors_become_typed_exceptions_with_the_code(client) -> None:
     assert str(caught.value).endswith("Generate on " + client.address +
                                       " failed: INVALID_ARGUMENT: prompt is empty after templating")
     with pytest.raises(OverloadedError) as caught:
-        client.generate("busy").result
+        _ = client.generate("busy").result
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_timeout_raises_deadline_exceeded(client) -> None:
     with pytest.raises(DeadlineExceededError) as caught:
-        client.generate("slow", timeout=0.3).result
+        _ = client.generate("slow", timeout=0.3).result
     assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert str(caught.value) == f"Generate on {client.address} timed out after 0.3 s"
     assert isinstance(caught.value, TimeoutError)

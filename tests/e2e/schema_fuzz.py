@@ -101,7 +101,7 @@ def run(schema) -> FuzzReport:
 
 
 def _record(recorder, report: FuzzReport, seen_failures: set[str], phase: str) -> None:
-    for case_id, interaction in recorder.interactions.items():
+    for interaction in recorder.interactions.values():
         if interaction.response is None:
             continue
         status = interaction.response.status_code
@@ -112,7 +112,7 @@ def _record(recorder, report: FuzzReport, seen_failures: set[str], phase: str) -
             body = (request.body or b"")[:300]
             report.server_errors.append(f"{request.method} {request.uri} {body!r} -> {status} "
                                         f"{interaction.response.content[:300]!r}")
-    for case_id, checks in recorder.checks.items():
+    for checks in recorder.checks.values():
         for check in checks:
             if check.failure_info is None:
                 continue

@@ -12,7 +12,6 @@ import time
 import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import httpx

@@ -162,9 +162,12 @@ class BlockingUpstream(RecordingUpstream):
     def __init__(self) -> None:
         super().__init__([])
         self.release = asyncio.Event()
+        self.two_held = asyncio.Event()
 
     def generate(self, request: pb.GenerateRequest):
         self.requests.append(request)
+        if len(self.requests) >= 2:
+            self.two_held.set()
         release = self.release
 
         class Held:
@@ -190,8 +193,7 @@ def test_requests_over_the_concurrency_limit_get_429_and_later_ones_pass() -> No
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
             held = [asyncio.create_task(client.post("/v1/chat/completions", json=body)) for _ in range(2)]
-            while len(upstream.requests) < 2:
-                await asyncio.sleep(0)
+            await upstream.two_held.wait()
             refused = await client.post("/v1/chat/completions", json=body)
             health = await client.get("/health")  # probes are never counted or refused
             upstream.release.set()

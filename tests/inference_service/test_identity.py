@@ -1,7 +1,6 @@
 """Real SmolLM2 through the running cache daemon: with prefix hits, greedy output equals plain model.generate."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -130,13 +129,13 @@ def test_continuous_batching_is_token_identical_to_generate(smollm2, daemon_cach
         for start in range(0, len(references), 2):
             steps = engine.core.num_steps
             for index, (case, _, _) in enumerate(references[start : start + 2], start):
-                def done(outcomes, error, index=index):
+                def done(outcomes, error, index=index, results=results):
                     results[index] = error or outcomes[0]
                 engine.submit(GenerationParams(**case, max_new_tokens=MAX_NEW_TOKENS, mode="prefix_cache"), None,
                               lambda: False, done)
-            wait_for(lambda: engine.core.num_steps > steps or len(results) > start, timeout_s=60,
-                     what="a step of the engine")
-        wait_for(lambda: len(results) == len(references), timeout_s=300, what="every case")
+            wait_for(lambda steps=steps, start=start, results=results: engine.core.num_steps > steps
+                     or len(results) > start, timeout_s=60, what="a step of the engine")
+        wait_for(lambda results=results: len(results) == len(references), timeout_s=300, what="every case")
         engine.flush_writes()
         mismatches = [(case, expected, results[index].output_token_ids)
                       for index, (case, _, expected) in enumerate(references)

@@ -91,7 +91,7 @@ def test_a_long_prefill_runs_in_budgeted_pieces_while_others_decode():
     for _ in range(3):
         plan = scheduler.plan()
         plans.append(plan)
-        for seq_id, num_tokens in plan.pieces:  # the executor runs the piece
+        for _, num_tokens in plan.pieces:  # the executor runs the piece
             scheduler.prefilling[0].num_computed += num_tokens
     # 1500 tokens left in pieces of 512 while row 1 decodes in every step.
     assert plans == [StepPlan(pieces=((2, 512),), decode=(1,)), StepPlan(pieces=((2, 512),), decode=(1,)),

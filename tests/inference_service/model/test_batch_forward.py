@@ -12,7 +12,7 @@ def make_rows(model, cached: list[int], new: list[int], seed: int) -> list[Prefi
     geometry = kv_geometry(model.config)
     generator = torch.Generator().manual_seed(seed)
     rows = []
-    for index, (num_cached, num_new) in enumerate(zip(cached, new)):
+    for num_cached, num_new in zip(cached, new):
         shape = (geometry.num_layers, geometry.num_kv_heads, num_cached + num_new + 4, geometry.head_dim)
         keys = torch.randn(shape, generator=generator) * 0.5
         values = torch.randn(shape, generator=generator) * 0.5

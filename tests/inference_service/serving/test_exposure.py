@@ -27,7 +27,7 @@ def test_listening_beyond_loopback_without_a_token_warns(listen, with_token, war
     config = ServiceConfig(listen=listen, auth_token_file=str(token_file) if with_token else "")
 
     async def build():
-        built = server_module.build_server(config)
+        server_module.build_server(config)
 
     with caplog.at_level(logging.WARNING, logger="inference_service.serving.server"):
         asyncio.run(build())

@@ -220,7 +220,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def _l2_stats(self) -> cache_pb2.L2Stats | None:
         if not isinstance(self._cache, TieredCache):
             return None
-        # The fields the contract has; the rest (L2 time and bytes, arrivals) are on /metrics.
+        # The fields the contract has (L2 time and bytes, arrivals included).
         fields = cache_pb2.L2Stats.DESCRIPTOR.fields_by_name
         return cache_pb2.L2Stats(**{name: value for name, value in dataclasses.asdict(self._cache.l2_stats()).items()
                                     if name in fields})

@@ -1,4 +1,4 @@
-"""Thread-safe engine counters, reported under ServiceStatsReply field names (per-tier loads: /metrics only)."""
+"""Thread-safe engine counters, reported under ServiceStatsReply field names."""
 from __future__ import annotations
 
 import threading
@@ -119,7 +119,7 @@ class EngineStats:
 
     def snapshot(self) -> dict:
         """Counters under ServiceStatsReply names, plus mean_ttft_ms and tier_loads ({tier: its TierCounters as a
-        dict}; no ServiceStatsReply field yet: /metrics shows it)."""
+        dict}: ServiceStatsReply.tier_loads, one TierLoad each)."""
         with self._lock:
             values = asdict(self._counters)
             values["tier_loads"] = {tier: asdict(counters) for tier, counters in sorted(self._tiers.items())}

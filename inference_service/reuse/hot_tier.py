@@ -124,7 +124,7 @@ class HotTier:
         self.stats.chunks_evicted += 1
 
     def snapshot(self) -> dict:
-        """Counters under ServiceStatsReply names (l0_chunks_rejected: /metrics only)."""
+        """Counters under ServiceStatsReply names."""
         with self._lock:
             return {"l0_chunks_hit": self.stats.chunks_hit, "l0_bytes_placed": self.stats.bytes_placed,
                     "l0_bytes_held": self.bytes_held, "l0_chunks_held": len(self._kv),

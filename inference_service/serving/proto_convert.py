@@ -157,6 +157,8 @@ def model_info_reply(info: Mapping[str, Any]) -> pb.ModelInfoReply:
 def stats_reply(engine_stats: Mapping[str, Any], **service_fields: Any) -> pb.ServiceStatsReply:
     """Engine counters plus the serving layer's own (degraded, queue depth, address, rejections)."""
     fields = _shared_fields(pb.ServiceStatsReply, engine_stats)
+    fields["tier_loads"] = [pb.TierLoad(tier=tier, **_shared_fields(pb.TierLoad, counters))
+                            for tier, counters in (engine_stats.get("tier_loads") or {}).items()]
     fields.update(service_fields)
     return pb.ServiceStatsReply(**fields)
 

@@ -51,6 +51,9 @@ def test_a_chunk_stored_on_host_a_is_found_fetched_and_promoted_on_host_b(two_ho
         assert [chunk.blob for chunk in fetched] == [chunk.blob for chunk in chunks]
         b_stats = stats(stub_b)
         assert (b_stats.entries, b_stats.l2.hits, b_stats.l2.misses) == (3, 3, 1)  # promoted into B's LMDB
+        # Stats carries L2's time and bytes: the three chunks promoted, none missing, none arriving now.
+        assert (b_stats.l2.promoted, b_stats.l2.not_arrived, b_stats.l2.arriving) == (3, 0, 0)
+        assert b_stats.l2.promoted_bytes >= 3 * 5000 and b_stats.l2.seconds > 0
         assert stats(stub_a).l2.writes == 3 and not b_stats.l2.degraded
         # Now an L1 hit on B: L2 is not asked again.
         lookup(stub_b, [chunk.key for chunk in chunks])

@@ -188,7 +188,7 @@ class CacheStatsReply(_message.Message):
     def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupted: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., map_size: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., l2: _Optional[_Union[L2Stats, _Mapping]] = ...) -> None: ...
 
 class L2Stats(_message.Message):
-    __slots__ = ("url", "degraded", "hits", "misses", "writes", "dropped_writes", "corrupted", "errors", "queued_writes", "forged", "promotion_batches", "calls_in_flight")
+    __slots__ = ("url", "degraded", "hits", "misses", "writes", "dropped_writes", "corrupted", "errors", "queued_writes", "forged", "promotion_batches", "calls_in_flight", "promoted", "promoted_bytes", "not_arrived", "arrival_waits", "arriving", "seconds")
     URL_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,12 @@ class L2Stats(_message.Message):
     FORGED_FIELD_NUMBER: _ClassVar[int]
     PROMOTION_BATCHES_FIELD_NUMBER: _ClassVar[int]
     CALLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NOT_ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_WAITS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVING_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
     url: str
     degraded: bool
     hits: int
@@ -213,7 +219,13 @@ class L2Stats(_message.Message):
     forged: int
     promotion_batches: int
     calls_in_flight: int
-    def __init__(self, url: _Optional[str] = ..., degraded: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., writes: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., corrupted: _Optional[int] = ..., errors: _Optional[int] = ..., queued_writes: _Optional[int] = ..., forged: _Optional[int] = ..., promotion_batches: _Optional[int] = ..., calls_in_flight: _Optional[int] = ...) -> None: ...
+    promoted: int
+    promoted_bytes: int
+    not_arrived: int
+    arrival_waits: int
+    arriving: int
+    seconds: float
+    def __init__(self, url: _Optional[str] = ..., degraded: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., writes: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., corrupted: _Optional[int] = ..., errors: _Optional[int] = ..., queued_writes: _Optional[int] = ..., forged: _Optional[int] = ..., promotion_batches: _Optional[int] = ..., calls_in_flight: _Optional[int] = ..., promoted: _Optional[int] = ..., promoted_bytes: _Optional[int] = ..., not_arrived: _Optional[int] = ..., arrival_waits: _Optional[int] = ..., arriving: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("keys", "namespace", "corrupted")

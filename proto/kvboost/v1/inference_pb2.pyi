@@ -268,7 +268,7 @@ class ServiceStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceStatsReply(_message.Message):
-    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes", "read_mode", "stream_fetches", "partial_cached_tokens", "computed_tokens", "guard_checks", "guard_fallbacks", "approximate_answers", "approximate_tokens", "l0_chunks_hit", "l0_bytes_placed", "l0_bytes_held", "l0_chunks_held", "l0_chunks_evicted", "load_bytes", "load_seconds")
+    __slots__ = ("requests", "rejected", "prompt_tokens", "cached_tokens", "recomputed_tokens", "chunks_fetched", "chunks_stored", "bytes_fetched", "bytes_stored", "degraded", "cache_address", "queue_depth", "mean_ttft_ms", "running_rows", "waiting_requests", "kv_bytes_in_use", "kv_budget_bytes", "read_mode", "stream_fetches", "partial_cached_tokens", "computed_tokens", "guard_checks", "guard_fallbacks", "approximate_answers", "approximate_tokens", "l0_chunks_hit", "l0_bytes_placed", "l0_bytes_held", "l0_chunks_held", "l0_chunks_evicted", "load_bytes", "load_seconds", "l0_chunks_rejected", "tier_loads", "loads_skipped", "load_skipped_tokens", "tokenizer_cache_hits", "tokenizer_cache_misses", "tokenizer_cache_hit_tokens", "tokenizer_cache_bytes")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,14 @@ class ServiceStatsReply(_message.Message):
     L0_CHUNKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    L0_CHUNKS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SKIPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     requests: int
     rejected: int
     prompt_tokens: int
@@ -333,7 +341,29 @@ class ServiceStatsReply(_message.Message):
     l0_chunks_evicted: int
     load_bytes: int
     load_seconds: float
-    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., read_mode: _Optional[str] = ..., stream_fetches: _Optional[int] = ..., partial_cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., guard_checks: _Optional[int] = ..., guard_fallbacks: _Optional[int] = ..., approximate_answers: _Optional[int] = ..., approximate_tokens: _Optional[int] = ..., l0_chunks_hit: _Optional[int] = ..., l0_bytes_placed: _Optional[int] = ..., l0_bytes_held: _Optional[int] = ..., l0_chunks_held: _Optional[int] = ..., l0_chunks_evicted: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    l0_chunks_rejected: int
+    tier_loads: _containers.RepeatedCompositeFieldContainer[TierLoad]
+    loads_skipped: int
+    load_skipped_tokens: int
+    tokenizer_cache_hits: int
+    tokenizer_cache_misses: int
+    tokenizer_cache_hit_tokens: int
+    tokenizer_cache_bytes: int
+    def __init__(self, requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., chunks_fetched: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., degraded: _Optional[bool] = ..., cache_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., mean_ttft_ms: _Optional[float] = ..., running_rows: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_bytes_in_use: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., read_mode: _Optional[str] = ..., stream_fetches: _Optional[int] = ..., partial_cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., guard_checks: _Optional[int] = ..., guard_fallbacks: _Optional[int] = ..., approximate_answers: _Optional[int] = ..., approximate_tokens: _Optional[int] = ..., l0_chunks_hit: _Optional[int] = ..., l0_bytes_placed: _Optional[int] = ..., l0_bytes_held: _Optional[int] = ..., l0_chunks_held: _Optional[int] = ..., l0_chunks_evicted: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., l0_chunks_rejected: _Optional[int] = ..., tier_loads: _Optional[_Iterable[_Union[TierLoad, _Mapping]]] = ..., loads_skipped: _Optional[int] = ..., load_skipped_tokens: _Optional[int] = ..., tokenizer_cache_hits: _Optional[int] = ..., tokenizer_cache_misses: _Optional[int] = ..., tokenizer_cache_hit_tokens: _Optional[int] = ..., tokenizer_cache_bytes: _Optional[int] = ...) -> None: ...
+
+class TierLoad(_message.Message):
+    __slots__ = ("tier", "chunks", "bytes", "seconds", "loads")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    chunks: int
+    bytes: int
+    seconds: float
+    loads: int
+    def __init__(self, tier: _Optional[str] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., loads: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -152,3 +152,20 @@ def test_a_tokenizer_that_strips_around_added_tokens_is_tokenized_whole(smollm2_
     text = "left   <sep> right " * 30
     assert cache.encode_text(text, SCOPE) == list(stripping(text)["input_ids"])
     assert cache.stats.entries == 0
+
+
+def test_a_changed_template_or_tokenizer_changes_the_scope(smollm2_tokenizer):
+    # The engine scopes entries by the request's namespace, which digests the tokenizer and its chat template
+    # (tokenizer_identity): a new template gives new keys, so no entry outlives the template it was made under.
+    import copy
+
+    from kvboost_keys.namespace import tokenizer_identity
+
+    changed = copy.deepcopy(smollm2_tokenizer)
+    changed.chat_template = smollm2_tokenizer.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    assert tokenizer_identity(changed) != tokenizer_identity(smollm2_tokenizer)
+    cache = TokenCache(smollm2_tokenizer, max_bytes=1 << 20)
+    text = "The same long system message under two templates. " * 20
+    cache.encode_text(text, tokenizer_identity(smollm2_tokenizer).encode())
+    cache.encode_text(text, tokenizer_identity(changed).encode())
+    assert (cache.stats.hits, cache.stats.misses) == (0, 2)

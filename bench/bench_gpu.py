@@ -343,11 +343,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="model shape (random weights)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768], help="prompt tokens")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 32768], help="prompt tokens")
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per length (medians)")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu for a smoke run")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    parser.add_argument("--l0-bytes", type=float, default=16.0, help="L0 of the 'from L0' engine, GiB")
+    parser.add_argument("--l0-bytes", type=float, default=16.0, help="L0 of the 'from L0' engine, GiB (ignored with "
+                        "--service-defaults)")
+    parser.add_argument("--service-defaults", action="store_true", help="the 'from L0' engine as the service builds "
+                        "it: --kv-cache-bytes and --l0-bytes auto, sized from the device's free memory after the other "
+                        "engines (built first, with the numbers they need)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode measurement (0: skip)")
     parser.add_argument("--clients", type=int, default=16, help="rows decoding at once in the batched measurement")
     parser.add_argument("--profile", action="store_true", help="profile one ask from L0 and one from the daemon at "
@@ -389,20 +393,26 @@ def main(argv: list[str] | None = None) -> None:
         store.check()
         slots_bytes = 2 * (longest + 320) * kv_per_token + (1 << 30)
         engines = {}
-        for name, l0 in (("warmed", 0), ("from L0", int(args.l0_bytes * (1 << 30)))):
-            config = EngineConfig(chunk_size=CHUNK, hot_tier_bytes=l0, kv_cache_bytes=slots_bytes,
-                                  max_prompt_tokens=longest, max_new_tokens_limit=max(64, args.decode_tokens),
-                                  max_running_requests=max(2, args.clients))
+
+        def build(name: str, config: EngineConfig) -> None:
             engines[name] = Engine(model, tokenizer, config, store, model_id=f"random-{args.shape}",
                                    weights_id=f"kvboost-bench-random-{args.shape}-{args.dtype}-seed0")
             stack.callback(engines[name].close)
+
+        long_prompts = dict(chunk_size=CHUNK, max_prompt_tokens=longest, max_new_tokens_limit=max(64, args.decode_tokens),
+                            max_running_requests=max(2, args.clients))
+        build("warmed", EngineConfig(hot_tier_bytes=0, kv_cache_bytes=slots_bytes, **long_prompts))
         if args.decode_tokens:  # short prompts, a slot per client (the long-prompt engines hold two slots each)
-            config = EngineConfig(chunk_size=CHUNK, hot_tier_bytes=0, max_prompt_tokens=1024,
-                                  max_new_tokens_limit=args.decode_tokens, max_running_requests=args.clients,
-                                  kv_cache_bytes=(args.clients + 9) * (1024 + args.decode_tokens + 2) * kv_per_token)
-            engines["decode"] = Engine(model, tokenizer, config, store, model_id=f"random-{args.shape}",
-                                       weights_id=f"kvboost-bench-random-{args.shape}-{args.dtype}-seed0")
-            stack.callback(engines["decode"].close)
+            build("decode", EngineConfig(chunk_size=CHUNK, hot_tier_bytes=0, max_prompt_tokens=1024,
+                                         max_new_tokens_limit=args.decode_tokens, max_running_requests=args.clients,
+                                         kv_cache_bytes=(args.clients + 9) * (1024 + args.decode_tokens + 2) * kv_per_token))
+        if args.service_defaults:  # last: auto sizes from what the device has free now
+            build("from L0", EngineConfig(**long_prompts))
+        else:
+            build("from L0", EngineConfig(hot_tier_bytes=int(args.l0_bytes * (1 << 30)), kv_cache_bytes=slots_bytes,
+                                          **long_prompts))
+        results["from_l0_config"] = {"kv_cache_bytes": engines["from L0"].config.kv_cache_bytes,
+                                     "l0_bytes": engines["from L0"].config.hot_tier_bytes}
         log(f"weights {weight_bytes / 1e9:.1f} GB, K/V {kv_per_token // 1024} KiB per token, "
             f"slots {engines['warmed'].core.layout}")
         results["by_length"] = {}

@@ -15,7 +15,7 @@ python3 -c "import torch, transformers, grpc; print('torch', torch.__version__, 
 timeout "${PYTEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/gpu tests/inference_service/kv \
   tests/inference_service/model/test_graph_step.py -p no:cacheprovider \
   2>&1 | tee "$out/pytest.log" | tail -25
-timeout "${BENCH_TIMEOUT:-330}" python3 bench/bench_gpu.py --json "$out/bench_gpu.json" "$@" 2>&1 | tee "$out/bench_gpu.log"
+timeout "${BENCH_TIMEOUT:-330}" python3 bench/bench_gpu.py --service-defaults --json "$out/bench_gpu.json" "$@" 2>&1 | tee "$out/bench_gpu.log"
 # The host's work per cached request on the device (issue: the host path): in process, L0 and the daemon.
 timeout "${OVERHEAD_TIMEOUT:-150}" python3 bench/bench_overhead.py --parts in-process --device cuda \
   --lengths 2048 32768 --cold-lengths 2048 --rounds 5 --json "$out/bench_overhead.json" 2>&1 \

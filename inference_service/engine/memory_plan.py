@@ -79,8 +79,26 @@ def mem_available(meminfo: str) -> int | None:
     return None
 
 
+# The memory limit of this process's cgroup and what it uses now: (limit, usage) files, cgroup v2 first, then v1.
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def cgroup_room(limit_text: str, usage_text: str, total: int) -> int | None:
+    """Bytes the cgroup still lets this process take (limit - usage); None without a limit ("max", or v1's
+    no-limit value, which is larger than the machine)."""
+    limit_text = limit_text.strip()
+    if not limit_text or limit_text == "max":
+        return None
+    limit = int(limit_text)
+    if limit >= total:
+        return None
+    return max(0, limit - int(usage_text.strip() or 0))
+
+
 def host_memory() -> tuple[int, int]:
-    """(available, total) RAM in bytes: /proc/meminfo's MemAvailable where there is one, else free pages."""
+    """(available, total) RAM in bytes: /proc/meminfo's MemAvailable where there is one, else free pages; within a
+    container's memory limit (cgroup), what the limit leaves when that is less (MemAvailable is the host's)."""
     page = os.sysconf("SC_PAGE_SIZE")
     total = os.sysconf("SC_PHYS_PAGES") * page
     try:
@@ -88,7 +106,18 @@ def host_memory() -> tuple[int, int]:
             available = mem_available(meminfo.read())
     except OSError:
         available = None
-    return (available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * page), total
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * page
+    for limit_path, usage_path in CGROUP_FILES:
+        try:
+            with open(limit_path) as limit_file, open(usage_path) as usage_file:
+                room = cgroup_room(limit_file.read(), usage_file.read(), total)
+        except (OSError, ValueError):
+            continue
+        if room is not None:
+            available = min(available, room)
+        break
+    return available, total
 
 
 def tokens_held(num_bytes: int, bytes_per_token: int) -> int:

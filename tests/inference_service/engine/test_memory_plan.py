@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.engine.memory_plan import GIB, mem_available, plan_memory, tokens_held
+from inference_service.engine.memory_plan import GIB, cgroup_room, mem_available, plan_memory, tokens_held
 
 SMOLLM2_FP32_TOKEN = 46_080  # K/V bytes of one token: 30 layers x 2 x 3 kv heads x 64 dims x 4 bytes
 LLAMA8B_BF16_TOKEN = 131_072  # 32 layers x 2 x 8 kv heads x 128 dims x 2 bytes
@@ -49,3 +49,12 @@ def test_mem_available_is_read_from_proc_meminfo_text():
     text = "MemTotal:       24576000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\n"
     assert mem_available(text) == 20_000_000 * 1024
     assert mem_available("MemTotal: 1 kB\n") is None
+
+
+def test_a_containers_memory_limit_bounds_what_auto_sees():
+    # MemAvailable is the host's inside a container: the cgroup's limit less its usage is what this process may take.
+    total = 24 * GIB
+    assert cgroup_room("4294967296\n", "1073741824\n", total) == 3 * GIB  # v2: a 4 GiB limit, 1 GiB used
+    assert cgroup_room("max\n", "1073741824\n", total) is None  # v2: no limit
+    assert cgroup_room("9223372036854771712\n", "5\n", total) is None  # v1: its no-limit value
+    assert cgroup_room("1073741824", "2147483648", total) == 0  # over its limit already: nothing to take

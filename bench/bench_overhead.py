@@ -130,7 +130,10 @@ def replay_stages(engine, params) -> dict:
     tokenized = time.perf_counter()
     plan = prompts.plan_prompt(parts.namespace, segments, parts.config.chunk_size)
     keyed = time.perf_counter()
-    parts.store.lookup(parts.namespace, list(plan.prefix_keys))
+    if hasattr(assembler, "look_up"):  # the request's own Lookup (with what continues the run)
+        assembler.look_up(parts.store, parts.namespace, plan, False)
+    else:  # the tree's first Lookup (its second, for a partial chunk, falls in placement)
+        parts.store.lookup(parts.namespace, list(plan.prefix_keys))
     looked_up = time.perf_counter()
     geometry = parts.geometry
     shape = (geometry.num_layers, geometry.num_kv_heads, plan.num_tokens + 1, geometry.head_dim)
@@ -185,7 +188,7 @@ def start_server(stack: ExitStack, tree: Path, model: str, work: Path, label: st
     from tests.conftest import pick_free_port, wait_for
     from tests.e2e.daemon_process import start_daemon
 
-    daemon = start_daemon(work / f"lmdb-{label}", pick_free_port())
+    daemon = start_daemon(work / f"lmdb-{label}", pick_free_port(), tree=tree)
     stack.callback(daemon.terminate)
     grpc_port, http_port = pick_free_port(), pick_free_port()
     env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
@@ -278,7 +281,7 @@ def run_in_process(stack: ExitStack, trees: dict, model: str, work: Path, args) 
     for l0 in args.l0:
         workers = {}
         for label, tree in trees.items():
-            daemon = start_daemon(work / f"lmdb-ip-{label}-{l0}", pick_free_port())
+            daemon = start_daemon(work / f"lmdb-ip-{label}-{l0}", pick_free_port(), tree=tree)
             stack.callback(daemon.terminate)
             worker = Worker(tree, model, daemon.address, args.lengths, args.device, l0, work / f"worker-{label}.log")
             stack.callback(worker.close)

@@ -28,7 +28,9 @@ logger = logging.getLogger(__name__)
 
 # Pieces shorter than this are tokenized every time (in one batch call): a cache entry would cost more than it saves.
 MIN_CACHED_CHARS = 256
-_ENTRY_OVERHEAD_BYTES = 120  # key, array header and the LRU's link, per entry
+_ENTRY_OVERHEAD_BYTES = 240  # the key, the array object and the LRU's link, per entry (measured ~220)
+# Above this many added tokens, splitting with one Python regex costs more than the tokenizer's own pass.
+MAX_SPLITTING_TOKENS = 256
 _PROBE_TEXTS = ("hello world", " two  words\n", "<probe>")
 
 
@@ -51,6 +53,9 @@ def cacheable_reason(tokenizer) -> str:
     for token in definition.get("added_tokens") or ():
         if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
             return f"added token {token.get('content')!r} strips or matches whole words"
+    num_splitting = len(_splitting_tokens(tokenizer))
+    if num_splitting > MAX_SPLITTING_TOKENS:
+        return f"{num_splitting} added tokens to split at (more than {MAX_SPLITTING_TOKENS}: slower than tokenizing)"
     if _adds_prefix_space(definition.get("pre_tokenizer")):
         return "its pre-tokenizer adds a prefix space to every piece"
     if not _splits_like_whole(tokenizer):

@@ -78,6 +78,10 @@ class EngineCore:
         with self._wake:
             self._wake.notify()
 
+    def has_room(self, num_requests: int) -> bool:
+        """Whether submit would queue that many requests now (it checks again, under its lock)."""
+        return not self._stopping and self.num_waiting + num_requests <= self.max_queue
+
     def submit(self, seqs: Iterable[Sequence]) -> None:
         """Queues the requests (all or none); callable from any thread.
 

@@ -202,7 +202,8 @@ class Engine:
                   on_done: OnDone) -> Sequence:
         parts = salted(self.parts, params.cache_salt)
         mode, prompt, max_new_tokens = plan_request(parts, params)
-        return Sequence(params, on_token, should_stop, on_done, parts, mode, prompt, max_new_tokens).ask_early()
+        seq = Sequence(params, on_token, should_stop, on_done, parts, mode, prompt, max_new_tokens)
+        return seq.ask_early() if self.core.has_room(1) else seq  # a request refused for room costs no Lookup
 
     def tokenize(self, prompt: str | None = None, messages=None, add_special_tokens: bool = True,
                  add_generation_prompt: bool = True) -> tuple[list[int], list[str]]:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from inference_service.reuse.assembler import AssembledContext, early_lookup, empty_context
+from inference_service.reuse.assembler import AssembledContext, LookupFailed, early_lookup, empty_context
 from inference_service.store.protocol import StoreLookup
 from inference_service.request.generation import DecodeResult, OnToken, RowDecoder
 from inference_service.request.planning import EngineParts, label_repair, outcome_of, record_outcome
@@ -80,7 +80,8 @@ class Sequence:
     followers: list = field(default_factory=list)
     stored_keys: set | None = None  # a batch call's chunk keys already submitted for write-back (shared)
     # The prompt's Lookup, asked on the submitting thread (reuse.assembler.early_lookup); None: the step loop asks.
-    early_lookup: StoreLookup | None = None
+    early_lookup: StoreLookup | LookupFailed | None = None
+    early_lookup_settled: int = 0  # write-backs ended when it was asked (WriteBack.num_settled)
     # Set while decoding.
     rows: list[Row] = field(default_factory=list)
     held_slots: set = field(default_factory=set)  # slots this request still holds (its rows', or its prefill's)
@@ -91,9 +92,19 @@ class Sequence:
         """Asks the prompt's Lookup now, on the submitting thread, when its prefill will look the prompt up: the step
         loop then does not wait for the daemon's answer."""
         if self.mode != "baseline" and self.params.prompt_logprobs is None and self.warm is None:
+            self.early_lookup_settled = self.parts.writeback.num_settled
             self.early_lookup = early_lookup(self.parts.store, self.parts.namespace, self.prompt,
                                              self.mode == "chunk_kv_reuse")
         return self
+
+    def current_lookup(self) -> StoreLookup | LookupFailed | None:
+        """The early Lookup when it still holds: it found every chunk, or no write-back ended since it was asked
+        (one that did may have stored chunks it missed: the step loop then asks again)."""
+        early = self.early_lookup
+        if isinstance(early, StoreLookup) and early.prefix_run < len(self.prompt.prefix_keys) and \
+                self.parts.writeback.num_settled != self.early_lookup_settled:
+            return None
+        return early
 
     @property
     def num_rows(self) -> int:

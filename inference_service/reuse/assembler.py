@@ -86,7 +86,7 @@ def assemble_context(
     rope: RopeParams | None = None,
     hot: HotTier | None = None,
     skip_load: SkipLoad | None = None,
-    early: StoreLookup | None = None,
+    early: StoreLookup | LookupFailed | None = None,
 ) -> AssembledContext:
     """Everything the store can give for this prompt, placed into `buffers` (the request's slot: keys, values
     [layers, kv_heads, capacity, head_dim]).
@@ -100,6 +100,9 @@ def assemble_context(
     answers the longest stored partial chunk the prompt continues. early: that Lookup, asked already (look_up, on
     the submitting thread, so the step loop does not wait for it).
     """
+    if isinstance(early, LookupFailed):  # the store did not answer it: not asked twice (a slow daemon stays slow)
+        logger.warning("cache unavailable, serving without it: %s", early.reason)
+        return empty_context(degraded=True)
     try:
         lookup = early if early is not None else look_up(store, namespace, prompt, with_content_hits)
         # The run goes on through the chunks L0 holds whose write-back is still in flight (a prefix key names exactly
@@ -116,20 +119,34 @@ def assemble_context(
     return context
 
 
+MAX_AFTER_RUN_TOKENS = 1 << 17  # 512 KiB of token ids in one Lookup
+
+
 def look_up(store: ChunkStore, namespace: bytes, prompt: PromptPlan, with_content_hits: bool) -> StoreLookup:
     """The prompt's one Lookup: its prefix run, its content hits (when asked) and what continues the run.
     Raises StoreUnavailable."""
     content_keys = list(prompt.content_keys) if with_content_hits else None
-    return store.lookup(namespace, list(prompt.prefix_keys), content_keys, after_run=AfterRun(prompt.tokens_after_runs()))
+    # What continues the run rides along up to a size that keeps the Lookup small (4 bytes a token); a longer prompt
+    # asks a second time (_find_partial).
+    after_run = AfterRun(prompt.tokens_after_runs()) if prompt.num_tokens <= MAX_AFTER_RUN_TOKENS else None
+    return store.lookup(namespace, list(prompt.prefix_keys), content_keys, after_run=after_run)
 
 
-def early_lookup(store: ChunkStore, namespace: bytes, prompt: PromptPlan, with_content_hits: bool) -> StoreLookup | None:
-    """look_up as soon as the prompt is planned, off the step loop; None when the store does not answer (the step
-    loop then asks again, and serves the request degraded if it still cannot)."""
+@dataclass(slots=True, frozen=True)
+class LookupFailed:
+    """An early Lookup the store did not answer (unreachable, or past its deadline): the request runs without the
+    cache, as it would had the step loop asked."""
+
+    reason: str
+
+
+def early_lookup(store: ChunkStore, namespace: bytes, prompt: PromptPlan,
+                 with_content_hits: bool) -> StoreLookup | LookupFailed:
+    """look_up as soon as the prompt is planned, off the step loop."""
     try:
         return look_up(store, namespace, prompt, with_content_hits)
-    except StoreUnavailable:
-        return None
+    except StoreUnavailable as error:
+        return LookupFailed(str(error))
 
 
 def _hot_run(hot: HotTier | None, prompt: PromptPlan, run: int) -> int:

@@ -125,6 +125,7 @@ class WriteBack:
         self._lock = threading.Lock()
         self._in_flight: Counter[bytes] = Counter()  # prefix keys queued or being stored
         self.on_settled: Callable[[], None] | None = None  # told after each write-back ends (stored or failed)
+        self.num_settled = 0  # write-backs ended so far: an answer asked before the last one may be out of date
 
     def storing(self, keys) -> bool:
         """Whether any of these prefix keys is queued or being stored now and not in L0 (a request that needs it
@@ -214,6 +215,7 @@ class WriteBack:
         with self._lock:
             self._in_flight.subtract(pending.prefix_keys)
             self._in_flight = +self._in_flight  # drops the keys at zero
+            self.num_settled += 1
         if on_done is not None:
             on_done(stored, failure)
         if self.on_settled is not None:

@@ -26,19 +26,22 @@ class DaemonProcess(ChildProcess):
 
 
 def start_daemon(data_dir: Path, port: int | str, *extra_args: str, tls_root_cert: bytes | None = None,
-                 timeout_s: float = 30.0, env: dict[str, str] | None = None) -> DaemonProcess:
+                 timeout_s: float = 30.0, env: dict[str, str] | None = None, tree: Path | None = None) -> DaemonProcess:
     """Starts the daemon on 127.0.0.1:port (or a unix:PATH address) with data_dir and extra_args; returns once
     health says SERVING for the cache service. The daemon's output goes to <data_dir>.log. With --l2 and
-    no --l2-key-file, the L2 key file beside data_dir (created once) is passed."""
+    no --l2-key-file, the L2 key file beside data_dir (created once) is passed. tree: run the daemon of another
+    checkout (a benchmark's baseline), from its folder with its packages first."""
     data_dir = Path(data_dir)
     if "--l2" in extra_args and "--l2-key-file" not in extra_args:  # daemons started side by side share one key
         extra_args = (*extra_args, "--l2-key-file", str(shared_l2_key_file(data_dir.parent)))
     log_path = data_dir.with_name(data_dir.name + ".log")
     address = port if isinstance(port, str) else f"127.0.0.1:{port}"
     command = [sys.executable, "-m", "cache_daemon", "--data-dir", str(data_dir), "--listen", address, *extra_args]
+    env = {**os.environ, **(env or {})}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "proto")])
     with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **(env or {})})
+        process = subprocess.Popen(command, cwd=tree or REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     daemon = DaemonProcess(process, address, log_path)
     try:
         _wait_until_serving(daemon, tls_root_cert, timeout_s)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from inference_service.model import weights
 from kvboost_common import catalogue
 from kvboost_keys.prompts import tokenize_request, tokenize_warm
-from kvboost_keys.token_cache import TokenCache, cacheable_reason
+from kvboost_keys.token_cache import TokenCache, _entry_bytes, cacheable_reason
 
 # The real tokenizers are read from the prepared models (the fast suite never touches the model cache).
 pytestmark = pytest.mark.slow
@@ -122,7 +122,7 @@ def test_one_scope_never_serves_another(smollm2_tokenizer):
 
 def test_the_budget_bounds_memory_least_recently_used_first(smollm2_tokenizer):
     texts = [f"Document number {i} is long enough to be kept in the cache. " * 8 for i in range(6)]
-    one = len(smollm2_tokenizer(texts[0], add_special_tokens=False)["input_ids"]) * 4 + 200
+    one = _entry_bytes(len(smollm2_tokenizer(texts[0], add_special_tokens=False)["input_ids"]))
     cache = TokenCache(smollm2_tokenizer, max_bytes=3 * one)
     for text in texts:
         cache.encode_text(text, SCOPE, add_special_tokens=False)

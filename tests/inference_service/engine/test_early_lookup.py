@@ -44,13 +44,40 @@ def test_a_slow_lookup_does_not_stall_the_other_requests(tiny_llama):
         # While that Lookup hangs, another request runs through the step loop to its end.
         fast = engine.generate(GenerationParams(prompt=DOCUMENT, max_new_tokens=12))
         assert fast.generated_tokens == 12 and asker.is_alive()
+        # So far every Lookup was asked by the requests' own threads, none by the step loop's.
+        assert set(store.lookup_threads) <= {"slow-request", threading.current_thread().name}
         store.release.set()
         asker.join(30)
+        # (The fast request's write-back ended while the slow one waited: its start asks again, on the loop.)
         assert slow["outcome"].generated_tokens == 4
-        # Every Lookup was asked by the requests' own threads, none by the step loop's.
-        assert set(store.lookup_threads) <= {"slow-request", threading.current_thread().name}
     finally:
         store.release.set()
+        engine.stop()
+
+
+def test_an_early_answer_a_write_back_overtook_is_asked_again(tiny_llama):
+    # Found by review: with one request running at a time, B is asked early (nothing cached yet), then waits while A
+    # runs and writes back the shared document; B must reuse it, not trust its out-of-date answer.
+    model, tokenizer = tiny_llama
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, hot_tier_bytes=0, max_running_requests=1),
+                    InMemoryStore(), model_id="tiny")
+    gate = threading.Event()
+    step = engine.core.step
+    engine.core.step = lambda: (gate.wait(), step())  # both requests are asked before the loop's next step
+    out: dict = {}
+    threads = [threading.Thread(target=lambda name=name, prompt=prompt, tokens=tokens: out.update(
+        {name: engine.generate(GenerationParams(prompt=prompt, max_new_tokens=tokens))}))
+        for name, prompt, tokens in (("a", DOCUMENT + " Q1?", 30), ("b", DOCUMENT + " Q2?", 3))]
+    try:
+        for count, thread in enumerate(threads, start=1):
+            thread.start()
+            wait_for(lambda count=count: engine.core.num_waiting >= count, f"request {count} queued")
+        gate.set()
+        for thread in threads:
+            thread.join(60)
+        assert out["a"].cached_tokens == 0 and out["b"].cached_tokens >= len(DOCUMENT) // 8 * 8
+    finally:
+        gate.set()
         engine.stop()
 
 

@@ -181,7 +181,10 @@ class TieredCache:
     def read(self, key: ChunkKey, copy_out: Callable[[memoryview], T], verify: bool = True) -> tuple[Entry, T] | None:
         """LMDB's chunk; a key a Lookup answered from L2 is waited for until its promotion ends."""
         found = self.l1.read(key, copy_out, verify)
-        if found is None and self.promoter.wait_for(key):
+        if found is None:
+            # Read again whether or not it waited: its promotion may have stored it and let it go between the
+            # first read and the wait (then wait_for finds it no longer arriving).
+            self.promoter.wait_for(key)
             found = self.l1.read(key, copy_out, verify)
         return found
 

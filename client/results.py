@@ -129,7 +129,18 @@ class VerifyReport(_FromProto):
 
 
 @dataclass(slots=True, frozen=True)
+class TierLoad(_FromProto):
+    tier: str  # l0, daemon_map, daemon_fetch, store
+    chunks: int
+    bytes: int
+    seconds: float  # bytes / seconds: the tier's load rate
+    loads: int  # requests it placed chunks for
+
+
+@dataclass(slots=True, frozen=True)
 class ServiceStats(_FromProto):
+    _nested: ClassVar[dict[str, type]] = {"tier_loads": TierLoad}
+
     requests: int
     rejected: int
     prompt_tokens: int
@@ -162,6 +173,14 @@ class ServiceStats(_FromProto):
     l0_chunks_evicted: int
     load_bytes: int  # K/V bytes placed from the cache; load_bytes / load_seconds: the load rate
     load_seconds: float
+    l0_chunks_rejected: int = 0  # chunks L0 did not keep (only their own prefix could have made room)
+    tier_loads: tuple[TierLoad, ...] = ()  # per tier: chunks, bytes, seconds, loads
+    loads_skipped: int = 0  # requests that recomputed cached tokens their tier would load slower
+    load_skipped_tokens: int = 0
+    tokenizer_cache_hits: int = 0  # prompt pieces whose token ids came from the tokenization cache
+    tokenizer_cache_misses: int = 0
+    tokenizer_cache_hit_tokens: int = 0
+    tokenizer_cache_bytes: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -210,6 +229,12 @@ class L2Stats(_FromProto):
     forged: int = 0  # records whose MAC failed (served as misses)
     promotion_batches: int = 0
     calls_in_flight: int = 0
+    promoted: int = 0  # chunks whose values followed a Lookup into LMDB
+    promoted_bytes: int = 0
+    not_arrived: int = 0  # reported by a Lookup, never arrived (a reader's run ended there)
+    arrival_waits: int = 0  # Fetch reads that waited for a chunk still arriving
+    arriving: int = 0
+    seconds: float = 0.0  # time spent on L2
 
 
 @dataclass(slots=True, frozen=True)

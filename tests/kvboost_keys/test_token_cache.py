@@ -61,11 +61,18 @@ def test_both_families_are_cacheable(family, request):
     assert cacheable_reason(request.getfixturevalue(f"{family}_tokenizer")) == ""
 
 
+@pytest.fixture()
+def small_pieces_cache(tokenizer):
+    """One cache for every generated example of a test (its start-up checks read the whole tokenizer definition):
+    a low threshold, so generated pieces are cached, and entries of earlier examples stay to be hit or not."""
+    return TokenCache(tokenizer, max_bytes=1 << 20, min_cached_chars=4)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(head=TEXTS, body=TEXTS, tail=TEXTS, repeat=st.integers(1, 12), add_special=st.booleans())
-def test_text_ids_equal_the_tokenizers(tokenizer, head, body, tail, repeat, add_special):
-    # A low threshold, so generated pieces are cached; each text twice, so the second comes from the cache.
-    cache = TokenCache(tokenizer, max_bytes=1 << 20, min_cached_chars=4)
+def test_text_ids_equal_the_tokenizers(tokenizer, small_pieces_cache, head, body, tail, repeat, add_special):
+    # Each text twice, so the second comes from the cache.
+    cache = small_pieces_cache
     known = head + body * repeat
     for text in (known, known + tail, tail + known, known + tail):
         expected = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
@@ -75,8 +82,9 @@ def test_text_ids_equal_the_tokenizers(tokenizer, head, body, tail, repeat, add_
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=st.lists(st.tuples(ROLES, TEXTS), min_size=1, max_size=4), question=TEXTS,
        add_generation_prompt=st.booleans())
-def test_chat_ids_equal_the_template_and_tokenizer(tokenizer, messages, question, add_generation_prompt):
-    cache = TokenCache(tokenizer, max_bytes=1 << 20, min_cached_chars=1)
+def test_chat_ids_equal_the_template_and_tokenizer(tokenizer, small_pieces_cache, messages, question,
+                                                   add_generation_prompt):
+    cache = small_pieces_cache
     conversation = [{"role": role, "content": content} for role, content in messages]
     for turn in (conversation, conversation + [{"role": "user", "content": question}], conversation):
         expected = reference_chat(tokenizer, turn, add_generation_prompt)

@@ -5,30 +5,19 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
-from contextlib import ExitStack
 
-import pytest
 from kvboost.v1 import cache_pb2
 
 from cache_daemon.entry import ChunkKey
 from cache_daemon.l2.redis_tier import CHUNK_PREFIX
 from tests.conftest import pick_free_port
 from tests.daemon_support import NAMESPACE, cache_stub, fetch_chunks, make_chunk, running_daemon, store_chunks
-from tests.redis_support import redis_node, requires_redis
+from tests.cache_daemon.test_tiered import redis, two_hosts  # noqa: F401 (fixtures: Redis, daemons A and B on it)
+from tests.redis_support import requires_redis
 
 pytestmark = requires_redis
 
 
-@pytest.fixture()
-def redis(tmp_path):
-    with redis_node(tmp_path / "redis") as node:
-        yield node
-
-
-@pytest.fixture()
-def two_hosts(tmp_path, redis):
-    with ExitStack() as stack:
-        yield [stack.enter_context(running_daemon(tmp_path / name, l2=redis.url)) for name in ("a", "b")]
 
 
 def lookup(stub, keys) -> cache_pb2.LookupReply:

@@ -65,15 +65,7 @@ def wait_for_l2_writes(daemon_address: str, num_chunks: int, timeout_s: float = 
 @pytest.mark.parametrize("kind", ["node", "cluster"])
 def test_a_document_warmed_on_host_a_is_reused_on_host_b(tmp_path, tiny_model_dir, kind):
     prompt = DOCUMENT + QUESTION
-    with l2_url(kind, tmp_path) as url, ExitStack() as stack:
-        daemons = []
-        for name in ("a", "b"):
-            daemon = start_daemon(tmp_path / f"lmdb-{name}", pick_free_port(), "--l2", url)
-            stack.callback(daemon.terminate)
-            daemons.append(daemon)
-        services = [stack.enter_context(running_service(str(tiny_model_dir), daemon.address, pick_free_port(),
-                                                        tmp_path / f"service-{index}.log", *SERVICE_FLAGS))
-                    for index, daemon in enumerate(daemons)]
+    with l2_url(kind, tmp_path) as url, two_hosts(tmp_path, tiny_model_dir, url) as (daemons, services):
         with services[0].stub() as stub_a:
             warmed = stub_a.Warm(pb.WarmRequest(text=DOCUMENT), timeout=60)
         wait_for_l2_writes(daemons[0].address, warmed.chunks_stored)

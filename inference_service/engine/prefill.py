@@ -30,13 +30,16 @@ def start(seq: Sequence, buffers: Buffers) -> None:
     recompute_when_faster = parts.config.recompute_when_faster
     if recompute_when_faster is None:
         recompute_when_faster = parts.device.type == "cuda"
+    early = seq.current_lookup()
     seq.context = (assemble_context(parts.store, parts.namespace, prompt, buffers, seq.mode == "chunk_kv_reuse",
                                     parts.key_rope, parts.hot, parts.counters.skip_load if recompute_when_faster
-                                    else None, seq.current_lookup()) if looks_up else empty_context())
+                                    else None, early) if looks_up else empty_context())
     if seq.context.num_cached_tokens:  # the load rate: bytes in place / time from the Lookup to the last one placed
         keys = buffers[0]
         per_token = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()
-        parts.counters.add_load(seq.context.num_cached_tokens * per_token, time.perf_counter() - started)
+        lookup_seconds = seq.early_lookup_seconds if early is not None else 0.0  # asked before: its time counts too
+        parts.counters.add_load(seq.context.num_cached_tokens * per_token,
+                                time.perf_counter() - started + lookup_seconds)
     for load in seq.context.tier_loads:  # each tier's own rate (L0, the daemon's map or its Fetch stream)
         parts.counters.add_tier_load(load.tier, load.num_chunks, load.num_bytes, load.seconds)
     seq.whole = seq.params.prompt_logprobs is not None or needs_repair(seq.mode, seq.context)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -82,6 +83,7 @@ class Sequence:
     # The prompt's Lookup, asked on the submitting thread (reuse.assembler.early_lookup); None: the step loop asks.
     early_lookup: StoreLookup | LookupFailed | None = None
     early_lookup_settled: int = 0  # write-backs ended when it was asked (WriteBack.num_settled)
+    early_lookup_seconds: float = 0.0  # how long it took (counted in the load time when its answer is used)
     # Set while decoding.
     rows: list[Row] = field(default_factory=list)
     held_slots: set = field(default_factory=set)  # slots this request still holds (its rows', or its prefill's)
@@ -93,8 +95,10 @@ class Sequence:
         loop then does not wait for the daemon's answer."""
         if self.mode != "baseline" and self.params.prompt_logprobs is None and self.warm is None:
             self.early_lookup_settled = self.parts.writeback.num_settled
+            asked = time.perf_counter()
             self.early_lookup = early_lookup(self.parts.store, self.parts.namespace, self.prompt,
                                              self.mode == "chunk_kv_reuse")
+            self.early_lookup_seconds = time.perf_counter() - asked
         return self
 
     def current_lookup(self) -> StoreLookup | LookupFailed | None:

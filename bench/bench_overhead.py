@@ -155,10 +155,12 @@ class Worker:
     """A child process running in_process_worker for one tree."""
 
     def __init__(self, tree: Path, model: str, daemon: str, lengths, device: str, l0: str, log: Path) -> None:
+        from tests.e2e.child_process import tree_pythonpath
+
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", model, "--daemon", daemon,
                    "--device", device, "--l0", l0, "--lengths", *map(str, lengths)]
         env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
-        env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "proto")])
+        env["PYTHONPATH"] = tree_pythonpath(tree)
         self.log = open(log, "ab")
         self.process = subprocess.Popen(command, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=self.log, text=True)
@@ -186,13 +188,14 @@ def start_server(stack: ExitStack, tree: Path, model: str, work: Path, label: st
     import httpx
 
     from tests.conftest import pick_free_port, wait_for
+    from tests.e2e.child_process import tree_pythonpath
     from tests.e2e.daemon_process import start_daemon
 
     daemon = start_daemon(work / f"lmdb-{label}", pick_free_port(), tree=tree)
     stack.callback(daemon.terminate)
     grpc_port, http_port = pick_free_port(), pick_free_port()
     env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "proto")])
+    env["PYTHONPATH"] = tree_pythonpath(tree)
     log = open(work / f"server-{label}.log", "ab")
     process = subprocess.Popen([sys.executable, "-m", "kvboost_server", "--model", model, "--cache-addr",
                                 daemon.address, "--listen", f"127.0.0.1:{grpc_port}", "--device", device,

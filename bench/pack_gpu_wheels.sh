@@ -4,7 +4,8 @@
 # hypothesis...; not lmdb, isal, grpcio 1.85 and the protobuf runtime our generated code needs). Then, there:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site WHEELS/*.whl && export PYTHONPATH=/tmp/site:$PWD:$PWD/proto
 #   python3 -m pytest -m gpu tests/gpu tests/inference_service/kv && python3 bench/bench_gpu.py
-# Usage: bench/pack_gpu_wheels.sh [DIR]   (default .whl, which .git/info/exclude should ignore); stays under 64 MiB.
+# Also saves bench_overhead's negligible model in DIR/negligible-model (it needs SmolLM2's tokenizer, from `make model`).
+# Usage: bench/pack_gpu_wheels.sh [DIR]   (default .whl, which .gitignore ignores); stays under 64 MiB.
 set -euo pipefail
 dir=${1:-.whl}
 pin() { sed -n "s/^ *\"\($1==[^\"; ]*\)\".*/\1/p" pyproject.toml | head -1; }
@@ -19,7 +20,11 @@ platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platf
 mkdir -p "$dir"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --abi cp312 --abi abi3 --abi none "${platforms[@]}" -d "$dir" "${wanted[@]}"
-total=$(du -cb "$dir"/*.whl | tail -1 | cut -f1)
+# bench_overhead's negligible model (random weights, SmolLM2's tokenizer and template): weights cannot be fetched there
+python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+"$python" -c "import sys; from pathlib import Path; sys.argv = ['bench_overhead']; sys.path.insert(0, '.'); \
+from bench.bench_overhead import negligible_model; negligible_model(Path('$dir/negligible-model'))"
+total=$(du -cb "$dir"/*.whl "$dir"/negligible-model/* | tail -1 | cut -f1)
 ls -1 "$dir"
 echo "$(( total / 1048576 )) MiB in $dir"
 if (( total > 60 * 1048576 )); then echo "over 60 MiB: a device call carries at most 64 MiB" >&2; exit 1; fi

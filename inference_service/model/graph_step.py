@@ -135,7 +135,9 @@ class GraphSteps:
             self._forward(inputs, num_rows, columns)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the write-back thread copies K/V off the device while a bucket is captured; in the default
+        # (global) mode its copies would fail, and invalidate the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self._forward(inputs, num_rows, columns)
         captured = _Graph(graph, inputs, torch.empty_like(inputs, device="cpu").pin_memory(), logits)
         self._graphs[num_rows, columns] = captured

@@ -1,10 +1,22 @@
 """What every real process a test starts has in common: a Popen, an address it serves on, a log file."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def tree_pythonpath(tree: Path) -> str:
+    """PYTHONPATH for a child running another checkout: that tree and its stubs first, then whatever else the
+    parent's PYTHONPATH holds (packages installed beside it, as on a GPU machine) except this checkout's folders."""
+    ours = {str(REPO_ROOT), str(REPO_ROOT / "proto")}
+    kept = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry and entry not in ours]
+    return os.pathsep.join([str(tree), str(tree / "proto"), *kept])
 
 
 @dataclass

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.daemon_support import shared_l2_key_file
-from tests.e2e.child_process import ChildProcess
+from tests.e2e.child_process import ChildProcess, tree_pythonpath
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CACHE_SERVICE = "kvboost.v1.CacheService"
@@ -39,7 +39,7 @@ def start_daemon(data_dir: Path, port: int | str, *extra_args: str, tls_root_cer
     command = [sys.executable, "-m", "cache_daemon", "--data-dir", str(data_dir), "--listen", address, *extra_args]
     env = {**os.environ, **(env or {})}
     if tree is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "proto")])
+        env["PYTHONPATH"] = tree_pythonpath(tree)
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(command, cwd=tree or REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     daemon = DaemonProcess(process, address, log_path)

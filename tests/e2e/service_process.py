@@ -13,7 +13,7 @@ import grpc
 from client.healthcheck import wait_until_serving
 from kvboost.v1 import inference_pb2 as pb
 from kvboost.v1 import inference_pb2_grpc
-from tests.e2e.child_process import ChildProcess
+from tests.e2e.child_process import ChildProcess, tree_pythonpath
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def start_service(model: str, cache_addr: str, port: int, log_path: Path, *extra
                "--listen", address, "--device", "cpu", *extra_args]
     env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
     if tree is not None:  # its own packages and stubs first, ahead of this checkout's editable install
-        env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "proto")])
+        env["PYTHONPATH"] = tree_pythonpath(tree)
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(command, cwd=tree or REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT,
                                    env=env)

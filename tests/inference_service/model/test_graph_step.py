@@ -96,3 +96,41 @@ def test_a_capture_that_fails_while_serving_leaves_the_step_eager(tiny_llama, mo
         assert torch.equal(eager.decode(rows), bucketed.decode(rows))
     assert "out of memory" in bucketed.graphs.failure and not bucketed.graphs.can_run(1, 22)
     assert bucketed.graphs.num_replays == 0
+
+
+@pytest.mark.gpu
+def test_a_capture_succeeds_while_another_thread_copies_k_v_off_the_device(tiny_llama):
+    """The write-back thread encodes chunks (device -> host copies, allocations) while the step loop captures a bucket:
+    neither may fail (in CUDA's default capture mode both did: the copy raised, the capture was invalidated)."""
+    import copy
+    import threading
+
+    model = copy.deepcopy(tiny_llama[0]).to("cuda")
+    geometry = kv_geometry(model.config)
+    buffers = SlotBuffers(geometry, 6, 300, model.device, model.dtype)
+    step = LeanStep(model)
+    graphs = GraphSteps(step, buffers.keys, buffers.values, 300)
+    runner = StepRunner(buffers, step, graphs)
+    source = torch.randn(4, 64, 1024, device="cuda")
+    stop, started, errors = threading.Event(), threading.Event(), []
+
+    def write_back():
+        try:
+            while not stop.is_set():
+                host = (source * 2).cpu()  # an allocation on the device and a synchronous copy, as encoding does
+                started.set()
+                assert host.shape == source.shape
+        except Exception as error:  # noqa: BLE001 - the test reports whatever the copy raised
+            errors.append(error)
+
+    thread = threading.Thread(target=write_back)
+    thread.start()
+    try:
+        assert started.wait(30), "the copying thread never copied"
+        for rows in ({0: (5, 20)}, {0: (5, 20), 1: (6, 30)}, {slot: (7, 40) for slot in range(5)}):
+            runner.decode(rows)  # each shape captures a new bucket while the copies run
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == [] and graphs.failure == ""
+    assert len(graphs._graphs) == 3 and all(g.graph is not None for g in graphs._graphs.values())

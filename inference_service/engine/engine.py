@@ -18,8 +18,7 @@ from kvboost_keys.prompts import PromptPlan, tokenize_messages
 from inference_service.engine.sequence import OnDone, Sequence, WarmSpec
 from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.request.verification import BUILTIN_PROMPTS, compare_modes
-from inference_service.reuse.hot_tier import hot_tier_for
-from inference_service.engine.memory_plan import size_tiers
+from inference_service.engine.memory_plan import service_tiers, size_tiers
 from inference_service.reuse.writeback import WriteBack
 from inference_service.errors import InvalidRequest
 from inference_service.kv import codec
@@ -51,7 +50,7 @@ class Engine:
         self.weights_id = weights_id or getattr(model, "kvboost_weights_id", "") or state_fingerprint(model)
         geometry = kv_geometry(model.config)
         counters = EngineStats()
-        config = size_tiers(config, model, geometry)  # auto K/V and L0 bytes become numbers, logged with their tokens
+        config = size_tiers(config, model, geometry)  # auto K/V, L0 and host tier bytes become numbers, logged
         # Rotary parameters for moving stored keys: re-rotating content hits, un-rotating keys before they
         # are quantized and rotating such keys back into place on every hit. None: RoPE that cannot be moved.
         key_rope = _rope_or_none(model.config)
@@ -79,7 +78,7 @@ class Engine:
             counters=counters,
             writeback=WriteBack(store, config.kv_cache_bits, counters.add_stored, config.kv_group_size,
                                 key_rope if config.keys_before_rope else None, config.max_store_stream_bytes,
-                                hot_tier_for(config.hot_tier_bytes, config.kv_cache_bits, store)),
+                                *service_tiers(config, model, geometry, store)),  # L0 and the host tier
             key_rope=key_rope,
             content_rope=content_rope,
             token_cache=token_cache_for(tokenizer, config.tokenizer_cache_bytes),
@@ -266,7 +265,8 @@ class Engine:
                 "degraded": bool(getattr(self.store, "degraded", False)),
                 "read_mode": getattr(self.store, "read_mode", ""),  # how cached blobs are read (locked map, stream)
                 "stream_fetches": getattr(self.store, "num_stream_fetches", 0),
-                **token_cache_stats(self.parts.token_cache)}
+                **token_cache_stats(self.parts.token_cache),
+                **(self.parts.writeback.host.snapshot() if self.parts.writeback.host is not None else {})}
 
     def flush_writes(self, timeout: float | None = None) -> None:
         """Waits for queued write-backs (tests, shutdown)."""

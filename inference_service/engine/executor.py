@@ -209,7 +209,7 @@ class Executor:
         """L0 copies the whole chunks this prompt took from the store, on the write-back thread (after the first
         token: never on the request's path)."""
         spans = seq.context.fetched_whole
-        if not spans or seq.parts.hot is None:
+        if not spans or (seq.parts.hot is None and seq.parts.writeback.host is None):
             return
         slot = seq.state.slots[0]
         self.owner.hold(slot)  # the copy reads the slot's K/V on its own thread

@@ -1,5 +1,5 @@
-"""K/V slots' and L0's bytes by default from the machine: the device's free memory on CUDA, RAM on a CPU
-(plan_memory is pure; size_tiers reads the machine)."""
+"""K/V slots', L0's and the host tier's bytes by default from the machine: the device's free memory on CUDA, RAM on
+a CPU (plan_memory and plan_host_tier are pure; size_tiers reads the machine)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from inference_service.request.types import EngineConfig
+from inference_service.reuse.host_tier import HostTier, host_tier_for
+from inference_service.reuse.hot_tier import HotTier, hot_tier_for
+from inference_service.store.protocol import ChunkStore, NullStore
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +25,11 @@ CUDA_KV_SHARE = 0.5  # of what is left when both are auto: half for running requ
 # CPU: a share of the RAM available at start-up each (pages are committed as written, so neither is taken up front).
 CPU_KV_SHARE = 0.25
 CPU_L0_SHARE = 0.25
+# The host tier, auto (CUDA only: on a CPU L0 already is host memory): a quarter of the RAM available at start, less
+# what L0 takes of it, at most HOST_TIER_MAX_BYTES: pinning is slow (tens of seconds for hundreds of GiB) and
+# pinned pages are never swapped, so the rest stays for the page cache the daemon's map reads through.
+HOST_TIER_SHARE = 0.25
+HOST_TIER_MAX_BYTES = 64 * GIB
 MIN_BYTES = 64 << 20  # less than this for K/V slots means the machine cannot serve: refused with the reason
 
 
@@ -61,6 +69,14 @@ def plan_memory(device_type: str, free_bytes: int, total_bytes: int, kv_cache_by
     if l0_bytes is None:
         l0_bytes = int(free_bytes * CPU_L0_SHARE)
     return MemoryPlan(kv_cache_bytes, l0_bytes, basis)
+
+
+def plan_host_tier(device_type: str, available_bytes: int, l0_host_bytes: int) -> int:
+    """The auto host tier's bytes: on CUDA HOST_TIER_SHARE of the RAM available less l0_host_bytes (what L0 takes of
+    host memory: 0 when it lives on the device), at most HOST_TIER_MAX_BYTES; 0 on a CPU (L0 is host memory)."""
+    if device_type != "cuda":
+        return 0
+    return max(0, min(HOST_TIER_MAX_BYTES, int(available_bytes * HOST_TIER_SHARE) - l0_host_bytes))
 
 
 def _check_kv(kv_cache_bytes: int, basis: str, l0_bytes: int | None) -> None:
@@ -128,6 +144,8 @@ def size_tiers(config: EngineConfig, model, geometry) -> EngineConfig:
     """The config with auto (None) kv_cache_bytes and hot_tier_bytes sized from the machine: the device's free memory
     after the weights on CUDA, the RAM available on a CPU (memory_plan.plan_memory); says at start what each holds."""
     device = model.device
+    per_token = 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * model.dtype.itemsize
+    config = _size_host_tier(config, device, per_token)
     if config.kv_cache_bytes is not None and config.hot_tier_bytes is not None:
         return config
     if device.type == "cuda":
@@ -135,9 +153,37 @@ def size_tiers(config: EngineConfig, model, geometry) -> EngineConfig:
     else:
         free, total = host_memory()
     plan = plan_memory(device.type, free, total, config.kv_cache_bytes, config.hot_tier_bytes)
-    per_token = 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * model.dtype.itemsize
     logger.info("memory (%s): K/V slots %.2f GiB%s = %d tokens, L0 %.2f GiB%s = %d tokens (%d bytes a token)",
                 plan.basis, plan.kv_cache_bytes / 2**30, "" if config.kv_cache_bytes is None else " (given)",
                 tokens_held(plan.kv_cache_bytes, per_token), plan.l0_bytes / 2**30,
                 "" if config.hot_tier_bytes is None else " (given)", tokens_held(plan.l0_bytes, per_token), per_token)
     return dataclasses.replace(config, kv_cache_bytes=plan.kv_cache_bytes, hot_tier_bytes=plan.l0_bytes)
+
+
+def _size_host_tier(config: EngineConfig, device: torch.device, per_token: int) -> EngineConfig:
+    """The config with an auto (None) host_tier_bytes sized (plan_host_tier); says what the tier holds."""
+    given = config.host_tier_bytes is not None
+    if given:
+        host_bytes = config.host_tier_bytes
+    else:
+        l0_host = config.hot_tier_bytes or 0 if device.type != "cuda" else 0
+        host_bytes = plan_host_tier(device.type, host_memory()[0], l0_host)
+    if host_bytes:
+        logger.info("host tier %.2f GiB%s = %d tokens (%s host memory, one region in slabs of a chunk)",
+                    host_bytes / GIB, " (given)" if given else f" ({HOST_TIER_SHARE:.0%} of the RAM available, at "
+                    f"most {HOST_TIER_MAX_BYTES // GIB} GiB)", tokens_held(host_bytes, per_token),
+                    "pinned" if device.type == "cuda" else "pageable")
+    elif not given:
+        logger.info("host tier off: on a CPU L0 already is host memory")
+    return dataclasses.replace(config, host_tier_bytes=host_bytes) if not given else config
+
+
+def service_tiers(config: EngineConfig, model, geometry, store: ChunkStore) -> tuple[HotTier | None, HostTier | None]:
+    """L0 and the host tier for a sized config (either None: off)."""
+    hot = hot_tier_for(config.hot_tier_bytes, config.kv_cache_bits, store)
+    if isinstance(store, NullStore):  # every request runs without a cache
+        return None, None
+    slab_shape = (geometry.num_layers, geometry.num_kv_heads, config.chunk_size, geometry.head_dim)
+    host = host_tier_for(config.host_tier_bytes or 0, slab_shape, model.dtype, model.device, config.kv_cache_bits,
+                         hot.__contains__ if hot is not None else None)
+    return hot, host

@@ -68,6 +68,11 @@ class EngineConfig:
     # L0: K/V of the chunks written back or fetched, kept in the service's memory (16-bit storage only: quantized
     # blobs do not decode to the computed values); 0: off; None: auto, as kv_cache_bytes.
     hot_tier_bytes: int | None = None
+    # The host tier: whole chunks' K/V in one pinned host region that the copy engine reads into slots, fed by L0's
+    # evictions and fetched chunks (reuse/host_tier.py); 0: off; None: auto (on CUDA a share of the RAM available,
+    # on a CPU off: L0 already is host memory). Off here by default, so that a process building several engines
+    # (tests, benchmarks) pins nothing it did not ask for; the service's --host-tier-bytes defaults to auto.
+    host_tier_bytes: int | None = 0
     # A request whose cached K/V would load slower than prefilling them (by the measured rates: reuse/tier_rates.py)
     # recomputes them instead; None: on CUDA only (on a CPU loading beats prefill by far for real models, and the
     # tiny test models' rates are mostly fixed costs).
@@ -103,6 +108,8 @@ class EngineConfig:
         assert self.max_answer_tokens_stored >= 0, "max_answer_tokens_stored must be >= 0"
         assert self.hot_tier_bytes is None or self.hot_tier_bytes >= 0, (
             f"hot_tier_bytes must be >= 0 (None: auto), got {self.hot_tier_bytes}")
+        assert self.host_tier_bytes is None or self.host_tier_bytes >= 0, (
+            f"host_tier_bytes must be >= 0 (None: auto), got {self.host_tier_bytes}")
         assert self.tokenizer_cache_bytes >= 0, f"tokenizer_cache_bytes must be >= 0, got {self.tokenizer_cache_bytes}"
         assert self.max_store_stream_bytes > 0, f"max_store_stream_bytes must be positive, got {self.max_store_stream_bytes}"
         assert 0 <= self.kv_group_size <= 65535, f"kv_group_size must be in 0..65535, got {self.kv_group_size}"

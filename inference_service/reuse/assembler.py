@@ -16,7 +16,8 @@ from inference_service.kv.loader import RunLoad, copies_raw, staging_ring
 from kvboost_keys.prompts import PromptPlan
 from kvboost_keys.chunking import Chunk
 from inference_service.kv.rope import RopeParams
-from inference_service.reuse.hot_placement import place_from_hot
+from inference_service.reuse.hot_placement import place_from_tiers
+from inference_service.reuse.host_tier import HostTier
 from inference_service.reuse.hot_tier import HotTier
 from inference_service.reuse.prefetch import prefetched
 from inference_service.reuse.tier_rates import TierLoad, store_tier
@@ -46,7 +47,8 @@ class AssembledContext:
     # Whole chunks placed from the store, not from L0: (prefix key, start, end, the key it chains from or None for
     # the prompt's first chunk) for L0 to keep, off the request path.
     fetched_whole: list[tuple[bytes, int, int, bytes | None]] = field(default_factory=list)
-    num_hot_chunks: int = 0  # chunks placed from L0: the leading whole ones, and the partial one when all came from it
+    num_hot_chunks: int = 0  # chunks placed from L0 or the host tier: the leading ones (the partial one, from L0, when
+    # all came from there)
     approximate: bool = False  # content hits were placed: K/V computed under another prefix are in the context
     num_approximate_tokens: int = 0  # content-hit tokens whose K/V repair kept (not recomputed)
     num_load_skipped_tokens: int = 0  # cached tokens recomputed instead: their tier loads slower (SkipLoad)
@@ -87,6 +89,7 @@ def assemble_context(
     hot: HotTier | None = None,
     skip_load: SkipLoad | None = None,
     early: StoreLookup | LookupFailed | None = None,
+    host: HostTier | None = None,
 ) -> AssembledContext:
     """Everything the store can give for this prompt, placed into `buffers` (the request's slot: keys, values
     [layers, kv_heads, capacity, head_dim]).
@@ -98,7 +101,8 @@ def assemble_context(
     question, the next turn of a chat) is placed too; the same Lookup answers it (AfterRun), unless L0 took the
     run further or the daemon is older (then a second Lookup asks). A daemon without the continuation index still
     answers the longest stored partial chunk the prompt continues. early: that Lookup, asked already (look_up, on
-    the submitting thread, so the step loop does not wait for it).
+    the submitting thread, so the step loop does not wait for it). host: the host tier, placed from after L0 and
+    before the store, within the run the Lookup confirmed, as L0.
     """
     if isinstance(early, LookupFailed):  # the store did not answer it: not asked twice (a slow daemon stays slow)
         logger.warning("cache unavailable, serving without it: %s", early.reason)
@@ -114,7 +118,7 @@ def assemble_context(
         return empty_context(degraded=True)
     if run == 0 and partial is None:
         return AssembledContext(None, None, content_hits=lookup.content_hits)
-    context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, hot, skip_load)
+    context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, hot, skip_load, host)
     context.content_hits = lookup.content_hits
     return context
 
@@ -192,10 +196,10 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
 def fetch_prefix_run(
     store: ChunkStore, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor],
     rope: RopeParams | None = None, partial: PartialHit | None = None, hot: HotTier | None = None,
-    skip_load: SkipLoad | None = None,
+    skip_load: SkipLoad | None = None, host: HostTier | None = None,
 ) -> AssembledContext:
     """Copies the first `run` chunks (then the partial chunk, if any) into their slices of the buffers: the
-    leading ones L0 holds from there, the rest fetched from the store and decoded, unless skip_load(the store's tier,
+    leading ones L0 or the host tier holds from there, the rest fetched from the store and decoded, unless skip_load(the store's tier,
     their tokens, K/V bytes per token) says that recomputing them is faster (they are then prefilled).
 
     buffers: keys, values [layers, kv_heads, capacity, head_dim]. A missing blob, one that fails to
@@ -204,15 +208,12 @@ def fetch_prefix_run(
     """
     keys, values = buffers
     per_token = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()  # K/V bytes of one token
-    started = time.perf_counter()
     run_chunks, run_keys = list(prompt.chunks.chunks[:run]), list(prompt.prefix_keys[:run])
     hot_partial = partial is not None and partial.hot
     if hot_partial:  # the partial chunk right after the run: placed with it when L0 holds the whole run
         run_chunks.append(partial.chunk)
         run_keys.append(partial.key)
-    num_hot = place_from_hot(hot, run_chunks, run_keys, buffers)
-    hot_load = [TierLoad("l0", num_hot, run_chunks[num_hot - 1].end * per_token, time.perf_counter() - started)
-                ] if num_hot else []
+    num_hot, hot_load = place_from_tiers(hot, host, run_chunks, run_keys, buffers, per_token)
     if hot_partial:
         if num_hot == run + 1:
             return AssembledContext(keys, values, partial.chunk.end, run, partial_key=partial.key,  # all from L0
@@ -278,7 +279,7 @@ def fetch_prefix_run(
     num_bytes = sum(sizes[:num_placed])
     fetched_whole = [(keys_to_fetch[i], chunks[i].start, chunks[i].end,
                       prompt.parent_key(num_hot + i) if num_hot + i else None)  # None: the prompt's first chunk
-                     for i in range(min(num_placed, run - num_hot))] if hot is not None else []
+                     for i in range(min(num_placed, run - num_hot))] if hot is not None or host is not None else []
     if num_placed == 0 and num_hot == 0:
         return AssembledContext(None, None, num_bytes_fetched=num_bytes, degraded=degraded)
     if num_placed == 0:

@@ -1,12 +1,16 @@
-"""Places a run of chunks L0 holds into a request's slot: one lock for the run, a few batched copies, not two per chunk."""
+"""Places a run of chunks L0 (or the host tier) holds into a request's slot: one lock for the run, a few batched
+copies, not two per chunk."""
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from itertools import pairwise
 
 import torch
 
+from inference_service.reuse.host_tier import HostTier
 from inference_service.reuse.hot_tier import KV, HotTier
+from inference_service.reuse.tier_rates import TierLoad
 from kvboost_keys.chunking import Chunk
 
 # On CUDA a group of chunks is gathered into one contiguous temporary before its one strided copy into the slot: the
@@ -25,6 +29,37 @@ def place_from_hot(hot: HotTier | None, chunks: Sequence[Chunk], keys: Sequence[
     if taken:
         copy_run_(taken, chunks[0].start, buffers)
     return len(taken)
+
+
+def place_from_tiers(hot: HotTier | None, host: HostTier | None, chunks: Sequence[Chunk], keys: Sequence[bytes],
+                     buffers: tuple[torch.Tensor, torch.Tensor], bytes_per_token: int) -> tuple[int, list[TierLoad]]:
+    """Copies the leading chunks of a contiguous run that the service's tiers hold, each from L0 when it has it,
+    else from the host tier (whole chunks only), into their slices of the buffers; returns (how many, what each
+    tier placed). L0 evicts a prefix's last chunks first, into the host tier, so a long prompt's head usually comes
+    from L0 and the rest from the host tier; the loop takes any interleaving."""
+    placed = 0
+    totals = {"l0": [0, 0, 0.0], "host": [0, 0, 0.0]}  # tier -> chunks, tokens, seconds
+    progress = True
+    while progress and placed < len(chunks):
+        progress = False
+        for tier in ("l0", "host"):
+            if placed == len(chunks):
+                break
+            started = time.perf_counter()
+            if tier == "l0":
+                count = place_from_hot(hot, chunks[placed:], keys[placed:], buffers)
+            else:
+                count = 0 if host is None else host.place_run(keys[placed:], chunks[placed].start, buffers)
+            if count:
+                total = totals[tier]
+                total[0] += count
+                total[1] += sum(len(chunk.token_ids) for chunk in chunks[placed : placed + count])
+                total[2] += time.perf_counter() - started
+                placed += count
+                progress = True
+    loads = [TierLoad(tier, chunks_, tokens * bytes_per_token, seconds)
+             for tier, (chunks_, tokens, seconds) in totals.items() if chunks_]
+    return placed, loads
 
 
 def copy_run_(entries: Sequence[KV], start: int, buffers: tuple[torch.Tensor, torch.Tensor]) -> None:

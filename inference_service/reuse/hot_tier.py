@@ -2,6 +2,7 @@
 a repeated prefix is one copy into the slot, with no daemon read, checksum or decoding, and no wait for a write-back."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -12,7 +13,11 @@ import torch
 from inference_service.reuse.l0_eviction import DEFAULT_HALF_LIFE_S, L0Entry, plan_admission, record_hit
 from inference_service.store.protocol import ChunkStore, NullStore
 
+logger = logging.getLogger(__name__)
+
 KV = tuple[torch.Tensor, torch.Tensor]  # a chunk's keys, values: [layers, kv_heads, n, head_dim]
+# Takes a chunk L0 evicts (key, keys, values, parent): the host tier (host_tier.HostTier.add).
+Spill = Callable[[bytes, torch.Tensor, torch.Tensor, "bytes | None"], bool]
 
 
 @dataclass(slots=True)
@@ -46,6 +51,9 @@ class HotTier:
         self._entries: dict[bytes, L0Entry] = {}  # what eviction weighs, by the same keys as _kv
         self._pending: set[bytes] = set()  # added by a write-back the daemon has not confirmed yet
         self._lock = threading.Lock()
+        # The host tier, when there is one: L0's evicted chunks go there. L0 still counts only its own chunks as held
+        # (a chunk whose parent is only in the host tier is an orphan here), so L0 keeps a prefix's head.
+        self.spill: Spill | None = None
 
     def __len__(self) -> int:
         return len(self._kv)
@@ -108,20 +116,33 @@ class HotTier:
             if victims is None:
                 self.stats.chunks_rejected += 1
                 return False
-            for victim in victims:
-                self._drop(victim)
+            evicted = [self._drop(victim) for victim in victims]
             self._kv[key], self._entries[key] = kv, incoming
             self.bytes_held += size
             self.stats.chunks_added += 1
             if pending:
                 self._pending.add(key)
-            return True
+        self._maybe_spill(evicted)
+        return True
 
-    def _drop(self, key: bytes) -> None:
-        del self._kv[key]
-        self.bytes_held -= self._entries.pop(key).size_bytes
+    def _drop(self, key: bytes) -> tuple[bytes, KV, bytes | None]:
+        kv = self._kv.pop(key)
+        entry = self._entries.pop(key)
+        self.bytes_held -= entry.size_bytes
         self._pending.discard(key)
         self.stats.chunks_evicted += 1
+        return key, kv, entry.parent
+
+    def _maybe_spill(self, evicted: list[tuple[bytes, KV, bytes | None]]) -> None:
+        """Hands evicted chunks to the host tier, outside L0's lock (the copy waits on this thread, not the step
+        loop's); one that fails is only lost to the host tier."""
+        if self.spill is None:
+            return
+        for key, (keys, values), parent in reversed(evicted):  # parents first: each arrives with its parent held
+            try:
+                self.spill(key, keys, values, parent)
+            except Exception:
+                logger.exception("moving an L0 chunk to the host tier failed")
 
     def snapshot(self) -> dict:
         """Counters under ServiceStatsReply names."""

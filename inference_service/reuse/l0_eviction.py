@@ -5,7 +5,7 @@ import dataclasses
 import heapq
 import math
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 # Frequencies halve after this long without a hit: the daemon's default (cache_daemon/config.py, --half-life).
@@ -38,14 +38,20 @@ def retention_score(entry: L0Entry, half_life: float, orphan: bool = False) -> f
     return -math.inf if orphan else math.log2(entry.frequency) + entry.last_access / half_life
 
 
-def is_orphan(entry: L0Entry, entries: Mapping[bytes, L0Entry]) -> bool:
-    """Its parent is not held: a prefix is placed from L0 from its first chunk, so this one cannot be placed until
-    its parent comes back (fetched again)."""
-    return entry.parent is not None and entry.parent not in entries
+# Whether another service tier holds a key (L0 for the host tier, the host tier for L0): a chunk whose parent is
+# there is placed from the two together, so it is no orphan.
+HeldElsewhere = Callable[[bytes], bool]
 
 
-def iter_eviction_order(entries: Mapping[bytes, L0Entry], half_life: float,
-                        keep: frozenset[bytes] = frozenset()) -> Iterator[bytes]:
+def is_orphan(entry: L0Entry, entries: Mapping[bytes, L0Entry], held_elsewhere: HeldElsewhere | None = None) -> bool:
+    """Its parent is not held (here, or by held_elsewhere's tier): a prefix is placed from its first chunk, so this
+    one cannot be placed until its parent comes back (fetched again)."""
+    return (entry.parent is not None and entry.parent not in entries
+            and (held_elsewhere is None or not held_elsewhere(entry.parent)))
+
+
+def iter_eviction_order(entries: Mapping[bytes, L0Entry], half_life: float, keep: frozenset[bytes] = frozenset(),
+                        held_elsewhere: HeldElsewhere | None = None) -> Iterator[bytes]:
     """Keys, the first to evict first; `keep`'s keys are never yielded.
 
     Only a leaf is a candidate: a chunk no held chunk chains from. A prefix is placed from its first chunk up to the
@@ -55,7 +61,7 @@ def iter_eviction_order(entries: Mapping[bytes, L0Entry], half_life: float,
     ancestors too.
     """
     children = Counter(entry.parent for entry in entries.values() if entry.parent is not None)
-    heap = [(retention_score(entry, half_life, is_orphan(entry, entries)), entry.last_access, key)
+    heap = [(retention_score(entry, half_life, is_orphan(entry, entries, held_elsewhere)), entry.last_access, key)
             for key, entry in entries.items() if not children[key] and key not in keep]
     heapq.heapify(heap)
     while heap:
@@ -76,7 +82,7 @@ def eviction_order(entries: Mapping[bytes, L0Entry], half_life: float,
 
 
 def plan_admission(entries: Mapping[bytes, L0Entry], key: bytes, incoming: L0Entry, max_bytes: int,
-                   half_life: float) -> list[bytes] | None:
+                   half_life: float, held_elsewhere: HeldElsewhere | None = None) -> list[bytes] | None:
     """The held chunks to evict so that `incoming` (under `key`, not held yet) fits within max_bytes; None: it is
     not kept (larger than the tier, only its own ancestors could make room for it, which would strand it, or an
     orphan, kept only where there is room: nothing is evicted for what cannot be placed).
@@ -92,10 +98,10 @@ def plan_admission(entries: Mapping[bytes, L0Entry], key: bytes, incoming: L0Ent
     victims: list[bytes] = []
     if to_free <= 0:
         return victims
-    if is_orphan(incoming, entries):
+    if is_orphan(incoming, entries, held_elsewhere):
         return None
     freed = 0
-    for victim in iter_eviction_order({**entries, key: incoming}, half_life, keep=frozenset((key,))):
+    for victim in iter_eviction_order({**entries, key: incoming}, half_life, frozenset((key,)), held_elsewhere):
         victims.append(victim)
         freed += entries[victim].size_bytes
         if freed >= to_free:

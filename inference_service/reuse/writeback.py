@@ -15,6 +15,7 @@ from inference_service.store.protocol import DEFAULT_MAX_STREAM_BYTES, StoreUnav
 from kvboost_keys.chunking import Chunk
 from inference_service.kv.blobs import DEFAULT_GROUP_SIZE, encode_chunk_kv
 from inference_service.kv.rope import RopeParams
+from inference_service.reuse.host_tier import HostTier
 from inference_service.reuse.hot_tier import HotTier
 from inference_service.model.kv_buffers import LayerKV, stack_layers
 from inference_service.model.threads import confine_to_this_thread
@@ -105,12 +106,17 @@ class WriteBack:
 
     def __init__(self, cache: ChunkStore, bits: int, on_stored: Callable[[int, int], None],
                  group_size: int = DEFAULT_GROUP_SIZE, rope: RopeParams | None = None,
-                 max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES, hot: HotTier | None = None) -> None:
+                 max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES, hot: HotTier | None = None,
+                 host: HostTier | None = None) -> None:
         """max_stream_bytes: blob bytes per store call; a larger write-back goes out as several, encoded as it
         goes (its encoded bytes are never all in memory at once). hot: L0, which keeps every chunk written back
-        (before the store has it) and the whole chunks requests fetched."""
+        (before the store has it) and the whole chunks requests fetched. host: the host tier, which takes what L0
+        evicts, and what L0 does not keep (or every whole chunk, with no L0)."""
         assert max_stream_bytes > 0, f"max_stream_bytes must be positive, got {max_stream_bytes}"
         self.hot = hot
+        self.host = host
+        if hot is not None and host is not None:
+            hot.spill = host.add
         self._cache = cache
         self._max_stream_bytes = max_stream_bytes
         self._bits = bits
@@ -173,14 +179,23 @@ class WriteBack:
         """L0 keeps the chunks' K/V as computed (whole chunks and a prompt's tail), before the daemon has them: a
         request that repeats the prompt meanwhile is placed from L0 instead of waiting for the Store (the 16-bit
         blobs hold exactly these values). L0 never costs a daemon write: its failure is logged, the write goes on."""
-        if self.hot is None:
+        if self.hot is None and self.host is None:
             return
         try:
             parents = pending.parent_keys or (None,) * len(pending.chunks)  # L0 evicts a chunk after its successors
             for chunk, key, parent in zip(pending.chunks, pending.prefix_keys, parents):
-                self.hot.add(key, *pending.chunk_kv(chunk), pending=True, parent=parent if chunk.start else None)
+                self._keep(key, *pending.chunk_kv(chunk), parent if chunk.start else None, pending=True)
         except Exception:
             logger.exception("[%s] keeping chunks in L0 failed", pending.request_id)
+
+    def _keep(self, key: bytes, keys: torch.Tensor, values: torch.Tensor, parent: bytes | None,
+              pending: bool = False) -> None:
+        """L0 keeps the chunk; the host tier takes it when L0 does not (off, or no room it may make). Its bytes were
+        computed here, or checked when they were fetched: no checksum again."""
+        if self.hot is not None and self.hot.add(key, keys, values, pending=pending, parent=parent):
+            return
+        if self.host is not None:
+            self.host.add(key, keys, values, parent)
 
     def submit_hot(self, buffers: tuple[torch.Tensor, torch.Tensor], spans: list[tuple[bytes, int, int, bytes | None]],
                    on_done: Callable[[], None]) -> None:
@@ -191,7 +206,7 @@ class WriteBack:
             try:
                 with torch.inference_mode():
                     for key, start, end, parent in spans:
-                        self.hot.add(key, buffers[0][:, :, start:end], buffers[1][:, :, start:end], parent=parent)
+                        self._keep(key, buffers[0][:, :, start:end], buffers[1][:, :, start:end], parent)
             except Exception:  # a background thread has no caller to raise to; L0 only misses these chunks
                 logger.exception("keeping %d fetched chunks in L0 failed", len(spans))
             finally:

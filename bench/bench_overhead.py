@@ -185,34 +185,16 @@ class Worker:
 
 def start_server(stack: ExitStack, tree: Path, model: str, work: Path, label: str, device: str) -> tuple[str, str]:
     """(HTTP base URL, gRPC address) of `python -m kvboost_server` of that tree, beside a daemon of its own."""
-    import httpx
-
-    from tests.conftest import pick_free_port, wait_for
-    from tests.e2e.child_process import tree_pythonpath
+    from tests.conftest import pick_free_port
     from tests.e2e.daemon_process import start_daemon
+    from tests.e2e.one_process import start_one_process
 
     daemon = start_daemon(work / f"lmdb-{label}", pick_free_port(), tree=tree)
     stack.callback(daemon.terminate)
-    grpc_port, http_port = pick_free_port(), pick_free_port()
-    env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
-    env["PYTHONPATH"] = tree_pythonpath(tree)
-    log = open(work / f"server-{label}.log", "ab")
-    process = subprocess.Popen([sys.executable, "-m", "kvboost_server", "--model", model, "--cache-addr",
-                                daemon.address, "--listen", f"127.0.0.1:{grpc_port}", "--device", device,
-                                "--gateway", "--listen", f"127.0.0.1:{http_port}"],
-                               cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
-    stack.callback(lambda: (process.terminate(), process.wait(30), log.close()))
-    base = f"http://127.0.0.1:{http_port}"
-
-    def answering() -> bool:
-        assert process.poll() is None, f"kvboost_server ({label}) exited; see {log.name}"
-        try:
-            return httpx.get(f"{base}/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_for(answering, f"kvboost_server ({label})", timeout_s=180)
-    return base, f"127.0.0.1:{grpc_port}"
+    server, grpc_address = start_one_process(model, daemon.address, work / f"server-{label}.log", device=device,
+                                             tree=tree, timeout_s=180)
+    stack.callback(server.terminate)
+    return server.address, grpc_address
 
 
 _MODEL_IDS: dict[str, str] = {}
@@ -311,6 +293,22 @@ def run_in_process(stack: ExitStack, trees: dict, model: str, work: Path, args) 
     return rows
 
 
+def wait_for_write_backs(stub, timeout_s: float = 120.0) -> None:
+    """Until the service's stored-chunk count is non-zero and unchanged over 0.3 s (its write-backs have landed)."""
+    from kvboost.v1 import inference_pb2 as pb
+
+    from tests.conftest import wait_for
+
+    seen = [-1]
+
+    def settled() -> bool:
+        stored = stub.Stats(pb.ServiceStatsRequest(), timeout=30).chunks_stored
+        done, seen[0] = stored > 0 and stored == seen[0], stored
+        return done
+
+    wait_for(settled, "the first answers' write-backs", timeout_s=timeout_s, interval_s=0.3)
+
+
 def run_served(stack: ExitStack, trees: dict, model: str, work: Path, tokenizer, args) -> list[dict]:
     import grpc
     import httpx
@@ -329,7 +327,8 @@ def run_served(stack: ExitStack, trees: dict, model: str, work: Path, tokenizer,
         _MODEL_IDS[base] = client.get(f"{base}/v1/models").json()["data"][0]["id"]
         for length in args.lengths:
             http_ttft(client, base, messages(docs[length], 0))
-    time.sleep(1.0)  # the first answers' write-backs land (a fixed pause: both trees get the same)
+    for stub in stubs.values():  # the first answers' write-backs land before any timed request
+        wait_for_write_backs(stub)
     question = iter(range(1, 1 << 30))
     samples: dict[tuple, list[float]] = {}
     for length in args.lengths:

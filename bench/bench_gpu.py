@@ -247,6 +247,8 @@ def measure_decode(model, tokenizer, engine: Engine, tokens: int, clients: int, 
             model.set_attn_implementation(ours)
     return {**peer, "one_stream_tps": one.tokens_per_sec, "clients": clients, "step": engine.stats().get("decode_step"),
             "many_output_tps": sum(o.generated_tokens for o in outcomes) / many_s,
+            # the rows' own decode rates while batched, summed: the steady-state rate (no prefill, no first token)
+            "many_decode_tps": sum(o.tokens_per_sec for o in outcomes),
             "model_generate_tps": hf_tps}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,8 +30,23 @@ class HostTierStats:
 
 
 def empty_pinned(num_bytes: int) -> torch.Tensor:
-    """num_bytes of page-locked host memory (the copy engine reads it without the driver's staging copy)."""
-    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    """num_bytes of page-locked host memory (the copy engine reads it without the driver's staging copy): allocated,
+    then registered with CUDA. Not torch.empty(pin_memory=True): its caching allocator rounds every size up to a power
+    of two (40 GiB would pin 64). Raises RuntimeError when the registration fails."""
+    region = torch.empty(num_bytes, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(region.data_ptr(), num_bytes, 0)
+    if int(error) != 0:
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:  # a failed runtime call leaves its error for the next launch check to find
+            clear()
+        raise RuntimeError(f"cudaHostRegister returned {error}")
+    return region
+
+
+def _unregister(region: torch.Tensor) -> None:
+    """Ends the registration; holding `region` until then keeps its memory from going back to the heap first."""
+    torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
 
 
 def allocate_region(num_bytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
@@ -66,8 +82,10 @@ class HostTier:
         self.slab_shape = slab_shape
         self.dtype = dtype
         self.slab_bytes = 2 * _numel(slab_shape) * dtype.itemsize
-        region, self.pinned = allocate_region(num_slabs * self.slab_bytes, pin)
-        self.region = region.view(num_slabs, self.slab_bytes)  # uint8 [slabs, slab bytes]; one allocation, kept
+        self._base, self.pinned = allocate_region(num_slabs * self.slab_bytes, pin)  # kept: it owns the registration
+        self.region = self._base.view(num_slabs, self.slab_bytes)  # uint8 [slabs, slab bytes]; one allocation
+        if self.pinned and self._base.device.type == "cpu" and torch.cuda.is_available():
+            weakref.finalize(self, _unregister, self._base)
         self.max_bytes = num_slabs * self.slab_bytes
         self.held_elsewhere = held_elsewhere
         self.half_life = half_life

@@ -63,6 +63,7 @@ class ServiceConfig:
     # K/V memory reserved by running requests (prompt + max_new_tokens per row); None: auto (engine/memory_plan.py)
     kv_cache_bytes: int | None = None
     l0_bytes: int | None = None  # L0: decoded K/V of whole chunks in the service's memory; 0 = off; None: auto
+    host_tier_bytes: int | None = None  # pinned host tier under L0 (CUDA); 0 = off; None: auto (off on a CPU)
     recompute_when_faster: str = "auto"  # recompute cached K/V that would load slower than prefill; auto: on CUDA
     tokenizer_cache_bytes: int = 64 << 20  # token ids of long prompt pieces kept (kvboost_keys/token_cache.py); 0 = off
     max_prefill_tokens: int = 0  # prompt tokens prefilled between two decode steps; 0: by device
@@ -116,6 +117,8 @@ class ServiceConfig:
                  f"--tokenizer-cache-bytes must be >= 0 (0 = off), got {self.tokenizer_cache_bytes}")
         _require(self.l0_bytes is None or self.l0_bytes >= 0,
                  f"--l0-bytes must be >= 0 (0 = off) or auto, got {self.l0_bytes}")
+        _require(self.host_tier_bytes is None or self.host_tier_bytes >= 0,
+                 f"--host-tier-bytes must be >= 0 (0 = off) or auto, got {self.host_tier_bytes}")
         _require(self.recompute_when_faster in SWITCHES,
                  f"--recompute-when-faster must be one of {SWITCHES}, got {self.recompute_when_faster!r}")
         _require(0 <= self.metrics_port < 65536, f"--metrics-port out of range: {self.metrics_port}")
@@ -156,7 +159,7 @@ class ServiceConfig:
 
     def describe(self) -> str:
         """One line per setting for the start-up log (secrets appear as file paths only)."""
-        auto = {"kv_cache_bytes", "l0_bytes"}  # None there means sized from the machine at start
+        auto = {"kv_cache_bytes", "l0_bytes", "host_tier_bytes"}  # None there means sized from the machine at start
         return "\n".join(f"  {name} = {'auto' if value is None and name in auto else repr(value)}"
                          for name, value in asdict(self).items())
 
@@ -241,6 +244,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--max-running-requests", type=int, default=default("MAX_RUNNING_REQUESTS", defaults.max_running_requests), help="requests prefilling or decoding at once; more wait. A request with n completions counts once and decodes as n rows, one K/V slot each (the slots: max(this, 16) plus spares) (KVBOOST_MAX_RUNNING_REQUESTS)")
     add("--kv-cache-bytes", type=_bytes_flag, default=default("KV_CACHE_BYTES", "auto", str), help="K/V memory the running requests may reserve, in bytes: each reserves prompt + max_new_tokens per row when it is admitted, so nothing runs out mid-decode; a request that does not fit waits, one that could never fit is INVALID_ARGUMENT. auto: on CUDA half of the device's free memory after the weights less a reserve for activations and captured graphs (a tenth of the device, at least 2 GiB), or all of it less --l0-bytes when that is a number; on a CPU a quarter of the RAM available at start. The start-up log says the bytes and tokens chosen (KVBOOST_KV_CACHE_BYTES)")
     add("--l0-bytes", type=_bytes_flag, default=default("L0_BYTES", "auto", str), help="L0, the service's own cache tier: K/V of the chunks this process wrote back (kept before the daemon has them) or fetched, in this process's memory (the GPU's on CUDA); a prefix it holds is copied into place without a daemon read, checksum or decoding, and a prompt asked again while its write-back is in flight does not wait for it. Evicted leaf first (a chunk leaves after every chunk that continues it, so a prefix is never stranded; a prompt longer than L0 keeps its head), by hit frequency decayed over an hour, as the daemon's LFU. Exact (16-bit storage only; off at --kv-cache-bits 8 and 4). auto: on CUDA what the device has free after the weights, the reserve and the K/V slots; on a CPU a quarter of the RAM available at start. 0 = off (KVBOOST_L0_BYTES)")
+    add("--host-tier-bytes", type=_bytes_flag, default=default("HOST_TIER_BYTES", "auto", str), help="the host tier, under L0 on CUDA: whole chunks' K/V in one pinned (registered) host region in slabs of a chunk, filled by chunks leaving L0 (copied off the device on a side stream) and by chunks fetched from the daemon (checked once, on the way in); a prefix it holds is copied from the slabs straight into the slot. Placement order: L0, host tier, daemon; its hits are confirmed by the daemon's Lookup, as L0's. auto: on CUDA a quarter of the RAM available at start (less what L0 takes of host memory), at most 64 GiB; on a CPU off (L0 already is host memory). 16-bit storage only. 0 = off (KVBOOST_HOST_TIER_BYTES)")
     add("--tokenizer-cache-bytes", type=int, default=default("TOKENIZER_CACHE_BYTES", defaults.tokenizer_cache_bytes), help="token ids of long pieces of prompt text kept in memory, in bytes (4 a token): the text between two special tokens (a chat message, a segment) of 256 characters or more is tokenized once and its ids reused, least recently used dropped first. Exact: the same ids as the tokenizer (its own splitting at special tokens); keyed by the request's namespace, so tenants and tokenizers never share an entry. A tokenizer that strips around its special tokens is tokenized whole (said at start). 0 = off (KVBOOST_TOKENIZER_CACHE_BYTES)")
     add("--recompute-when-faster", default=default("RECOMPUTE_WHEN_FASTER", defaults.recompute_when_faster), choices=SWITCHES, help="a request whose cached K/V would load from the daemon slower than prefilling them recomputes them instead, judged by this process's measured rates (each tier's bytes per second placed, and prompt tokens per second of requests that reused nothing, 256 tokens or more; three samples of each before it counts); /metrics counts kvboost_engine_loads_skipped. auto: on with CUDA, off on a CPU, where loading beats prefill by far for real models (KVBOOST_RECOMPUTE_WHEN_FASTER)")
     add("--max-prefill-tokens", type=int, default=default("MAX_PREFILL_TOKENS", defaults.max_prefill_tokens), help="prompt tokens prefilled between two decode steps: a long prompt runs in pieces while others decode; 0 (default): by device, 512 on a CPU, 8192 on a GPU (KVBOOST_MAX_PREFILL_TOKENS)")

@@ -16,6 +16,8 @@ GAUGES = {
     "kv_budget_bytes": ("kvboost_engine_kv_budget_bytes", "K/V bytes admitted requests may reserve (--kv-cache-bytes)"),
     "l0_bytes_held": ("kvboost_engine_l0_bytes_held", "K/V bytes L0 holds now (--l0-bytes)"),
     "l0_chunks_held": ("kvboost_engine_l0_chunks_held", "whole chunks L0 holds now"),
+    "host_bytes_held": ("kvboost_engine_host_bytes_held", "K/V bytes the pinned host tier holds now (--host-tier-bytes)"),
+    "host_chunks_held": ("kvboost_engine_host_chunks_held", "whole chunks the pinned host tier holds now"),
     "tokenizer_cache_bytes": ("kvboost_engine_tokenizer_cache_bytes",
                               "bytes of token ids the tokenization cache holds now (--tokenizer-cache-bytes)"),
 }
@@ -35,6 +37,8 @@ COUNTERS = {
     "l0_chunks_hit": ("kvboost_engine_l0_chunks_hit", "whole chunks placed from L0, the service's own tier"),
     "l0_bytes_placed": ("kvboost_engine_l0_bytes_placed", "K/V bytes placed from L0"),
     "l0_chunks_evicted": ("kvboost_engine_l0_chunks_evicted", "chunks L0 dropped for room"),
+    "host_chunks_hit": ("kvboost_engine_host_chunks_hit", "whole chunks placed from the pinned host tier"),
+    "host_chunks_evicted": ("kvboost_engine_host_chunks_evicted", "chunks the host tier dropped for room"),
     "loads_skipped": ("kvboost_engine_loads_skipped",
                       "requests that recomputed cached K/V because their tier loads slower than prefill (measured)"),
     "load_skipped_tokens": ("kvboost_engine_load_skipped_tokens", "cached prompt tokens recomputed for that reason"),
@@ -50,7 +54,7 @@ COUNTERS = {
     "approximate_tokens": ("kvboost_engine_approximate_tokens",
                            "prompt tokens of approximate answers whose K/V came from content hits, not recomputed"),
 }
-# stats["tier_loads"][tier] field -> (metric name, help), one series per tier (label tier: l0, daemon_map,
+# stats["tier_loads"][tier] field -> (metric name, help), one series per tier (label tier: l0, host, daemon_map,
 # daemon_fetch, store); a tier's rate is bytes / seconds.
 TIER_COUNTERS = {
     "chunks": ("kvboost_engine_tier_chunks", "chunks a cache tier placed into requests' K/V slots"),

@@ -40,8 +40,9 @@ def is_fast(item) -> bool:
 def pytest_runtest_setup(item):
     # Before any fixture is set up (conftest hooks run before pytest's own): a session-scoped smollm2 would
     # otherwise load before a function-scoped guard could see it.
-    if is_fast(item) and "smollm2" in item.fixturenames:
-        pytest.fail(f"{item.nodeid} uses the real SmolLM2 (smollm2 fixture): mark it slow", pytrace=False)
+    for fixture in ("smollm2", "smollm2_reference"):
+        if is_fast(item) and fixture in item.fixturenames:
+            pytest.fail(f"{item.nodeid} uses the real SmolLM2 ({fixture} fixture): mark it slow", pytrace=False)
 
 
 @pytest.fixture(autouse=True)
@@ -108,6 +109,19 @@ def tiny_qwen2():
 def smollm2():
     """(model, tokenizer, path) of the real SmolLM2-135M-Instruct on CPU fp32."""
     return load_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """Plain model.generate on the real SmolLM2 in a process beside this one (tests/reference_process.py), so
+    a test's references compute while its engine runs; one torch thread, like the tests that use it."""
+    from tests.reference_process import ReferenceProcess
+
+    process = ReferenceProcess(MKL_DISPATCH.applied)
+    try:
+        yield process
+    finally:
+        process.close()
 
 
 @pytest.fixture()

@@ -24,6 +24,9 @@ def test_the_smollm2_fixture_fails_a_fast_test_before_it_loads() -> None:
     fast = SimpleNamespace(keywords={}, fixturenames=["smollm2"], nodeid="tests/x.py::test_y")
     with pytest.raises(pytest.fail.Exception, match="mark it slow"):
         conftest.pytest_runtest_setup(fast)
+    fast_reference = SimpleNamespace(keywords={}, fixturenames=["smollm2_reference"], nodeid="tests/x.py::test_z")
+    with pytest.raises(pytest.fail.Exception, match="smollm2_reference fixture"):
+        conftest.pytest_runtest_setup(fast_reference)
     conftest.pytest_runtest_setup(SimpleNamespace(keywords={"slow": True}, fixturenames=["smollm2"], nodeid="s"))
     conftest.pytest_runtest_setup(SimpleNamespace(keywords={}, fixturenames=["tiny_llama"], nodeid="t"))
 

@@ -1,0 +1,98 @@
+"""Plain transformers `model.generate` on the real SmolLM2 in a process of its own, for the identity tests.
+
+A test submits a prompt's reference before the engine answers that prompt, so the reference (in this process)
+and the engine (in the test's) run side by side on two cores instead of one after the other. The reference
+stays what it was in the test process: the same converted SmolLM2 loaded by `tests.factories.load_smollm2`,
+fp32, transformers' default attention, one prompt per `generate` call, greedy, under the MKL dispatch the test
+process runs (checked at start). Both sides run one torch thread (the tests use `one_torch_thread`): the
+rounding of a matrix product may depend on how it is split across threads, and a token decided by a near tie
+must be compared like with like.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections import deque
+from concurrent.futures import Future
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+THREADS = 1
+
+
+class ReferenceProcess:
+    """One child process answering `submit(token_ids, max_new_tokens)` in order; `close()` stops it."""
+
+    def __init__(self, expected_dispatch: str):
+        self._process = subprocess.Popen([sys.executable, "-m", "tests.reference_process"], cwd=ROOT,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        ready = json.loads(self._process.stdout.readline() or "null")
+        if ready is None:
+            self._process.wait(timeout=30)
+            raise RuntimeError(f"the reference process exited with {self._process.returncode} before it was ready")
+        if ready != {"dispatch": expected_dispatch, "threads": THREADS}:
+            self.close()
+            raise RuntimeError(f"the reference process runs {ready}, the tests {expected_dispatch!r} dispatch and "
+                               f"{THREADS} thread(s): its references would not be like for like")
+        self._pending: deque[Future] = deque()
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read_answers, name="reference-reader", daemon=True)
+        self._reader.start()
+
+    def submit(self, token_ids: list[int], max_new_tokens: int) -> Future:
+        """The greedy continuation (new token ids only), computed while the caller goes on."""
+        future: Future = Future()
+        with self._lock:  # the order of the lines written is the order of the answers read
+            self._pending.append(future)
+            self._process.stdin.write(json.dumps({"ids": list(token_ids), "max_new_tokens": max_new_tokens}) + "\n")
+            self._process.stdin.flush()
+        return future
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout=30)
+
+    def _read_answers(self) -> None:
+        for line in self._process.stdout:
+            with self._lock:
+                future = self._pending.popleft()
+            future.set_result(json.loads(line))
+        with self._lock:  # the process ended: nothing more will be answered
+            while self._pending:
+                self._pending.popleft().set_exception(
+                    RuntimeError(f"the reference process exited ({self._process.poll()}) with requests pending"))
+
+
+def serve() -> None:
+    """The child: one JSON request a line on stdin, one JSON list of new token ids a line on stdout."""
+    from inference_service import mkl_dispatch
+
+    dispatch = mkl_dispatch.apply()  # before torch loads, as tests/conftest.py does
+    import torch
+
+    from tests.factories import load_smollm2
+
+    out, sys.stdout = sys.stdout, sys.stderr  # stdout carries the answers only: anything printed goes to stderr
+    torch.set_num_threads(THREADS)
+    model, _, _ = load_smollm2()
+    out.write(json.dumps({"dispatch": dispatch.applied, "threads": torch.get_num_threads()}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        input_ids = torch.tensor([request["ids"]])
+        with torch.inference_mode():
+            output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                    max_new_tokens=request["max_new_tokens"])
+        out.write(json.dumps(output[0, input_ids.shape[1]:].tolist()) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,9 +1,9 @@
 """Real SmolLM2 through the running cache daemon: with prefix hits, greedy output equals plain model.generate."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 
 import pytest
-import torch
 
 from inference_service.store.grpc_store import GrpcStoreOptions, GrpcChunkStore
 from tests.conftest import wait_for
@@ -72,26 +72,19 @@ def daemon_cache(tmp_path_factory):
         daemon.terminate()
 
 
-def reference_ids(model, token_ids: list[int]) -> list[int]:
-    # Plain means transformers' default attention: SmolLM2 has 3 query heads per K/V head, and the engine's
-    # grouped-query SDPA runs only in calls that pass the engine's keyword (tests/inference_service/model/
-    # test_attention.py checks that a plain generate beside the engine runs transformers' own path).
-    input_ids = torch.tensor([token_ids])
-    with torch.inference_mode():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                max_new_tokens=MAX_NEW_TOKENS)
-    return output[0, len(token_ids):].tolist()
-
-
 @pytest.fixture(scope="module")
-def references(smollm2) -> list[tuple[dict, list[int], list[int]]]:
-    """(request fields, prompt token ids, plain model.generate output) per case, computed once."""
-    model, tokenizer, _ = smollm2
+def references(smollm2, smollm2_reference) -> list[tuple[dict, list[int], Future]]:
+    """(request fields, prompt token ids, plain model.generate output) per case, each asked once of the
+    reference process (tests/reference_process.py: transformers' default attention, one prompt per generate
+    call; SmolLM2 has 3 query heads per K/V head, and the engine's grouped-query SDPA runs only in calls that
+    pass the engine's keyword, tests/inference_service/model/test_attention.py), which computes them while
+    the engine runs the cases."""
+    _, tokenizer, _ = smollm2
     rows = []
     for case in identity_cases(tokenizer):
         token_ids = (tokenize_messages(tokenizer, case["messages"]) if "messages" in case
                      else tokenize_prompt(tokenizer, case["prompt"]))[0]
-        rows.append((case, token_ids, reference_ids(model, token_ids)))
+        rows.append((case, token_ids, smollm2_reference.submit(token_ids, MAX_NEW_TOKENS)))
     return rows
 
 
@@ -104,7 +97,7 @@ def test_prefix_hits_are_token_identical_to_generate(smollm2, daemon_cache, refe
     if chunk_size > 32:  # later chunk sizes on a third of the cases with a full chunk keep the test short
         rows = [row for row in rows if len(row[1]) > chunk_size][::3]
     mismatches, hits = [], 0
-    for case, token_ids, expected in rows:
+    for case, token_ids, reference in rows:
         outcomes = []
         for _ in range(2):  # the first call misses and writes back, the second hits
             outcomes.append(engine.generate(GenerationParams(**case, max_new_tokens=MAX_NEW_TOKENS, mode="prefix_cache")))
@@ -113,6 +106,7 @@ def test_prefix_hits_are_token_identical_to_generate(smollm2, daemon_cache, refe
         # Whole chunks and the tail's partial chunk, written back by the first call: all but the last token.
         assert outcomes[1].cached_tokens == len(token_ids) - 1, case
         hits += outcomes[1].cached_tokens > 0
+        expected = reference.result()
         if [outcome.output_token_ids for outcome in outcomes] != [expected, expected]:
             mismatches.append((case, expected, [outcome.output_token_ids for outcome in outcomes]))
     assert mismatches == []
@@ -137,9 +131,9 @@ def test_continuous_batching_is_token_identical_to_generate(smollm2, daemon_cach
                      or len(results) > start, timeout_s=60, what="a step of the engine")
         wait_for(lambda results=results: len(results) == len(references), timeout_s=300, what="every case")
         engine.flush_writes()
-        mismatches = [(case, expected, results[index].output_token_ids)
-                      for index, (case, _, expected) in enumerate(references)
-                      if results[index].output_token_ids != expected]
+        mismatches = [(case, reference.result(), results[index].output_token_ids)
+                      for index, (case, _, reference) in enumerate(references)
+                      if results[index].output_token_ids != reference.result()]
         assert mismatches == [], f"attempt {attempt}"
         if attempt == 1:
             hits = sum(results[index].cached_tokens == len(ids) - 1 for index, (_, ids, _) in enumerate(references))

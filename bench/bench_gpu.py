@@ -7,6 +7,8 @@ mean nothing; no weights need to travel to a GPU machine without network). Per p
   warmed          the engine over a real cache daemon, its blobs read from the daemon's LMDB map on this host
                   (the service's default read path here), L0 off: every chunk crosses host -> GPU
   from L0         the same with L0 on and holding the prompt's chunks: a repeated prefix never leaves the GPU
+  from host tier  L0 off, the pinned host tier holding the prompt's chunks (filled by its first ask's fetch): one DMA
+                  per group of slabs into the slot (CUDA only: on a CPU there is no host tier, the row is skipped)
 each with a new question after the warmed document, TTFT from request arrival. The load rate is the engine's own
 (bytes placed / time from Lookup to the last chunk in place). The limits: host -> GPU from pinned and from pageable
 memory, page cache -> pinned (1 and N threads), GPU memory bandwidth. Decode: one stream and 16 at once through the
@@ -189,7 +191,10 @@ def measure_length(length: int, args, model, tokenizer, engines: dict[str, Engin
     engines["warmed"].flush_writes()
     warm_s = time.perf_counter() - started
     ask(engines["from L0"], document + " " + words(QUESTION_WORDS, seed=1, vocab_size=vocab))  # L0 takes the chunks
-    samples: dict[str, list[dict]] = {name: [] for name in ("BASELINE", "plain prefill", "warmed", "from L0")}
+    tiers = [name for name in ("from L0", "from host tier") if name in engines]
+    if "from host tier" in engines:  # fetched from the daemon once, then copied into the host tier's slabs
+        ask(engines["from host tier"], document + " " + words(QUESTION_WORDS, seed=2, vocab_size=vocab))
+    samples: dict[str, list[dict]] = {name: [] for name in ("BASELINE", "plain prefill", "warmed", *tiers)}
     for run in range(args.runs):
         questions = iter(range(100 * run + 10, 100 * run + 20))
         prompt = lambda questions=questions: document + " " + words(QUESTION_WORDS, seed=next(questions),
@@ -197,7 +202,8 @@ def measure_length(length: int, args, model, tokenizer, engines: dict[str, Engin
         samples["BASELINE"].append(ask(engines["warmed"], prompt(), mode="baseline"))
         samples["plain prefill"].append({"ttft_ms": plain_prefill_ms(model, tokenizer, prompt())})
         samples["warmed"].append(ask(engines["warmed"], prompt()))
-        samples["from L0"].append(ask(engines["from L0"], prompt()))
+        for name in tiers:
+            samples[name].append(ask(engines[name], prompt()))
     rows = {}
     baseline = statistics.median(s["ttft_ms"] for s in samples["BASELINE"])
     for name, runs in samples.items():
@@ -413,6 +419,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             build("from L0", EngineConfig(hot_tier_bytes=int(args.l0_bytes * (1 << 30)), kv_cache_bytes=slots_bytes,
                                           **long_prompts))
+        if cuda:  # the host tier is CUDA's only; sized to hold the longest prompt
+            build("from host tier", EngineConfig(hot_tier_bytes=0, host_tier_bytes=(longest + CHUNK) * kv_per_token,
+                                                 kv_cache_bytes=slots_bytes, **long_prompts))
+        else:
+            log("from host tier: skipped (on a CPU there is no host tier: L0 already is host memory)")
         results["from_l0_config"] = {"kv_cache_bytes": engines["from L0"].config.kv_cache_bytes,
                                      "l0_bytes": engines["from L0"].config.hot_tier_bytes}
         log(f"weights {weight_bytes / 1e9:.1f} GB, K/V {kv_per_token // 1024} KiB per token, "

@@ -1,0 +1,330 @@
+"""Exactness on a device: cached answers against uncached ones, bitwise, over prompt lengths, tiers and prefill pieces.
+
+A random-weight model (bench_gpu.py's: near-ties everywhere, the harsher test) answers one prompt per length, a
+document then a question, with every prefill cut into pieces of each size in --pieces. Per (length, piece) the paths:
+  uncached    the engine with the cache off (mode baseline)
+  daemon      L0 off: the document warmed (its K/V computed in the same pieces, stored in the daemon's LMDB map), then
+              the prompt asked: the document's K/V come from the map, the question is prefilled after them
+  l0-fill     the engine with L0 on asks the prompt first: its K/V come from the daemon and L0 keeps them
+  l0          the same engine asks again: the K/V come from L0
+  host-fill   (where EngineConfig has host_tier_bytes) the engine with a host tier and L0 off, first ask
+  host        its second ask: the K/V come from the host tier
+Every cached answer is compared with the uncached one at the same piece size, and every answer at another piece size
+with the uncached one at the first: the first token's logits must be torch.equal and the greedy tokens identical.
+Each piece size stores under its own cache salt, so the cached K/V of a path were computed in that path's pieces. The
+engine runs a lone prefill whole (its pieces only matter while other rows decode); here its scheduler's plan is
+wrapped so every prefill runs in pieces of the size asked (a bench-only hook; the service is unchanged). Also: the
+uncached answer against plain model.generate (SDPA, one forward of the whole prompt) at the shortest two lengths.
+A mismatch is a measurement, not an error: the exit code stays 0 and the line says MISMATCH.
+
+    python bench/bench_exactness.py --json out.json                      # 8B shape, bf16, 100..32k (H100: ~1.5 min)
+    python bench/bench_exactness.py --shape tiny --device cpu --lengths 100 300 --dtype float32   # a CPU dry run
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.bench_gpu import CHUNK, QUESTION_WORDS, SHAPES, log, random_model, word_tokenizer, words  # noqa: E402
+from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
+from inference_service.store.colocated import ColocatedStore  # noqa: E402
+from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions  # noqa: E402
+
+PATHS = ("uncached", "daemon", "l0-fill", "l0", "host-fill", "host")
+EXPECTED_TIER = {"daemon": "daemon", "l0": "l0", "host": "host"}  # where a path's K/V must come from (tier_loads)
+HAS_HOST_TIER = "host_tier_bytes" in getattr(EngineConfig, "__dataclass_fields__", {})
+
+
+@dataclasses.dataclass(slots=True)
+class Answer:
+    length: int
+    path: str
+    piece: int
+    logits: torch.Tensor  # [vocab] float32, on the CPU: what the first token was chosen from
+    token_ids: list[int]
+    cached_tokens: int
+    prompt_tokens: int
+    tiers: dict  # {tier: chunks it placed for this answer}
+    ttft_ms: float
+
+
+def pieces_of(engine: Engine) -> list[int]:
+    """Wraps the engine's scheduler so that every prefill (a lone one too, which the scheduler runs whole) runs in
+    pieces of at most size[0] tokens; returns size, a one-element list the caller sets (0: the scheduler's own)."""
+    scheduler = engine.core.scheduler
+    plan = scheduler.plan
+    size = [0]
+
+    def planned():
+        step = plan()
+        if not size[0]:
+            return step
+        remaining = {state.seq_id: state.num_remaining for state in scheduler.prefilling
+                     if state.num_computed is not None}
+        pieces = [(seq_id, min(take, size[0])) for seq_id, take in step.pieces]
+        groups = []
+        for group in step.groups:  # short prefills run whole in one forward: the longer ones become pieces
+            pieces += [(seq_id, size[0]) for seq_id in group if remaining.get(seq_id, 0) > size[0]]
+            kept = tuple(seq_id for seq_id in group if remaining.get(seq_id, 0) <= size[0])
+            groups += [kept] if kept else []
+        return dataclasses.replace(step, pieces=tuple(pieces), groups=tuple(groups))
+
+    scheduler.plan = planned
+    return size
+
+
+@contextmanager
+def perturbed(model, on: bool):
+    """Doubles layer 0's values in every prefill forward while on (the decode step reads the weights, not the module):
+    a path that must then be reported MISMATCH, its tokens diverging (the check that the comparison can fail)."""
+    if not on:
+        yield
+        return
+    handle = model.model.layers[0].self_attn.v_proj.register_forward_hook(lambda module, inputs, output: output * 2)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def ask(engine: Engine, prompt: str, length: int, path: str, piece: int, tokens: int, salt: str,
+        mode: str | None = None) -> Answer:
+    before = engine.stats()["tier_loads"]
+    outcome, logits = engine.generate_with_first_logits(GenerationParams(
+        prompt=prompt, max_new_tokens=tokens, ignore_eos=True, mode=mode, cache_salt=salt))
+    engine.flush_writes()  # its write-back never overlaps the next answer
+    assert not outcome.degraded, f"{path}: the cache was unreachable"
+    after = engine.stats()["tier_loads"]
+    tiers = {tier: counts["chunks"] - before.get(tier, {}).get("chunks", 0) for tier, counts in after.items()}
+    return Answer(length, path, piece, logits.detach().float().cpu(), list(outcome.output_token_ids),
+                  outcome.cached_tokens, outcome.prompt_tokens, {t: n for t, n in tiers.items() if n}, outcome.ttft_ms)
+
+
+def compare(answer: Answer, reference: Answer) -> dict:
+    """The first token's logits torch.equal and the tokens identical; where not, by how much and where."""
+    equal = torch.equal(answer.logits, reference.logits)
+    diverges = next((i for i, (a, b) in enumerate(zip(answer.token_ids, reference.token_ids)) if a != b),
+                    None if len(answer.token_ids) == len(reference.token_ids) else
+                    min(len(answer.token_ids), len(reference.token_ids)))
+    return {"against": f"{reference.path}@{reference.piece}", "logits_equal": equal,
+            "max_abs_diff": 0.0 if equal else float((answer.logits - reference.logits).abs().max()),
+            "argmax_equal": int(answer.logits.argmax()) == int(reference.logits.argmax()),
+            "tokens_identical": diverges is None, "first_divergence": diverges,
+            "tokens_at_divergence": None if diverges is None else
+            (answer.token_ids[diverges:diverges + 1], reference.token_ids[diverges:diverges + 1]),
+            "bitwise": equal and diverges is None}
+
+
+def describe(check: dict, tokens: int) -> str:
+    if check["bitwise"]:
+        return f"vs {check['against']}: bitwise, {tokens}/{tokens} tokens"
+    where = ("tokens identical" if check["tokens_identical"] else
+             f"tokens diverge at {check['first_divergence']} (ours {check['tokens_at_divergence'][0]} vs "
+             f"{check['tokens_at_divergence'][1]})")
+    logits = "logits equal" if check["logits_equal"] else (
+        f"logits max |diff| {check['max_abs_diff']:.3g} (argmax {'same' if check['argmax_equal'] else 'differs'})")
+    return f"vs {check['against']}: MISMATCH {logits}, {where}"
+
+
+def answer_piece(document: str, prompt: str, length: int, piece: int, args, model, engines: dict) -> list[Answer]:
+    """Every path's answer to the prompt with prefills in pieces of `piece` tokens (the uncached one first)."""
+    salt = f"exactness-piece-{piece}"  # this piece size's K/V are stored apart from the others'
+    answers = []
+
+    def run(engine_name: str, path: str, mode: str | None = None) -> None:
+        with perturbed(model, args.perturb == path):
+            answers.append(ask(engines[engine_name], prompt, length, path, piece, args.tokens, salt, mode))
+
+    run("daemon", "uncached", mode="baseline")
+    with perturbed(model, args.perturb == "daemon"):  # the daemon path's cached K/V are the warm-up's
+        engines["daemon"].warm(document, cache_salt=salt)
+    engines["daemon"].flush_writes()
+    run("daemon", "daemon")
+    run("l0", "l0-fill")
+    run("l0", "l0")
+    if "host" in engines:
+        try:
+            run("host", "host-fill")
+            run("host", "host")
+        except Exception as error:  # the newest tier: its failure ends its path, not the other paths' measurement
+            log(f"host tier: skipped from here on, it failed: {type(error).__name__}: {error}")
+            engines.pop("host")  # closed with the others at the end
+    return answers
+
+
+def answer_length(length: int, args, model, engines: dict, sizes: dict, references: dict) -> list[dict]:
+    """Every path at every piece size for one prompt length; returns its rows (each with its comparisons)."""
+    vocab = model.config.vocab_size
+    document = words(length - QUESTION_WORDS, seed=length, vocab_size=vocab)
+    prompt = document + " " + words(QUESTION_WORDS, seed=1, vocab_size=vocab)
+    rows = []
+    for piece in args.pieces:
+        for size in sizes.values():
+            size[0] = piece
+        answers = answer_piece(document, prompt, length, piece, args, model, engines)
+        references[(length, piece)] = answers[0]
+        for answer in answers:
+            checks = []
+            if answer.path != "uncached":
+                checks.append(compare(answer, answers[0]))
+            if piece != args.pieces[0]:
+                checks.append(compare(answer, references[(length, args.pieces[0])]))
+            rows.append({"length": length, "path": answer.path, "piece": piece, "cached": answer.cached_tokens,
+                         "prompt": answer.prompt_tokens, "tiers": answer.tiers, "ttft_ms": answer.ttft_ms,
+                         "checks": checks})
+            tiers = ",".join(f"{tier} {n}" for tier, n in sorted(answer.tiers.items())) or "-"
+            wanted = EXPECTED_TIER.get(answer.path)
+            if wanted and not any(tier.startswith(wanted) for tier in answer.tiers):
+                tiers += f"; NOTE: none from {wanted}"  # e.g. a prompt under one chunk: L0 keeps whole chunks only
+            log(f"  {length:6d} {answer.path:9s} piece {piece:5d}  cached {answer.cached_tokens:6d}/"
+                f"{answer.prompt_tokens} ({tiers})  " + ("reference" if not checks else
+                                                          "; ".join(describe(c, args.tokens) for c in checks)))
+    return rows
+
+
+def against_generate(model, tokenizer, reference: Answer, tokens: int) -> dict:
+    """The engine's uncached answer against plain model.generate (SDPA, the whole prompt in one forward)."""
+    prompt_ids = tokenizer(words(reference.length - QUESTION_WORDS, seed=reference.length,
+                                 vocab_size=model.config.vocab_size) + " " +
+                           words(QUESTION_WORDS, seed=1, vocab_size=model.config.vocab_size))["input_ids"]
+    ids = torch.tensor([prompt_ids], device=model.device)
+    ours = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            output = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
+                                    min_new_tokens=tokens, output_logits=True, return_dict_in_generate=True)
+    finally:
+        model.set_attn_implementation(ours)
+    theirs = Answer(reference.length, "model.generate", 0, output.logits[0][0].float().cpu(),
+                    output.sequences[0, ids.shape[1]:].tolist(), 0, ids.shape[1], {}, 0.0)
+    return compare(reference, theirs)
+
+
+def build_engines(model, tokenizer, store, stack: ExitStack, args, longest: int, kv_per_token: int) -> dict:
+    slots_bytes = 2 * (longest + 320) * kv_per_token + (1 << 28)
+    # L0 and the host tier hold every prompt at every piece size: none is evicted or refused before it is asked again
+    tier_bytes = int((sum(args.lengths) + 2 * CHUNK * len(args.lengths)) * len(args.pieces) * kv_per_token * 1.1)
+    common = dict(chunk_size=CHUNK, max_prompt_tokens=longest, max_new_tokens_limit=max(64, args.tokens),
+                  max_running_requests=2, kv_cache_bytes=slots_bytes, recompute_when_faster=False)
+    no_host = {"host_tier_bytes": 0} if HAS_HOST_TIER else {}
+    configs = {"daemon": EngineConfig(hot_tier_bytes=0, **no_host, **common),
+               "l0": EngineConfig(hot_tier_bytes=tier_bytes, **no_host, **common)}
+    if HAS_HOST_TIER:
+        configs["host"] = EngineConfig(hot_tier_bytes=0, host_tier_bytes=tier_bytes, **common)
+    else:
+        log("host tier: skipped (this engine's EngineConfig has no host_tier_bytes)")
+    engines = {}
+    for name, config in configs.items():
+        try:
+            engines[name] = Engine(model, tokenizer, config, store, model_id=f"random-{args.shape}",
+                                   weights_id=f"kvboost-bench-random-{args.shape}-{args.dtype}-seed0")
+        except Exception as error:
+            if name != "host":
+                raise
+            log(f"host tier: skipped, its engine failed to start: {type(error).__name__}: {error}")
+            continue
+        stack.callback(engines[name].close)
+    return engines
+
+
+def summarize(rows: list[dict], generated: list[dict]) -> dict:
+    checks = [check for row in rows for check in row["checks"]]
+    bitwise = sum(check["bitwise"] for check in checks)
+    logits = sum(check["logits_equal"] for check in checks)
+    tokens = sum(check["tokens_identical"] for check in checks)
+    log(f"summary: {bitwise}/{len(checks)} bitwise (first-token logits torch.equal and every greedy token identical); "
+        f"logits {logits}/{len(checks)}, tokens {tokens}/{len(checks)}"
+        + ("" if bitwise == len(checks) else f"; MISMATCH in {len(checks) - bitwise}"))
+    same = sum(check["tokens_identical"] for check in generated)
+    if generated:
+        log(f"summary: uncached vs model.generate: {same}/{len(generated)} token-identical, "
+            f"{sum(check['logits_equal'] for check in generated)}/{len(generated)} first logits bitwise")
+    return {"bitwise": bitwise, "checks": len(checks), "logits_equal": logits, "tokens_identical": tokens,
+            "generate_identical": same, "generate_checks": len(generated)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="model shape (random weights)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[100, 2048 + 37, 8192 + 5, 32768 - 3],
+                        help="prompt tokens (a document, then a question of %d)" % QUESTION_WORDS)
+    parser.add_argument("--pieces", type=int, nargs="+", default=[512, 2048], help="prefill piece sizes, tokens")
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per answer")
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu for a dry run")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--generate-lengths", type=int, default=2, help="the shortest N lengths also compared with "
+                        "plain model.generate (0: none)")
+    parser.add_argument("--perturb", choices=PATHS, help="double layer 0's values in this path's prefills (a "
+                        "check that a difference is reported MISMATCH)")
+    parser.add_argument("--json", type=Path, help="write every row here (rewritten after each length)")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU; use --device cpu --shape tiny for a dry run")
+    if min(args.lengths) <= QUESTION_WORDS + 1:
+        parser.error(f"--lengths must exceed {QUESTION_WORDS + 1} (the question's tokens)")
+    from tests.conftest import pick_free_port
+    from tests.e2e.daemon_process import start_daemon
+
+    started = time.perf_counter()
+    results: dict = {"shape": args.shape, "dtype": args.dtype, "lengths": args.lengths, "pieces": args.pieces,
+                     "tokens": args.tokens, "torch": torch.__version__, "host_tier": HAS_HOST_TIER,
+                     "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                     "rows": [], "generate": []}
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-exactness-")))
+        longest = max(args.lengths) + 2 * CHUNK
+        log(f"building a random-weight {args.shape}-shaped model on {args.device} in {args.dtype}")
+        model = random_model(args.shape, args.device, getattr(torch, args.dtype), longest + 512)
+        tokenizer = word_tokenizer(model.config.vocab_size)
+        config = model.config
+        kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * \
+            (config.hidden_size // config.num_attention_heads) * model.dtype.itemsize
+        store_gb = int(kv_per_token * sum(args.lengths) * len(args.pieces) * 1.3 / 1e9) + 2
+        daemon = start_daemon(workdir / "lmdb", pick_free_port(), "--max-bytes", f"{store_gb}G", timeout_s=60)
+        stack.callback(daemon.terminate)
+        store = ColocatedStore(GrpcChunkStore(GrpcStoreOptions(address=daemon.address)), "on")
+        stack.callback(store.close)
+        store.check()
+        engines = build_engines(model, tokenizer, store, stack, args, longest, kv_per_token)
+        sizes = {name: pieces_of(engine) for name, engine in engines.items()}
+        log(f"engines ready ({', '.join(engines)}; decode step {engines['daemon'].stats().get('decode_step')}) "
+            f"in {time.perf_counter() - started:.0f} s")
+        references: dict = {}
+        try:
+            for index, length in enumerate(sorted(args.lengths)):
+                log(f"{length} tokens")
+                results["rows"] += answer_length(length, args, model, engines, sizes, references)
+                if index < args.generate_lengths:
+                    check = against_generate(model, tokenizer, references[(length, args.pieces[0])], args.tokens)
+                    results["generate"].append({"length": length, **check})
+                    log(f"  {length:6d} uncached@{args.pieces[0]} against model.generate: "
+                        + describe({**check, "against": "model.generate"}, args.tokens))
+                if args.json:
+                    args.json.write_text(json.dumps(results, indent=1, default=str))
+        finally:
+            results["summary"] = summarize(results["rows"], results["generate"])
+            results["seconds"] = time.perf_counter() - started
+            log(f"{results['seconds']:.0f} s in all")
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1, default=str))
+                log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still prints what ran, summed up
+    sys.exit(main())

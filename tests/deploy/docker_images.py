@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE_IMAGE = "kvboost-test/python:3.11-bookworm"  # stands in for python:3.11-slim (Dockerfile's PYTHON_IMAGE)
 BASE_PACKAGES = "python3.11,python3-pip,python3-venv,python-is-python3,ca-certificates"
 TORCH_VERSION = "2.13.0"
+INDEX_PORT = 38461  # the local torch index's port (serving_index says why one port)
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 # What building every image from nothing takes on the engine's disk and in the cache dir (measured: the base
 # image 0.6 GB, inference 2.1 GB, the others 0.3-0.4 GB each with shared layers, the torch wheels 0.2 GB,
@@ -117,9 +118,16 @@ def build_torch_index() -> Path:
 
 @contextlib.contextmanager
 def serving_index(index: Path) -> Iterator[str]:
-    """Serves the index on 127.0.0.1 (builds run with --network host); yields its /simple URL."""
+    """Serves the index on 127.0.0.1 (builds run with --network host); yields its /simple URL.
+
+    On one port every run where it is free: the URL is the TORCH_INDEX_URL build argument, part of the cache key
+    of the inference stage's layers from its torch install on, so a new port each run would reinstall torch and
+    every dependency in every build."""
     handler = functools.partial(_QuietHandler, directory=str(index))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", INDEX_PORT), handler)
+    except OSError:  # taken: any free port (the build then misses the layer cache from there)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

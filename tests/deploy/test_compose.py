@@ -307,6 +307,20 @@ def test_dockerfile_pins_match_pyproject() -> None:
         assert pins.get(name) == version, f"Dockerfile pins {name}=={version}, pyproject {pins.get(name)}"
 
 
+def test_the_inference_image_installs_every_dependency_in_a_layer_before_the_source() -> None:
+    # A source change then rebuilds only the layers from `COPY . .` on (the compose tests build on every run),
+    # where `pip install .` finds every dependency installed (and would still install one left out here).
+    inference = _stage("inference")
+    before_source, after_source = inference.split("\nCOPY . .\n")
+    installed = {name.lower() for name, _ in re.findall(r"([A-Za-z][A-Za-z0-9_.-]*)==(\S+)", before_source)}
+    for requirement in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        name, _, marker = requirement.partition(";")
+        if "python_version < \"3.11\"" in marker:
+            continue  # the image's Python is 3.11 (Dockerfile's PYTHON_IMAGE)
+        assert name.split("==")[0].lower() in installed, f"the inference image installs {name} after the source"
+    assert "RUN pip install .\n" in after_source
+
+
 def test_gpu_override_reserves_an_nvidia_gpu_and_a_cuda_torch() -> None:
     inference = GPU_OVERRIDE["services"]["inference"]
     device = inference["deploy"]["resources"]["reservations"]["devices"][0]

@@ -6,11 +6,13 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import yaml
 
 from tests.conftest import pick_free_port
 from tests.deploy.docker_engine import docker
@@ -30,11 +32,16 @@ class ComposeProject:
     profiles: tuple[str, ...] = ()
     environment: dict[str, str] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)  # KVBOOST_PUBLISH_<NAME> -> host port on 127.0.0.1
+    # Tests: every health check probes this often (the same check, same retries and start period). compose.yaml's
+    # 10 s suits a deployment; a test waits up to an interval per service in each depends_on chain for the
+    # first probe (daemon, then service, then gateway). None: the files' own intervals (bench_compose's timings).
+    health_interval: str | None = None
 
     def __post_init__(self) -> None:
         # Free host ports, so a stack already running on the defaults (make up, a user's compose) is left alone.
         self.ports = {name: pick_free_port() for name in PUBLISHED}
         self.environment.update({f"KVBOOST_PUBLISH_{name}": str(port) for name, port in self.ports.items()})
+        self._health_override: Path | None = None
 
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
@@ -50,10 +57,25 @@ class ComposeProject:
         return grpc.intercept_channel(grpc.insecure_channel(self.address(name)), _BearerToken(token))
 
     def compose(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        files = [item for path in self.files for item in ("-f", str(path))]
+        paths = [*self.files, *([self._health_file()] if self.health_interval else [])]
+        files = [item for path in paths for item in ("-f", str(path))]
         profiles = [item for profile in self.profiles for item in ("--profile", profile)]
         return docker("compose", "-p", self.name, *files, *profiles, *args, timeout=timeout, cwd=ROOT,
                       env={**os.environ, **self.environment})
+
+    def _health_file(self) -> Path:
+        """An override file giving every service with a health check in `files` the interval `health_interval`."""
+        if self._health_override is None:
+            services = {name for path in self.files
+                        for name, service in (yaml.safe_load(path.read_text()).get("services") or {}).items()
+                        if "healthcheck" in service}
+            override = {"services": {name: {"healthcheck": {"interval": self.health_interval}}
+                                     for name in sorted(services)}}
+            handle, name = tempfile.mkstemp(prefix=f"{self.name}-health-", suffix=".yaml")
+            with os.fdopen(handle, "w") as file:
+                yaml.safe_dump(override, file)
+            self._health_override = Path(name)
+        return self._health_override
 
     def up(self, *services: str, timeout_s: int = 300) -> float:
         """Starts the services (all by default; images must exist) and their dependencies, and waits until all
@@ -65,6 +87,9 @@ class ComposeProject:
 
     def down(self, volumes: bool = False) -> None:
         self.compose("down", "--timeout", "30", *(["--volumes"] if volumes else []))
+        if volumes and self._health_override is not None:  # the project's last call (a later one writes it again)
+            self._health_override.unlink(missing_ok=True)
+            self._health_override = None
 
     def states(self) -> dict[str, tuple[str, str]]:
         """service -> (state, health) of each of the project's containers ("" health: no health check)."""

@@ -31,6 +31,9 @@ DOCUMENT = " ".join(f"Ferry {i} leaves pier {i % 7} at {8 + i % 12}:{(i * 7) % 6
 QUESTION = " Question: which pier does ferry 9 leave from? Answer:"
 MAX_NEW_TOKENS = 12
 SERVICES = ("pid-namespace", "cache-daemon", "inference", "gateway")  # and the secrets service, which exits
+# compose.yaml's health checks, probed every 2 s instead of 10: `up --wait` waits for each service's first
+# healthy probe before starting the next in its depends_on chain (ComposeProject.health_interval).
+HEALTH_INTERVAL = "2s"
 
 
 def report(request, line: str) -> None:
@@ -72,7 +75,7 @@ def images(request, engine):
 
 @pytest.fixture(scope="module")
 def stack(images):
-    project = ComposeProject(f"kvboost-e2e-{os.getpid()}")
+    project = ComposeProject(f"kvboost-e2e-{os.getpid()}", health_interval=HEALTH_INTERVAL)
     try:
         project.up()
         yield project
@@ -183,7 +186,7 @@ def test_the_cache_survives_down_and_up(stack) -> None:
 
 def test_the_l2_profile_shares_chunks_between_two_replicas(stack) -> None:
     shared = ComposeProject(f"{stack.name}-l2", files=(*stack.files, L2_REPLICA_FILE), profiles=("l2",),
-                            environment={"KVBOOST_L2": "redis://redis:6379"})
+                            environment={"KVBOOST_L2": "redis://redis:6379"}, health_interval=HEALTH_INTERVAL)
     try:
         # The secrets service makes the records' MAC key (and the tokens) first, once, in its volume.
         shared.up("inference", "inference-b")  # each replica with its daemon, Redis and PID namespace
@@ -203,7 +206,7 @@ def test_the_router_profile_sends_a_document_back_to_the_replica_that_warmed_it(
     """Two replicas behind the router (`--profile router`): a document warmed through the router is found again
     through it (the router follows both daemons' events to the replica that holds it), and the answer is the
     BASELINE answer token for token."""
-    routed = ComposeProject(f"{stack.name}-router", profiles=("router",))
+    routed = ComposeProject(f"{stack.name}-router", profiles=("router",), health_interval=HEALTH_INTERVAL)
     try:
         routed.up("router")  # both replicas (each with its daemon and PID namespace) first, healthy
         router = service_stub(routed, "ROUTER")

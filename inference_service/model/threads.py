@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import threading
 from pathlib import Path
 
 import torch
@@ -42,3 +44,15 @@ def _find_omp_set_num_threads():
         return function
     logger.info("libgomp not found: helper threads keep torch's intra-op thread count")
     return None
+
+
+def lower_this_threads_priority(by: int = 10) -> None:
+    """Makes the calling background thread (a write-back's encoder) yield the CPU to the step loop: on Linux a thread
+    has a nice value of its own, raised here by `by` (raising needs no privilege). Elsewhere nothing happens."""
+    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + by))
+    except OSError:  # not allowed here (a sandbox): the thread keeps its priority
+        pass

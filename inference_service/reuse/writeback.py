@@ -18,9 +18,16 @@ from inference_service.kv.rope import RopeParams
 from inference_service.reuse.host_tier import HostTier
 from inference_service.reuse.hot_tier import HotTier
 from inference_service.model.kv_buffers import LayerKV, stack_layers
-from inference_service.model.threads import confine_to_this_thread
+from inference_service.model.threads import confine_to_this_thread, lower_this_threads_priority
 
 logger = logging.getLogger(__name__)
+
+
+def _background_thread() -> None:
+    """The Store thread: no OpenMP team of its own, and below the step loop's priority (on two cores a write-back's
+    encoding otherwise takes CPU time from the next request's prefill)."""
+    confine_to_this_thread()
+    lower_this_threads_priority()
 
 
 @dataclass(slots=True, frozen=True)
@@ -124,7 +131,7 @@ class WriteBack:
         self._rope = rope  # un-rotates keys before quantizing (see encode_pending); None: keys as computed
         self._on_stored = on_stored  # (chunks stored, bytes stored)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-writeback",
-                                            initializer=confine_to_this_thread)
+                                            initializer=_background_thread)
         self._hot_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-l0",
                                                 initializer=confine_to_this_thread)
         self._pending: set[Future] = set()

@@ -27,3 +27,27 @@ def test_helper_threads_run_torch_ops_without_a_team_of_their_own_and_the_callin
         assert writeback._executor.submit(torch.get_num_threads).result(timeout=30) == 1
     finally:
         writeback.close()
+
+
+def test_the_store_thread_runs_below_the_step_loops_priority_and_the_l0_thread_does_not() -> None:
+    # On two cores a write-back's encoding took CPU time from the next request's prefill (bench_long_doc's rounds).
+    import os
+    import sys
+    import threading
+
+    import pytest
+
+    from inference_service.reuse.writeback import WriteBack
+    from inference_service.store.protocol import NullStore
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice values are Linux's")
+    nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
+    ours = nice()
+    writeback = WriteBack(NullStore(), 16, lambda chunks, size: None)
+    try:
+        assert writeback._executor.submit(nice).result(timeout=30) == min(19, ours + 10)
+        assert writeback._hot_executor.submit(nice).result(timeout=30) == ours
+        assert nice() == ours  # the calling thread keeps its own
+    finally:
+        writeback.close()

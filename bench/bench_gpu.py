@@ -347,7 +347,7 @@ def measure_agreement(model, tokenizer, engine: Engine, prompts: int, tokens: in
             "first_divergence_min": differing[0] if differing else None}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="model shape (random weights)")
@@ -368,8 +368,17 @@ def main(argv: list[str] | None = None) -> None:
                         "model.generate (0: skip)")
     parser.add_argument("--peer-cb", action="store_true", help="also time transformers' continuous batching "
                         "(model.generate_batch) on the batched decode's prompts")
+    parser.add_argument("--compile", action="store_true", help="only bench_compile_step.py: torch.compile of the "
+                        "layer loop under the CUDA graphs against the graphs alone, 1 and --clients rows over the "
+                        "first --lengths columns")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)
+    if args.compile:
+        from bench import bench_compile_step
+
+        return bench_compile_step.main(["--shape", args.shape, "--device", args.device, "--dtype", args.dtype,
+                                        "--rows", "1", str(args.clients), "--context", str(args.lengths[0])]
+                                       + (["--json", str(args.json)] if args.json else []))
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; use --device cpu --shape tiny for a smoke run")
@@ -414,16 +423,16 @@ def main(argv: list[str] | None = None) -> None:
             build("decode", EngineConfig(chunk_size=CHUNK, hot_tier_bytes=0, max_prompt_tokens=1024,
                                          max_new_tokens_limit=args.decode_tokens, max_running_requests=args.clients,
                                          kv_cache_bytes=(args.clients + 9) * (1024 + args.decode_tokens + 2) * kv_per_token))
-        if args.service_defaults:  # last: auto sizes from what the device has free now
-            build("from L0", EngineConfig(**long_prompts))
-        else:
-            build("from L0", EngineConfig(hot_tier_bytes=int(args.l0_bytes * (1 << 30)), kv_cache_bytes=slots_bytes,
-                                          **long_prompts))
         if cuda:  # the host tier is CUDA's only; sized to hold the longest prompt
             build("from host tier", EngineConfig(hot_tier_bytes=0, host_tier_bytes=(longest + CHUNK) * kv_per_token,
                                                  kv_cache_bytes=slots_bytes, **long_prompts))
         else:
             log("from host tier: skipped (on a CPU there is no host tier: L0 already is host memory)")
+        if args.service_defaults:  # last: auto sizes from what the device has free now
+            build("from L0", EngineConfig(**long_prompts))
+        else:
+            build("from L0", EngineConfig(hot_tier_bytes=int(args.l0_bytes * (1 << 30)), kv_cache_bytes=slots_bytes,
+                                          **long_prompts))
         results["from_l0_config"] = {"kv_cache_bytes": engines["from L0"].config.kv_cache_bytes,
                                      "l0_bytes": engines["from L0"].config.hot_tier_bytes}
         log(f"weights {weight_bytes / 1e9:.1f} GB, K/V {kv_per_token // 1024} KiB per token, "

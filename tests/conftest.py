@@ -111,10 +111,11 @@ def smollm2():
     return load_smollm2()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_reference():
     """Plain model.generate on the real SmolLM2 in a process beside this one (tests/reference_process.py), so
-    a test's references compute while its engine runs; one torch thread, like the tests that use it."""
+    a test's references compute while its engine runs; one torch thread, like the tests that use it. Per
+    module: the child holds a second copy of the model only while a module uses it."""
     from tests.reference_process import ReferenceProcess
 
     process = ReferenceProcess(MKL_DISPATCH.applied)

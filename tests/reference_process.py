@@ -11,6 +11,7 @@ must be compared like with like.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -23,55 +24,75 @@ THREADS = 1
 
 
 class ReferenceProcess:
-    """One child process answering `submit(token_ids, max_new_tokens)` in order; `close()` stops it."""
+    """One child process answering `submit(token_ids, max_new_tokens)` in order; `close()` stops it. Starting it
+    does not wait: the child loads SmolLM2 while the test sets up, and answers what was submitted meanwhile."""
 
     def __init__(self, expected_dispatch: str):
+        self._expected = {"dispatch": expected_dispatch, "threads": THREADS}
         self._process = subprocess.Popen([sys.executable, "-m", "tests.reference_process"], cwd=ROOT,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        ready = json.loads(self._process.stdout.readline() or "null")
-        if ready is None:
-            self._process.wait(timeout=30)
-            raise RuntimeError(f"the reference process exited with {self._process.returncode} before it was ready")
-        if ready != {"dispatch": expected_dispatch, "threads": THREADS}:
-            self.close()
-            raise RuntimeError(f"the reference process runs {ready}, the tests {expected_dispatch!r} dispatch and "
-                               f"{THREADS} thread(s): its references would not be like for like")
         self._pending: deque[Future] = deque()
-        self._lock = threading.Lock()
+        self._failure: str | None = None
+        self._lock = threading.Lock()  # the pending queue and the failure
+        self._write_lock = threading.Lock()  # the order of the lines written is the order of the answers read
         self._reader = threading.Thread(target=self._read_answers, name="reference-reader", daemon=True)
         self._reader.start()
 
     def submit(self, token_ids: list[int], max_new_tokens: int) -> Future:
         """The greedy continuation (new token ids only), computed while the caller goes on."""
         future: Future = Future()
-        with self._lock:  # the order of the lines written is the order of the answers read
-            self._pending.append(future)
-            self._process.stdin.write(json.dumps({"ids": list(token_ids), "max_new_tokens": max_new_tokens}) + "\n")
-            self._process.stdin.flush()
+        with self._write_lock:
+            with self._lock:
+                if self._failure is not None:
+                    future.set_exception(RuntimeError(self._failure))
+                    return future
+                self._pending.append(future)
+            try:
+                self._process.stdin.write(json.dumps({"ids": list(token_ids), "max_new_tokens": max_new_tokens})
+                                          + "\n")
+                self._process.stdin.flush()
+            except OSError:  # the child is gone: the reader fails every pending request, this one included
+                pass
         return future
 
     def close(self) -> None:
         if self._process.poll() is None:
-            self._process.stdin.close()
+            with self._write_lock:
+                self._process.stdin.close()
             try:
                 self._process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait(timeout=30)
+        self._reader.join(timeout=30)
 
     def _read_answers(self) -> None:
+        line = self._process.stdout.readline()
+        ready = json.loads(line) if line else None
+        if ready != self._expected:
+            self._process.kill()
+            self._fail(f"the reference process exited ({self._process.wait()}) before it was ready" if ready is None
+                       else f"the reference process runs {ready}, the tests {self._expected}: its references would "
+                            "not be like for like")
+            return
         for line in self._process.stdout:
             with self._lock:
                 future = self._pending.popleft()
             future.set_result(json.loads(line))
-        with self._lock:  # the process ended: nothing more will be answered
+        self._fail(f"the reference process exited ({self._process.wait()}) with requests pending")
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            self._failure = why
             while self._pending:
-                self._pending.popleft().set_exception(
-                    RuntimeError(f"the reference process exited ({self._process.poll()}) with requests pending"))
+                self._pending.popleft().set_exception(RuntimeError(why))
 
 
 def serve() -> None:
     """The child: one JSON request a line on stdin, one JSON list of new token ids a line on stdout."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)  # the answers; anything else printed (Python or C) goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     from inference_service import mkl_dispatch
 
     dispatch = mkl_dispatch.apply()  # before torch loads, as tests/conftest.py does
@@ -79,7 +100,6 @@ def serve() -> None:
 
     from tests.factories import load_smollm2
 
-    out, sys.stdout = sys.stdout, sys.stderr  # stdout carries the answers only: anything printed goes to stderr
     torch.set_num_threads(THREADS)
     model, _, _ = load_smollm2()
     out.write(json.dumps({"dispatch": dispatch.applied, "threads": torch.get_num_threads()}) + "\n")

@@ -86,7 +86,13 @@ def compare_rows(model, num_rows: int, args, steps: dict, capacity: int) -> dict
     result: dict = {"rows": num_rows}
     first = {}
     for name, runner in runners.items():  # each bucket's first call captures it (and compiles the compiled loop)
-        first[name], seconds = timed_step(model, runner, rows_at(0))
+        try:
+            first[name], seconds = timed_step(model, runner, rows_at(0))
+        except Exception as error:  # no C compiler for triton's launchers, an inductor error: a measurement to report
+            if name != "compiled":
+                raise
+            result["skipped"] = f"compiling the loop failed: {type(error).__name__}: {str(error)[:300]}"
+            return result
         result[f"{name}_first_call_s"] = seconds
         if name == "compiled" and seconds > args.compile_limit_s:
             result["skipped"] = (f"compiling and capturing the compiled loop for {num_rows} row(s) took {seconds:.0f} s, "
@@ -162,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             probes[name] = "not run: no CUDA graphs on a CPU"
         else:
             began = time.perf_counter()
-            reason = probe_mismatch(model, steps["compiled"], graphs=graphs)
+            try:
+                reason = probe_mismatch(model, steps["compiled"], graphs=graphs)
+            except Exception as error:  # a capture or compilation that fails is the probe's answer too
+                reason = f"failed: {type(error).__name__}: {str(error)[:300]}"
             probes[name] = f"{'bitwise' if not reason else 'MISMATCH: ' + reason} ({time.perf_counter() - began:.1f} s)"
         log(f"probe, {name}: {probes[name]}")
     results["probes"] = probes

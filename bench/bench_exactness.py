@@ -141,6 +141,7 @@ def describe(check: dict, tokens: int) -> str:
 def answer_piece(document: str, prompt: str, length: int, piece: int, args, model, engines: dict) -> list[Answer]:
     """Every path's answer to the prompt with prefills in pieces of `piece` tokens (the uncached one first)."""
     salt = f"exactness-piece-{piece}"  # this piece size's K/V are stored apart from the others'
+    log(f"  {length} tokens in pieces of {piece}: uncached, warm-up, daemon, l0-fill, l0{', host' * ('host' in engines)}")
     answers = []
 
     def run(engine_name: str, path: str, mode: str | None = None) -> None:

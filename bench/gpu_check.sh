@@ -2,11 +2,11 @@
 # The GPU checks of this repository as one short run on a GPU machine without network (for example the device
 # tool's): installs what bench/pack_gpu_wheels.sh packed into .whl, then runs the parts named in PARTS (default: all,
 # in this order), each under its own timeout; logs and JSON go to $OUT (or /tmp/kvboost-gpu).
-#   overhead    bench_overhead.py in process on CUDA: the host's work per cached request (L0 and the daemon)
 #   bench       bench_gpu.py --service-defaults: TTFT by tier at 512..32k, decode one stream and 16 rows, the peer
 #   exactness   bench_exactness.py: bf16 cached vs uncached, bitwise, over lengths, tiers and prefill pieces
 #   pytest      pytest -m gpu (tests/gpu, the K/V kernels, the graph step)
-#   compile     bench_gpu.py --compile: the compiled layer loop under the graphs against the graphs alone
+#   overhead    bench_overhead.py in process on CUDA: the host's work per cached request (L0 and the daemon)
+#   compile     bench_compile_step.py: the compiled layer loop under the graphs against the graphs alone
 #   PARTS="bench exactness" bench/gpu_check.sh [bench_gpu.py flags...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,14 +17,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD:$PWD/proto" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, grpc; print('torch', torch.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'cpus', __import__('os').cpu_count())"
-part() { [[ " ${PARTS:-overhead bench exactness pytest compile} " == *" $1 "* ]]; }
+part() { [[ " ${PARTS:-bench exactness pytest overhead compile} " == *" $1 "* ]]; }
 stamp() { echo "== $1 $(date +%T)"; }
-if part overhead; then
-  stamp overhead
-  timeout "${OVERHEAD_TIMEOUT:-60}" python3 bench/bench_overhead.py --parts in-process --device cuda \
-    --lengths 2048 32768 --cold-lengths 2048 --rounds 5 --model-dir .whl/negligible-model \
-    --json "$out/bench_overhead.json" 2>&1 | grep -v Writing | tee "$out/bench_overhead.log"
-fi
 if part bench; then
   stamp bench
   timeout "${BENCH_TIMEOUT:-300}" python3 bench/bench_gpu.py --service-defaults --peer-cb --json "$out/bench_gpu.json" \
@@ -40,9 +34,15 @@ if part pytest; then
   timeout "${PYTEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu tests/gpu tests/inference_service/kv \
     tests/inference_service/model/test_graph_step.py -p no:cacheprovider 2>&1 | tee "$out/pytest.log" | tail -25
 fi
-if part compile && grep -q -- "--compile" bench/bench_gpu.py; then
+if part overhead; then
+  stamp overhead
+  timeout "${OVERHEAD_TIMEOUT:-60}" python3 bench/bench_overhead.py --parts in-process --device cuda \
+    --lengths 2048 32768 --cold-lengths 2048 --rounds 5 --model-dir .whl/negligible-model 2>&1 | grep -v Writing | tee "$out/bench_overhead.log"
+fi
+if part compile && [ -f bench/bench_compile_step.py ]; then
   stamp compile
-  timeout "${COMPILE_TIMEOUT:-150}" python3 bench/bench_gpu.py --compile --lengths 512 --runs 1 \
-    --json "$out/bench_compile.json" 2>&1 | tee "$out/bench_compile.log"
+  timeout "${COMPILE_TIMEOUT:-150}" python3 bench/bench_compile_step.py --context 512 --rows 1 16 \
+    --compile-limit-s "${COMPILE_LIMIT:-60}" --budget-s "${COMPILE_BUDGET:-60}" --json "$out/bench_compile.json" 2>&1 \
+    | tee "$out/bench_compile.log"
 fi
 stamp done

@@ -1,0 +1,121 @@
+"""A cross-host Lookup of L2-only keys on a busy machine: the daemon's value-free Lookup next to reading the values.
+
+A daemon runs on a real redis-server as its L2. Each round plants `--keys` fresh records (signed with the daemons'
+key, `--value-kib` each) in Redis only, as if another host had stored them, and times from this process:
+
+- the daemon's Lookup of them (it checks L2 by size and answers them as arriving; their values follow into LMDB
+  in the background, so the promotions of earlier rounds run behind later rounds, as in service);
+- an MGET of the same records: the least a Lookup that moved the values had to do before it could answer.
+
+The two alternate which goes first from round to round. With the default `--load 2`, two processes rewrite
+256 MB buffers throughout (memory bandwidth and CPU): the busy machine on which a Lookup that moved values ran
+past the service's deadline. Every Lookup must answer all its keys; a round that does not stops the run.
+
+    python bench/bench_l2_lookup.py                   # 25 rounds of 64 keys x 256 KiB under load
+    python bench/bench_l2_lookup.py --load 0          # an idle machine
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from contextlib import ExitStack, nullcontext
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import redis as redis_py  # noqa: E402
+from kvboost.v1 import cache_pb2  # noqa: E402
+
+from cache_daemon.entry import ChunkKey, IncomingChunk  # noqa: E402
+from cache_daemon.l2.record_auth import load_keyring  # noqa: E402
+from cache_daemon.l2.redis_tier import CHUNK_PREFIX, encode_record  # noqa: E402
+from tests.conftest import pick_free_port  # noqa: E402
+from tests.daemon_support import NAMESPACE, cache_stub, digest, shared_l2_key_file  # noqa: E402
+from tests.e2e.daemon_process import start_daemon  # noqa: E402
+from tests.e2e.memory_load import memory_heavy_load  # noqa: E402
+from tests.redis_support import redis_node  # noqa: E402
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """The nearest-rank percentile (p99 of 25 values is the largest)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+def measure(folder: Path, rounds: int, num_keys: int, value_bytes: int, load: int) -> dict[str, list[float]]:
+    """Seconds per round for 'lookup' (the daemon's) and 'mget' (reading the same values), alternating."""
+    keyring = load_keyring(shared_l2_key_file(folder))
+    blob = os.urandom(value_bytes)
+    timings: dict[str, list[float]] = {"lookup": [], "mget": []}
+    with redis_node(folder / "redis") as node, ExitStack() as stack:
+        daemon = start_daemon(folder / "lmdb", pick_free_port(), "--l2", node.url)
+        stack.callback(daemon.terminate)
+        client = stack.enter_context(redis_py.Redis(host="127.0.0.1", port=node.port))
+        stub = stack.enter_context(cache_stub(daemon.address))
+        stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=[digest("warm-up")]), timeout=10)
+        client.mget([b"warm-up"])
+
+        def lookup(keys: list[bytes], names: list[bytes]) -> None:
+            reply = stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=keys), timeout=10)
+            if reply.prefix_run != len(keys):
+                raise SystemExit(f"a Lookup of {len(keys)} L2-only keys answered {reply.prefix_run}")
+
+        def mget(keys: list[bytes], names: list[bytes]) -> None:
+            values = client.mget(names)
+            if any(value is None or len(value) < value_bytes for value in values):
+                raise SystemExit("an MGET missed a record it had just planted")
+
+        with memory_heavy_load(num_processes=load) if load else nullcontext():
+            for round_index in range(rounds):
+                keys = [digest(f"round {round_index} key {index}") for index in range(num_keys)]
+                records = {CHUNK_PREFIX + key: encode_record(IncomingChunk(
+                    key=ChunkKey(key), namespace=NAMESPACE, content_key=b"", num_tokens=16,
+                    checksum=zlib.crc32(blob), pinned=False, blob=blob), keyring) for key in keys}
+                client.mset(records)
+                order = [("lookup", lookup), ("mget", mget)]
+                for name, run in order if round_index % 2 == 0 else order[::-1]:
+                    started = time.perf_counter()
+                    run(keys, list(records))
+                    timings[name].append(time.perf_counter() - started)
+                client.delete(*records)  # Redis stays small; a promotion not yet done finds them gone (misses)
+    return timings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--rounds", type=int, default=25, help="rounds, each with fresh keys (default 25)")
+    parser.add_argument("--keys", type=int, default=64, help="L2-only keys per Lookup (default 64)")
+    parser.add_argument("--value-kib", type=int, default=256, help="bytes behind each key, in KiB (default 256)")
+    parser.add_argument("--load", type=int, default=2, help="processes rewriting 256 MB buffers beside the run "
+                        "(default 2; 0 = an idle machine)")
+    parser.add_argument("--target-ms", type=float, default=50.0, help="the Lookup's p99 target (default 50)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.keys < 1 or args.value_kib < 1 or args.load < 0:
+        parser.error("--rounds, --keys and --value-kib must be >= 1 and --load >= 0")
+    with tempfile.TemporaryDirectory(prefix="bench-l2-lookup-") as folder:
+        timings = measure(Path(folder), args.rounds, args.keys, args.value_kib << 10, args.load)
+    behind = args.keys * args.value_kib / 1024
+    print(f"L2-only keys: {args.keys} x {args.value_kib} KiB ({behind:.1f} MiB behind each Lookup), "
+          f"{args.rounds} rounds, {args.load} load processes")
+    print(f"{'path':<44} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    labels = {"lookup": "Lookup (value-free check, values follow)", "mget": "MGET of the values (a Lookup moving them)"}
+    for name, label in labels.items():
+        values = timings[name]
+        print(f"{label:<44} {statistics.median(values) * 1000:>8.1f} {percentile(values, 0.99) * 1000:>8.1f} "
+              f"{max(values) * 1000:>8.1f}")
+    p99 = percentile(timings["lookup"], 0.99) * 1000
+    print(f"Lookup p99 {p99:.1f} ms against the target of {args.target_ms:.0f} ms: "
+          f"{'met' if p99 <= args.target_ms else 'missed'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

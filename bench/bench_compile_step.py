@@ -1,6 +1,6 @@
 """torch.compile of the one layer loop under the CUDA graphs, against the graphs alone: step time and bitwise.
 
-The decode step the service runs on a GPU is the lean step (model/decode_step.py) replayed from CUDA graphs
+The decode step the service runs on a GPU is the lean step (model/lean_step.py) replayed from CUDA graphs
 (model/graph_step.py). Here a second lean step runs `torch.compile(scripted_layers.decoder_layers)` (inductor) in its
 place, captured in the same graph buckets. Both decode the same rows over the same random K/V (a random-weight model,
 bench_gpu.py's), one stream and --rows at once, steps alternating between the two: the median step time of each,
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.bench_gpu import SHAPES, log, random_model  # noqa: E402
-from inference_service.model.decode_step import LeanStep  # noqa: E402
+from inference_service.model.lean_step import LeanStep  # noqa: E402
 from inference_service.model.graph_step import GraphSteps  # noqa: E402
 from inference_service.model.kv_buffers import kv_geometry  # noqa: E402
 from inference_service.model.scripted_layers import decoder_layers  # noqa: E402

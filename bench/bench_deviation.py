@@ -39,7 +39,7 @@ from kvboost_keys.prompts import tokenize_segments  # noqa: E402
 from inference_service.kv.repair import APPROX, MISSING, RepairOptions, repair_prefill  # noqa: E402
 from inference_service.kv.rope import rerotate_keys, rope_parameters# noqa: E402
 from inference_service.model.kv_buffers import build_cache# noqa: E402
-from inference_service.model.forward import decode_step# noqa: E402
+from inference_service.model.forward import decode_alone# noqa: E402
 from inference_service.model.loading import load_model# noqa: E402
 from inference_service.request.verification import first_token_kl# noqa: E402
 from rag_dataset import build_documents, build_questions, chat_segments  # noqa: E402
@@ -59,7 +59,7 @@ def prefill(model, token_ids: list[int]):
 def greedy_answer(model, cache, first_logits: torch.Tensor, num_tokens: int, max_new_tokens: int) -> list[int]:
     tokens = [int(first_logits.argmax())]
     for step in range(max_new_tokens - 1):
-        tokens.append(int(decode_step(model, cache, torch.tensor(tokens[-1]), num_tokens + step).argmax()))
+        tokens.append(int(decode_alone(model, cache, torch.tensor(tokens[-1]), num_tokens + step).argmax()))
     return tokens
 
 

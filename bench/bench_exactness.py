@@ -221,10 +221,10 @@ def build_engines(model, tokenizer, store, stack: ExitStack, args, longest: int,
     common = dict(chunk_size=CHUNK, max_prompt_tokens=longest, max_new_tokens_limit=max(64, args.tokens),
                   max_running_requests=2, kv_cache_bytes=slots_bytes, recompute_when_faster=False)
     no_host = {"host_tier_bytes": 0} if HAS_HOST_TIER else {}
-    configs = {"daemon": EngineConfig(hot_tier_bytes=0, **no_host, **common),
-               "l0": EngineConfig(hot_tier_bytes=tier_bytes, **no_host, **common)}
+    configs = {"daemon": EngineConfig(l0_bytes=0, **no_host, **common),
+               "l0": EngineConfig(l0_bytes=tier_bytes, **no_host, **common)}
     if HAS_HOST_TIER:
-        configs["host"] = EngineConfig(hot_tier_bytes=0, host_tier_bytes=tier_bytes, **common)
+        configs["host"] = EngineConfig(l0_bytes=0, host_tier_bytes=tier_bytes, **common)
     else:
         log("host tier: skipped (this engine's EngineConfig has no host_tier_bytes)")
     engines = {}

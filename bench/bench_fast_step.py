@@ -188,7 +188,7 @@ def compare_compile(model, context: int, num_steps: int) -> None:
     One row; attention over a fixed capacity (masked) so that every step has the same shapes: one compilation."""
     import torch
 
-    from inference_service.model.decode_step import LeanStep
+    from inference_service.model.lean_step import LeanStep
     from inference_service.model.scripted_layers import decoder_layers
     from inference_service.model.kv_buffers import kv_geometry
 

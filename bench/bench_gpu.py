@@ -418,23 +418,23 @@ def main(argv: list[str] | None = None) -> int | None:
 
         long_prompts = dict(chunk_size=CHUNK, max_prompt_tokens=longest, max_new_tokens_limit=max(64, args.decode_tokens),
                             max_running_requests=max(2, args.clients))
-        build("warmed", EngineConfig(hot_tier_bytes=0, kv_cache_bytes=slots_bytes, **long_prompts))
+        build("warmed", EngineConfig(l0_bytes=0, kv_cache_bytes=slots_bytes, **long_prompts))
         if args.decode_tokens:  # short prompts, a slot per client (the long-prompt engines hold two slots each)
-            build("decode", EngineConfig(chunk_size=CHUNK, hot_tier_bytes=0, max_prompt_tokens=1024,
+            build("decode", EngineConfig(chunk_size=CHUNK, l0_bytes=0, max_prompt_tokens=1024,
                                          max_new_tokens_limit=args.decode_tokens, max_running_requests=args.clients,
                                          kv_cache_bytes=(args.clients + 9) * (1024 + args.decode_tokens + 2) * kv_per_token))
         if cuda:  # the host tier is CUDA's only; sized to hold the longest prompt
-            build("from host tier", EngineConfig(hot_tier_bytes=0, host_tier_bytes=(longest + CHUNK) * kv_per_token,
+            build("from host tier", EngineConfig(l0_bytes=0, host_tier_bytes=(longest + CHUNK) * kv_per_token,
                                                  kv_cache_bytes=slots_bytes, **long_prompts))
         else:
             log("from host tier: skipped (on a CPU there is no host tier: L0 already is host memory)")
         if args.service_defaults:  # last: auto sizes from what the device has free now
             build("from L0", EngineConfig(**long_prompts))
         else:
-            build("from L0", EngineConfig(hot_tier_bytes=int(args.l0_bytes * (1 << 30)), kv_cache_bytes=slots_bytes,
+            build("from L0", EngineConfig(l0_bytes=int(args.l0_bytes * (1 << 30)), kv_cache_bytes=slots_bytes,
                                           **long_prompts))
         results["from_l0_config"] = {"kv_cache_bytes": engines["from L0"].config.kv_cache_bytes,
-                                     "l0_bytes": engines["from L0"].config.hot_tier_bytes}
+                                     "l0_bytes": engines["from L0"].config.l0_bytes}
         log(f"weights {weight_bytes / 1e9:.1f} GB, K/V {kv_per_token // 1024} KiB per token, "
             f"slots {engines['warmed'].core.layout}")
         results["by_length"] = {}

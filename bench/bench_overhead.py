@@ -140,7 +140,7 @@ def replay_stages(engine, params) -> dict:
     buffers = (torch.zeros(shape, dtype=parts.dtype, device=parts.device),
                torch.zeros(shape, dtype=parts.dtype, device=parts.device))
     placing = time.perf_counter()
-    context = assembler.assemble_context(parts.store, parts.namespace, plan, buffers, False, parts.key_rope, parts.hot)
+    context = assembler.assemble_context(parts.store, parts.namespace, plan, buffers, False, parts.key_rope, parts.l0)
     if parts.device.type == "cuda":
         torch.cuda.synchronize()
     placed = time.perf_counter()

@@ -82,7 +82,7 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
         max_running_requests=config.max_running_requests,
         kv_cache_bytes=config.kv_cache_bytes,
         max_store_stream_bytes=config.cache_max_stream_bytes,
-        hot_tier_bytes=config.l0_bytes,
+        l0_bytes=config.l0_bytes,
         host_tier_bytes=config.host_tier_bytes,
         recompute_when_faster={"auto": None, "on": True, "off": False}[config.recompute_when_faster],
         tokenizer_cache_bytes=config.tokenizer_cache_bytes,

@@ -65,7 +65,7 @@ class EngineCore:
         self._held: list[tuple[float, Sequence]] = []  # (deadline, request) waiting for a write-back of its chunks
         self._wake = threading.Condition()
         self._writeback = parts.writeback
-        self._hot = parts.hot
+        self._l0 = parts.l0
         self._writeback.on_settled = self._wake_up
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -165,7 +165,7 @@ class EngineCore:
     def stats(self) -> dict:
         return {"running_rows": self.scheduler.num_running_rows, "waiting_requests": self.num_waiting,
                 **self.owner.stats(), "decode_step": self.executor.runner.name,
-                **(self._hot.snapshot() if self._hot is not None else {})}
+                **(self._l0.snapshot() if self._l0 is not None else {})}
 
     def _loop(self) -> None:
         while True:

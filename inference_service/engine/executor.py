@@ -21,7 +21,7 @@ from inference_service.reuse.assembler import AssembledContext
 from inference_service.errors import EngineError, EngineFatal
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.batch_forward import BatchWorkspace
-from inference_service.model.forward import decode_step
+from inference_service.model.forward import decode_alone
 from inference_service.model.kv_buffers import build_cache
 
 if TYPE_CHECKING:  # annotations only: the core builds both and hands them in
@@ -171,8 +171,8 @@ class Executor:
                 self.owner.buffers.finite_until[row.slot] = max(self.owner.buffers.finite_until[row.slot],
                                                                 row.next_position)
             return self.runner.decode({row.slot: (row.next_token_id, row.next_position) for _, row in rows})
-        return [decode_step(self.model, row.cache, torch.tensor(row.next_token_id, device=self.model.device),
-                            row.next_position) for _, row in rows]
+        return [decode_alone(self.model, row.cache, torch.tensor(row.next_token_id, device=self.model.device),
+                             row.next_position) for _, row in rows]
 
     def _take(self, seq: Sequence, row: Row, logits: torch.Tensor, hint: tuple[bool, int] | None = None) -> None:
         if seq.ended:  # another of its rows failed this step
@@ -195,7 +195,7 @@ class Executor:
     # ---- write-back, failures --------------------------------------------------------------------------
 
     def _write_back(self, seq: Sequence) -> None:
-        self._keep_fetched_hot(seq)
+        self._keep_fetched(seq)
         pending = seq.pending
         if pending is not None and seq.stored_keys is not None:  # a batch call: no chunk is stored twice
             pending = pending.without(seq.stored_keys)
@@ -205,15 +205,15 @@ class Executor:
         self.owner.hold(slot)  # the write-back reads the slot's K/V on its own thread
         seq.parts.writeback.submit(pending, lambda stored, error: self.owner.let_go(slot))
 
-    def _keep_fetched_hot(self, seq: Sequence) -> None:
+    def _keep_fetched(self, seq: Sequence) -> None:
         """L0 copies the whole chunks this prompt took from the store, on the write-back thread (after the first
         token: never on the request's path)."""
         spans = seq.context.fetched_whole
-        if not spans or (seq.parts.hot is None and seq.parts.writeback.host is None):
+        if not spans or (seq.parts.l0 is None and seq.parts.writeback.host is None):
             return
         slot = seq.state.slots[0]
         self.owner.hold(slot)  # the copy reads the slot's K/V on its own thread
-        seq.parts.writeback.submit_hot(self.owner.views(slot), spans, lambda: self.owner.let_go(slot))
+        seq.parts.writeback.submit_fetched(self.owner.views(slot), spans, lambda: self.owner.let_go(slot))
 
     def _store_answer(self, seq: Sequence, row: Row) -> None:
         """The prompt's tail and the answer's K/V (first completion only) as chunks, so the next turn of a

@@ -11,7 +11,7 @@ import torch
 
 from inference_service.request.types import EngineConfig
 from inference_service.reuse.host_tier import HostTier, host_tier_for
-from inference_service.reuse.hot_tier import HotTier, hot_tier_for
+from inference_service.reuse.l0_tier import L0Tier, l0_tier_for
 from inference_service.store.protocol import ChunkStore, NullStore
 
 logger = logging.getLogger(__name__)
@@ -141,23 +141,23 @@ def tokens_held(num_bytes: int, bytes_per_token: int) -> int:
 
 
 def size_tiers(config: EngineConfig, model, geometry) -> EngineConfig:
-    """The config with auto (None) kv_cache_bytes and hot_tier_bytes sized from the machine: the device's free memory
+    """The config with auto (None) kv_cache_bytes and l0_bytes sized from the machine: the device's free memory
     after the weights on CUDA, the RAM available on a CPU (memory_plan.plan_memory); says at start what each holds."""
     device = model.device
     per_token = 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * model.dtype.itemsize
     config = _size_host_tier(config, device, per_token)
-    if config.kv_cache_bytes is not None and config.hot_tier_bytes is not None:
+    if config.kv_cache_bytes is not None and config.l0_bytes is not None:
         return config
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
     else:
         free, total = host_memory()
-    plan = plan_memory(device.type, free, total, config.kv_cache_bytes, config.hot_tier_bytes)
+    plan = plan_memory(device.type, free, total, config.kv_cache_bytes, config.l0_bytes)
     logger.info("memory (%s): K/V slots %.2f GiB%s = %d tokens, L0 %.2f GiB%s = %d tokens (%d bytes a token)",
                 plan.basis, plan.kv_cache_bytes / 2**30, "" if config.kv_cache_bytes is None else " (given)",
                 tokens_held(plan.kv_cache_bytes, per_token), plan.l0_bytes / 2**30,
-                "" if config.hot_tier_bytes is None else " (given)", tokens_held(plan.l0_bytes, per_token), per_token)
-    return dataclasses.replace(config, kv_cache_bytes=plan.kv_cache_bytes, hot_tier_bytes=plan.l0_bytes)
+                "" if config.l0_bytes is None else " (given)", tokens_held(plan.l0_bytes, per_token), per_token)
+    return dataclasses.replace(config, kv_cache_bytes=plan.kv_cache_bytes, l0_bytes=plan.l0_bytes)
 
 
 def _size_host_tier(config: EngineConfig, device: torch.device, per_token: int) -> EngineConfig:
@@ -166,7 +166,7 @@ def _size_host_tier(config: EngineConfig, device: torch.device, per_token: int) 
     if given:
         host_bytes = config.host_tier_bytes
     else:
-        l0_host = config.hot_tier_bytes or 0 if device.type != "cuda" else 0
+        l0_host = config.l0_bytes or 0 if device.type != "cuda" else 0
         host_bytes = plan_host_tier(device.type, host_memory()[0], l0_host)
     if host_bytes:
         logger.info("host tier %.2f GiB%s = %d tokens (%s host memory, one region in slabs of a chunk)",
@@ -178,12 +178,12 @@ def _size_host_tier(config: EngineConfig, device: torch.device, per_token: int) 
     return dataclasses.replace(config, host_tier_bytes=host_bytes) if not given else config
 
 
-def service_tiers(config: EngineConfig, model, geometry, store: ChunkStore) -> tuple[HotTier | None, HostTier | None]:
+def service_tiers(config: EngineConfig, model, geometry, store: ChunkStore) -> tuple[L0Tier | None, HostTier | None]:
     """L0 and the host tier for a sized config (either None: off)."""
-    hot = hot_tier_for(config.hot_tier_bytes, config.kv_cache_bits, store)
+    l0 = l0_tier_for(config.l0_bytes, config.kv_cache_bits, store)
     if isinstance(store, NullStore):  # every request runs without a cache
         return None, None
     slab_shape = (geometry.num_layers, geometry.num_kv_heads, config.chunk_size, geometry.head_dim)
     host = host_tier_for(config.host_tier_bytes or 0, slab_shape, model.dtype, model.device, config.kv_cache_bits,
-                         hot.__contains__ if hot is not None else None)
-    return hot, host
+                         l0.__contains__ if l0 is not None else None)
+    return l0, host

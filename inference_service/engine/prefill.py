@@ -32,7 +32,7 @@ def start(seq: Sequence, buffers: Buffers) -> None:
         recompute_when_faster = parts.device.type == "cuda"
     early = seq.current_lookup()
     seq.context = (assemble_context(parts.store, parts.namespace, prompt, buffers, seq.mode == "chunk_kv_reuse",
-                                    parts.key_rope, parts.hot, parts.counters.skip_load if recompute_when_faster
+                                    parts.key_rope, parts.l0, parts.counters.skip_load if recompute_when_faster
                                     else None, early, parts.writeback.host) if looks_up else empty_context())
     if seq.context.num_cached_tokens:  # the load rate: bytes in place / time from the Lookup to the last one placed
         keys = buffers[0]

@@ -1,4 +1,4 @@
-"""The model's forward passes over a request's cache: one prefill, one decode step."""
+"""The model's forward passes over one request's own cache: a prefill, and one token decoded alone."""
 from __future__ import annotations
 
 import torch
@@ -42,8 +42,9 @@ def _prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int,
 
 
 @torch.inference_mode()
-def decode_step(model, cache: DynamicCache, token_id: torch.Tensor, position: int) -> torch.Tensor:
-    """One generated token through the model; token_id: [] at `position`. Returns logits [vocab] (float32)."""
+def decode_alone(model, cache: DynamicCache, token_id: torch.Tensor, position: int) -> torch.Tensor:
+    """One generated token through the model, for one request alone (the rows of a sliding-window model decode
+    this way: pads would shift the window); token_id: [] at `position`. Returns logits [vocab] (float32)."""
     position_ids = torch.tensor([[position]], device=token_id.device)
     output = model(input_ids=token_id.view(1, 1), position_ids=position_ids, past_key_values=cache, use_cache=True,
                    **engine_call_kwargs())

@@ -1,6 +1,6 @@
 """The batched decode step replayed from CUDA graphs: one launch per step instead of ~30 kernels per layer.
 
-On a GPU the lean step (model/decode_step.py) is launch-bound: Python and the dispatcher start each of its ~1,000
+On a GPU the lean step (model/lean_step.py) is launch-bound: Python and the dispatcher start each of its ~1,000
 kernels (an 8B model) one after the other, ~15 ms a step where reading the weights once takes ~4. Captured once as
 a CUDA graph, a step is one replay. A graph fixes its shapes and addresses, so it is captured per bucket: the rows
 are slots [0, R) of the slot buffers (R a power of two covering the highest decoding slot; rows not decoding this
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.model.decode_step import LeanStep
+from inference_service.model.lean_step import LeanStep
 
 logger = logging.getLogger(__name__)
 

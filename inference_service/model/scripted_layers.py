@@ -1,7 +1,7 @@
 """The decode step's layer loop, written once: the same ATen ops, in the same order, on the same tensors as
 transformers' Llama/Mistral/Qwen2 decoder layers for one new token per row (so the same bits).
 
-LeanStep (model/decode_step.py) runs it as TorchScript on a CPU, where the interpreter runs the ~40 ops of a layer
+LeanStep (model/lean_step.py) runs it as TorchScript on a CPU, where the interpreter runs the ~40 ops of a layer
 without Python between them (docs/performance.md), and as this Python function on a GPU, where CUDA graphs
 (model/graph_step.py) capture it: TorchScript's GPU fuser would fuse the pointwise ops and round them apart.
 The start-up probe (model/step_runner.py) checks whichever runs bitwise against the model's forward.
@@ -67,7 +67,7 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
     return hidden
 
 
-# TorchScript is deprecated in torch 2.x; torch is pinned, and tests/inference_service/model/test_decode_step.py
+# TorchScript is deprecated in torch 2.x; torch is pinned, and tests/inference_service/model/test_lean_step.py
 # fails loudly if a later torch changes what the scripted loop returns.
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)

@@ -1,6 +1,6 @@
 """The decode step the engine runs, chosen once at start-up and checked by one probe, and the runner that runs it.
 
-The step is the lean step (model/decode_step.py: the one layer loop, scripted on a CPU) where the model takes it
+The step is the lean step (model/lean_step.py: the one layer loop, scripted on a CPU) where the model takes it
 and the probe finds it bitwise the model's forward, else the model's forward itself (model/model_step.py). On a
 GPU the lean step is replayed from CUDA graphs (model/graph_step.py) where the same probe finds the replay bitwise
 the eager step in the same buckets. The log and Stats.decode_step say which runs and why.
@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from inference_service.model.decode_step import LeanStep, lean_step_support
+from inference_service.model.lean_step import LeanStep, lean_step_support
 from inference_service.model.graph_step import MIN_LENGTH_BUCKET, CaptureFailed, GraphSteps, graph_support
 from inference_service.model.kv_buffers import kv_geometry
 from inference_service.model.model_step import ModelStep

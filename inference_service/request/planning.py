@@ -14,7 +14,7 @@ from inference_service.request.counters import EngineStats
 from inference_service.request.generation import DecodeResult
 from kvboost_keys.prompts import PromptPlan, plan_prompt, tokenize_request, tokenize_warm
 from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams
-from inference_service.reuse.hot_tier import HotTier
+from inference_service.reuse.l0_tier import L0Tier
 from inference_service.reuse.writeback import PendingChunks, WriteBack
 from inference_service.errors import InvalidRequest, PromptTooLong
 from kvboost_keys.namespace import Namespace, salted_namespace
@@ -51,9 +51,9 @@ class EngineParts:
     token_cache: TokenCache | None = None
 
     @property
-    def hot(self) -> HotTier | None:
-        """L0 (reuse/hot_tier.py), which the write-back fills; None: off."""
-        return self.writeback.hot
+    def l0(self) -> L0Tier | None:
+        """L0 (reuse/l0_tier.py), which the write-back fills; None: off."""
+        return self.writeback.l0
 
     @property
     def device(self) -> torch.device:

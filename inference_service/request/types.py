@@ -67,7 +67,7 @@ class EngineConfig:
     kv_slots_by_budget: bool | None = None
     # L0: K/V of the chunks written back or fetched, kept in the service's memory (16-bit storage only: quantized
     # blobs do not decode to the computed values); 0: off; None: auto, as kv_cache_bytes.
-    hot_tier_bytes: int | None = None
+    l0_bytes: int | None = None
     # The host tier: whole chunks' K/V in one pinned host region that the copy engine reads into slots, fed by L0's
     # evictions and fetched chunks (reuse/host_tier.py); 0: off; None: auto (on CUDA a share of the RAM available,
     # on a CPU off: L0 already is host memory). Off here by default, so that a process building several engines
@@ -106,8 +106,8 @@ class EngineConfig:
         assert self.max_forward_tokens >= 0, f"max_forward_tokens must be >= 0 (0: by device), got {self.max_forward_tokens}"
         assert self.max_queue > 0, f"max_queue must be positive, got {self.max_queue}"
         assert self.max_answer_tokens_stored >= 0, "max_answer_tokens_stored must be >= 0"
-        assert self.hot_tier_bytes is None or self.hot_tier_bytes >= 0, (
-            f"hot_tier_bytes must be >= 0 (None: auto), got {self.hot_tier_bytes}")
+        assert self.l0_bytes is None or self.l0_bytes >= 0, (
+            f"l0_bytes must be >= 0 (None: auto), got {self.l0_bytes}")
         assert self.host_tier_bytes is None or self.host_tier_bytes >= 0, (
             f"host_tier_bytes must be >= 0 (None: auto), got {self.host_tier_bytes}")
         assert self.tokenizer_cache_bytes >= 0, f"tokenizer_cache_bytes must be >= 0, got {self.tokenizer_cache_bytes}"

@@ -16,10 +16,10 @@ from inference_service.kv.loader import RunLoad, copies_raw, staging_ring
 from kvboost_keys.prompts import PromptPlan
 from kvboost_keys.chunking import Chunk
 from inference_service.kv.rope import RopeParams
-from inference_service.reuse.hot_placement import place_from_tiers
 from inference_service.reuse.host_tier import HostTier
-from inference_service.reuse.hot_tier import HotTier
+from inference_service.reuse.l0_tier import L0Tier
 from inference_service.reuse.prefetch import prefetched
+from inference_service.reuse.tier_placement import place_from_tiers
 from inference_service.reuse.tier_rates import TierLoad, store_tier
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class AssembledContext:
     # Whole chunks placed from the store, not from L0: (prefix key, start, end, the key it chains from or None for
     # the prompt's first chunk) for L0 to keep, off the request path.
     fetched_whole: list[tuple[bytes, int, int, bytes | None]] = field(default_factory=list)
-    num_hot_chunks: int = 0  # chunks placed from L0 or the host tier: the leading ones (the partial one, from L0, when
+    num_tier_chunks: int = 0  # chunks placed from L0 or the host tier: the leading ones (the partial one, from L0, when
     # all came from there)
     approximate: bool = False  # content hits were placed: K/V computed under another prefix are in the context
     num_approximate_tokens: int = 0  # content-hit tokens whose K/V repair kept (not recomputed)
@@ -57,7 +57,7 @@ class AssembledContext:
     @property
     def num_fetched_blobs(self) -> int:
         """Blobs that came from the store (L0's chunks did not)."""
-        return self.num_cached_chunks + (self.partial_key is not None) - self.num_hot_chunks
+        return self.num_cached_chunks + (self.partial_key is not None) - self.num_tier_chunks
 
 
 # (tier, tokens, K/V bytes per token) -> whether recomputing those tokens beats loading them from the tier.
@@ -72,7 +72,7 @@ class PartialHit:
     key: bytes
     chunk: Chunk
     leading: bool = False
-    hot: bool = False  # L0 holds it: placed from there, not fetched
+    in_l0: bool = False  # L0 holds it: placed from there, not fetched
 
 
 def empty_context(degraded: bool = False) -> AssembledContext:
@@ -86,7 +86,7 @@ def assemble_context(
     buffers: tuple[torch.Tensor, torch.Tensor],
     with_content_hits: bool,
     rope: RopeParams | None = None,
-    hot: HotTier | None = None,
+    l0: L0Tier | None = None,
     skip_load: SkipLoad | None = None,
     early: StoreLookup | LookupFailed | None = None,
     host: HostTier | None = None,
@@ -111,14 +111,14 @@ def assemble_context(
         lookup = early if early is not None else look_up(store, namespace, prompt, with_content_hits)
         # The run goes on through the chunks L0 holds whose write-back is still in flight (a prefix key names exactly
         # one K/V, so this is exact); for every other key the daemon's Lookup decides (a Delete there reaches L0).
-        run = _hot_run(hot, prompt, lookup.prefix_run)
-        partial = _find_partial(store, namespace, prompt, run, hot, lookup)
+        run = _run_with_pending(l0, prompt, lookup.prefix_run)
+        partial = _find_partial(store, namespace, prompt, run, l0, lookup)
     except StoreUnavailable as error:
         logger.warning("cache unavailable, serving without it: %s", error)
         return empty_context(degraded=True)
     if run == 0 and partial is None:
         return AssembledContext(None, None, content_hits=lookup.content_hits)
-    context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, hot, skip_load, host)
+    context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, l0, skip_load, host)
     context.content_hits = lookup.content_hits
     return context
 
@@ -153,15 +153,15 @@ def early_lookup(store: ChunkStore, namespace: bytes, prompt: PromptPlan,
         return LookupFailed(str(error))
 
 
-def _hot_run(hot: HotTier | None, prompt: PromptPlan, run: int) -> int:
+def _run_with_pending(l0: L0Tier | None, prompt: PromptPlan, run: int) -> int:
     """The prefix run, extended through the whole chunks right after it whose write-back L0 holds in flight."""
-    while hot is not None and run < len(prompt.prefix_keys) and hot.is_pending(prompt.prefix_keys[run]):
+    while l0 is not None and run < len(prompt.prefix_keys) and l0.is_pending(prompt.prefix_keys[run]):
         run += 1
     return run
 
 
 def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: int,
-                  hot: HotTier | None = None, first: StoreLookup | None = None) -> PartialHit | None:
+                  l0: L0Tier | None = None, first: StoreLookup | None = None) -> PartialHit | None:
     """The stored chunk that continues a run of `run` whole chunks; first: the run's Lookup, which answered this
     when it was asked with AfterRun and its run is `run` (else a second Lookup asks)."""
     start, length = prompt.partial_span(run)
@@ -170,9 +170,9 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
     tokens = tuple(prompt.token_ids[start : start + length])  # the partial candidates' tokens
     answered = first is not None and first.continued and first.prefix_run == run
     # The keys of the first n tokens, longest first: only L0 (or a second Lookup) needs them.
-    candidates = prompt.partial_candidates(run)[1] if hot is not None or not answered else []
+    candidates = prompt.partial_candidates(run)[1] if l0 is not None or not answered else []
     # The longest candidate whose write-back L0 holds in flight (candidates run longest first).
-    in_hot = next((length - rank for rank, key in enumerate(candidates) if hot is not None and hot.is_pending(key)), 0)
+    in_l0 = next((length - rank for rank, key in enumerate(candidates) if l0 is not None and l0.is_pending(key)), 0)
     if answered:
         exact, exact_key = first.partial_tokens, first.partial_key
         continuation_key, continuation_tokens = first.continuation_key, first.continuation_tokens
@@ -182,10 +182,10 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
         exact_key = None if found.partial_index is None else candidates[found.partial_index]
         continuation_key, continuation_tokens = found.continuation_key, found.continuation_tokens
     shared = min(continuation_tokens, len(tokens))
-    if exact and exact >= in_hot and hot is not None and exact_key in hot:
-        in_hot = exact  # the daemon's own partial chunk, placed from L0's copy
-    if in_hot and in_hot >= max(shared, exact):
-        return PartialHit(candidates[length - in_hot], Chunk(tokens[:in_hot], start, 0), hot=True)
+    if exact and exact >= in_l0 and l0 is not None and exact_key in l0:
+        in_l0 = exact  # the daemon's own partial chunk, placed from L0's copy
+    if in_l0 and in_l0 >= max(shared, exact):
+        return PartialHit(candidates[length - in_l0], Chunk(tokens[:in_l0], start, 0), in_l0=True)
     if shared > exact:
         return PartialHit(continuation_key, Chunk(tokens[:shared], start, 0), leading=True)
     if exact:
@@ -195,7 +195,7 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
 
 def fetch_prefix_run(
     store: ChunkStore, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor],
-    rope: RopeParams | None = None, partial: PartialHit | None = None, hot: HotTier | None = None,
+    rope: RopeParams | None = None, partial: PartialHit | None = None, l0: L0Tier | None = None,
     skip_load: SkipLoad | None = None, host: HostTier | None = None,
 ) -> AssembledContext:
     """Copies the first `run` chunks (then the partial chunk, if any) into their slices of the buffers: the
@@ -209,20 +209,20 @@ def fetch_prefix_run(
     keys, values = buffers
     per_token = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()  # K/V bytes of one token
     run_chunks, run_keys = list(prompt.chunks.chunks[:run]), list(prompt.prefix_keys[:run])
-    hot_partial = partial is not None and partial.hot
-    if hot_partial:  # the partial chunk right after the run: placed with it when L0 holds the whole run
+    l0_partial = partial is not None and partial.in_l0
+    if l0_partial:  # the partial chunk right after the run: placed with it when L0 holds the whole run
         run_chunks.append(partial.chunk)
         run_keys.append(partial.key)
-    num_hot, hot_load = place_from_tiers(hot, host, run_chunks, run_keys, buffers, per_token)
-    if hot_partial:
-        if num_hot == run + 1:
+    from_tiers, tier_loads = place_from_tiers(l0, host, run_chunks, run_keys, buffers, per_token)
+    if l0_partial:
+        if from_tiers == run + 1:
             return AssembledContext(keys, values, partial.chunk.end, run, partial_key=partial.key,  # all from L0
-                                    num_partial_tokens=len(partial.chunk.token_ids), num_hot_chunks=num_hot,
-                                    tier_loads=hot_load)
-        num_hot = min(num_hot, run)
+                                    num_partial_tokens=len(partial.chunk.token_ids), num_tier_chunks=from_tiers,
+                                    tier_loads=tier_loads)
+        from_tiers = min(from_tiers, run)
         partial = None  # evicted since, or a whole chunk before it comes from the daemon: the tail is recomputed
-    chunks = list(prompt.chunks.chunks[num_hot:run])
-    keys_to_fetch = list(prompt.prefix_keys[num_hot:run])
+    chunks = list(prompt.chunks.chunks[from_tiers:run])
+    keys_to_fetch = list(prompt.prefix_keys[from_tiers:run])
     if partial is not None:
         chunks.append(partial.chunk)
         keys_to_fetch.append(partial.key)
@@ -230,12 +230,12 @@ def fetch_prefix_run(
     if chunks and skip_load is not None and skip_load(store_tier(store), chunks[-1].end - chunks[0].start, per_token):
         skipped, chunks = chunks[-1].end - chunks[0].start, []
     if not chunks:
-        if num_hot == 0:
+        if from_tiers == 0:
             return AssembledContext(None, None, num_load_skipped_tokens=skipped)
-        return AssembledContext(keys, values, prompt.chunks.chunks[num_hot - 1].end, num_hot, num_hot_chunks=num_hot,
-                                tier_loads=hot_load, num_load_skipped_tokens=skipped)
+        return AssembledContext(keys, values, prompt.chunks.chunks[from_tiers - 1].end, from_tiers,
+                                num_tier_chunks=from_tiers, tier_loads=tier_loads, num_load_skipped_tokens=skipped)
     started = time.perf_counter()
-    leading_index = run - num_hot if partial is not None and partial.leading else -1
+    leading_index = run - from_tiers if partial is not None and partial.leading else -1
     shape = (keys.shape[0], keys.shape[1], chunks[-1].end, keys.shape[3])
     verify = not getattr(store, "verifies_blobs", False)  # one checksum per blob is enough
     num_placed = 0
@@ -278,21 +278,22 @@ def fetch_prefix_run(
         num_placed = min(num_placed, failed)
     num_bytes = sum(sizes[:num_placed])
     fetched_whole = [(keys_to_fetch[i], chunks[i].start, chunks[i].end,
-                      prompt.parent_key(num_hot + i) if num_hot + i else None)  # None: the prompt's first chunk
-                     for i in range(min(num_placed, run - num_hot))] if hot is not None or host is not None else []
-    if num_placed == 0 and num_hot == 0:
+                      prompt.parent_key(from_tiers + i) if from_tiers + i else None)  # None: the prompt's first chunk
+                     for i in range(min(num_placed, run - from_tiers))] if l0 is not None or host is not None else []
+    if num_placed == 0 and from_tiers == 0:
         return AssembledContext(None, None, num_bytes_fetched=num_bytes, degraded=degraded)
     if num_placed == 0:
-        return AssembledContext(keys, values, prompt.chunks.chunks[num_hot - 1].end, num_hot, degraded=degraded,
-                                num_hot_chunks=num_hot, tier_loads=hot_load)
+        return AssembledContext(keys, values, prompt.chunks.chunks[from_tiers - 1].end, from_tiers, degraded=degraded,
+                                num_tier_chunks=from_tiers, tier_loads=tier_loads)
     store_load = TierLoad(store_tier(store), num_placed, (chunks[num_placed - 1].end - chunks[0].start) * per_token,
                           time.perf_counter() - started)
     placed_partial = partial is not None and num_placed == len(chunks)
-    return AssembledContext(keys, values, chunks[num_placed - 1].end, min(num_hot + num_placed, run),
+    return AssembledContext(keys, values, chunks[num_placed - 1].end, min(from_tiers + num_placed, run),
                             num_bytes_fetched=num_bytes, degraded=degraded,
                             partial_key=partial.key if placed_partial else None,
                             num_partial_tokens=len(partial.chunk.token_ids) if placed_partial else 0,
-                            fetched_whole=fetched_whole, num_hot_chunks=num_hot, tier_loads=[*hot_load, store_load])
+                            fetched_whole=fetched_whole, num_tier_chunks=from_tiers,
+                            tier_loads=[*tier_loads, store_load])
 
 
 def _raw_header(expected_key: bytes, key: bytes, blob, chunk: Chunk, leading: bool,

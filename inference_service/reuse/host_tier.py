@@ -16,7 +16,7 @@ from inference_service.reuse.l0_eviction import DEFAULT_HALF_LIFE_S, HeldElsewhe
 logger = logging.getLogger(__name__)
 
 # A group of adjacent slabs goes to the device in one DMA into a temporary of at most this many bytes, then into the
-# slot by one strided copy per buffer (hot_placement.PLACEMENT_GROUP_BYTES bounds L0's the same way).
+# slot by one strided copy per buffer (tier_placement.PLACEMENT_GROUP_BYTES bounds L0's the same way).
 MAX_GROUP_BYTES = 512 << 20
 
 
@@ -245,7 +245,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def host_tier_for(max_bytes: int, slab_shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
                   kv_cache_bits: int, held_elsewhere: HeldElsewhere | None = None) -> HostTier | None:
     """The host tier of max_bytes (whole slabs; None: off, as at 0 or too small for one chunk), pinned on CUDA. Kept
-    only at 16-bit storage, as L0 (hot_tier.hot_tier_for says why)."""
+    only at 16-bit storage, as L0 (l0_tier.l0_tier_for says why)."""
     num_slabs = max_bytes // (2 * _numel(slab_shape) * dtype.itemsize) if max_bytes and kv_cache_bits == 16 else 0
     if not num_slabs:
         return None

@@ -16,7 +16,7 @@ from kvboost_keys.chunking import Chunk
 from inference_service.kv.blobs import DEFAULT_GROUP_SIZE, encode_chunk_kv
 from inference_service.kv.rope import RopeParams
 from inference_service.reuse.host_tier import HostTier
-from inference_service.reuse.hot_tier import HotTier
+from inference_service.reuse.l0_tier import L0Tier
 from inference_service.model.kv_buffers import LayerKV, stack_layers
 from inference_service.model.threads import confine_to_this_thread, lower_this_threads_priority
 
@@ -113,17 +113,17 @@ class WriteBack:
 
     def __init__(self, cache: ChunkStore, bits: int, on_stored: Callable[[int, int], None],
                  group_size: int = DEFAULT_GROUP_SIZE, rope: RopeParams | None = None,
-                 max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES, hot: HotTier | None = None,
+                 max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES, l0: L0Tier | None = None,
                  host: HostTier | None = None) -> None:
         """max_stream_bytes: blob bytes per store call; a larger write-back goes out as several, encoded as it
-        goes (its encoded bytes are never all in memory at once). hot: L0, which keeps every chunk written back
+        goes (its encoded bytes are never all in memory at once). l0: L0, which keeps every chunk written back
         (before the store has it) and the whole chunks requests fetched. host: the host tier, which takes what L0
         evicts, and what L0 does not keep (or every whole chunk, with no L0)."""
         assert max_stream_bytes > 0, f"max_stream_bytes must be positive, got {max_stream_bytes}"
-        self.hot = hot
+        self.l0 = l0
         self.host = host
-        if hot is not None and host is not None:
-            hot.spill = host.add
+        if l0 is not None and host is not None:
+            l0.spill = host.add
         self._cache = cache
         self._max_stream_bytes = max_stream_bytes
         self._bits = bits
@@ -132,7 +132,7 @@ class WriteBack:
         self._on_stored = on_stored  # (chunks stored, bytes stored)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-writeback",
                                             initializer=_background_thread)
-        self._hot_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-l0",
+        self._l0_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-l0",
                                                 initializer=confine_to_this_thread)
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
@@ -144,7 +144,7 @@ class WriteBack:
         """Whether any of these prefix keys is queued or being stored now and not in L0 (a request that needs it
         had better wait for it than recompute it; one L0 holds is placed from there at once)."""
         with self._lock:
-            return any(key in self._in_flight and (self.hot is None or not self.hot.is_pending(key)) for key in keys)
+            return any(key in self._in_flight and (self.l0 is None or not self.l0.is_pending(key)) for key in keys)
 
     def submit(self, pending: PendingChunks, on_done: Callable[[int, BaseException | None], None] | None = None) -> None:
         """Queues the chunks; returns at once. on_done(stored count, error) runs on the write-back thread once they
@@ -170,7 +170,7 @@ class WriteBack:
         """
         total = 0
         with torch.inference_mode():
-            self._keep_hot(pending)
+            self._keep_in_tiers(pending)
             try:
                 items = iter_encoded(pending, self._bits, self._group_size, self._rope)
                 for batch in bounded_batches(items, self._max_stream_bytes):
@@ -178,15 +178,15 @@ class WriteBack:
                     self._on_stored(stored, sum(len(item.blob) for item in batch))
                     total += stored
             finally:
-                if self.hot is not None:
-                    self.hot.settle(pending.prefix_keys)
+                if self.l0 is not None:
+                    self.l0.settle(pending.prefix_keys)
         return total
 
-    def _keep_hot(self, pending: PendingChunks) -> None:
+    def _keep_in_tiers(self, pending: PendingChunks) -> None:
         """L0 keeps the chunks' K/V as computed (whole chunks and a prompt's tail), before the daemon has them: a
         request that repeats the prompt meanwhile is placed from L0 instead of waiting for the Store (the 16-bit
         blobs hold exactly these values). L0 never costs a daemon write: its failure is logged, the write goes on."""
-        if self.hot is None and self.host is None:
+        if self.l0 is None and self.host is None:
             return
         try:
             parents = pending.parent_keys or (None,) * len(pending.chunks)  # L0 evicts a chunk after its successors
@@ -199,13 +199,13 @@ class WriteBack:
               pending: bool = False) -> None:
         """L0 keeps the chunk; the host tier takes it when L0 does not (off, or no room it may make). Its bytes were
         computed here, or checked when they were fetched: no checksum again."""
-        if self.hot is not None and self.hot.add(key, keys, values, pending=pending, parent=parent):
+        if self.l0 is not None and self.l0.add(key, keys, values, pending=pending, parent=parent):
             return
         if self.host is not None:
             self.host.add(key, keys, values, parent)
 
-    def submit_hot(self, buffers: tuple[torch.Tensor, torch.Tensor], spans: list[tuple[bytes, int, int, bytes | None]],
-                   on_done: Callable[[], None]) -> None:
+    def submit_fetched(self, buffers: tuple[torch.Tensor, torch.Tensor],
+                       spans: list[tuple[bytes, int, int, bytes | None]], on_done: Callable[[], None]) -> None:
         """Queues copies of chunks placed from the store (key, start, end in `buffers`, keys and values
         [layers, kv_heads, capacity, head_dim], and the prefix key each chains from) into L0; on_done runs on the
         write-back thread once they are copied (the buffers may be reused from then on)."""
@@ -219,7 +219,7 @@ class WriteBack:
             finally:
                 on_done()
 
-        future = self._hot_executor.submit(copy)  # its own thread: never queued behind a large Store
+        future = self._l0_executor.submit(copy)  # its own thread: never queued behind a large Store
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._forget)
@@ -255,4 +255,4 @@ class WriteBack:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
-        self._hot_executor.shutdown(wait=True)
+        self._l0_executor.shutdown(wait=True)

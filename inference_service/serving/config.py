@@ -17,7 +17,7 @@ from inference_service.store.protocol import DEFAULT_MAX_STREAM_BYTES
 from kvboost_common import catalogue
 from kvboost_common.addresses import check_listen_address, is_local, is_unix, split_host_port
 from kvboost_common.auth import load_token
-from kvboost_common.env_defaults import env_default_reader
+from kvboost_common.env_defaults import add_renamed_flags, apply_renamed_flags, env_default_reader
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_CACHE_ADDR = "127.0.0.1:50052"
@@ -31,6 +31,8 @@ REMOVED_FLAGS = {
     "max_batch_tokens": "--max-batch-tokens was replaced by --kv-cache-bytes: the K/V memory running requests may "
                         "reserve, in bytes (prompt + max_new_tokens per row)",
 }
+# Flags that were renamed, old -> new (dests): the old flag and variable still work, with a warning (env_defaults).
+RENAMED_FLAGS = {"overlap_k": "overlap_tokens"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,7 +106,7 @@ class ServiceConfig:
         _require(0.0 < self.recompute_ratio <= 1.0, f"--recompute-ratio must be in (0, 1], got {self.recompute_ratio}")
         _require(self.selective_tokens >= 0, f"--selective-tokens must be >= 0, got {self.selective_tokens}")
         _require(self.sink_tokens >= 0, f"--sink-tokens must be >= 0, got {self.sink_tokens}")
-        _require(self.overlap_tokens >= 0, f"--overlap-k must be >= 0, got {self.overlap_tokens}")
+        _require(self.overlap_tokens >= 0, f"--overlap-tokens must be >= 0, got {self.overlap_tokens}")
         _require(self.guard_threshold is None or (self.guard_threshold >= 0
                                                   and self.guard_threshold == self.guard_threshold),
                  f"--fidelity-guard must be a share >= 0 (0 = off), got {self.guard_threshold}")
@@ -232,7 +234,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--sink-tokens", type=int, default=default("SINK_TOKENS", defaults.sink_tokens), help="selective, cacheblend: content-hit tokens among the first N of a prompt are always recomputed (KVBOOST_SINK_TOKENS)")
     add("--fidelity-guard", dest="guard_threshold", type=float, default=default("FIDELITY_GUARD", defaults.guard_threshold, float), help="cacheblend: when the content hits' K/V error left unrepaired at the check layer exceeds this share, recompute every content-hit token (the answer is then full prefill's); 0 = off; "
         f"unset: the threshold tuned for the loaded weights ({_tuned_guards()}: the largest that kept guarded answers within 2 points of full prefill on a development split), else {catalogue.DEFAULT_GUARD_THRESHOLD:g}; the start-up log says which. docs/benchmarks.md has the measured trade-off (KVBOOST_FIDELITY_GUARD)")
-    add("--overlap-k", dest="overlap_tokens", type=int, default=default("OVERLAP_K", defaults.overlap_tokens), help="the first K tokens of every content-hit run are recomputed with their real left context, whatever the strategy (KVBOOST_OVERLAP_K)")
+    add("--overlap-tokens", type=int, default=default("OVERLAP_TOKENS", defaults.overlap_tokens), help="the first N tokens of every content-hit run are recomputed with their real left context, whatever the strategy; formerly --overlap-k (KVBOOST_OVERLAP_TOKENS)")
     add("--kv-group-size", type=int, default=default("KV_GROUP_SIZE", defaults.kv_group_size), help="quantization group at 8 and 4 bits: tokens per key scale, channels per value scale; 0 picks 64 at 8 bits, 128 at 4 (KVBOOST_KV_GROUP_SIZE)")
     add("--kv-keys-before-rope", action=argparse.BooleanOptionalAction,
         default=default("KV_KEYS_BEFORE_ROPE", defaults.kv_keys_before_rope),
@@ -252,6 +254,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--max-answer-tokens-stored", type=int, default=default("MAX_ANSWER_TOKENS_STORED", defaults.max_answer_tokens_stored), help="when a request ends, the K/V of its prompt's tail and of up to this many generated tokens (its first completion) are written back, keyed as the next turn of the conversation will key them, so that turn recomputes only its new message; 0 = answers are not stored (KVBOOST_MAX_ANSWER_TOKENS_STORED)")
     for removed in REMOVED_FLAGS:  # still parsed, so naming one fails with what replaced it
         add("--" + removed.replace("_", "-"), dest=removed, default=default(removed.upper(), None), help=argparse.SUPPRESS)
+    add_renamed_flags(parser, RENAMED_FLAGS, default)
     add("--max-new-tokens", type=int, default=default("MAX_NEW_TOKENS", defaults.max_new_tokens), help="largest max_new_tokens a request may ask for (KVBOOST_MAX_NEW_TOKENS)")
     add("--max-prompt-tokens", type=int, default=default("MAX_PROMPT_TOKENS", defaults.max_prompt_tokens), help="longest prompt accepted; 0 = the model's context (KVBOOST_MAX_PROMPT_TOKENS)")
     add("--max-message-bytes", type=int, default=default("MAX_MESSAGE_BYTES", defaults.max_message_bytes), help="largest gRPC message received or sent, bytes; larger ones get RESOURCE_EXHAUSTED (KVBOOST_MAX_MESSAGE_BYTES)")
@@ -287,6 +290,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     for removed, message in REMOVED_FLAGS.items():
         if vars(args).pop(removed) is not None:
             parser.error(f"{message} (KVBOOST_{removed.upper()} in the environment counts too)")
+    apply_renamed_flags(parser, args, RENAMED_FLAGS, ServiceConfig())
     args.decode_step, retired = current_decode_step(args.decode_step)
     if retired:  # a deployment that named a retired step keeps starting, on the exact step nearest to it
         logging.getLogger(__name__).warning("%s", retired)

@@ -51,7 +51,7 @@ def test_runtime_libraries_are_their_own_components():
 
 def test_raw_output_is_summed_by_component(tmp_path):
     raw = tmp_path / "raw.txt"
-    model = f"decode ({REPO}/inference_service/model/decode_step.py:220)"
+    model = f"decode ({REPO}/inference_service/model/lean_step.py:220)"
     raw.write_text(f"thread (0x1): {model} 7\nthread (0x2): wait (/usr/lib/python3.11/threading.py:320) 3\n"
                    f"thread (0x1): {model} 2\n\n")
     assert token_path.parse_raw(raw) == {"model step": 9, "thread hand-offs": 3}

@@ -73,10 +73,10 @@ def ask(engine: Engine, prompt: str, **fields):
 
 def test_misses_hits_and_l0_on_cuda_are_model_generate(cuda_model, daemon_store):
     model, tokenizer = cuda_model
-    from_daemon = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK, hot_tier_bytes=0), daemon_store,
+    from_daemon = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK, l0_bytes=0), daemon_store,
                          model_id="tiny")
-    hot = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK, hot_tier_bytes=64 << 20), daemon_store,
-                 model_id="tiny")
+    from_l0 = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK, l0_bytes=64 << 20), daemon_store,
+                     model_id="tiny")
     try:
         assert from_daemon.device.type == DEVICE
         assert daemon_store.read_mode == "locked_map"
@@ -88,32 +88,32 @@ def test_misses_hits_and_l0_on_cuda_are_model_generate(cuda_model, daemon_store)
             assert miss.output_token_ids == expected, f"{length} tokens, nothing cached"
             assert hit.output_token_ids == expected, f"{length} tokens, from the daemon"
             assert hit.cached_tokens >= min((length // CHUNK) * CHUNK, length - 1)
-            assert ask(hot, prompt).output_token_ids == expected, f"{length} tokens, fetched into L0"
-            assert ask(hot, prompt).output_token_ids == expected, f"{length} tokens, from L0"
-        stats = hot.stats()
+            assert ask(from_l0, prompt).output_token_ids == expected, f"{length} tokens, fetched into L0"
+            assert ask(from_l0, prompt).output_token_ids == expected, f"{length} tokens, from L0"
+        stats = from_l0.stats()
         assert stats["l0_chunks_hit"] > 0, stats
         assert from_daemon.stats()["load_bytes"] > 0
     finally:
         from_daemon.close()
-        hot.close()
+        from_l0.close()
 
 
 def test_l0_lives_on_the_device_is_shared_and_evicts_within_its_bytes(cuda_model, daemon_store):
     model, tokenizer = cuda_model
     per_chunk = 2 * 2 * 2 * CHUNK * 16 * 4  # K and V x layers x kv heads x tokens x head_dim x fp32
-    engine = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK, hot_tier_bytes=12 * per_chunk), daemon_store,
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK, l0_bytes=12 * per_chunk), daemon_store,
                     model_id="tiny")
     try:
         shared = text_of_length(8 * CHUNK, salt=1)
         ask(engine, shared)
-        hot = engine.parts.hot
-        assert all(entry[0].device.type == DEVICE for entry in hot._kv.values())
+        l0 = engine.parts.l0
+        assert all(entry[0].device.type == DEVICE for entry in l0._kv.values())
         before = engine.stats()["l0_chunks_hit"]
         expected = reference_ids(model, tokenize_prompt(tokenizer, shared + " and more")[0])
         assert ask(engine, shared + " and more").output_token_ids == expected
         assert engine.stats()["l0_chunks_hit"] - before == 8, "a request with the same prefix is placed from L0"
         ask(engine, text_of_length(10 * CHUNK, salt=2))  # 18 chunks' worth through a 12-chunk tier
-        assert hot.bytes_held <= 12 * per_chunk and hot.stats.chunks_evicted > 0
+        assert l0.bytes_held <= 12 * per_chunk and l0.stats.chunks_evicted > 0
     finally:
         engine.close()
 
@@ -126,7 +126,7 @@ def test_slots_are_sized_by_the_budget_on_cuda(cuda_model):
     budget = 1000 * per_token  # less than one slot of the model's 4096-token context
     allocated = torch.cuda.memory_allocated if DEVICE == "cuda" else lambda: 0
     before = allocated()
-    engine = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK, kv_cache_bytes=budget, hot_tier_bytes=0,
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK, kv_cache_bytes=budget, l0_bytes=0,
                                                    kv_slots_by_budget=None if DEVICE == "cuda" else True),
                     InMemoryStore(), model_id="tiny")
     try:

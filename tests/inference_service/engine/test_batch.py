@@ -44,9 +44,9 @@ class CountingCache(InMemoryStore):
 
 
 def make_engine(model, tokenizer, chunk_size=8, cache=None) -> Engine:
-    """hot_tier_bytes=0: these tests count the store's fetches, which L0 would spare."""
+    """l0_bytes=0: these tests count the store's fetches, which L0 would spare."""
     cache = InMemoryStore() if cache is None else cache
-    return Engine(model, tokenizer, EngineConfig(chunk_size=chunk_size, hot_tier_bytes=0), cache, model_id="batch-test")
+    return Engine(model, tokenizer, EngineConfig(chunk_size=chunk_size, l0_bytes=0), cache, model_id="batch-test")
 
 
 def reference_ids(model, token_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -259,8 +259,8 @@ def test_a_sliding_window_model_runs_every_row_alone(monkeypatch):
     engine = make_engine(model, tokenizer)
     prompts = [SYSTEM + q for q in QUESTIONS]
     decoded_alone = []
-    original = executor_module.decode_step
-    monkeypatch.setattr(executor_module, "decode_step",
+    original = executor_module.decode_alone
+    monkeypatch.setattr(executor_module, "decode_alone",
                         lambda *args: decoded_alone.append(1) or original(*args))
 
     outcomes = engine.generate_batch(params(prompts))

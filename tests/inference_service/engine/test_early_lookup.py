@@ -59,7 +59,7 @@ def test_an_early_answer_a_write_back_overtook_is_asked_again(tiny_llama):
     # Found by review: with one request running at a time, B is asked early (nothing cached yet), then waits while A
     # runs and writes back the shared document; B must reuse it, not trust its out-of-date answer.
     model, tokenizer = tiny_llama
-    engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, hot_tier_bytes=0, max_running_requests=1),
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, l0_bytes=0, max_running_requests=1),
                     InMemoryStore(), model_id="tiny")
     gate = threading.Event()
     step = engine.core.step
@@ -84,7 +84,7 @@ def test_an_early_answer_a_write_back_overtook_is_asked_again(tiny_llama):
 def test_the_early_lookup_reuses_what_the_loop_would(tiny_llama):
     model, tokenizer = tiny_llama
     store = InMemoryStore()
-    engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, hot_tier_bytes=0), store, model_id="tiny")
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, l0_bytes=0), store, model_id="tiny")
     try:
         first = engine.generate(GenerationParams(prompt=DOCUMENT + " Q1?", max_new_tokens=3))
         engine.flush_writes()

@@ -146,7 +146,7 @@ def test_baseline_never_touches_the_cache(tiny_llama):
 def test_write_back_happens_after_the_first_token(tiny_llama):
     cache = RecordingCache()
     engine = make_engine(tiny_llama, cache=cache, max_answer_tokens_stored=0,  # the prompt's write-back only
-                         hot_tier_bytes=0)  # the second request fetches from the store (L0 would spare it)
+                         l0_bytes=0)  # the second request fetches from the store (L0 would spare it)
     streamed: list[str] = []
     submitted_after: list[int] = []  # tokens streamed when the write-back was handed to the background thread
     submit = engine.parts.writeback.submit
@@ -192,7 +192,7 @@ def test_unreachable_cache_serves_degraded_with_the_same_output(tiny_llama):
 def test_corrupted_blob_is_a_miss_from_there_and_is_stored_again(tiny_llama):
     model, tokenizer = tiny_llama
     cache = InMemoryStore()
-    engine = make_engine(tiny_llama, cache=cache, hot_tier_bytes=0)  # what the store gives, not L0's copies
+    engine = make_engine(tiny_llama, cache=cache, l0_bytes=0)  # what the store gives, not L0's copies
     prompt = text_of_length(40)
     run(engine, prompt=prompt)
     second_key = list(cache._entries)[1]
@@ -208,7 +208,7 @@ def test_corrupted_blob_is_a_miss_from_there_and_is_stored_again(tiny_llama):
 
 def test_chunk_evicted_between_lookup_and_fetch_ends_the_run(tiny_llama):
     cache = InMemoryStore()
-    engine = make_engine(tiny_llama, cache=cache, hot_tier_bytes=0)  # what the store gives, not L0's copies
+    engine = make_engine(tiny_llama, cache=cache, l0_bytes=0)  # what the store gives, not L0's copies
     prompt = text_of_length(40)
     run(engine, prompt=prompt)
     third_key = list(cache._entries)[2]
@@ -435,10 +435,10 @@ def test_bad_parameters_are_invalid(fields):
         GenerationParams(**fields)
 
 
-@pytest.mark.parametrize("hot_tier_bytes", [0, 1 << 20])
-def test_model_info_and_stats(tiny_llama, hot_tier_bytes):
+@pytest.mark.parametrize("l0_bytes", [0, 1 << 20])
+def test_model_info_and_stats(tiny_llama, l0_bytes):
     engine = make_engine(tiny_llama, max_answer_tokens_stored=0,  # counts of the prompt's chunks
-                         hot_tier_bytes=hot_tier_bytes)
+                         l0_bytes=l0_bytes)
     info = engine.model_info()
     assert (info["num_layers"], info["num_kv_heads"], info["head_dim"], info["chunk_size"]) == (2, 2, 16, 8)
     assert info["dtype"] == "float32" and info["device"] == "cpu" and len(info["namespace_hex"]) == 64
@@ -450,7 +450,7 @@ def test_model_info_and_stats(tiny_llama, hot_tier_bytes):
     assert stats["chunks_stored"] == 5 and stats["bytes_stored"] > 0 and stats["mean_ttft_ms"] > 0
     # The second request's 5 chunks (40 tokens x 512 B of K/V): from the daemon, or from L0 when it is on.
     assert stats["load_bytes"] == 40 * 512 and stats["load_seconds"] > 0  # all 5 placed; the last token runs again
-    if hot_tier_bytes:
+    if l0_bytes:
         assert (stats["chunks_fetched"], stats["bytes_fetched"]) == (0, 0)
         assert (stats["l0_chunks_hit"], stats["l0_bytes_placed"]) == (5, 40 * 512)
     else:

@@ -82,7 +82,7 @@ def opt_in_engines():
     store, twin_store = InMemoryStore(), SwappableStore()
     engine = make_engine(tiny("llama"), chunk_size=CHUNK_SIZE, cache=store)
     # No L0 in the twin: it would remember what the twin computed in earlier examples, beyond the engine's cache.
-    twin = make_engine(tiny("llama"), chunk_size=CHUNK_SIZE, cache=twin_store, hot_tier_bytes=0)
+    twin = make_engine(tiny("llama"), chunk_size=CHUNK_SIZE, cache=twin_store, l0_bytes=0)
     yield engine, store, twin, twin_store
     engine.close()
     twin.close()

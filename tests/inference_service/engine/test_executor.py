@@ -60,9 +60,9 @@ class Run:
 @pytest.fixture()
 def engine(tiny_llama):
     model, tokenizer = tiny_llama
-    # hot_tier_bytes=0: every hit is read from the store, whose blobs these tests break (L0 keeps its own copies).
+    # l0_bytes=0: every hit is read from the store, whose blobs these tests break (L0 keeps its own copies).
     engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, max_prefill_tokens=32, max_forward_tokens=16,
-                                                   hot_tier_bytes=0), InMemoryStore(), model_id="tiny")
+                                                   l0_bytes=0), InMemoryStore(), model_id="tiny")
     yield engine
     engine.stop()
 

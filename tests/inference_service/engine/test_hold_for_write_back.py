@@ -43,7 +43,7 @@ def submit(engine, prompt: str, mode: str = "prefix_cache") -> dict:
 def test_a_follow_up_waits_for_the_write_back_it_needs(tiny_llama):
     model, tokenizer = tiny_llama
     store = GatedStore()
-    engine = make_engine(tiny_llama, chunk_size=8, cache=store, hot_tier_bytes=0)  # with L0 nothing waits (test_l0)
+    engine = make_engine(tiny_llama, chunk_size=8, cache=store, l0_bytes=0)  # with L0 nothing waits (test_l0)
     try:
         first = submit(engine, DOCUMENT + " first?")
         assert first["done"].wait(30) and first["error"] is None  # answered; its write-back waits on the gate
@@ -65,7 +65,7 @@ def test_a_follow_up_waits_for_the_write_back_it_needs(tiny_llama):
 def test_nothing_waits_past_the_hold(tiny_llama, monkeypatch):
     monkeypatch.setattr(core_module, "HOLD_FOR_WRITE_BACK_S", 0.2)
     store = GatedStore()
-    engine = make_engine(tiny_llama, chunk_size=8, cache=store, hot_tier_bytes=0)  # with L0 nothing waits (test_l0)
+    engine = make_engine(tiny_llama, chunk_size=8, cache=store, l0_bytes=0)  # with L0 nothing waits (test_l0)
     try:
         first = submit(engine, DOCUMENT + " first?")
         assert first["done"].wait(30)

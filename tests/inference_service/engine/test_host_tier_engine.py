@@ -15,7 +15,7 @@ CHUNK_BYTES = CHUNK * 512  # the tiny models' K/V: 512 bytes a token
 
 
 def test_a_prompt_l0_does_not_hold_comes_back_from_the_host_tier_exact_and_counted(tiny_llama):
-    engine = make_engine(tiny_llama, chunk_size=CHUNK, hot_tier_bytes=0, host_tier_bytes=16 * CHUNK_BYTES)
+    engine = make_engine(tiny_llama, chunk_size=CHUNK, l0_bytes=0, host_tier_bytes=16 * CHUNK_BYTES)
     try:
         prompt = text_of_length(70)  # eight whole chunks and a tail
         expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
@@ -33,7 +33,7 @@ def test_a_prompt_l0_does_not_hold_comes_back_from_the_host_tier_exact_and_count
 
 
 def test_l0_keeps_the_head_and_the_host_tier_the_rest_of_a_long_prompt(tiny_llama):
-    engine = make_engine(tiny_llama, chunk_size=CHUNK, hot_tier_bytes=3 * CHUNK_BYTES,
+    engine = make_engine(tiny_llama, chunk_size=CHUNK, l0_bytes=3 * CHUNK_BYTES,
                          host_tier_bytes=16 * CHUNK_BYTES)
     try:
         prompt = text_of_length(70)
@@ -50,7 +50,7 @@ def test_l0_keeps_the_head_and_the_host_tier_the_rest_of_a_long_prompt(tiny_llam
 
 def test_a_delete_at_the_daemon_stops_host_tier_hits(tiny_llama):
     store = InMemoryStore()
-    engine = make_engine(tiny_llama, chunk_size=CHUNK, cache=store, hot_tier_bytes=0,
+    engine = make_engine(tiny_llama, chunk_size=CHUNK, cache=store, l0_bytes=0,
                          host_tier_bytes=16 * CHUNK_BYTES)
     try:
         prompt = text_of_length(40)
@@ -69,7 +69,7 @@ def test_a_delete_at_the_daemon_stops_host_tier_hits(tiny_llama):
 
 
 def test_the_host_tier_stays_within_its_bytes_and_answers_stay_exact(tiny_llama):
-    engine = make_engine(tiny_llama, chunk_size=CHUNK, hot_tier_bytes=2 * CHUNK_BYTES,
+    engine = make_engine(tiny_llama, chunk_size=CHUNK, l0_bytes=2 * CHUNK_BYTES,
                          host_tier_bytes=3 * CHUNK_BYTES + 100)
     try:
         prompts = [text_of_length(40), "Another text entirely, forty tokens long!", text_of_length(33)[::-1]]
@@ -109,7 +109,7 @@ def test_a_given_host_tier_is_logged_with_the_tokens_it_holds(tiny_llama, caplog
 def test_chunks_fetched_from_the_store_join_the_host_tier(tiny_llama):
     store = InMemoryStore()
     writer = make_engine(tiny_llama, chunk_size=CHUNK, cache=store)
-    reader = make_engine(tiny_llama, chunk_size=CHUNK, cache=store, hot_tier_bytes=0,
+    reader = make_engine(tiny_llama, chunk_size=CHUNK, cache=store, l0_bytes=0,
                          host_tier_bytes=16 * CHUNK_BYTES)  # another process sharing the daemon, with no L0
     try:
         prompt = text_of_length(64)

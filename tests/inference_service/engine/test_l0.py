@@ -49,7 +49,7 @@ def test_chunks_fetched_from_the_store_join_l0_after_the_first_token(tiny_llama)
 
 
 def test_a_small_l0_evicts_and_answers_stay_exact(tiny_llama):
-    engine = make_engine(tiny_llama, chunk_size=8, hot_tier_bytes=3 * 8 * 512)  # three 8-token chunks of 512 B/token
+    engine = make_engine(tiny_llama, chunk_size=8, l0_bytes=3 * 8 * 512)  # three 8-token chunks of 512 B/token
     try:
         prompts = [text_of_length(40), "Another text entirely, forty tokens long!"]
         for prompt in prompts + prompts:
@@ -63,7 +63,7 @@ def test_a_small_l0_evicts_and_answers_stay_exact(tiny_llama):
 def test_quantized_storage_keeps_no_l0(tiny_llama):
     engine = make_engine(tiny_llama, kv_cache_bits=8)
     try:
-        assert engine.parts.hot is None and "l0_chunks_hit" not in engine.stats()
+        assert engine.parts.l0 is None and "l0_chunks_hit" not in engine.stats()
     finally:
         engine.close()
 
@@ -93,7 +93,7 @@ def test_a_prompt_asked_again_while_its_write_back_is_in_flight_is_placed_from_l
 def test_a_prompt_longer_than_l0_is_served_from_its_first_chunk_as_far_as_l0_holds_it(tiny_llama):
     """Least-recently-used eviction dropped such a prompt's head (its oldest chunks) and then placed nothing from L0;
     leaf-first eviction keeps the head, and the rest comes from the store."""
-    engine = make_engine(tiny_llama, chunk_size=8, hot_tier_bytes=3 * 8 * 512)  # three 8-token chunks of 512 B/token
+    engine = make_engine(tiny_llama, chunk_size=8, l0_bytes=3 * 8 * 512)  # three 8-token chunks of 512 B/token
     try:
         prompt = text_of_length(70)  # eight whole chunks and a tail
         expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
@@ -114,9 +114,9 @@ def test_auto_sizes_l0_and_the_slots_from_the_ram_available_and_says_so(tiny_lla
     from inference_service.engine import memory_plan
     monkeypatch.setattr(memory_plan, "host_memory", lambda: (8 << 30, 16 << 30))
     with caplog.at_level("INFO", logger="inference_service.engine.memory_plan"):
-        engine = make_engine(tiny_llama)  # kv_cache_bytes and hot_tier_bytes left to auto
+        engine = make_engine(tiny_llama)  # kv_cache_bytes and l0_bytes left to auto
     try:
-        assert (engine.config.kv_cache_bytes, engine.config.hot_tier_bytes) == (2 << 30, 2 << 30)
+        assert (engine.config.kv_cache_bytes, engine.config.l0_bytes) == (2 << 30, 2 << 30)
         assert engine.stats()["kv_budget_bytes"] == 2 << 30
         assert "8.0 GiB of RAM available" in caplog.text and "= 4194304 tokens" in caplog.text  # 512 B a token
     finally:
@@ -125,7 +125,7 @@ def test_auto_sizes_l0_and_the_slots_from_the_ram_available_and_says_so(tiny_lla
 
 @pytest.mark.parametrize("recompute_when_faster", [True, None])  # None: the default, on CUDA only
 def test_a_tier_measured_slower_than_prefill_is_recomputed_instead_and_counted(tiny_llama, recompute_when_faster):
-    engine = make_engine(tiny_llama, hot_tier_bytes=0, recompute_when_faster=recompute_when_faster)
+    engine = make_engine(tiny_llama, l0_bytes=0, recompute_when_faster=recompute_when_faster)
     try:
         prompt = text_of_length(64)
         expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])

@@ -13,7 +13,7 @@ from inference_service.engine.engine import Engine, EngineConfig, GenerationPara
 from inference_service.model import attention
 from inference_service.model.attention import ENGINE_ATTENTION, use_engine_attention
 from inference_service.model import forward as forward_module
-from inference_service.model.forward import decode_step, prefill
+from inference_service.model.forward import decode_alone, prefill
 from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
 from inference_service.store.memory import InMemoryStore
 from tests.conftest import wait_for
@@ -85,7 +85,7 @@ def test_the_engines_grouped_sdpa_is_bit_identical_to_transformers_default(monke
         cache = build_cache(model.config, *allocate_kv(kv_geometry(model.config), 48, "cpu", torch.float32), 0)
         first, _ = prefill(model, cache, token_ids[:32], 0)
         suffix, _ = prefill(model, cache, token_ids[32:], 32)  # masked: where grouped SDPA differs in how it runs
-        return [first, suffix, decode_step(model, cache, suffix.argmax(), 40)]
+        return [first, suffix, decode_alone(model, cache, suffix.argmax(), 40)]
 
     engine = forwards()
     monkeypatch.setattr(forward_module, "engine_call_kwargs", lambda: {})  # the same calls without the engine's keyword

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inference_service.model import graph_step
-from inference_service.model.decode_step import LeanStep
+from inference_service.model.lean_step import LeanStep
 from inference_service.model.graph_step import GraphSteps, bucket, graph_support
 from inference_service.model.kv_buffers import kv_geometry
 from inference_service.model.model_step import ModelStep

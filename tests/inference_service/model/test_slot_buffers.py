@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from inference_service.model.attention import use_engine_attention
-from inference_service.model.forward import decode_step, prefill
+from inference_service.model.forward import decode_alone, prefill
 from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
 from inference_service.model.model_step import ModelStep
 from inference_service.model.slot_buffers import SlotBuffers
@@ -32,7 +32,7 @@ def test_rows_of_different_lengths_decode_together_as_each_would_alone():
         own_first, _ = prefill(model, own, torch.tensor(prompt), 0)
         alone.append([int(own_first.argmax())])
         for step in range(4):
-            alone[-1].append(int(decode_step(model, own, torch.tensor(alone[-1][-1]), len(prompt) + step).argmax()))
+            alone[-1].append(int(decode_alone(model, own, torch.tensor(alone[-1][-1]), len(prompt) + step).argmax()))
     together = {slot: [token] for slot, (token, _) in rows.items()}
     runner = StepRunner(slots, ModelStep(model))
     for _ in range(4):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from inference_service.model import step_runner
-from inference_service.model.decode_step import LeanStep
+from inference_service.model.lean_step import LeanStep
 from inference_service.model.kv_buffers import kv_geometry
 from inference_service.model.model_step import ModelStep
 from inference_service.model.slot_buffers import SlotBuffers
 from inference_service.model.step_names import current_decode_step
 from inference_service.model.step_runner import choose_runner, probe_mismatch
 from tests.factories import build_tiny_model
-from tests.inference_service.model.test_decode_step import tiny
+from tests.inference_service.model.test_lean_step import tiny
 
 
 def slots_of(model) -> SlotBuffers:

@@ -47,7 +47,7 @@ def test_the_store_thread_runs_below_the_step_loops_priority_and_the_l0_thread_d
     writeback = WriteBack(NullStore(), 16, lambda chunks, size: None)
     try:
         assert writeback._executor.submit(nice).result(timeout=30) == min(19, ours + 10)
-        assert writeback._hot_executor.submit(nice).result(timeout=30) == ours
+        assert writeback._l0_executor.submit(nice).result(timeout=30) == ours
         assert nice() == ours  # the calling thread keeps its own
     finally:
         writeback.close()

@@ -11,11 +11,11 @@ from inference_service.engine.memory_plan import GIB, HOST_TIER_MAX_BYTES, plan_
 from inference_service.kv.blobs import decode_hit, encode_chunk_kv, place_hit_
 from inference_service.reuse import host_tier as host_tier_module
 from inference_service.reuse.host_tier import HostTier, _adjacent_groups, host_tier_for
-from inference_service.reuse.hot_placement import place_from_tiers
-from inference_service.reuse.hot_tier import HotTier
+from inference_service.reuse.l0_tier import L0Tier
+from inference_service.reuse.tier_placement import place_from_tiers
 from inference_service.reuse.writeback import WriteBack
 from inference_service.store.memory import InMemoryStore
-from tests.inference_service.reuse.test_hot_placement import CAPACITY, DIMS, HEADS, LAYERS, chunks_of, kv, slot
+from tests.inference_service.reuse.test_tier_placement import CAPACITY, DIMS, HEADS, LAYERS, chunks_of, kv, slot
 
 CHUNK = 8
 SHAPE = (LAYERS, HEADS, CHUNK, DIMS)
@@ -102,16 +102,16 @@ def test_partial_chunks_and_other_dtypes_are_not_kept():
 
 def test_l0_evictions_move_to_the_host_tier_and_a_run_is_placed_from_both():
     host = HostTier(8, SHAPE, torch.float32)
-    hot = HotTier(2 * SLAB)  # two chunks
-    WriteBack(InMemoryStore(), 16, lambda chunks, num_bytes: None, hot=hot, host=host).close()  # wires them
+    l0 = L0Tier(2 * SLAB)  # two chunks
+    WriteBack(InMemoryStore(), 16, lambda chunks, num_bytes: None, l0=l0, host=host).close()  # wires them
     entries = [kv(CHUNK, seed) for seed in range(4)]
     for index, entry in enumerate(entries[:2]):
-        hot.add(key(index), *entry, parent=parent(index))
-    hot.add(b"other", *kv(CHUNK, 7))  # evicts chunk 1 (the leaf) from L0 into the host tier
-    assert key(1) in host and key(1) not in hot and key(0) in hot
+        l0.add(key(index), *entry, parent=parent(index))
+    l0.add(b"other", *kv(CHUNK, 7))  # evicts chunk 1 (the leaf) from L0 into the host tier
+    assert key(1) in host and key(1) not in l0 and key(0) in l0
     host.add(key(2), *entries[2], parent=key(1))
     buffers = slot()
-    placed, loads = place_from_tiers(hot, host, chunks_of(8, 8, 8, 8), [key(i) for i in range(4)], buffers, 100)
+    placed, loads = place_from_tiers(l0, host, chunks_of(8, 8, 8, 8), [key(i) for i in range(4)], buffers, 100)
     assert placed == 3  # chunk 0 from L0, chunks 1 and 2 from the host tier; chunk 3 is held by neither
     assert [(load.tier, load.num_chunks, load.num_bytes) for load in loads] == [("l0", 1, 800), ("host", 2, 1600)]
     for index in range(3):

@@ -30,7 +30,7 @@ class RecordingStore(InMemoryStore):
 def test_a_warmed_unaligned_document_is_reused_to_its_last_token(tiny_model):
     model, tokenizer = tiny_model
     store = RecordingStore()
-    engine = make_engine(tiny_model, cache=store, hot_tier_bytes=0)  # counts the store's fetches (L0 spares them)
+    engine = make_engine(tiny_model, cache=store, l0_bytes=0)  # counts the store's fetches (L0 spares them)
     warmed = engine.warm(DOCUMENT)
     store.lookups.clear()
 
@@ -61,7 +61,7 @@ class OlderDaemonStore(RecordingStore):
 def test_an_older_daemon_gets_the_second_lookup_and_the_same_reuse(tiny_model):
     model, tokenizer = tiny_model
     store = OlderDaemonStore()
-    engine = make_engine(tiny_model, cache=store, hot_tier_bytes=0)
+    engine = make_engine(tiny_model, cache=store, l0_bytes=0)
     engine.warm(DOCUMENT)
     store.lookups.clear()
     outcome = run(engine, prompt=DOCUMENT + QUESTION, mode="prefix_cache")

@@ -154,3 +154,24 @@ def test_recompute_when_faster_is_auto_unless_switched() -> None:
     assert parse_config([], environ={"KVBOOST_RECOMPUTE_WHEN_FASTER": "off"}).recompute_when_faster == "off"
     with pytest.raises(ValueError, match="--recompute-when-faster must be one of"):
         ServiceConfig(recompute_when_faster="sometimes")
+
+
+def test_overlap_tokens_is_the_flag_and_the_old_overlap_k_still_works_with_a_warning(caplog, capsys) -> None:
+    from inference_service.serving.config import build_parser
+    assert parse_config([], environ={}).overlap_tokens == 0
+    assert parse_config(["--overlap-tokens", "4"], environ={"KVBOOST_OVERLAP_TOKENS": "2"}).overlap_tokens == 4
+    assert parse_config([], environ={"KVBOOST_OVERLAP_TOKENS": "2"}).overlap_tokens == 2
+    assert not caplog.text
+    with caplog.at_level("WARNING"):
+        assert parse_config(["--overlap-k", "3"], environ={}).overlap_tokens == 3
+        assert parse_config([], environ={"KVBOOST_OVERLAP_K": "5"}).overlap_tokens == 5
+        assert parse_config(["--overlap-tokens", "5"], environ={"KVBOOST_OVERLAP_K": "5"}).overlap_tokens == 5
+    assert caplog.text.count("--overlap-k (KVBOOST_OVERLAP_K) was renamed --overlap-tokens (KVBOOST_OVERLAP_TOKENS)") == 3
+    with pytest.raises(SystemExit):  # two values under two names: which one was meant is not guessed
+        parse_config(["--overlap-tokens", "4", "--overlap-k", "3"], environ={})
+    assert "--overlap-k (KVBOOST_OVERLAP_K) is the old name of --overlap-tokens (KVBOOST_OVERLAP_TOKENS)" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(["--overlap-k", "-1"], environ={})
+    assert "--overlap-tokens must be >= 0, got -1" in capsys.readouterr().err
+    assert "--overlap-k" not in build_parser({}).format_usage()

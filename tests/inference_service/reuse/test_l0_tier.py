@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from inference_service.reuse.hot_tier import HotTier
+from inference_service.reuse.l0_tier import L0Tier
 
 CHUNK_BYTES = 2 * 2 * 3 * 4 * 5 * 4  # keys and values [2 layers, 3 heads, 4 tokens, 5 dims] in float32
 
@@ -24,70 +24,70 @@ def chunk(fill: float) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.full((2, 3, 4, 5), fill), torch.full((2, 3, 4, 5), -fill)
 
 
-def add_chain(hot: HotTier, *names: bytes) -> list[bool]:
+def add_chain(l0: L0Tier, *names: bytes) -> list[bool]:
     parent = None  # the prompt's first chunk
     kept = []
     for name in names:
-        kept.append(hot.add(name, *chunk(1.0), parent=parent))
+        kept.append(l0.add(name, *chunk(1.0), parent=parent))
         parent = name
     return kept
 
 
 def test_a_chunk_comes_back_as_it_was_added_even_when_its_source_changes():
-    hot = HotTier(10 * CHUNK_BYTES)
+    l0 = L0Tier(10 * CHUNK_BYTES)
     keys, values = chunk(1.0)
-    hot.add(b"a", keys, values)
+    l0.add(b"a", keys, values)
     keys.fill_(9.0)  # the slot is reused: L0 kept its own copy
-    taken = hot.take(b"a")
+    taken = l0.take(b"a")
     assert torch.equal(taken[0], torch.full((2, 3, 4, 5), 1.0)) and torch.equal(taken[1], torch.full((2, 3, 4, 5), -1.0))
-    assert hot.take(b"b") is None
-    assert hot.snapshot() == {"l0_chunks_hit": 1, "l0_bytes_placed": CHUNK_BYTES, "l0_bytes_held": CHUNK_BYTES,
+    assert l0.take(b"b") is None
+    assert l0.snapshot() == {"l0_chunks_hit": 1, "l0_bytes_placed": CHUNK_BYTES, "l0_bytes_held": CHUNK_BYTES,
                               "l0_chunks_held": 1, "l0_chunks_evicted": 0, "l0_chunks_rejected": 0}
 
 
 def test_the_least_recently_used_leaf_goes_first_when_room_is_needed():
-    hot = HotTier(3 * CHUNK_BYTES, clock=Clock())
+    l0 = L0Tier(3 * CHUNK_BYTES, clock=Clock())
     for name in (b"a", b"b", b"c"):  # three one-chunk prompts
-        hot.add(name, *chunk(1.0))
-    hot.take(b"a")  # a is hit: b is now the least worth keeping
-    hot.add(b"d", *chunk(2.0))
-    assert [name in hot for name in (b"a", b"b", b"c", b"d")] == [True, False, True, True]
-    assert hot.bytes_held == 3 * CHUNK_BYTES and hot.snapshot()["l0_chunks_evicted"] == 1
+        l0.add(name, *chunk(1.0))
+    l0.take(b"a")  # a is hit: b is now the least worth keeping
+    l0.add(b"d", *chunk(2.0))
+    assert [name in l0 for name in (b"a", b"b", b"c", b"d")] == [True, False, True, True]
+    assert l0.bytes_held == 3 * CHUNK_BYTES and l0.snapshot()["l0_chunks_evicted"] == 1
 
 
 def test_a_prompt_longer_than_l0_keeps_its_head_and_is_served_from_its_first_chunk():
-    hot = HotTier(3 * CHUNK_BYTES, clock=Clock())
-    assert add_chain(hot, b"p0", b"p1", b"p2", b"p3", b"p4") == [True, True, True, False, False]
-    assert len(hot.take_run([b"p0", b"p1", b"p2", b"p3", b"p4"], [4] * 5)) == 3  # its first three chunks
+    l0 = L0Tier(3 * CHUNK_BYTES, clock=Clock())
+    assert add_chain(l0, b"p0", b"p1", b"p2", b"p3", b"p4") == [True, True, True, False, False]
+    assert len(l0.take_run([b"p0", b"p1", b"p2", b"p3", b"p4"], [4] * 5)) == 3  # its first three chunks
     # Another prompt evicts the first prompt's chunks from its last one back, never its head before its tail.
-    assert add_chain(hot, b"q0", b"q1") == [True, True]
-    assert [name in hot for name in (b"p0", b"p1", b"p2", b"q0", b"q1")] == [True, False, False, True, True]
-    assert hot.snapshot()["l0_chunks_rejected"] == 2 and hot.snapshot()["l0_chunks_evicted"] == 2
+    assert add_chain(l0, b"q0", b"q1") == [True, True]
+    assert [name in l0 for name in (b"p0", b"p1", b"p2", b"q0", b"q1")] == [True, False, False, True, True]
+    assert l0.snapshot()["l0_chunks_rejected"] == 2 and l0.snapshot()["l0_chunks_evicted"] == 2
 
 
 def test_take_run_stops_at_the_first_chunk_missing_or_of_another_length():
-    hot = HotTier(10 * CHUNK_BYTES)
-    add_chain(hot, b"a", b"b", b"c")
-    assert len(hot.take_run([b"a", b"b", b"c"], [4, 4, 3])) == 2  # c holds 4 tokens, the prompt's last chunk 3
-    assert len(hot.take_run([b"a", b"x", b"c"], [4, 4, 4])) == 1
-    assert hot.snapshot()["l0_chunks_hit"] == 3 and hot.snapshot()["l0_bytes_placed"] == 3 * CHUNK_BYTES
+    l0 = L0Tier(10 * CHUNK_BYTES)
+    add_chain(l0, b"a", b"b", b"c")
+    assert len(l0.take_run([b"a", b"b", b"c"], [4, 4, 3])) == 2  # c holds 4 tokens, the prompt's last chunk 3
+    assert len(l0.take_run([b"a", b"x", b"c"], [4, 4, 4])) == 1
+    assert l0.snapshot()["l0_chunks_hit"] == 3 and l0.snapshot()["l0_bytes_placed"] == 3 * CHUNK_BYTES
 
 
 def test_a_chunk_larger_than_the_tier_is_not_kept_and_a_second_add_keeps_the_first_copy():
-    hot = HotTier(CHUNK_BYTES - 1)
-    assert not hot.add(b"a", *chunk(1.0))
-    assert len(hot) == 0 and hot.bytes_held == 0
-    hot = HotTier(2 * CHUNK_BYTES)
-    hot.add(b"a", *chunk(1.0))
-    hot.add(b"a", *chunk(5.0))
-    assert hot.take(b"a")[0][0, 0, 0, 0] == 1.0 and hot.bytes_held == CHUNK_BYTES
+    l0 = L0Tier(CHUNK_BYTES - 1)
+    assert not l0.add(b"a", *chunk(1.0))
+    assert len(l0) == 0 and l0.bytes_held == 0
+    l0 = L0Tier(2 * CHUNK_BYTES)
+    l0.add(b"a", *chunk(1.0))
+    l0.add(b"a", *chunk(5.0))
+    assert l0.take(b"a")[0][0, 0, 0, 0] == 1.0 and l0.bytes_held == CHUNK_BYTES
 
 
 def test_a_pending_chunk_that_is_not_kept_is_not_pending():
-    hot = HotTier(CHUNK_BYTES, clock=Clock())
-    add_chain(hot, b"a")
-    assert not hot.add(b"b", *chunk(1.0), pending=True, parent=b"a")  # only its own parent could make room
-    assert not hot.is_pending(b"b") and b"a" in hot
+    l0 = L0Tier(CHUNK_BYTES, clock=Clock())
+    add_chain(l0, b"a")
+    assert not l0.add(b"b", *chunk(1.0), pending=True, parent=b"a")  # only its own parent could make room
+    assert not l0.is_pending(b"b") and b"a" in l0
 
 
 def resident_bytes() -> int:
@@ -98,11 +98,11 @@ def resident_bytes() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
 def test_the_memory_l0_takes_is_its_budget_however_much_is_offered():
     budget = 64 << 20
-    hot = HotTier(budget, clock=Clock())
+    l0 = L0Tier(budget, clock=Clock())
     source = torch.ones(2, 8, 128, 128)  # 1 MiB of keys and 1 MiB of values a chunk, written into fresh copies
     before = resident_bytes()
     for index in range(256):  # 512 MiB offered, one prompt after another (each its own first chunk)
-        hot.add(index.to_bytes(2, "big"), source, source)
+        l0.add(index.to_bytes(2, "big"), source, source)
     grown = resident_bytes() - before
-    assert hot.bytes_held <= budget and len(hot) == 32
+    assert l0.bytes_held <= budget and len(l0) == 32
     assert grown < budget + (32 << 20), f"RSS grew {grown >> 20} MiB for an L0 of {budget >> 20} MiB"

@@ -9,7 +9,7 @@ from itertools import pairwise
 import torch
 
 from inference_service.reuse.host_tier import HostTier
-from inference_service.reuse.hot_tier import KV, HotTier
+from inference_service.reuse.l0_tier import KV, L0Tier
 from inference_service.reuse.tier_rates import TierLoad
 from kvboost_keys.chunking import Chunk
 
@@ -18,20 +18,20 @@ from kvboost_keys.chunking import Chunk
 PLACEMENT_GROUP_BYTES = 512 << 20
 
 
-def place_from_hot(hot: HotTier | None, chunks: Sequence[Chunk], keys: Sequence[bytes],
+def place_from_l0(l0: L0Tier | None, chunks: Sequence[Chunk], keys: Sequence[bytes],
                    buffers: tuple[torch.Tensor, torch.Tensor]) -> int:
     """Copies the leading chunks of a contiguous run that L0 holds (with their lengths) into their slices of the
     buffers (keys, values [layers, kv_heads, capacity, head_dim]); returns how many."""
-    if hot is None or not chunks:
+    if l0 is None or not chunks:
         return 0
     assert all(before.end == after.start for before, after in pairwise(chunks)), "a run of adjacent chunks"
-    taken = hot.take_run(keys, [len(chunk.token_ids) for chunk in chunks])
+    taken = l0.take_run(keys, [len(chunk.token_ids) for chunk in chunks])
     if taken:
         copy_run_(taken, chunks[0].start, buffers)
     return len(taken)
 
 
-def place_from_tiers(hot: HotTier | None, host: HostTier | None, chunks: Sequence[Chunk], keys: Sequence[bytes],
+def place_from_tiers(l0: L0Tier | None, host: HostTier | None, chunks: Sequence[Chunk], keys: Sequence[bytes],
                      buffers: tuple[torch.Tensor, torch.Tensor], bytes_per_token: int) -> tuple[int, list[TierLoad]]:
     """Copies the leading chunks of a contiguous run that the service's tiers hold, each from L0 when it has it,
     else from the host tier (whole chunks only), into their slices of the buffers; returns (how many, what each
@@ -47,7 +47,7 @@ def place_from_tiers(hot: HotTier | None, host: HostTier | None, chunks: Sequenc
                 break
             started = time.perf_counter()
             if tier == "l0":
-                count = place_from_hot(hot, chunks[placed:], keys[placed:], buffers)
+                count = place_from_l0(l0, chunks[placed:], keys[placed:], buffers)
             else:
                 count = 0 if host is None else host.place_run(keys[placed:], chunks[placed].start, buffers)
             if count:

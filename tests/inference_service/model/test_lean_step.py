@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from inference_service.model.attention import use_engine_attention
-from inference_service.model.decode_step import LeanStep, lean_step_support
+from inference_service.model.lean_step import LeanStep, lean_step_support
 from inference_service.model.forward import prefill
 from inference_service.model.kv_buffers import build_cache, kv_geometry
 from inference_service.model.model_step import ModelStep

@@ -21,7 +21,7 @@ Spill = Callable[[bytes, torch.Tensor, torch.Tensor, "bytes | None"], bool]
 
 
 @dataclass(slots=True)
-class HotTierStats:
+class L0TierStats:
     chunks_hit: int = 0  # whole chunks placed from L0
     bytes_placed: int = 0  # their K/V bytes
     chunks_added: int = 0
@@ -29,7 +29,7 @@ class HotTierStats:
     chunks_rejected: int = 0  # not kept: only their own ancestors could have made room (see l0_eviction)
 
 
-class HotTier:
+class L0Tier:
     """Whole chunks' K/V by prefix key within max_bytes, evicted leaf first by decayed frequency (l0_eviction).
 
     Exact by construction: an entry holds the K/V the service computed (or decoded) for exactly that key (a prefix
@@ -45,7 +45,7 @@ class HotTier:
         self.max_bytes = max_bytes
         self.half_life = half_life
         self.bytes_held = 0
-        self.stats = HotTierStats()
+        self.stats = L0TierStats()
         self._clock = clock
         self._kv: dict[bytes, KV] = {}
         self._entries: dict[bytes, L0Entry] = {}  # what eviction weighs, by the same keys as _kv
@@ -152,13 +152,13 @@ class HotTier:
                     "l0_chunks_evicted": self.stats.chunks_evicted, "l0_chunks_rejected": self.stats.chunks_rejected}
 
 
-def hot_tier_for(max_bytes: int, kv_cache_bits: int, store: ChunkStore | None = None) -> HotTier | None:
+def l0_tier_for(max_bytes: int, kv_cache_bits: int, store: ChunkStore | None = None) -> L0Tier | None:
     """L0 of max_bytes (None: off), kept only at 16-bit storage, where a blob decodes to exactly what was computed:
     a quantized blob decodes to other values, which an L0 copy of the computed ones would not match. No L0 without
     a cache either: a NullStore means every request runs without one."""
     if isinstance(store, NullStore):
         return None
-    return HotTier(max_bytes) if max_bytes and kv_cache_bits == 16 else None
+    return L0Tier(max_bytes) if max_bytes and kv_cache_bits == 16 else None
 
 
 def _nbytes(entry: KV) -> int:

@@ -19,6 +19,7 @@ A mismatch is a measurement, not an error: the exit code stays 0 and the line sa
 
     python bench/bench_exactness.py --json out.json                      # 8B shape, bf16, 100..32k (H100: ~1.5 min)
     python bench/bench_exactness.py --shape tiny --device cpu --lengths 100 300 --dtype float32   # a CPU dry run
+    python bench/bench_exactness.py --invariant-prefill                  # the same with the service's --invariant-prefill
 """
 from __future__ import annotations
 
@@ -190,7 +191,7 @@ def answer_length(length: int, args, model, engines: dict, sizes: dict, referenc
             if wanted and not any(tier.startswith(wanted) for tier in answer.tiers):
                 tiers += f"; NOTE: none from {wanted}"  # e.g. a prompt under one chunk: L0 keeps whole chunks only
             log(f"  {length:6d} {answer.path:9s} piece {piece:5d}  cached {answer.cached_tokens:6d}/"
-                f"{answer.prompt_tokens} ({tiers})  " + ("reference" if not checks else
+                f"{answer.prompt_tokens} ({tiers})  TTFT {answer.ttft_ms:8.1f} ms  " + ("reference" if not checks else
                                                           "; ".join(describe(c, args.tokens) for c in checks)))
     return rows
 
@@ -219,7 +220,8 @@ def build_engines(model, tokenizer, store, stack: ExitStack, args, longest: int,
     # L0 and the host tier hold every prompt at every piece size: none is evicted or refused before it is asked again
     tier_bytes = int((sum(args.lengths) + 2 * CHUNK * len(args.lengths)) * len(args.pieces) * kv_per_token * 1.1)
     common = dict(chunk_size=CHUNK, max_prompt_tokens=longest, max_new_tokens_limit=max(64, args.tokens),
-                  max_running_requests=2, kv_cache_bytes=slots_bytes, recompute_when_faster=False)
+                  max_running_requests=2, kv_cache_bytes=slots_bytes, recompute_when_faster=False,
+                  invariant_prefill=args.invariant_prefill)
     no_host = {"host_tier_bytes": 0} if HAS_HOST_TIER else {}
     configs = {"daemon": EngineConfig(l0_bytes=0, **no_host, **common),
                "l0": EngineConfig(l0_bytes=tier_bytes, **no_host, **common)}
@@ -271,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                         "plain model.generate (0: none)")
     parser.add_argument("--perturb", choices=PATHS, help="double layer 0's values in this path's prefills (a "
                         "check that a difference is reported MISMATCH)")
+    parser.add_argument("--invariant-prefill", action="store_true", help="engines with invariant prefill (every "
+                        "prefill forward one whole chunk at chunk-aligned positions): the service's "
+                        "--invariant-prefill")
     parser.add_argument("--json", type=Path, help="write every row here (rewritten after each length)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -281,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.e2e.daemon_process import start_daemon
 
     started = time.perf_counter()
-    results: dict = {"shape": args.shape, "dtype": args.dtype, "lengths": args.lengths, "pieces": args.pieces,
+    results: dict = {"shape": args.shape, "dtype": args.dtype, "invariant_prefill": args.invariant_prefill, "lengths": args.lengths, "pieces": args.pieces,
                      "tokens": args.tokens, "torch": torch.__version__, "host_tier": HAS_HOST_TIER,
                      "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                      "rows": [], "generate": []}

@@ -4,6 +4,7 @@
 # in this order), each under its own timeout; logs and JSON go to $OUT (or /tmp/kvboost-gpu).
 #   bench       bench_gpu.py --service-defaults: TTFT by tier at 512..32k, decode one stream and 16 rows, the peer
 #   exactness   bench_exactness.py: bf16 cached vs uncached, bitwise, over lengths, tiers and prefill pieces
+#   invariant   the same with --invariant-prefill (every prefill forward one whole chunk at aligned positions)
 #   pytest      pytest -m gpu (tests/gpu, the K/V kernels, the graph step)
 #   overhead    bench_overhead.py in process on CUDA: the host's work per cached request (L0 and the daemon)
 #   compile     bench_compile_step.py: the compiled layer loop under the graphs against the graphs alone
@@ -17,7 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD:$PWD/proto" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, grpc; print('torch', torch.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'cpus', __import__('os').cpu_count())"
-part() { [[ " ${PARTS:-bench exactness pytest overhead compile} " == *" $1 "* ]]; }
+part() { [[ " ${PARTS:-bench exactness invariant pytest overhead compile} " == *" $1 "* ]]; }
 stamp() { echo "== $1 $(date +%T)"; }
 if part bench; then
   stamp bench
@@ -28,6 +29,11 @@ if part exactness && [ -f bench/bench_exactness.py ]; then
   stamp exactness
   timeout "${EXACTNESS_TIMEOUT:-150}" python3 bench/bench_exactness.py --json "$out/bench_exactness.json" 2>&1 \
     | tee "$out/bench_exactness.log"
+fi
+if part invariant; then
+  stamp invariant
+  timeout "${INVARIANT_TIMEOUT:-150}" python3 bench/bench_exactness.py --invariant-prefill \
+    --json "$out/bench_exactness_invariant.json" 2>&1 | tee "$out/bench_exactness_invariant.log"
 fi
 if part pytest; then
   stamp pytest

@@ -86,6 +86,7 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
         host_tier_bytes=config.host_tier_bytes,
         recompute_when_faster={"auto": None, "on": True, "off": False}[config.recompute_when_faster],
         tokenizer_cache_bytes=config.tokenizer_cache_bytes,
+        invariant_prefill=config.invariant_prefill,
         max_prefill_tokens=config.max_prefill_tokens,
         max_queue=config.max_queue,
         max_answer_tokens_stored=config.max_answer_tokens_stored,

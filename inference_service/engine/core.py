@@ -39,12 +39,14 @@ class EngineCore:
     def __init__(self, parts: EngineParts, limits: SchedulerLimits, num_slots: int, kv_budget_bytes: int,
                  max_queue: int, pad_token_id: int = 0) -> None:
         batched = not has_sliding_layers(parts.model.config)
-        if not batched:
+        if not batched or parts.config.invariant_prefill:  # invariant: every forward is one chunk of one prompt
             limits = dataclasses.replace(limits, batch_prefills=False)
         # The longest request, prompt and generated (the longest prompt still runs; a prompt of --max-prompt-tokens
         # with --max-new-tokens is what a smaller limit lets through).
         longest = min(max(parts.geometry.max_context, parts.max_prompt_tokens),
                       parts.max_prompt_tokens + parts.config.max_new_tokens_limit) + 1
+        if parts.config.invariant_prefill:  # the prompt's last chunk is padded to a whole one in its slot
+            longest += parts.config.chunk_size - 1
         # One slot per row: at least one per running request (limits.max_running_requests) and a request's n
         # completions (up to MAX_CHOICES); spare slots let ended rows' write-backs drain while new rows start.
         spare = max(4, num_slots // 2)
@@ -59,6 +61,7 @@ class EngineCore:
         runner = choose_runner(parts.model, self.owner.buffers, parts.config.decode_step)  # logs what runs, and why
         self.executor = Executor(parts.model, self.owner, self.scheduler, runner, batched, pad_token_id)
         self.max_queue = max_queue
+        self._padded_to = parts.config.chunk_size if parts.config.invariant_prefill else 1
         self.on_fatal: Callable[[BaseException], None] | None = None  # the process must restart (serving exits)
         self.num_steps = 0
         self._inbox: deque[Sequence] = deque()
@@ -95,7 +98,8 @@ class EngineCore:
         for seq in seqs:
             seq.state = SequenceState(seq.seq_id, seq.prompt.num_tokens, seq.prompt.num_tokens + seq.max_new_tokens,
                                       num_rows=seq.num_rows)
-            if seq.prompt.num_tokens + seq.max_new_tokens > self.owner.capacity or not ledger.fits_at_all(
+            padded = -(-seq.prompt.num_tokens // self._padded_to) * self._padded_to  # invariant prefill's last chunk
+            if max(seq.prompt.num_tokens + seq.max_new_tokens, padded) > self.owner.capacity or not ledger.fits_at_all(
                     seq.state.num_reserved_tokens, seq.state.num_rows):
                 need = ledger.bytes_for(seq.state.num_reserved_tokens, seq.state.num_rows)
                 raise InvalidRequest(

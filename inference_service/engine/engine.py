@@ -21,12 +21,12 @@ from inference_service.request.verification import BUILTIN_PROMPTS, compare_mode
 from inference_service.engine.memory_plan import service_tiers, size_tiers
 from inference_service.reuse.writeback import WriteBack
 from inference_service.errors import InvalidRequest
-from inference_service.kv import codec
-from kvboost_keys.namespace import (NamespaceSpec, canonical_config_json, dtype_name, namespace_digest,
-                                   tokenizer_identity)
+from kvboost_keys.namespace import dtype_name
+from inference_service.engine.namespace import engine_namespace
 from inference_service.kv.repair import MASKABLE_ATTENTION, RepairOptions
 from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_parameters
 from inference_service.model.attention import use_engine_attention
+from inference_service.model.batch_forward import has_sliding_layers
 from inference_service.model.kv_buffers import kv_geometry
 from inference_service.model.weights import state_fingerprint
 from inference_service.store.protocol import ChunkStore
@@ -49,6 +49,9 @@ class Engine:
         # to the same file share chunks; other weights under the same name never do.
         self.weights_id = weights_id or getattr(model, "kvboost_weights_id", "") or state_fingerprint(model)
         geometry = kv_geometry(model.config)
+        if config.invariant_prefill and has_sliding_layers(model.config):
+            raise ValueError("invariant prefill pads each prompt's last chunk, which would enter a sliding window: "
+                             "this model has sliding-window layers, so run it without --invariant-prefill")
         counters = EngineStats()
         config = size_tiers(config, model, geometry)  # auto K/V, L0 and host tier bytes become numbers, logged
         # Rotary parameters for moving stored keys: re-rotating content hits, un-rotating keys before they
@@ -62,16 +65,7 @@ class Engine:
             content_rope = None  # content hits then fall back to prefix reuse instead of failing requests
         self.parts = EngineParts(
             model=model, tokenizer=tokenizer, config=config, store=store,
-            namespace=namespace_digest(NamespaceSpec(
-                weights_id=self.weights_id,
-                config_json=canonical_config_json(model.config),
-                dtype=dtype_name(model.dtype),
-                tokenizer_id=tokenizer_identity(tokenizer),
-                chunk_size=config.chunk_size,
-                kv_cache_bits=config.kv_cache_bits,
-                format_version=codec.BLOB_FORMAT_VERSION,
-                tenant_salt=config.tenant_salt,
-            )),
+            namespace=engine_namespace(model, tokenizer, config, self.weights_id),
             geometry=geometry,
             max_prompt_tokens=config.max_prompt_tokens or geometry.max_context,
             eos_ids=eos_token_ids(model, tokenizer),

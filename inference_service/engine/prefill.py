@@ -12,7 +12,7 @@ from inference_service.reuse.content_reuse import prefill_with_content_hits
 from inference_service.request.logprobs import prompt_logprobs
 from inference_service.request.planning import needs_repair, new_chunks, repair_options
 from inference_service.model.batch_forward import BatchWorkspace, PrefillRow, prefill_rows
-from inference_service.model.forward import prefill, prefill_scored
+from inference_service.model.forward import prefill, prefill_padded, prefill_scored
 from inference_service.model.kv_buffers import build_cache
 
 if TYPE_CHECKING:  # annotations only: prefill works on the sequences the executor hands it
@@ -48,7 +48,11 @@ def start(seq: Sequence, buffers: Buffers) -> None:
 
 
 def place(seq: Sequence, buffers: Buffers, num_in_place: int) -> None:
-    """The first num_in_place prompt tokens are in the slot: the prefill goes on from there."""
+    """The first num_in_place prompt tokens are in the slot: the prefill goes on from there (with invariant
+    prefill, from the chunk boundary at or before it: that chunk's forward is the uncached prompt's)."""
+    config = seq.parts.config
+    if config.invariant_prefill and num_in_place < seq.prompt.num_tokens and not seq.whole:
+        num_in_place -= num_in_place % config.chunk_size
     seq.num_cached = num_in_place
     seq.cache = build_cache(seq.parts.model.config, *buffers, num_in_place)
     seq.state.num_computed, seq.state.whole = num_in_place, seq.whole
@@ -61,6 +65,8 @@ def run_piece(seq: Sequence, buffers: Buffers, num_tokens: int) -> int:
     """Runs the next num_tokens prompt tokens (all the rest for a whole prefill); returns how many ran."""
     if seq.whole:
         return _run_whole(seq, buffers)
+    if seq.parts.config.invariant_prefill:
+        return _run_chunks(seq, buffers, num_tokens)
     begin = seq.state.num_computed
     end = min(begin + num_tokens, seq.prompt.num_tokens)
     live = torch.tensor(seq.prompt.token_ids[begin:end], device=seq.parts.device)
@@ -70,6 +76,28 @@ def run_piece(seq: Sequence, buffers: Buffers, num_tokens: int) -> int:
     if end == seq.prompt.num_tokens:
         finish(seq, buffers, logits)
     return end - begin
+
+
+def _run_chunks(seq: Sequence, buffers: Buffers, num_tokens: int) -> int:
+    """Invariant prefill: the next chunks covering at least num_tokens prompt tokens, one forward each of exactly
+    chunk_size rows at chunk-aligned positions, the prompt's last chunk padded after its end. Every chunk's forward
+    then has the same shapes, the same kernels and the same inputs (a row never sees the rows after it) whether the
+    prompt was cut here or there, cached in part or not at all; returns how many prompt tokens ran."""
+    size, prompt = seq.parts.config.chunk_size, seq.prompt
+    begin = seq.state.num_computed
+    assert begin % size == 0, f"invariant prefill starts at a chunk boundary, not at {begin}"
+    stop = min(begin + -(-max(num_tokens, 1) // size) * size, prompt.num_tokens)
+    logits = None
+    for start in range(begin, stop, size):
+        end = min(start + size, prompt.num_tokens)
+        token_ids = list(prompt.token_ids[start:end])
+        token_ids += [token_ids[-1]] * (size - len(token_ids))  # pads: any id; no real row attends to them
+        logits = prefill_padded(seq.parts.model, seq.cache, torch.tensor(token_ids, device=seq.parts.device),
+                                start, end - start)
+        seq.state.num_computed = end
+    if stop == prompt.num_tokens:
+        finish(seq, buffers, logits)
+    return stop - begin
 
 
 @torch.inference_mode()

@@ -24,8 +24,20 @@ def prefill_scored(model, cache: DynamicCache, token_ids: torch.Tensor, start: i
 
 
 @torch.inference_mode()
+def prefill_padded(model, cache: DynamicCache, token_ids: torch.Tensor, start: int, num_real: int) -> torch.Tensor:
+    """prefill() of a fixed-shape piece: token_ids [n] at start .. start+n-1, of which the first num_real are the
+    prompt's and the rest pads (causal attention: no real row sees them). Returns the last real token's logits
+    [vocab] (float32); the cache holds start + num_real positions after it (full-attention layers only)."""
+    index = torch.tensor([num_real - 1], device=token_ids.device)
+    logits, _ = _prefill(model, cache, token_ids, start, logits_to_keep=index)
+    for layer in cache.layers:
+        layer.truncate(start + num_real)
+    return logits[-1]
+
+
+@torch.inference_mode()
 def _prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int,
-             logits_to_keep: int) -> tuple[torch.Tensor, LayerKV]:
+             logits_to_keep: int | torch.Tensor) -> tuple[torch.Tensor, LayerKV]:
     num_tokens = token_ids.shape[0]
     sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
     for layer in sliding:  # keep every new token's K/V until they are read below

@@ -59,6 +59,11 @@ class PreallocatedLayer(DynamicLayer):
         self._set_length(end)
         return self.keys, self.values
 
+    def truncate(self, num_tokens: int) -> None:
+        """Holds the first num_tokens positions again (after a padded forward wrote past the real ones)."""
+        assert num_tokens <= self.keys.shape[-2], f"cannot grow to {num_tokens} positions by truncating"
+        self._set_length(num_tokens)
+
     def _set_length(self, num_tokens: int) -> None:
         self.keys = self._key_buffer[:, :, :num_tokens]
         self.values = self._value_buffer[:, :, :num_tokens]

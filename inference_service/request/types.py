@@ -80,6 +80,10 @@ class EngineConfig:
     # Token ids of long pieces of prompt text (between special tokens) kept so a repeated system prompt, document or
     # earlier turn is not tokenized again (kvboost_keys/token_cache.py); 0: off.
     tokenizer_cache_bytes: int = 64 << 20
+    # Every prefill forward is one chunk of rows at chunk-aligned positions (the last padded), so a chunk's K/V do
+    # not depend on how its prompt was cut or what was cached: cached answers bitwise the uncached ones in bf16 and
+    # fp16 too, where GEMMs and attention round by their rows. Costs smaller forwards; full-attention models only.
+    invariant_prefill: bool = False
 
     @property
     def keys_before_rope(self) -> bool:

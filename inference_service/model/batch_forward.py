@@ -30,8 +30,7 @@ class BatchWorkspace:
     """The batch buffers of prefill_rows, kept from one batched prefill to the next on a CPU.
 
     A fresh buffer of a few hundred MB is fresh pages from the kernel, and its first write faults every 4 KiB page
-    in: measured on the 2-core dev machine, copying 7 rows' 960 cached tokens of SmolLM2 (2 x 150 MB) took 90 ms
-    into new buffers and 20-25 ms into reused ones, of a 480 ms batched prefill. Buffers up to max_bytes (keys and
+    in, several times the copy into reused pages (docs/performance.md, Serving costs). Buffers up to max_bytes (keys and
     values together) are kept; a larger batch gets buffers of its own, as before. The contents never carry over:
     prefill_rows writes every column it reads (zeros, cached K/V, or the forward's new K/V). The kept buffers are
     process memory outside --kv-cache-bytes (at most max_bytes; a batch too large for them releases them and gets

@@ -1,7 +1,8 @@
 """The batched decode step replayed from CUDA graphs: one launch per step instead of ~30 kernels per layer.
 
 On a GPU the lean step (model/lean_step.py) is launch-bound: Python and the dispatcher start each of its ~1,000
-kernels (an 8B model) one after the other, ~15 ms a step where reading the weights once takes ~4. Captured once as
+kernels (an 8B model) one after the other, for several times what reading the weights once takes (docs/gpu.md,
+Where the time goes). Captured once as
 a CUDA graph, a step is one replay. A graph fixes its shapes and addresses, so it is captured per bucket: the rows
 are slots [0, R) of the slot buffers (R a power of two covering the highest decoding slot; rows not decoding this
 step run on token 0 at position 0 and write only their slot's scratch column) and attention reads columns [0, L)

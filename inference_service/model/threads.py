@@ -15,10 +15,10 @@ logger = logging.getLogger(__name__)
 def confine_to_this_thread() -> None:
     """Makes the calling helper thread run torch's CPU ops on itself alone, without an OpenMP team of its own.
 
-    Why (measured, docs/performance.md): libgomp spins between parallel regions only while the threads it manages
-    are no more than the CPUs; a second thread with a team of its own (the write-back encoder's) puts it over on
-    two cores, and from then on each of the step loop's ~400 parallel regions a step waits on a sleeping worker:
-    one stream fell from 79 to 38 tokens/s. Only the step loop should own a team. Nothing happens where torch's
+    Why (docs/performance.md, One OpenMP team): libgomp spins between parallel regions only while the threads it
+    manages are no more than the CPUs; a second thread with a team of its own (the write-back encoder's) puts it
+    over on two cores, and from then on each of the step loop's parallel regions waits on a sleeping worker, which
+    halved one stream's rate. Only the step loop should own a team. Nothing happens where torch's
     parallel backend is not OpenMP or libgomp cannot be found.
     """
     global _omp_set_num_threads

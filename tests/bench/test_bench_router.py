@@ -27,7 +27,7 @@ def test_a_phase_splits_prompt_tokens_by_tier_and_counts_the_spread():
 def test_a_smoke_run_on_the_tiny_model_reports_every_policy(tmp_path):
     out = tmp_path / "router.json"
     status = main(["--model", "tiny", "--replicas", "2", "--documents", "3", "--sheets", "2", "--clients", "2",
-                   "--warmup", "1", "--duration", "3", "--chunk-size", "32", "--json", str(out)])
+                   "--warmup", "0.5", "--duration", "2", "--chunk-size", "32", "--json", str(out)])
     reports = [PolicyReport(**row) for row in json.loads(out.read_text())]
     assert status == 0 and [report.policy for report in reports] == ["round-robin", "least-loaded", "prefix"]
     assert all(report.requests > 0 and sum(report.per_replica) >= report.requests for report in reports)

@@ -47,8 +47,9 @@ class Stack:
     def complete(self, name: str, prompt: str, **extra) -> tuple[str, int]:
         """Exact prefix hits only (a content hit of a tenant's own earlier chunks would blur what is counted)."""
         extra = {"kvboost": {"mode": "prefix_cache"}, **extra}
-        reply = self.client(name).completions.create(model=self.model, prompt=prompt, max_tokens=6, temperature=0,
-                                                     extra_body=extra)
+        with self.client(name) as client:  # closed: a kept-alive connection holds the gateway's shutdown 10 s
+            reply = client.completions.create(model=self.model, prompt=prompt, max_tokens=6, temperature=0,
+                                              extra_body=extra)
         return reply.choices[0].text, reply.usage.prompt_tokens_details.cached_tokens
 
     def pinned(self) -> int:
@@ -118,7 +119,11 @@ def test_pins_go_through_an_admin_key_into_a_tenants_scope_and_unpin_clears_them
 
 
 def test_context_overflow_is_400_and_an_oversized_body_413(stack):
-    client = stack.client("alice")
+    with stack.client("alice") as client:
+        check_context_overflow_and_body_size(stack, client)
+
+
+def check_context_overflow_and_body_size(stack, client):
     context = client.models.list().data[0].model_extra["max_model_len"]
     with pytest.raises(openai.BadRequestError) as overflow:
         client.completions.create(model=stack.model, prompt=QUESTION, max_tokens=context, temperature=0)
@@ -136,8 +141,9 @@ def test_context_overflow_is_400_and_an_oversized_body_413(stack):
 def test_wrong_or_missing_keys_and_plain_http_are_refused(stack):
     assert httpx.post(f"{stack.gateway.base_url}/v1/completions", json={"prompt": "x"}, verify=str(stack.cert),
                       timeout=30).status_code == 401
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{stack.gateway.base_url}/v1", api_key="not-a-key", max_retries=0,
-                      http_client=httpx.Client(verify=str(stack.cert))).models.list()
+    with openai.OpenAI(base_url=f"{stack.gateway.base_url}/v1", api_key="not-a-key", max_retries=0,
+                       http_client=httpx.Client(verify=str(stack.cert))) as client, \
+            pytest.raises(openai.AuthenticationError):
+        client.models.list()
     with pytest.raises(httpx.HTTPError):  # the listener speaks TLS only
         httpx.get(stack.gateway.base_url.replace("https://", "http://") + "/health", timeout=10)

@@ -118,22 +118,45 @@ def test_this_test_process_runs_the_references_under_the_dispatch_a_default_serv
     assert service.stdout.strip() == MKL_DISPATCH.applied
 
 
+SWEEP_KINDS = ("llama", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def wide_sweeps(tmp_path_factory):
+    """Both families' sweeps (bench/bench_mkl_dispatch.py), started together on first use, on one torch thread
+    each (as the identity tests run; both dispatches of a family alike): each runs its two dispatch processes one
+    after the other, so the two families share the machine's two cores instead of waiting on each other (at
+    torch's default thread count, two processes would oversubscribe the cores and crawl). {kind: (process, its
+    JSON path)}; killed if a test ends early."""
+    folder = tmp_path_factory.mktemp("mkl-sweeps")
+    sweeps = {kind: (subprocess.Popen([sys.executable, str(ROOT / "bench" / "bench_mkl_dispatch.py"), "--model",
+                                       f"tiny-{kind}", "--prompts", "200", "--tokens", "64", "--threads", "1",
+                                       "--json", str(folder / f"{kind}.json")],
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                     folder / f"{kind}.json")
+              for kind in SWEEP_KINDS}
+    try:
+        yield sweeps
+    finally:
+        for process, _ in sweeps.values():
+            if process.returncode is None:  # not waited for by its test
+                process.kill()
+                process.communicate()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (NON_INTEL_X86 and HAS_COMPILER),
                     reason="MKL already picks kernels by instruction set on Intel (and off x86-64 it is not MKL); "
                            "or no C compiler to build the library")
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_features_gives_the_greedy_tokens_of_mkls_own_dispatch_on_a_wide_sweep(kind, tmp_path) -> None:
+@pytest.mark.parametrize("kind", SWEEP_KINDS)
+def test_features_gives_the_greedy_tokens_of_mkls_own_dispatch_on_a_wide_sweep(kind, wide_sweeps) -> None:
     # The roundings differ (the test above); the tokens must not: 200 chat prompts x 64 tokens of plain
     # model.generate in a process on each dispatch (bench/bench_mkl_dispatch.py; SmolLM2's sweep is in
     # docs/performance.md).
-    out = tmp_path / "sweep.json"
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_mkl_dispatch.py"), "--model", f"tiny-{kind}",
-                             "--prompts", "200", "--tokens", "64", "--json", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-2000:]
+    process, out = wide_sweeps[kind]
+    stdout, stderr = process.communicate(timeout=900)
+    assert process.returncode == 0, stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
     assert [runs[name]["dispatch"] for name in ("vendor", "features")] == ["vendor", "features"]
     assert len(runs["vendor"]["outputs"]) == 200 and all(runs["vendor"]["outputs"])  # every prompt answered
-    assert runs["features"]["outputs"] == runs["vendor"]["outputs"], result.stdout
-
+    assert runs["features"]["outputs"] == runs["vendor"]["outputs"], stdout

@@ -54,6 +54,7 @@ class NamespaceSpec:
     kv_cache_bits: int
     format_version: int
     tenant_salt: str = ""
+    prefill: str = ""  # "" (the default prefill: left out of the digest, so its namespaces never moved) or "invariant"
 
     def __post_init__(self) -> None:
         assert self.chunk_size > 0, f"chunk_size must be positive, got {self.chunk_size}"
@@ -61,7 +62,10 @@ class NamespaceSpec:
 
 
 def namespace_digest(spec: NamespaceSpec) -> Namespace:
-    return Namespace(hashlib.sha256(canonical_json(asdict(spec)).encode()).digest())
+    fields = asdict(spec)
+    if not fields["prefill"]:
+        del fields["prefill"]
+    return Namespace(hashlib.sha256(canonical_json(fields).encode()).digest())
 
 
 def salted_namespace(namespace: Namespace, cache_salt: str) -> Namespace:

@@ -104,7 +104,9 @@ class EngineCore:
                 need = ledger.bytes_for(seq.state.num_reserved_tokens, seq.state.num_rows)
                 raise InvalidRequest(
                     f"the request needs {need} bytes of K/V ({seq.state.num_reserved_tokens} tokens x "
-                    f"{seq.state.num_rows} rows; a slot holds {self.owner.capacity} tokens) and the budget is "
+                    f"{seq.state.num_rows} rows; a slot holds {self.owner.capacity} tokens"
+                    + (f", the prompt padded to {padded} by invariant prefill" if padded > seq.prompt.num_tokens else "")
+                    + f") and the budget is "
                     f"{ledger.budget_bytes}: lower max_tokens or n, or start the service with a larger --kv-cache-bytes")
         with self._wake:
             if self._stopping:

@@ -26,7 +26,7 @@ from inference_service.engine.namespace import engine_namespace
 from inference_service.kv.repair import MASKABLE_ATTENTION, RepairOptions
 from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_parameters
 from inference_service.model.attention import use_engine_attention
-from inference_service.model.batch_forward import has_sliding_layers
+from inference_service.engine.prefill import invariant_prefill_refusal
 from inference_service.model.kv_buffers import kv_geometry
 from inference_service.model.weights import state_fingerprint
 from inference_service.store.protocol import ChunkStore
@@ -49,9 +49,9 @@ class Engine:
         # to the same file share chunks; other weights under the same name never do.
         self.weights_id = weights_id or getattr(model, "kvboost_weights_id", "") or state_fingerprint(model)
         geometry = kv_geometry(model.config)
-        if config.invariant_prefill and has_sliding_layers(model.config):
-            raise ValueError("invariant prefill pads each prompt's last chunk, which would enter a sliding window: "
-                             "this model has sliding-window layers, so run it without --invariant-prefill")
+        refusal = invariant_prefill_refusal(model.config) if config.invariant_prefill else ""
+        if refusal:
+            raise ValueError(f"invariant prefill cannot run this model: {refusal}; run it without --invariant-prefill")
         counters = EngineStats()
         config = size_tiers(config, model, geometry)  # auto K/V, L0 and host tier bytes become numbers, logged
         # Rotary parameters for moving stored keys: re-rotating content hits, un-rotating keys before they

@@ -218,8 +218,9 @@ class Executor:
     def _store_answer(self, seq: Sequence, row: Row) -> None:
         """The prompt's tail and the answer's K/V (first completion only) as chunks, so the next turn of a
         conversation reuses the whole previous turn; only K/V that are exact (every decode step is bitwise the
-        model's forward: the start-up probe checks it), of single-segment prompts."""
-        limit = seq.parts.config.max_answer_tokens_stored
+        model's forward: the start-up probe checks it), of single-segment prompts. Not with invariant prefill: an
+        answer's K/V come from decode steps, not from whole-chunk forwards, so they would not be the uncached ones."""
+        limit = 0 if seq.parts.config.invariant_prefill else seq.parts.config.max_answer_tokens_stored
         answer = row.decoder.token_ids[:-1][:limit]  # the last token was never fed back: it has no K/V
         if (not answer or not self.batched or seq.approximate or seq.mode == "baseline"
                 or seq.context.degraded or seq.params.segments):

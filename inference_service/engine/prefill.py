@@ -11,7 +11,7 @@ from inference_service.reuse.assembler import assemble_context, empty_context
 from inference_service.reuse.content_reuse import prefill_with_content_hits
 from inference_service.request.logprobs import prompt_logprobs
 from inference_service.request.planning import needs_repair, new_chunks, repair_options
-from inference_service.model.batch_forward import BatchWorkspace, PrefillRow, prefill_rows
+from inference_service.model.batch_forward import BatchWorkspace, PrefillRow, has_sliding_layers, prefill_rows
 from inference_service.model.forward import prefill, prefill_padded, prefill_scored
 from inference_service.model.kv_buffers import build_cache
 
@@ -19,6 +19,18 @@ if TYPE_CHECKING:  # annotations only: prefill works on the sequences the execut
     from inference_service.engine.sequence import Sequence
 
 Buffers = tuple[torch.Tensor, torch.Tensor]  # a slot's keys, values: [layers, kv_heads, capacity, head_dim]
+
+
+def invariant_prefill_refusal(model_config) -> str:
+    """Why invariant prefill cannot run this model ('' when it can): its pads would enter a sliding window, or move
+    a RoPE that scales with the longest position seen."""
+    if has_sliding_layers(model_config):
+        return "this model has sliding-window layers, which the padding of a prompt's last chunk would enter"
+    rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if kind in ("dynamic", "longrope"):
+        return f"this model's RoPE ({kind}) scales with the longest position seen, which the padding would move"
+    return ""
 
 
 def start(seq: Sequence, buffers: Buffers) -> None:
@@ -125,7 +137,9 @@ def finish(seq: Sequence, buffers: Buffers, first_logits: torch.Tensor | None) -
     new_kv = [(keys[layer : layer + 1, :, seq.num_cached : prompt.num_tokens],
                values[layer : layer + 1, :, seq.num_cached : prompt.num_tokens])
               for layer in range(parts.geometry.num_layers)]
-    stores = seq.warm is not None or seq.mode != "baseline"
+    # With invariant prefill a whole prefill (every prompt token's logprob, a content-hit fallback) ran in one
+    # forward, not in whole chunks: its K/V are right for this answer but are not the chunks' invariant ones.
+    stores = (seq.warm is not None or seq.mode != "baseline") and not (parts.config.invariant_prefill and seq.whole)
     if stores and not seq.context.degraded and seq.num_cached < prompt.num_tokens:
         seq.pending = new_chunks(parts, prompt, seq.context, new_kv, seq.num_cached, buffers, seq.request_id)
         if seq.warm is not None and seq.warm.pin:

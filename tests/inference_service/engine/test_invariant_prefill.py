@@ -100,6 +100,56 @@ def test_with_invariant_prefill_every_path_is_bitwise_the_uncached_answer_in_bf1
         assert tokens == reference_tokens, path
 
 
+@pytest.fixture(scope="module")
+def wide_bf16_model():
+    """Wider (hidden 576, 4 layers): here one whole forward from position 0 rounds apart from whole chunks too."""
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=VOCAB, max_position_embeddings=4096,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return model, word_tokenizer(VOCAB)
+
+
+def uncached(model_and_tokenizer, prompt: str):
+    engine = engine_for(model_and_tokenizer, invariant_prefill=True, l0_bytes=0)
+    try:
+        return answer(engine, prompt, mode="baseline")
+    finally:
+        engine.close()
+
+
+def test_a_prompt_logprobs_request_leaves_no_chunk_behind(wide_bf16_model):
+    """Its prefill runs whole (every token's logits kept), not in whole chunks: stored, its K/V would make the next
+    request on the prompt round apart from the uncached answer."""
+    prompt = words(300, seed=1, vocab_size=VOCAB)
+    reference = uncached(wide_bf16_model, prompt)
+    engine = engine_for(wide_bf16_model, invariant_prefill=True, l0_bytes=0)
+    try:
+        answer(engine, prompt, prompt_logprobs=1)
+        tokens, logits, cached = answer(engine, prompt)
+    finally:
+        engine.close()
+    assert cached == 0
+    assert torch.equal(logits, reference[1]) and tokens == reference[0]
+
+
+def test_a_conversation_turn_after_an_answer_is_bitwise_the_uncached_one(wide_bf16_model):
+    """Answers are not stored with invariant prefill (their K/V come from decode steps): the next turn reuses the
+    prompt's chunks and recomputes the answer's in whole chunks."""
+    prompt = words(221, seed=1, vocab_size=VOCAB)
+    engine = engine_for(wide_bf16_model, invariant_prefill=True, l0_bytes=0)
+    try:
+        first, _, _ = answer(engine, prompt)
+        turn = f"{prompt} {' '.join(f'w{token}' for token in first[:-1])} {words(9, seed=3, vocab_size=VOCAB)}"
+        tokens, logits, cached = answer(engine, turn)
+    finally:
+        engine.close()
+    reference = uncached(wide_bf16_model, turn)
+    assert cached == 6 * CHUNK  # the prompt's whole chunks; none of the answer
+    assert torch.equal(logits, reference[1]) and tokens == reference[0]
+
+
 def test_without_it_the_same_comparison_sees_bf16_rounding_move_with_the_pieces(bf16_model):
     """The check above can fail: on this model the default prefill's first logits move with the pieces."""
     found = answers(bf16_model, invariant=False)
@@ -142,10 +192,10 @@ def test_a_model_with_sliding_window_layers_is_refused_with_a_reason():
 
 
 def test_slots_have_room_for_the_padded_last_chunk_of_the_longest_prompt(tiny_llama):
-    engine = make_engine(tiny_llama, chunk_size=8, invariant_prefill=True, max_prompt_tokens=40,
+    engine = make_engine(tiny_llama, chunk_size=8, invariant_prefill=True, max_prompt_tokens=37,
                          max_new_tokens_limit=1)
     try:
-        assert engine.core.owner.capacity >= 40 + 8  # room for the padded last chunk of the longest prompt
+        assert engine.core.owner.capacity >= 40  # room for the longest prompt's last chunk, padded (39 without)
         outcome = run(engine, prompt=text_of_length(37), max_new_tokens=1)
         assert len(outcome.output_token_ids) == 1
     finally:

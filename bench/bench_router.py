@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -149,20 +150,32 @@ class Clients:
 
 def start_replicas(stack: ExitStack, workdir: Path, model: str, num_replicas: int, budget: int, chunk_size: int,
                    l2_url: str | None) -> list[tuple[str, str]]:
+    """Each replica's daemon, then every service at once (a start is mostly imports and loading, waited on)."""
     from tests.conftest import pick_free_port
     from tests.e2e.daemon_process import start_daemon
     from tests.e2e.service_process import start_service
 
-    pairs = []
+    daemons = []
     for index in range(num_replicas):
         l2 = ("--l2", l2_url) if l2_url else ()
         daemon = start_daemon(workdir / f"lmdb-{index}", pick_free_port(), "--max-bytes", str(budget), *l2)
         stack.callback(daemon.terminate)
-        service = start_service(model, daemon.address, pick_free_port(), workdir / f"service-{index}.log",
-                                "--chunk-size", str(chunk_size), "--threads", "1", timeout_s=300)
-        stack.callback(service.terminate)
-        pairs.append((service.address, daemon.address))
-    return pairs
+        daemons.append(daemon)
+
+    def start(index: int):
+        return start_service(model, daemons[index].address, pick_free_port(), workdir / f"service-{index}.log",
+                             "--chunk-size", str(chunk_size), "--threads", "1", timeout_s=300)
+
+    with ThreadPoolExecutor(num_replicas) as starting:
+        futures = [starting.submit(start, index) for index in range(num_replicas)]
+    services = []
+    for future in futures:  # every started service is stopped with the stack, even when another failed to start
+        if future.exception() is None:
+            stack.callback(future.result().terminate)
+            services.append(future.result())
+    for future in futures:
+        future.result()  # raises the first failure
+    return [(service.address, daemon.address) for service, daemon in zip(services, daemons)]
 
 
 def counters(pairs: list[tuple[str, str]]) -> tuple[list[int], int]:

@@ -24,16 +24,20 @@ VOCAB = 1024
 TOKENS = 12
 
 
+def random_bf16_llama(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int):
+    """A random Llama in bf16 (seed 0) and a word tokenizer (one token per word)."""
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=VOCAB,
+                         max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None, eos_token_id=0,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval(), word_tokenizer(VOCAB)
+
+
 @pytest.fixture(scope="module")
 def bf16_model():
-    """A random Llama in bf16 wide enough (hidden 256, grouped heads) that the default prefill's rounding depends
-    on its pieces on this CPU; a word tokenizer (one token per word)."""
-    config = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4096,
-                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    return model, word_tokenizer(VOCAB)
+    """Wide enough (hidden 256, grouped heads) that the default prefill's rounding depends on its pieces here."""
+    return random_bf16_llama(256, 768, 2, 4, 2)
 
 
 def engine_for(model_and_tokenizer, **config) -> Engine:
@@ -103,12 +107,7 @@ def test_with_invariant_prefill_every_path_is_bitwise_the_uncached_answer_in_bf1
 @pytest.fixture(scope="module")
 def wide_bf16_model():
     """Wider (hidden 576, 4 layers): here one whole forward from position 0 rounds apart from whole chunks too."""
-    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=VOCAB, max_position_embeddings=4096,
-                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    return model, word_tokenizer(VOCAB)
+    return random_bf16_llama(576, 1536, 4, 9, 3)
 
 
 def uncached(model_and_tokenizer, prompt: str):

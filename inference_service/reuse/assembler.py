@@ -53,6 +53,7 @@ class AssembledContext:
     num_approximate_tokens: int = 0  # content-hit tokens whose K/V repair kept (not recomputed)
     num_load_skipped_tokens: int = 0  # cached tokens recomputed instead: their tier loads slower (SkipLoad)
     tier_loads: list[TierLoad] = field(default_factory=list)  # what each tier placed, and how long it took
+    num_lookups: int = 0  # Lookups assemble_context asked (on the step loop): 0 when the early one held
 
     @property
     def num_fetched_blobs(self) -> int:
@@ -107,19 +108,24 @@ def assemble_context(
     if isinstance(early, LookupFailed):  # the store did not answer it: not asked twice (a slow daemon stays slow)
         logger.warning("cache unavailable, serving without it: %s", early.reason)
         return empty_context(degraded=True)
+    num_lookups = int(early is None)  # Lookups asked here, on the step loop
     try:
         lookup = early if early is not None else look_up(store, namespace, prompt, with_content_hits)
         # The run goes on through the chunks L0 holds whose write-back is still in flight (a prefix key names exactly
         # one K/V, so this is exact); for every other key the daemon's Lookup decides (a Delete there reaches L0).
         run = _run_with_pending(l0, prompt, lookup.prefix_run)
-        partial = _find_partial(store, namespace, prompt, run, l0, lookup)
+        partial, asked_again = _find_partial(store, namespace, prompt, run, l0, lookup)
+        num_lookups += asked_again
     except StoreUnavailable as error:
         logger.warning("cache unavailable, serving without it: %s", error)
-        return empty_context(degraded=True)
+        context = empty_context(degraded=True)
+        context.num_lookups = num_lookups
+        return context
     if run == 0 and partial is None:
-        return AssembledContext(None, None, content_hits=lookup.content_hits)
+        return AssembledContext(None, None, content_hits=lookup.content_hits, num_lookups=num_lookups)
     context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, l0, skip_load, host)
     context.content_hits = lookup.content_hits
+    context.num_lookups = num_lookups
     return context
 
 
@@ -161,12 +167,12 @@ def _run_with_pending(l0: L0Tier | None, prompt: PromptPlan, run: int) -> int:
 
 
 def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: int,
-                  l0: L0Tier | None = None, first: StoreLookup | None = None) -> PartialHit | None:
+                  l0: L0Tier | None = None, first: StoreLookup | None = None) -> tuple[PartialHit | None, bool]:
     """The stored chunk that continues a run of `run` whole chunks; first: the run's Lookup, which answered this
-    when it was asked with AfterRun and its run is `run` (else a second Lookup asks)."""
+    when it was asked with AfterRun and its run is `run` (else a second Lookup asks); and whether it asked one."""
     start, length = prompt.partial_span(run)
     if length <= 0:
-        return None
+        return None, False
     tokens = tuple(prompt.token_ids[start : start + length])  # the partial candidates' tokens
     answered = first is not None and first.continued and first.prefix_run == run
     # The keys of the first n tokens, longest first: only L0 (or a second Lookup) needs them.
@@ -185,12 +191,12 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
     if exact and exact >= in_l0 and l0 is not None and exact_key in l0:
         in_l0 = exact  # the daemon's own partial chunk, placed from L0's copy
     if in_l0 and in_l0 >= max(shared, exact):
-        return PartialHit(candidates[length - in_l0], Chunk(tokens[:in_l0], start, 0), in_l0=True)
+        return PartialHit(candidates[length - in_l0], Chunk(tokens[:in_l0], start, 0), in_l0=True), not answered
     if shared > exact:
-        return PartialHit(continuation_key, Chunk(tokens[:shared], start, 0), leading=True)
+        return PartialHit(continuation_key, Chunk(tokens[:shared], start, 0), leading=True), not answered
     if exact:
-        return PartialHit(exact_key, Chunk(tokens[:exact], start, 0))
-    return None
+        return PartialHit(exact_key, Chunk(tokens[:exact], start, 0)), not answered
+    return None, not answered
 
 
 def fetch_prefix_run(

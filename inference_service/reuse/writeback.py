@@ -17,6 +17,7 @@ from inference_service.kv.blobs import DEFAULT_GROUP_SIZE, encode_chunk_kv
 from inference_service.kv.rope import RopeParams
 from inference_service.reuse.host_tier import HostTier
 from inference_service.reuse.l0_tier import L0Tier
+from inference_service.reuse.settled_writes import SettledLog, SettledWrite
 from inference_service.model.kv_buffers import LayerKV, stack_layers
 from inference_service.model.threads import confine_to_this_thread, lower_this_threads_priority
 
@@ -138,7 +139,7 @@ class WriteBack:
         self._lock = threading.Lock()
         self._in_flight: Counter[bytes] = Counter()  # prefix keys queued or being stored
         self.on_settled: Callable[[], None] | None = None  # told after each write-back ends (stored or failed)
-        self.num_settled = 0  # write-backs ended so far: an answer asked before the last one may be out of date
+        self.settled = SettledLog()  # what each ended write-back may have stored: an answer asked before may be stale
 
     def storing(self, keys) -> bool:
         """Whether any of these prefix keys is queued or being stored now and not in L0 (a request that needs it
@@ -234,10 +235,12 @@ class WriteBack:
         except Exception as error:  # a background thread has no caller to raise to
             failure = error
             logger.exception("[%s] write-back of %d chunks failed", pending.request_id, len(pending.chunks))
+        # Logged before its keys leave the in-flight set: a request held for them then finds this write-back.
+        self.settled.add(SettledWrite.of(pending.prefix_keys, pending.content_keys, pending.parent_keys,
+                                         [chunk.token_ids for chunk in pending.chunks]))
         with self._lock:
             self._in_flight.subtract(pending.prefix_keys)
             self._in_flight = +self._in_flight  # drops the keys at zero
-            self.num_settled += 1
         if on_done is not None:
             on_done(stored, failure)
         if self.on_settled is not None:

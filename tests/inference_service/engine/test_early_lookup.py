@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
+from inference_service.engine.sequence import Sequence
 from inference_service.store.memory import InMemoryStore
 from tests.conftest import wait_for
 
 DOCUMENT = "The quick brown fox jumps over the lazy dog. " * 4
+OTHER_DOCUMENT = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 3
 
 
 class GatedStore(InMemoryStore):
@@ -48,8 +50,10 @@ def test_a_slow_lookup_does_not_stall_the_other_requests(tiny_llama):
         assert set(store.lookup_threads) <= {"slow-request", threading.current_thread().name}
         store.release.set()
         asker.join(30)
-        # (The fast request's write-back ended while the slow one waited: its start asks again, on the loop.)
+        # The fast request's write-back ended while the slow one waited; it stored none of the slow prompt's chunks
+        # (another first token, so no continuation either): the slow answer holds, the loop asks nothing.
         assert slow["outcome"].generated_tokens == 4
+        assert "engine-step-loop" not in store.lookup_threads and engine.stats()["step_loop_lookups"] == 0
     finally:
         store.release.set()
         engine.stop()
@@ -92,5 +96,102 @@ def test_the_early_lookup_reuses_what_the_loop_would(tiny_llama):
         second = engine.generate(GenerationParams(prompt=DOCUMENT + " Q1? And Q2?", max_new_tokens=3))
         # The whole first prompt (its chunks and its tail as a partial chunk) and its answer's tokens.
         assert second.cached_tokens >= first.prompt_tokens
+    finally:
+        engine.stop()
+
+
+def asked_early(engine: Engine, prompt: str, max_new_tokens: int = 4) -> tuple[Sequence, dict]:
+    """A request whose Lookup is asked now, on this thread, but not yet submitted; and where its outcome will land."""
+    params = GenerationParams(prompt=prompt, max_new_tokens=max_new_tokens)
+    mode, plan, num_tokens = engine.plan_request(params)
+    landed: dict = {"done": threading.Event()}
+
+    def on_done(result, error) -> None:
+        landed.update(result=result, error=error)
+        landed["done"].set()
+
+    return Sequence(params, None, lambda: False, on_done, engine.parts, mode, plan, num_tokens).ask_early(), landed
+
+
+def run_asked(engine: Engine, seq: Sequence, landed: dict):
+    engine.core.submit([seq])
+    assert landed["done"].wait(60), "the request never ended"
+    assert landed["error"] is None, landed["error"]
+    return landed["result"][0]
+
+
+def test_an_unrelated_write_back_keeps_the_early_answer(tiny_llama):
+    # Found by review (issue 57): any write-back that ended discarded an early answer that missed chunks, so under
+    # concurrent load the next turn of a chat (a cached document, new last chunk) was looked up on the step loop.
+    model, tokenizer = tiny_llama
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=8), InMemoryStore(), model_id="tiny")
+    try:
+        engine.generate(GenerationParams(prompt=DOCUMENT + " Q1?", max_new_tokens=3))
+        engine.flush_writes()
+        follow_up, landed = asked_early(engine, DOCUMENT + " Q1? And then what happened?")
+        assert follow_up.early_lookup.prefix_run < len(follow_up.prompt.prefix_keys)  # its new chunks are missing
+        # Meanwhile another client's document is written back.
+        engine.generate(GenerationParams(prompt=OTHER_DOCUMENT, max_new_tokens=3))
+        engine.flush_writes()
+        assert follow_up.current_lookup() is follow_up.early_lookup
+        outcome = run_asked(engine, follow_up, landed)
+        assert engine.stats()["step_loop_lookups"] == 0
+        assert outcome.cached_tokens >= len(DOCUMENT + " Q1?")
+        baseline = engine.generate(GenerationParams(prompt=follow_up.params.prompt, max_new_tokens=4, mode="baseline"))
+        assert outcome.output_text == baseline.output_text
+    finally:
+        engine.stop()
+
+
+def test_a_write_back_of_the_prompts_own_missing_chunk_discards_the_early_answer(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=8), InMemoryStore(), model_id="tiny")
+    try:
+        second, landed = asked_early(engine, DOCUMENT + " Q2?")
+        assert second.early_lookup.prefix_run == 0
+        # Another question on the same document stores the document's chunks: the answer above missed them.
+        engine.generate(GenerationParams(prompt=DOCUMENT + " Q1?", max_new_tokens=3))
+        engine.flush_writes()
+        assert second.current_lookup() is None
+        outcome = run_asked(engine, second, landed)
+        assert engine.stats()["step_loop_lookups"] == 1
+        assert outcome.cached_tokens >= len(DOCUMENT) // 8 * 8
+    finally:
+        engine.stop()
+
+
+def test_eight_concurrent_clients_on_unrelated_documents_ask_no_lookup_on_the_step_loop(tiny_llama):
+    # Each client asks about its own document, then asks a follow-up once its first turn is stored (a request whose
+    # own chunks are still being written back waits for them and asks again: that is its own document, not load).
+    model, tokenizer = tiny_llama
+    store = GatedStore()
+    engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, max_running_requests=8), store, model_id="tiny")
+    documents = [f"{letter}{letter.lower()} document number {index}: " + "words of its own, " * (3 + index)
+                 for index, letter in enumerate("ABCDEFGH")]
+    start = threading.Barrier(len(documents))
+    outcomes: dict = {}
+
+    def client(index: int, document: str) -> None:
+        start.wait(30)
+        first = GenerationParams(prompt=document + " Why?", max_new_tokens=6)
+        outcomes[index, 0] = engine.generate(first)
+        tail_key = engine.plan_request(first)[1].tail_key
+        wait_for(lambda: store.lookup(engine.parts.namespace, [], partial_keys=[tail_key]).partial_index == 0,
+                 "the client's first turn stored")
+        outcomes[index, 1] = engine.generate(GenerationParams(prompt=document + " Why? Tell me more.",
+                                                              max_new_tokens=6))
+
+    threads = [threading.Thread(target=client, args=item, name=f"client-{item[0]}") for item in enumerate(documents)]
+    store.release.set()
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert len(outcomes) == 2 * len(documents)
+        assert engine.stats()["step_loop_lookups"] == 0
+        assert "engine-step-loop" not in store.lookup_threads
+        for index, document in enumerate(documents):  # every follow-up reused its whole first turn
+            assert outcomes[index, 1].cached_tokens >= len(document + " Why?")
     finally:
         engine.stop()

@@ -44,7 +44,7 @@ def start(seq: Sequence, buffers: Buffers) -> None:
         recompute_when_faster = parts.device.type == "cuda"
     early = seq.current_lookup()
     seq.context = (assemble_context(parts.store, parts.namespace, prompt, buffers, seq.mode == "chunk_kv_reuse",
-                                    parts.key_rope, parts.l0, parts.counters.skip_load if recompute_when_faster
+                                    parts.key_rope, parts.l0, parts.counters.choose_load if recompute_when_faster
                                     else None, early, parts.writeback.host) if looks_up else empty_context())
     if seq.context.num_lookups:
         parts.counters.add_step_loop_lookups(seq.context.num_lookups)
@@ -55,7 +55,7 @@ def start(seq: Sequence, buffers: Buffers) -> None:
         parts.counters.add_load(seq.context.num_cached_tokens * per_token,
                                 time.perf_counter() - started + lookup_seconds)
     for load in seq.context.tier_loads:  # each tier's own rate (L0, the daemon's map or its Fetch stream)
-        parts.counters.add_tier_load(load.tier, load.num_chunks, load.num_bytes, load.seconds)
+        parts.counters.add_tier_load(load)
     seq.whole = seq.params.prompt_logprobs is not None or needs_repair(seq.mode, seq.context)
     # The last prompt token runs when its logits choose the first new token.
     place(seq, buffers, min(seq.context.num_cached_tokens, prompt.num_tokens - int(seq.need_logits)))

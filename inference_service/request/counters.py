@@ -4,12 +4,10 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass
 
-from inference_service.reuse.tier_rates import RateMeter, load_is_slower
+from collections.abc import Sequence
 
-# A full prefill shorter than this is mostly fixed cost (tokenizing, the first token), not a rate; and a rate counts
-# only after this many samples, so one request's stall does not send the next ones to recompute.
-MIN_PREFILL_SAMPLE_TOKENS = 256
-MIN_RATE_SAMPLES = 3
+from inference_service.reuse.load_choice import LoadChoice, LoadChooser, RunPart
+from inference_service.reuse.tier_rates import TierLoad, loaded_seconds
 
 
 @dataclass(slots=True)
@@ -30,8 +28,9 @@ class _Counters:
     chunks_stored: int = 0
     bytes_fetched: int = 0
     bytes_stored: int = 0
-    loads_skipped: int = 0  # requests that recomputed cached tokens because their tier loads slower (skip_load)
+    loads_skipped: int = 0  # requests that recomputed cached tokens because their tier loads slower (choose_load)
     load_skipped_tokens: int = 0  # those tokens
+    load_probes: int = 0  # requests that loaded a tier predicted slower, to measure it again
     requests_with_first_token: int = 0
     total_ttft_ms: float = 0.0
     step_loop_lookups: int = 0  # Lookups the step loop asked (the early one missing or out of date, or a second)
@@ -43,7 +42,7 @@ class TierCounters:
 
     chunks: int = 0
     bytes: int = 0
-    seconds: float = 0.0  # host seconds from the tier's first read to its last copy issued
+    seconds: float = 0.0  # host seconds from the tier's first read to its last copy issued (not to completion)
     loads: int = 0  # requests it placed chunks for
 
 
@@ -51,8 +50,10 @@ class EngineStats:
     def __init__(self) -> None:
         self._counters = _Counters()
         self._tiers: dict[str, TierCounters] = {}
-        self._tier_rates: dict[str, RateMeter] = {}  # K/V bytes per second each tier placed
-        self.prefill_rate = RateMeter()  # prompt tokens per second of requests that reused nothing (to first token)
+        # The load-or-recompute choice's cost models: each tier's load (bytes, to the copies' completion) and the
+        # prefill (prompt tokens to the first token of requests that reused nothing), seeded at start-up.
+        self.chooser = LoadChooser()
+        self._copies_running: list[TierLoad] = []  # CUDA loads whose copies had not completed when reported
         self._lock = threading.Lock()
 
     def add_request(self, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int,
@@ -75,38 +76,41 @@ class EngineStats:
             if ttft_ms is not None:
                 counters.requests_with_first_token += 1
                 counters.total_ttft_ms += ttft_ms
-        if ttft_ms and cached_tokens == 0 and prompt_tokens >= MIN_PREFILL_SAMPLE_TOKENS:
-            self.prefill_rate.add(prompt_tokens, ttft_ms / 1000)
+        if ttft_ms and cached_tokens == 0 and prompt_tokens > 0:
+            self.chooser.prefill.add(prompt_tokens, ttft_ms / 1000)
 
     def add_load(self, num_bytes: int, seconds: float) -> None:
         with self._lock:
             self._counters.load_bytes += num_bytes
             self._counters.load_seconds += seconds
 
-    def add_tier_load(self, tier: str, chunks: int, num_bytes: int, seconds: float) -> None:
-        """One request's placement from one tier (see reuse.tier_rates.TierLoad)."""
+    def add_tier_load(self, load: TierLoad) -> None:
+        """One request's placement from one tier; its time reaches the tier's cost model once its copies completed
+        (on CUDA, a later call sees it: nothing waits for the device here)."""
         with self._lock:
-            counters = self._tiers.setdefault(tier, TierCounters())
-            counters.chunks += chunks
-            counters.bytes += num_bytes
-            counters.seconds += seconds
+            counters = self._tiers.setdefault(load.tier, TierCounters())
+            counters.chunks += load.num_chunks
+            counters.bytes += load.num_bytes
+            counters.seconds += load.seconds
             counters.loads += 1
-            meter = self._tier_rates.setdefault(tier, RateMeter())
-        meter.add(num_bytes, seconds)
+            running, self._copies_running = [*self._copies_running, load], []
+        for pending in running:
+            seconds = loaded_seconds(pending)
+            if seconds is None:
+                with self._lock:
+                    self._copies_running.append(pending)
+            else:
+                self.chooser.load_meter(pending.tier).add(pending.num_bytes, seconds)
 
-    def skip_load(self, tier: str, num_tokens: int, bytes_per_token: int) -> bool:
-        """Whether recomputing num_tokens beats loading their K/V from `tier`, by this service's measured rates
-        (reuse.tier_rates.load_is_slower; False until each has MIN_RATE_SAMPLES samples); counts a skip."""
+    def choose_load(self, parts: Sequence[RunPart], question_tokens: int, bytes_per_token: int) -> LoadChoice:
+        """What to load of a cached run (LoadChooser.choose); counts the tokens it recomputes and its probes."""
+        choice = self.chooser.choose(parts, question_tokens, bytes_per_token)
+        skipped = sum(part.num_tokens for part in parts) - choice.num_tokens
         with self._lock:
-            meter = self._tier_rates.get(tier)
-        load_rate = meter.rate if meter is not None and meter.samples >= MIN_RATE_SAMPLES else None
-        prefill_rate = self.prefill_rate.rate if self.prefill_rate.samples >= MIN_RATE_SAMPLES else None
-        if not load_is_slower(num_tokens, bytes_per_token, load_rate, prefill_rate):
-            return False
-        with self._lock:
-            self._counters.loads_skipped += 1
-            self._counters.load_skipped_tokens += num_tokens
-        return True
+            self._counters.loads_skipped += skipped > 0
+            self._counters.load_skipped_tokens += skipped
+            self._counters.load_probes += bool(choice.probe)
+        return choice
 
     def add_step_loop_lookups(self, num_lookups: int) -> None:
         with self._lock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -19,7 +19,8 @@ from inference_service.kv.rope import RopeParams
 from inference_service.reuse.host_tier import HostTier
 from inference_service.reuse.l0_tier import L0Tier
 from inference_service.reuse.prefetch import prefetched
-from inference_service.reuse.tier_placement import place_from_tiers
+from inference_service.reuse.load_choice import LoadChoice, RunPart
+from inference_service.reuse.tier_placement import device_mark, place_from_tiers, tiers_holding
 from inference_service.reuse.tier_rates import TierLoad, store_tier
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class AssembledContext:
     # all came from there)
     approximate: bool = False  # content hits were placed: K/V computed under another prefix are in the context
     num_approximate_tokens: int = 0  # content-hit tokens whose K/V repair kept (not recomputed)
-    num_load_skipped_tokens: int = 0  # cached tokens recomputed instead: their tier loads slower (SkipLoad)
+    num_load_skipped_tokens: int = 0  # cached tokens recomputed instead: predicted faster (ChooseLoad)
     tier_loads: list[TierLoad] = field(default_factory=list)  # what each tier placed, and how long it took
     num_lookups: int = 0  # Lookups assemble_context asked (on the step loop): 0 when the early one held
 
@@ -61,8 +62,8 @@ class AssembledContext:
         return self.num_cached_chunks + (self.partial_key is not None) - self.num_tier_chunks
 
 
-# (tier, tokens, K/V bytes per token) -> whether recomputing those tokens beats loading them from the tier.
-SkipLoad = Callable[[str, int, int], bool]
+# (the run's parts by tier, the question's tokens after it, K/V bytes per token) -> how much of the run to load.
+ChooseLoad = Callable[[Sequence[RunPart], int, int], LoadChoice]
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,7 +89,7 @@ def assemble_context(
     with_content_hits: bool,
     rope: RopeParams | None = None,
     l0: L0Tier | None = None,
-    skip_load: SkipLoad | None = None,
+    choose_load: ChooseLoad | None = None,
     early: StoreLookup | LookupFailed | None = None,
     host: HostTier | None = None,
 ) -> AssembledContext:
@@ -123,7 +124,7 @@ def assemble_context(
         return context
     if run == 0 and partial is None:
         return AssembledContext(None, None, content_hits=lookup.content_hits, num_lookups=num_lookups)
-    context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, l0, skip_load, host)
+    context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, l0, choose_load, host)
     context.content_hits = lookup.content_hits
     context.num_lookups = num_lookups
     return context
@@ -202,11 +203,12 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
 def fetch_prefix_run(
     store: ChunkStore, prompt: PromptPlan, run: int, buffers: tuple[torch.Tensor, torch.Tensor],
     rope: RopeParams | None = None, partial: PartialHit | None = None, l0: L0Tier | None = None,
-    skip_load: SkipLoad | None = None, host: HostTier | None = None,
+    choose_load: ChooseLoad | None = None, host: HostTier | None = None,
 ) -> AssembledContext:
     """Copies the first `run` chunks (then the partial chunk, if any) into their slices of the buffers: the
-    leading ones L0 or the host tier holds from there, the rest fetched from the store and decoded, unless skip_load(the store's tier,
-    their tokens, K/V bytes per token) says that recomputing them is faster (they are then prefilled).
+    leading ones L0 or the host tier holds from there, the rest fetched from the store and decoded. choose_load,
+    asked before anything is placed, may cut the run to a prefix (by tier): the rest is prefilled, and a run cut
+    before the store's chunks asks the store for no bytes.
 
     buffers: keys, values [layers, kv_heads, capacity, head_dim]. A missing blob, one that fails to
     decode, one that does not fit its chunk, or one whose keys cannot be rotated into place ends the
@@ -214,6 +216,11 @@ def fetch_prefix_run(
     """
     keys, values = buffers
     per_token = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()  # K/V bytes of one token
+    skipped = 0
+    if choose_load is not None:
+        run, partial, skipped = _chosen_run(choose_load, store, prompt, run, partial, l0, host, per_token)
+        if run == 0 and partial is None:
+            return AssembledContext(None, None, num_load_skipped_tokens=skipped)
     run_chunks, run_keys = list(prompt.chunks.chunks[:run]), list(prompt.prefix_keys[:run])
     l0_partial = partial is not None and partial.in_l0
     if l0_partial:  # the partial chunk right after the run: placed with it when L0 holds the whole run
@@ -232,15 +239,13 @@ def fetch_prefix_run(
     if partial is not None:
         chunks.append(partial.chunk)
         keys_to_fetch.append(partial.key)
-    skipped = 0
-    if chunks and skip_load is not None and skip_load(store_tier(store), chunks[-1].end - chunks[0].start, per_token):
-        skipped, chunks = chunks[-1].end - chunks[0].start, []
     if not chunks:
         if from_tiers == 0:
             return AssembledContext(None, None, num_load_skipped_tokens=skipped)
         return AssembledContext(keys, values, prompt.chunks.chunks[from_tiers - 1].end, from_tiers,
                                 num_tier_chunks=from_tiers, tier_loads=tier_loads, num_load_skipped_tokens=skipped)
     started = time.perf_counter()
+    before = device_mark(buffers)
     leading_index = run - from_tiers if partial is not None and partial.leading else -1
     shape = (keys.shape[0], keys.shape[1], chunks[-1].end, keys.shape[3])
     verify = not getattr(store, "verifies_blobs", False)  # one checksum per blob is enough
@@ -287,19 +292,51 @@ def fetch_prefix_run(
                       prompt.parent_key(from_tiers + i) if from_tiers + i else None)  # None: the prompt's first chunk
                      for i in range(min(num_placed, run - from_tiers))] if l0 is not None or host is not None else []
     if num_placed == 0 and from_tiers == 0:
-        return AssembledContext(None, None, num_bytes_fetched=num_bytes, degraded=degraded)
+        return AssembledContext(None, None, num_bytes_fetched=num_bytes, degraded=degraded,
+                                num_load_skipped_tokens=skipped)
     if num_placed == 0:
         return AssembledContext(keys, values, prompt.chunks.chunks[from_tiers - 1].end, from_tiers, degraded=degraded,
-                                num_tier_chunks=from_tiers, tier_loads=tier_loads)
+                                num_tier_chunks=from_tiers, tier_loads=tier_loads, num_load_skipped_tokens=skipped)
     store_load = TierLoad(store_tier(store), num_placed, (chunks[num_placed - 1].end - chunks[0].start) * per_token,
-                          time.perf_counter() - started)
+                          time.perf_counter() - started, None if before is None else (before, device_mark(buffers)))
     placed_partial = partial is not None and num_placed == len(chunks)
     return AssembledContext(keys, values, chunks[num_placed - 1].end, min(from_tiers + num_placed, run),
                             num_bytes_fetched=num_bytes, degraded=degraded,
                             partial_key=partial.key if placed_partial else None,
                             num_partial_tokens=len(partial.chunk.token_ids) if placed_partial else 0,
                             fetched_whole=fetched_whole, num_tier_chunks=from_tiers,
-                            tier_loads=[*tier_loads, store_load])
+                            tier_loads=[*tier_loads, store_load], num_load_skipped_tokens=skipped)
+
+
+def _chosen_run(choose_load: ChooseLoad, store: ChunkStore, prompt: PromptPlan, run: int, partial: PartialHit | None,
+                l0: L0Tier | None, host: HostTier | None, per_token: int) -> tuple[int, PartialHit | None, int]:
+    """The run (whole chunks) and partial chunk choose_load keeps, and the cached tokens it gives up. The run's parts
+    are what would place each chunk: L0 or the host tier for the leading chunks they hold, then the store (the
+    partial chunk from L0 only after a run the tiers hold whole, as fetch_prefix_run places it)."""
+    chunks = list(prompt.chunks.chunks[:run])
+    held = tiers_holding(l0, host, chunks, prompt.prefix_keys[:run])
+    if partial is not None and partial.in_l0:
+        if len(held) < run or l0 is None or not l0.holds(partial.key, len(partial.chunk.token_ids)):
+            partial = None  # fetch_prefix_run would recompute it: not part of the choice
+    tiers = held + [store_tier(store)] * (run - len(held))
+    if partial is not None:
+        chunks.append(partial.chunk)
+        tiers.append("l0" if partial.in_l0 else store_tier(store))
+    if not chunks:
+        return run, partial, 0
+    parts: list[RunPart] = []
+    part_chunks: list[int] = []
+    for chunk, tier in zip(chunks, tiers):
+        if parts and parts[-1].tier == tier:
+            parts[-1] = RunPart(tier, parts[-1].num_tokens + len(chunk.token_ids))
+            part_chunks[-1] += 1
+        else:
+            parts.append(RunPart(tier, len(chunk.token_ids)))
+            part_chunks.append(1)
+    choice = choose_load(parts, prompt.num_tokens - chunks[-1].end, per_token)
+    num_loaded = sum(part_chunks[: choice.num_parts])
+    skipped = chunks[-1].end - chunks[0].start - choice.num_tokens
+    return min(num_loaded, run), partial if num_loaded == len(chunks) else None, skipped
 
 
 def _raw_header(expected_key: bytes, key: bytes, blob, chunk: Chunk, leading: bool,

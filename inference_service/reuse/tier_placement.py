@@ -31,6 +31,21 @@ def place_from_l0(l0: L0Tier | None, chunks: Sequence[Chunk], keys: Sequence[byt
     return len(taken)
 
 
+def tiers_holding(l0: L0Tier | None, host: HostTier | None, chunks: Sequence[Chunk],
+                  keys: Sequence[bytes]) -> list[str]:
+    """The tier ("l0" or "host") each leading chunk would be placed from, up to the first neither holds, as
+    place_from_tiers would take them (L0 first); counts no hit (they may change before they are placed)."""
+    tiers: list[str] = []
+    for chunk, key in zip(chunks, keys):
+        if l0 is not None and l0.holds(key, len(chunk.token_ids)):
+            tiers.append("l0")
+        elif host is not None and key in host and len(chunk.token_ids) == host.slab_shape[2]:
+            tiers.append("host")
+        else:
+            break
+    return tiers
+
+
 def place_from_tiers(l0: L0Tier | None, host: HostTier | None, chunks: Sequence[Chunk], keys: Sequence[bytes],
                      buffers: tuple[torch.Tensor, torch.Tensor], bytes_per_token: int) -> tuple[int, list[TierLoad]]:
     """Copies the leading chunks of a contiguous run that the service's tiers hold, each from L0 when it has it,
@@ -39,6 +54,7 @@ def place_from_tiers(l0: L0Tier | None, host: HostTier | None, chunks: Sequence[
     from L0 and the rest from the host tier; the loop takes any interleaving."""
     placed = 0
     totals = {"l0": [0, 0, 0.0], "host": [0, 0, 0.0]}  # tier -> chunks, tokens, seconds
+    spans: dict[str, list] = {}  # tier -> [event before its first copy, event after its last] (CUDA)
     progress = True
     while progress and placed < len(chunks):
         progress = False
@@ -46,6 +62,7 @@ def place_from_tiers(l0: L0Tier | None, host: HostTier | None, chunks: Sequence[
             if placed == len(chunks):
                 break
             started = time.perf_counter()
+            before = device_mark(buffers)
             if tier == "l0":
                 count = place_from_l0(l0, chunks[placed:], keys[placed:], buffers)
             else:
@@ -55,11 +72,22 @@ def place_from_tiers(l0: L0Tier | None, host: HostTier | None, chunks: Sequence[
                 total[0] += count
                 total[1] += sum(len(chunk.token_ids) for chunk in chunks[placed : placed + count])
                 total[2] += time.perf_counter() - started
+                if before is not None:
+                    spans.setdefault(tier, [before, None])[1] = device_mark(buffers)
                 placed += count
                 progress = True
-    loads = [TierLoad(tier, chunks_, tokens * bytes_per_token, seconds)
+    loads = [TierLoad(tier, chunks_, tokens * bytes_per_token, seconds, tuple(spans[tier]) if tier in spans else None)
              for tier, (chunks_, tokens, seconds) in totals.items() if chunks_]
     return placed, loads
+
+
+def device_mark(buffers: tuple[torch.Tensor, torch.Tensor]) -> torch.cuda.Event | None:
+    """On CUDA, a timing event recorded now on the current stream (what a TierLoad's copy_span holds); else None."""
+    if buffers[0].device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def copy_run_(entries: Sequence[KV], start: int, buffers: tuple[torch.Tensor, torch.Tensor]) -> None:

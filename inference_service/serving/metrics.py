@@ -44,6 +44,8 @@ COUNTERS = {
     "loads_skipped": ("kvboost_engine_loads_skipped",
                       "requests that recomputed cached K/V because their tier loads slower than prefill (measured)"),
     "load_skipped_tokens": ("kvboost_engine_load_skipped_tokens", "cached prompt tokens recomputed for that reason"),
+    "load_probes": ("kvboost_engine_load_probes",
+                    "requests that loaded a tier predicted slower than prefill, to measure it again"),
     "l0_chunks_rejected": ("kvboost_engine_l0_chunks_rejected",
                            "chunks L0 did not keep: only their own prefix could have made room (it keeps a prompt's head)"),
     "tokenizer_cache_hits": ("kvboost_engine_tokenizer_cache_hits",

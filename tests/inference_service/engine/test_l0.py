@@ -131,9 +131,9 @@ def test_a_tier_measured_slower_than_prefill_is_recomputed_instead_and_counted(t
         expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
         run(engine, prompt=prompt)
         engine.flush_writes()
-        for _ in range(3):  # measured: the store places 1 byte a second, prefill runs a million tokens a second
-            engine.parts.counters.add_tier_load("store", 1, 1, 1.0)
-            engine.parts.counters.prefill_rate.add(1e6, 1.0)
+        # Measured: the store places 1 byte a second, prefill runs a million tokens a second.
+        engine.parts.counters.chooser.load_meter("store").seed([(1, 1.0), (2, 2.0)])
+        engine.parts.counters.chooser.prefill.seed([(1e6, 1.0), (2e6, 2.0)])
         again = run(engine, prompt=prompt)
         skipped = recompute_when_faster is True
         assert again.output_token_ids == expected

@@ -5,14 +5,15 @@ from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from inference_service.request.counters import EngineStats
+from inference_service.reuse.tier_rates import TierLoad
 from inference_service.serving.metrics import EngineCollector
 
 
 def test_per_tier_loads_are_counters_labelled_by_tier():
     counters = EngineStats()
-    counters.add_tier_load("l0", 4, 4096, 0.001)
-    counters.add_tier_load("daemon_map", 2, 2048, 0.004)
-    counters.add_tier_load("l0", 1, 1024, 0.001)
+    counters.add_tier_load(TierLoad("l0", 4, 4096, 0.001))
+    counters.add_tier_load(TierLoad("daemon_map", 2, 2048, 0.004))
+    counters.add_tier_load(TierLoad("l0", 1, 1024, 0.001))
     registry = CollectorRegistry()
     registry.register(EngineCollector(lambda: {**counters.snapshot(), "l0_chunks_rejected": 3}))
     text = generate_latest(registry).decode()

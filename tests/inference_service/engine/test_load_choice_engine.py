@@ -1,0 +1,50 @@
+"""The load-or-recompute choice in the engine: a run loaded whole, in part (L0's head, the store's rest recomputed) or
+not at all gives plain model.generate's tokens in fp32, and a run cut before the store's chunks fetches nothing."""
+from __future__ import annotations
+
+import pytest
+
+from inference_service.reuse.load_choice import LoadChooser
+from inference_service.store.memory import InMemoryStore
+from kvboost_keys.prompts import tokenize_prompt
+from tests.inference_service.engine.test_engine import make_engine, reference_ids, run, text_of_length
+
+SLOW = (1.0, 1e-12)  # a load's fixed seconds and seconds a byte: 1 s whatever the size
+FAST = (0.0, 1e-12)
+
+
+def chooser_with(l0: tuple[float, float], store: tuple[float, float]) -> LoadChooser:
+    """Prefill 100 us a token; L0 and the store as given (seeded: no request needs to have measured them)."""
+    chooser = LoadChooser()
+    chooser.prefill.seed([(8, 0.0008), (64, 0.0064)])
+    for tier, (fixed, per_byte) in (("l0", l0), ("store", store)):
+        chooser.load_meter(tier).seed([(n, fixed + n * per_byte) for n in (4096, 32768)])
+    return chooser
+
+
+@pytest.mark.parametrize("l0, store, cached, skipped", [
+    (FAST, FAST, 71, 0),  # all loaded: the last token runs again for its logits
+    (FAST, SLOW, 32, 40),  # L0's head (4 chunks) loaded, the store's 5 chunks recomputed: never fetched
+    (SLOW, SLOW, 0, 72),  # all recomputed
+])
+def test_a_run_loaded_whole_in_part_or_not_at_all_gives_model_generates_tokens(tiny_llama, l0, store, cached,
+                                                                               skipped):
+    shared = InMemoryStore()
+    writer = make_engine(tiny_llama, cache=shared)
+    reader = make_engine(tiny_llama, cache=shared, recompute_when_faster=True)
+    try:
+        head, prompt = text_of_length(32), text_of_length(72)  # 4 and 9 chunks of 8 tokens, the first 4 shared
+        expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
+        run(writer, prompt=prompt)  # the store holds the 9 chunks
+        run(reader, prompt=head)  # the reader's L0 holds the first 4 (fetched, then kept)
+        reader.parts.counters.chooser = chooser_with(l0, store)
+        fetched = reader.stats()["chunks_fetched"]
+        answer = run(reader, prompt=prompt)
+        stats = reader.stats()
+        assert answer.output_token_ids == expected
+        assert answer.cached_tokens == cached
+        assert (stats["loads_skipped"], stats["load_skipped_tokens"]) == (int(skipped > 0), skipped)
+        assert stats["chunks_fetched"] - fetched == (5 if cached == 71 else 0)  # below break-even: no bytes asked
+    finally:
+        writer.close()
+        reader.close()

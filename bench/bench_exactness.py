@@ -20,6 +20,7 @@ A mismatch is a measurement, not an error: the exit code stays 0 and the line sa
     python bench/bench_exactness.py --json out.json                      # 8B shape, bf16, 100..32k (H100: ~1.5 min)
     python bench/bench_exactness.py --shape tiny --device cpu --lengths 100 300 --dtype float32   # a CPU dry run
     python bench/bench_exactness.py --invariant-prefill                  # the same with the service's --invariant-prefill
+    python bench/bench_exactness.py --invariant-prefill --invariant-piece-chunks 4   # forwards of 4 chunks
 """
 from __future__ import annotations
 
@@ -222,6 +223,8 @@ def build_engines(model, tokenizer, store, stack: ExitStack, args, longest: int,
     common = dict(chunk_size=CHUNK, max_prompt_tokens=longest, max_new_tokens_limit=max(64, args.tokens),
                   max_running_requests=2, kv_cache_bytes=slots_bytes, recompute_when_faster=False,
                   invariant_prefill=args.invariant_prefill)
+    if args.invariant_piece_chunks != 1:  # named only when asked: a tree from before the option has no such field
+        common["invariant_piece_chunks"] = args.invariant_piece_chunks
     no_host = {"host_tier_bytes": 0} if HAS_HOST_TIER else {}
     configs = {"daemon": EngineConfig(l0_bytes=0, **no_host, **common),
                "l0": EngineConfig(l0_bytes=tier_bytes, **no_host, **common)}
@@ -276,8 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--invariant-prefill", action="store_true", help="engines with invariant prefill (every "
                         "prefill forward one whole chunk at chunk-aligned positions): the service's "
                         "--invariant-prefill")
+    parser.add_argument("--invariant-piece-chunks", type=int, default=1, help="with --invariant-prefill: whole "
+                        "chunks per prefill forward (the service's --invariant-piece-chunks)")
     parser.add_argument("--json", type=Path, help="write every row here (rewritten after each length)")
     args = parser.parse_args(argv)
+    if args.invariant_piece_chunks != 1 and not args.invariant_prefill:
+        parser.error("--invariant-piece-chunks needs --invariant-prefill")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; use --device cpu --shape tiny for a dry run")
     if min(args.lengths) <= QUESTION_WORDS + 1:
@@ -286,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     from tests.e2e.daemon_process import start_daemon
 
     started = time.perf_counter()
-    results: dict = {"shape": args.shape, "dtype": args.dtype, "invariant_prefill": args.invariant_prefill, "lengths": args.lengths, "pieces": args.pieces,
+    results: dict = {"shape": args.shape, "dtype": args.dtype, "invariant_prefill": args.invariant_prefill,
+                     "invariant_piece_chunks": args.invariant_piece_chunks, "lengths": args.lengths, "pieces": args.pieces,
                      "tokens": args.tokens, "torch": torch.__version__, "host_tier": HAS_HOST_TIER,
                      "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                      "rows": [], "generate": []}

@@ -45,8 +45,8 @@ class EngineCore:
         # with --max-new-tokens is what a smaller limit lets through).
         longest = min(max(parts.geometry.max_context, parts.max_prompt_tokens),
                       parts.max_prompt_tokens + parts.config.max_new_tokens_limit) + 1
-        if parts.config.invariant_prefill:  # the prompt's last chunk is padded to a whole one in its slot
-            longest += parts.config.chunk_size - 1
+        if parts.config.invariant_prefill:  # the prompt's last piece is padded to a whole one in its slot
+            longest += parts.config.invariant_piece_tokens - 1
         # One slot per row: at least one per running request (limits.max_running_requests) and a request's n
         # completions (up to MAX_CHOICES); spare slots let ended rows' write-backs drain while new rows start.
         spare = max(4, num_slots // 2)
@@ -61,7 +61,7 @@ class EngineCore:
         runner = choose_runner(parts.model, self.owner.buffers, parts.config.decode_step)  # logs what runs, and why
         self.executor = Executor(parts.model, self.owner, self.scheduler, runner, batched, pad_token_id)
         self.max_queue = max_queue
-        self._padded_to = parts.config.chunk_size if parts.config.invariant_prefill else 1
+        self._padded_to = parts.config.invariant_piece_tokens
         self.on_fatal: Callable[[BaseException], None] | None = None  # the process must restart (serving exits)
         self.num_steps = 0
         self._inbox: deque[Sequence] = deque()
@@ -98,7 +98,7 @@ class EngineCore:
         for seq in seqs:
             seq.state = SequenceState(seq.seq_id, seq.prompt.num_tokens, seq.prompt.num_tokens + seq.max_new_tokens,
                                       num_rows=seq.num_rows)
-            padded = -(-seq.prompt.num_tokens // self._padded_to) * self._padded_to  # invariant prefill's last chunk
+            padded = -(-seq.prompt.num_tokens // self._padded_to) * self._padded_to  # invariant prefill's last piece
             if max(seq.prompt.num_tokens + seq.max_new_tokens, padded) > self.owner.capacity or not ledger.fits_at_all(
                     seq.state.num_reserved_tokens, seq.state.num_rows):
                 need = ledger.bytes_for(seq.state.num_reserved_tokens, seq.state.num_rows)

@@ -14,5 +14,13 @@ def engine_namespace(model, tokenizer, config: EngineConfig, weights_id: str) ->
                          dtype=dtype_name(model.dtype), tokenizer_id=tokenizer_identity(tokenizer),
                          chunk_size=config.chunk_size, kv_cache_bits=config.kv_cache_bits,
                          format_version=codec.BLOB_FORMAT_VERSION, tenant_salt=config.tenant_salt,
-                         prefill="invariant" if config.invariant_prefill else "")
+                         prefill=_prefill_name(config))
     return namespace_digest(spec)
+
+
+def _prefill_name(config: EngineConfig) -> str:
+    """'' for the default prefill; 'invariant' for one chunk per forward (the name of the first release, kept so
+    its caches stay warm); 'invariant-N' for N chunks per forward, whose K/V round apart from one chunk's."""
+    if not config.invariant_prefill:
+        return ""
+    return "invariant" if config.invariant_piece_chunks == 1 else f"invariant-{config.invariant_piece_chunks}"

@@ -63,10 +63,10 @@ def start(seq: Sequence, buffers: Buffers) -> None:
 
 def place(seq: Sequence, buffers: Buffers, num_in_place: int) -> None:
     """The first num_in_place prompt tokens are in the slot: the prefill goes on from there (with invariant
-    prefill, from the chunk boundary at or before it: that chunk's forward is the uncached prompt's)."""
+    prefill, from the piece boundary at or before it: that piece's forward is the uncached prompt's)."""
     config = seq.parts.config
     if config.invariant_prefill and num_in_place < seq.prompt.num_tokens and not seq.whole:
-        num_in_place -= num_in_place % config.chunk_size
+        num_in_place -= num_in_place % config.invariant_piece_tokens
     seq.num_cached = num_in_place
     seq.cache = build_cache(seq.parts.model.config, *buffers, num_in_place)
     seq.state.num_computed, seq.state.whole = num_in_place, seq.whole
@@ -93,13 +93,14 @@ def run_piece(seq: Sequence, buffers: Buffers, num_tokens: int) -> int:
 
 
 def _run_chunks(seq: Sequence, buffers: Buffers, num_tokens: int) -> int:
-    """Invariant prefill: the next chunks covering at least num_tokens prompt tokens, one forward each of exactly
-    chunk_size rows at chunk-aligned positions, the prompt's last chunk padded after its end. Every chunk's forward
-    then has the same shapes, the same kernels and the same inputs (a row never sees the rows after it) whether the
-    prompt was cut here or there, cached in part or not at all; returns how many prompt tokens ran."""
-    size, prompt = seq.parts.config.chunk_size, seq.prompt
+    """Invariant prefill: the next pieces covering at least num_tokens prompt tokens, one forward each of exactly
+    invariant_piece_tokens rows (whole chunks) at positions aligned to as many, the prompt's last piece padded after
+    its end. Every piece's forward then has the same shapes, the same kernels and the same inputs (a row never sees
+    the rows after it) whether the prompt was cut here or there, cached in part or not at all; returns how many
+    prompt tokens ran."""
+    size, prompt = seq.parts.config.invariant_piece_tokens, seq.prompt
     begin = seq.state.num_computed
-    assert begin % size == 0, f"invariant prefill starts at a chunk boundary, not at {begin}"
+    assert begin % size == 0, f"invariant prefill starts at a piece boundary, not at {begin}"
     stop = min(begin + -(-max(num_tokens, 1) // size) * size, prompt.num_tokens)
     logits = None
     for start in range(begin, stop, size):

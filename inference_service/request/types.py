@@ -84,6 +84,15 @@ class EngineConfig:
     # not depend on how its prompt was cut or what was cached: cached answers bitwise the uncached ones in bf16 and
     # fp16 too, where GEMMs and attention round by their rows. Costs smaller forwards; full-attention models only.
     invariant_prefill: bool = False
+    # With invariant_prefill, each forward runs this many whole chunks at positions aligned to as many (the stored
+    # chunks keep chunk_size): fewer, larger forwards read the weights fewer times (a GPU's cost), at the price of up
+    # to this many chunks recomputed after a cached run and a last piece padded to its end. Part of the namespace.
+    invariant_piece_chunks: int = 1
+
+    @property
+    def invariant_piece_tokens(self) -> int:
+        """Tokens of one invariant prefill forward (chunk_size x invariant_piece_chunks); 1 without it."""
+        return self.chunk_size * self.invariant_piece_chunks if self.invariant_prefill else 1
 
     @property
     def keys_before_rope(self) -> bool:
@@ -117,6 +126,9 @@ class EngineConfig:
         assert self.tokenizer_cache_bytes >= 0, f"tokenizer_cache_bytes must be >= 0, got {self.tokenizer_cache_bytes}"
         assert self.max_store_stream_bytes > 0, f"max_store_stream_bytes must be positive, got {self.max_store_stream_bytes}"
         assert 0 <= self.kv_group_size <= 65535, f"kv_group_size must be in 0..65535, got {self.kv_group_size}"
+        if self.invariant_piece_chunks < 1:
+            raise ValueError(f"invariant_piece_chunks must be >= 1 (chunks per invariant prefill forward), got "
+                             f"{self.invariant_piece_chunks}")
         assert self.decode_step in DECODE_STEPS, f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}"
 
 

@@ -65,19 +65,19 @@ def answer(engine: Engine, prompt: str, **fields) -> tuple[list[int], torch.Tens
     return list(outcome.output_token_ids), logits.float(), outcome.cached_tokens
 
 
-def answers(model_and_tokenizer, invariant: bool) -> dict[str, tuple[list[int], torch.Tensor, int]]:
+def answers(model_and_tokenizer, invariant: bool, **config) -> dict[str, tuple[list[int], torch.Tensor, int]]:
     """One unaligned prompt (a document then a question) answered every way the engine can answer it."""
     document, question = words(200, seed=1, vocab_size=VOCAB), words(21, seed=2, vocab_size=VOCAB)
     prompt = f"{document} {question}"
     found = {}
     for piece in (CHUNK * 2, 100, 7):  # aligned, unaligned, smaller than a chunk
-        engine = engine_for(model_and_tokenizer, invariant_prefill=invariant, l0_bytes=0)
+        engine = engine_for(model_and_tokenizer, invariant_prefill=invariant, l0_bytes=0, **config)
         pieces_of(engine, piece)
         try:
             found[f"uncached, pieces of {piece}"] = answer(engine, prompt, mode="baseline")
         finally:
             engine.close()
-    engine = engine_for(model_and_tokenizer, invariant_prefill=invariant, l0_bytes=0)
+    engine = engine_for(model_and_tokenizer, invariant_prefill=invariant, l0_bytes=0, **config)
     try:
         engine.warm(document)  # 200 tokens: six whole chunks and a partial one
         engine.flush_writes()
@@ -85,7 +85,7 @@ def answers(model_and_tokenizer, invariant: bool) -> dict[str, tuple[list[int], 
         found["the whole prompt from the store"] = answer(engine, prompt)
     finally:
         engine.close()
-    engine = engine_for(model_and_tokenizer, invariant_prefill=invariant, l0_bytes=64 << 20)
+    engine = engine_for(model_and_tokenizer, invariant_prefill=invariant, l0_bytes=64 << 20, **config)
     try:
         answer(engine, prompt)
         found["from L0"] = answer(engine, prompt)
@@ -94,11 +94,13 @@ def answers(model_and_tokenizer, invariant: bool) -> dict[str, tuple[list[int], 
     return found
 
 
-def test_with_invariant_prefill_every_path_is_bitwise_the_uncached_answer_in_bf16(bf16_model):
-    found = answers(bf16_model, invariant=True)
+@pytest.mark.parametrize("piece_chunks", [1, 4])  # 4: pieces of 128 tokens; the 192 cached end inside one
+def test_with_invariant_prefill_every_path_is_bitwise_the_uncached_answer_in_bf16(bf16_model, piece_chunks):
+    found = answers(bf16_model, invariant=True, invariant_piece_chunks=piece_chunks)
     reference_tokens, reference_logits, _ = found.pop("uncached, pieces of 64")
-    assert found["after the document from the store (a partial chunk among it)"][2] >= 6 * CHUNK
-    assert found["from L0"][2] >= 6 * CHUNK and found["the whole prompt from the store"][2] >= 6 * CHUNK
+    placed = 6 * CHUNK - 6 * CHUNK % (piece_chunks * CHUNK)  # the stored chunks, to the piece boundary before 192
+    assert found["after the document from the store (a partial chunk among it)"][2] >= placed
+    assert found["from L0"][2] >= placed and found["the whole prompt from the store"][2] >= placed
     for path, (tokens, logits, _) in found.items():
         assert torch.equal(logits, reference_logits), f"{path}: max |diff| {(logits - reference_logits).abs().max()}"
         assert tokens == reference_tokens, path
@@ -160,16 +162,46 @@ def test_without_it_the_same_comparison_sees_bf16_rounding_move_with_the_pieces(
 
 
 def test_the_cache_of_an_invariant_engine_is_apart_from_a_default_one(bf16_model):
-    """Their K/V round apart, so neither reads the other's chunks."""
+    """Their K/V round apart, so neither reads the other's chunks; nor do pieces of one chunk and of two."""
     model, tokenizer = bf16_model
     store = InMemoryStore()
-    default = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK), store, model_id="m")
-    invariant = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK, invariant_prefill=True), store, model_id="m")
+    engines = [Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK, **config), store, model_id="m")
+               for config in ({}, {"invariant_prefill": True},
+                              {"invariant_prefill": True, "invariant_piece_chunks": 2})]
     try:
-        assert default.namespace != invariant.namespace
+        assert len({engine.namespace for engine in engines}) == 3
     finally:
-        default.close()
-        invariant.close()
+        for engine in engines:
+            engine.close()
+
+
+def test_pieces_of_several_chunks_pad_the_last_piece_and_still_store_every_whole_chunk(bf16_model):
+    """200 tokens in pieces of 4 chunks (128 rows): two forwards, the last padded from 200 to 256, and the six whole
+    chunks stored at chunk_size, so a second engine with the same pieces reuses them from the store."""
+    store = InMemoryStore()
+    model, tokenizer = bf16_model
+    config = EngineConfig(chunk_size=CHUNK, max_prompt_tokens=1024, invariant_prefill=True, invariant_piece_chunks=4,
+                          l0_bytes=0)
+    prompt = words(200, seed=4, vocab_size=VOCAB)
+    first = Engine(model, tokenizer, config, store, model_id="pieces")
+    try:
+        assert first.core.owner.capacity >= 256
+        tokens, logits, cached = answer(first, prompt)
+    finally:
+        first.close()
+    assert cached == 0
+    second = Engine(model, tokenizer, config, store, model_id="pieces")
+    try:
+        again, again_logits, cached = answer(second, prompt)
+    finally:
+        second.close()
+    assert cached == 4 * CHUNK  # the cached run (6 chunks, 192 tokens) rounded down to the piece boundary at 128
+    assert again == tokens and torch.equal(again_logits, logits)
+
+
+def test_a_piece_of_no_chunks_is_refused_with_what_to_fix():
+    with pytest.raises(ValueError, match="invariant_piece_chunks must be >= 1"):
+        EngineConfig(invariant_prefill=True, invariant_piece_chunks=0)
 
 
 @pytest.mark.parametrize("num_tokens", [5, 32, 33, 70])

@@ -12,6 +12,7 @@ import torch
 
 from inference_service.reuse.l0_eviction import DEFAULT_HALF_LIFE_S, L0Entry, plan_admission, record_hit
 from inference_service.store.protocol import ChunkStore, NullStore
+from kvboost_common.kv_events.sink import ChunkListener
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class L0Tier:
         # The host tier, when there is one: L0's evicted chunks go there. L0 still counts only its own chunks as held
         # (a chunk whose parent is only in the host tier is an orphan here), so L0 keeps a prefix's head.
         self.spill: Spill | None = None
+        # Told of every chunk that enters or leaves, under the lock, so the order it hears is the tier's: the KV-event
+        # publisher (kvboost_common/kv_events), which only queues.
+        self.listener: ChunkListener | None = None
 
     def __len__(self) -> int:
         return len(self._kv)
@@ -125,6 +129,8 @@ class L0Tier:
             self._kv[key], self._entries[key] = kv, incoming
             self.bytes_held += size
             self.stats.chunks_added += 1
+            if self.listener is not None:
+                self.listener.chunk_added(key, parent)
             if pending:
                 self._pending.add(key)
         self._maybe_spill(evicted)
@@ -136,6 +142,8 @@ class L0Tier:
         self.bytes_held -= entry.size_bytes
         self._pending.discard(key)
         self.stats.chunks_evicted += 1
+        if self.listener is not None:
+            self.listener.chunk_removed(key)
         return key, kv, entry.parent
 
     def _maybe_spill(self, evicted: list[tuple[bytes, KV, bytes | None]]) -> None:

@@ -117,9 +117,11 @@ class EngineCore:
             self._inbox.extend(seqs)
             self._wake.notify()
 
-    def start(self) -> None:
+    def start(self, first: Callable[[], None] | None = None) -> None:
+        """Starts the step loop; first: run on the loop's thread before any request (start-up work that must
+        happen there: the pinned staging ring is the thread's)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+            self._thread = threading.Thread(target=self._loop, args=(first,), name="engine-step-loop", daemon=True)
             self._thread.start()
 
     def stop(self, timeout_s: float | None = None) -> None:
@@ -173,7 +175,9 @@ class EngineCore:
                 **self.owner.stats(), "decode_step": self.executor.runner.name,
                 **(self._l0.snapshot() if self._l0 is not None else {})}
 
-    def _loop(self) -> None:
+    def _loop(self, first: Callable[[], None] | None = None) -> None:
+        if first is not None:
+            first()
         while True:
             with self._wake:
                 while not self._stopping and not self.has_work():

@@ -8,6 +8,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from inference_service.engine.batch import batch_sequences
+from inference_service.engine.calibration import start_calibrated
 from inference_service.engine.core import EngineCore
 from inference_service.request.counters import EngineStats
 from inference_service.request.generation import OnToken, eos_token_ids
@@ -84,7 +85,9 @@ class Engine:
                                  max_running_requests=config.max_running_requests)
         self.core = EngineCore(self.parts, limits, config.max_running_requests, config.kv_cache_bytes, config.max_queue,
                                pad or 0)
-        self.core.start()
+        calibrates = config.recompute_when_faster  # None: on CUDA, as the choice itself
+        self.calibration = start_calibrated(self.core, self.parts, self.parts.device.type == "cuda"
+                                            if calibrates is None else calibrates)
 
     # What callers read most; everything else is on self.parts.
     model = property(lambda self: self.parts.model)

@@ -29,6 +29,7 @@ from inference_service.serving.config import ServiceConfig, parse_config
 from inference_service.errors import UnsupportedArchitecture
 from kvboost_common import catalogue
 from kvboost_common.catalogue import CatalogueError
+from inference_service.serving.kv_events import start_kv_events
 from inference_service.serving.server import build_server
 from inference_service.model.threads import confine_to_this_thread
 
@@ -141,6 +142,14 @@ async def serve(config: ServiceConfig) -> int:
         except Exception:
             logger.exception("loading %s failed", config.model)
             status = 1
+    kv_events = None
+    if engine is not None:
+        try:
+            kv_events = start_kv_events(config, engine)
+        except Exception as error:  # a port taken, an endpoint ZMQ refuses: say which, and do not serve
+            logger.error("cannot publish KV events on %s: %s", config.kv_events_endpoint, error)
+            engine.close()
+            engine, status = None, 2
     if engine is not None:
         await server.set_engine(engine)
         logger.info("model %s loaded: SERVING", config.model)
@@ -151,6 +160,8 @@ async def serve(config: ServiceConfig) -> int:
     if engine is not None:
         engine.flush_writes(timeout=WRITE_BACK_FLUSH_S)  # chunks computed so far still reach the daemon
         engine.close()
+    if kv_events is not None:
+        kv_events.close()
     getattr(store, "close", lambda: None)()
     return status
 

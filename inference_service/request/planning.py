@@ -95,6 +95,8 @@ def plan_request(parts: EngineParts, params: GenerationParams) -> tuple[str, Pro
         raise InvalidRequest(f"stop_token_ids {outside[:5]} are outside the vocabulary (0..{vocab_size - 1})")
     prompt = plan_segments(parts, tokenize_request(parts.tokenizer, params.prompt, params.messages, params.segments,
                                                    token_cache(parts), parts.namespace))
+    if not params.segments:  # one segment: its chunks lie on one grid from position 0
+        note_chunks(parts, prompt)
     max_context = parts.geometry.max_context
     if params.strict_context and prompt.num_tokens + params.max_new_tokens > max_context:
         raise InvalidRequest(f"the context holds {max_context} tokens, but {prompt.num_tokens + params.max_new_tokens} "
@@ -133,7 +135,24 @@ def plan_warm(parts: EngineParts, text: str | None, messages, content_addressed:
     prompt = plan_segments(parts, segments)
     if content_addressed:
         return prompt
+    note_chunks(parts, prompt)
     return dataclasses.replace(prompt, content_keys=(None,) * len(prompt.prefix_keys))
+
+
+def note_chunks(parts: EngineParts, prompt: PromptPlan) -> None:
+    """Tells L0's listener (the KV-event publisher, when there is one) the tokens of a one-segment prompt's chunks,
+    its tail included: L0 names the chunks it takes by key only. The listener only queues."""
+    listener = parts.l0.listener if parts.l0 is not None else None
+    if listener is None:
+        return
+    chunks = list(prompt.chunks.chunks)
+    keys = list(prompt.prefix_keys)
+    tail = prompt.tail_chunk()
+    if tail is not None and prompt.tail_key is not None:
+        chunks.append(tail)
+        keys.append(prompt.tail_key)
+    listener.note_prompt(prompt.namespace, keys, [chunk.start for chunk in chunks],
+                         [chunk.token_ids for chunk in chunks])
 
 
 def repair_options(parts: EngineParts, params: GenerationParams | None = None) -> RepairOptions:

@@ -17,6 +17,7 @@ from inference_service.store.protocol import DEFAULT_MAX_STREAM_BYTES
 from kvboost_common import catalogue
 from kvboost_common.addresses import check_listen_address, is_local, is_unix, split_host_port
 from kvboost_common.auth import load_token
+from kvboost_common.kv_events.endpoints import zmq_endpoint
 from kvboost_common.env_defaults import add_renamed_flags, apply_renamed_flags, env_default_reader
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -87,6 +88,12 @@ class ServiceConfig:
     cache_stream_timeout_s: float = 10.0  # a Fetch stream's deadline; a Store stream's fixed part (+ bytes / 16 MB/s)
     cache_max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES  # blob bytes per Store stream of a write-back or warm-up
     cache_local_read: str = "auto"  # read blobs from the daemon's LMDB on this host: auto, on or off
+    # KV events in vLLM's format for vllm-router, llm-d and Dynamo (kvboost_common/kv_events); empty: off
+    kv_events_endpoint: str = ""
+    kv_events_topic: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_block_size: int = 16  # vllm-router's --kv-event-block-size default
+    kv_events_publish_salted: bool = False  # announce chunks stored under a cache_salt or --tenant-salt too
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -142,6 +149,16 @@ class ServiceConfig:
                  f"--cache-stream-timeout must be positive, got {self.cache_stream_timeout_s}")
         _require(self.cache_max_stream_bytes >= 1 << 20,
                  f"--cache-max-stream-bytes must be at least 1048576, got {self.cache_max_stream_bytes}")
+        _require(self.kv_events_block_size > 0,
+                 f"--kv-events-block-size must be positive, got {self.kv_events_block_size}")
+        for flag, value in (("--kv-events-endpoint", self.kv_events_endpoint),
+                            ("--kv-events-replay-endpoint", self.kv_events_replay_endpoint)):
+            try:
+                value and zmq_endpoint(value)
+            except ValueError as error:
+                raise ValueError(f"{flag}: {error}") from None
+        _require(not self.kv_events_replay_endpoint or bool(self.kv_events_endpoint),
+                 "--kv-events-replay-endpoint needs --kv-events-endpoint")
         _require(self.cache_local_read in LOCAL_READ_MODES,
                  f"--cache-local-read must be one of {LOCAL_READ_MODES}, got {self.cache_local_read!r}")
 
@@ -279,6 +296,29 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="read cached blobs straight from the daemon's LMDB environment when this host can open it (the "
              "daemon's Describe names it; Lookup and Store still go over gRPC): auto falls back to the gRPC "
              "stream, on refuses to start without it, off always streams (KVBOOST_CACHE_LOCAL_READ)")
+    add("--kv-events-endpoint", default=default("KV_EVENTS_ENDPOINT", defaults.kv_events_endpoint),
+        help="publish KV events in vLLM's format (ZMQ PUB, msgpack) on PORT (bound on 127.0.0.1), HOST:PORT or a ZMQ "
+             "URL, for vllm-router's kv_aware policy (--kv-event-source WORKER_URL=tcp://HOST:PORT), llm-d and Dynamo: "
+             "BlockStored / BlockRemoved as L0 takes and lets go of chunks (medium GPU on CUDA, CPU on a CPU), blocks "
+             "of --kv-events-block-size tokens inside the run of cached chunks from position 0 of one-segment prompts "
+             "only. Chunks under a cache_salt, a gateway --keys-file tenant or --tenant-salt are never published "
+             "unless --kv-events-publish-salted. Empty (default): off, and pyzmq is never loaded (docs/scaling.md) "
+             "(KVBOOST_KV_EVENTS_ENDPOINT)")
+    add("--kv-events-topic", default=default("KV_EVENTS_TOPIC", defaults.kv_events_topic),
+        help="the topic frame of every KV-event message: empty for vllm-router's static sources, kv@POD@MODEL for "
+             "llm-d (KVBOOST_KV_EVENTS_TOPIC)")
+    add("--kv-events-replay-endpoint", default=default("KV_EVENTS_REPLAY_ENDPOINT", defaults.kv_events_replay_endpoint),
+        help="a ZMQ ROUTER socket (same forms as --kv-events-endpoint) that answers a subscriber's 8-byte start "
+             "sequence with the batches it missed, from a ring of the last 10000; empty: no replay "
+             "(KVBOOST_KV_EVENTS_REPLAY_ENDPOINT)")
+    add("--kv-events-block-size", type=int, default=default("KV_EVENTS_BLOCK_SIZE", defaults.kv_events_block_size),
+        help="tokens per published block; must equal the router's --kv-event-block-size (KVBOOST_KV_EVENTS_BLOCK_SIZE)")
+    add("--kv-events-publish-salted", action=argparse.BooleanOptionalAction,
+        default=default("KV_EVENTS_PUBLISH_SALTED", defaults.kv_events_publish_salted),
+        help="also publish chunks stored under a cache_salt (every request through a gateway with --keys-file) or "
+             "--tenant-salt: their token ids, which are prompt text, then leave the process, and any tenant's request "
+             "is routed toward another tenant's cached prompts (docs/scaling.md, Privacy) "
+             "(KVBOOST_KV_EVENTS_PUBLISH_SALTED=1)")
     add("--log-level", default=default("LOG_LEVEL", defaults.log_level), help="DEBUG, INFO, WARNING or ERROR (KVBOOST_LOG_LEVEL)")
     return parser
 

@@ -89,6 +89,7 @@ def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
         tokenizer_cache_bytes=config.tokenizer_cache_bytes,
         invariant_prefill=config.invariant_prefill,
         invariant_piece_chunks=config.invariant_piece_chunks,
+        invariant_decode={"auto": None, "on": True, "off": False}[config.invariant_decode],
         max_prefill_tokens=config.max_prefill_tokens,
         max_queue=config.max_queue,
         max_answer_tokens_stored=config.max_answer_tokens_stored,

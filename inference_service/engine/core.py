@@ -58,7 +58,8 @@ class EngineCore:
         ledger = SlotLedger(self.layout.num_slots, kv_budget_bytes, per_token)
         self.owner = KvOwner(ledger, parts.geometry, self.layout.capacity, parts.device, parts.dtype)
         self.scheduler = Scheduler(limits, self.owner.ledger)
-        runner = choose_runner(parts.model, self.owner.buffers, parts.config.decode_step)  # logs what runs, and why
+        runner = choose_runner(parts.model, self.owner.buffers, parts.config.decode_step,  # logs what runs, and why
+                               invariant=invariant_decode(parts.config, parts.device, parts.dtype))
         self.executor = Executor(parts.model, self.owner, self.scheduler, runner, batched, pad_token_id)
         self.max_queue = max_queue
         self._padded_to = parts.config.invariant_piece_tokens
@@ -214,3 +215,11 @@ def log_layout(layout: SlotLayout, per_token: int, budget_bytes: int, wanted_slo
         logger.warning("K/V: the budget holds %d of the %d slots wanted, of %d of %d tokens: fewer requests run at "
                        "once, and longer ones are refused; raise --kv-cache-bytes or lower --max-prompt-tokens and "
                        "--max-new-tokens", layout.num_slots, wanted_slots, layout.capacity, longest)
+
+
+def invariant_decode(config, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode steps run the invariant step: as asked, or (None) with invariant prefill on CUDA in half
+    precision."""
+    if config.invariant_decode is not None:
+        return config.invariant_decode
+    return config.invariant_prefill and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)

@@ -83,6 +83,8 @@ class GraphSteps:
 
     def shape_for(self, last_slot: int, length: int) -> tuple[int, int]:
         """(rows, columns) of the bucket a step over slots up to last_slot and `length` columns replays."""
+        if self.step.attention_block:  # the invariant step: one row bucket, every slot, whichever decode
+            return (self.num_slots, bucket(length, min(MIN_LENGTH_BUCKET, self.capacity), self.capacity))
         return (bucket(last_slot + 1, 1, self.num_slots),
                 bucket(length, min(MIN_LENGTH_BUCKET, self.capacity), self.capacity))
 

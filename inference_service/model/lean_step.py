@@ -90,6 +90,9 @@ class LeanStep:
         on_cpu = self.embedding.device.type == "cpu" and not torch._C._jit_can_fuse_on_cpu()
         self.layers = scripted_decoder_layers if on_cpu else decoder_layers
         self.scripted = on_cpu
+        # > 0: attention in blocks of this many columns whose result depends on the row alone (the invariant decode
+        # step: model/step_runner.py pads its rows to every slot); 0: SDPA, bitwise the model's forward.
+        self.attention_block = 0
 
     @torch.inference_mode()
     def __call__(self, keys: torch.Tensor, values: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
@@ -105,6 +108,7 @@ class LeanStep:
         cos, sin = self.rotary(hidden, positions.view(num_rows, 1))  # [rows, 1, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [rows, 1, 1, head_dim], over the heads
         hidden = self.layers(hidden, keys, values, rows, columns, length, mask, cos, sin, self.weights, self.biases,
-                             self.norms, self.eps, self.scalings, self.head_dim, self.num_kv_heads, self.groups)
+                             self.norms, self.eps, self.scalings, self.head_dim, self.num_kv_heads, self.groups,
+                             positions, self.attention_block)
         hidden = rms_norm(hidden, *self.final_norm)
         return F.linear(hidden, *self.lm_head)[:, -1].float()

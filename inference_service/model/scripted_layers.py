@@ -30,15 +30,53 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+# Columns per block of the invariant decode step's attention: a fixed split, so a row's reduction order never
+# depends on how far the step's longest row reaches.
+INVARIANT_ATTENTION_BLOCK = 256
+
+
+def blockwise_attention(query: Tensor, keys: Tensor, values: Tensor, positions: Tensor, length: int, block: int,
+                        end: int, scale: float) -> Tensor:
+    """Attention of one query token per row whose result depends on the row's own inputs only: columns in blocks
+    at fixed offsets [k*block, min((k+1)*block, end)), each block's products at a shape that neither the other rows
+    nor `length` choose, combined one block after the other (online softmax, float32). A block wholly past a row's
+    position adds exact zeros (its max is -inf, its weights exp(-inf) = 0, its values finite), so how far the
+    step's longest row reaches changes nothing in a shorter one.
+
+    query: [rows, kv_heads, groups, head_dim]; keys, values: [rows, kv_heads, >= end, head_dim], finite up to the
+    last block `length` enters; positions: [rows], the last column each row may read. Returns query's shape."""
+    num_rows, num_kv_heads, num_queries, head_dim = query.shape
+    query = query.float()
+    best = torch.full((num_rows, num_kv_heads, num_queries, 1), float("-inf"), device=query.device)
+    total = torch.zeros((num_rows, num_kv_heads, num_queries, 1), device=query.device)
+    output = torch.zeros((num_rows, num_kv_heads, num_queries, head_dim), device=query.device)
+    limit = positions.view(num_rows, 1, 1, 1)
+    for start in range(0, length, block):
+        stop = min(start + block, end)
+        scores = torch.matmul(query, keys[:, :, start:stop].float().transpose(-1, -2)) * scale  # [r, kvh, g, cols]
+        hidden = torch.arange(start, stop, device=query.device).view(1, 1, 1, stop - start) > limit
+        scores = scores.masked_fill(hidden, float("-inf"))
+        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))  # finite from block 0 on: column 0 is read
+        weights = torch.exp(scores - new_best)
+        correction = torch.exp(best - new_best)
+        total = total * correction + weights.sum(-1, keepdim=True)
+        output = output * correction + torch.matmul(weights, values[:, :, start:stop].float())
+        best = new_best
+    return output / total
+
+
 def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, columns: Tensor, length: int,
                    mask: Tensor, cos: Tensor, sin: Tensor, weights: List[List[Tensor]],
                    biases: List[List[Optional[Tensor]]], norms: List[List[Tensor]], eps: List[List[float]],
-                   scalings: List[float], head_dim: int, num_kv_heads: int, groups: int) -> Tensor:
+                   scalings: List[float], head_dim: int, num_kv_heads: int, groups: int, positions: Tensor,
+                   block: int) -> Tensor:
     """Each layer over one token per row; writes each row's K/V at its column and returns the hidden states.
 
     hidden: [rows, 1, hidden]; keys, values: [layers, rows, kv_heads, capacity, head_dim]; rows, columns: [rows];
     mask: bool [rows, 1, 1, length]; cos, sin: [rows, 1, 1, head_dim]. weights[i], biases[i]: layer i's q, k, v,
-    o, gate, up, down; norms[i], eps[i]: its input and post-attention norms."""
+    o, gate, up, down; norms[i], eps[i]: its input and post-attention norms. block > 0: attention is
+    blockwise_attention in blocks of that many columns up to `length` (mask unused; positions [rows] instead), the
+    invariant decode step's; 0: transformers' SDPA, bitwise the model's forward."""
     num_rows = hidden.size(0)
     for index in range(len(weights)):
         weight, bias, norm, epsilon = weights[index], biases[index], norms[index], eps[index]
@@ -56,8 +94,13 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
         layer_values[rows, :, columns] = value[:, :, 0]
         if groups > 1:  # one query token: its heads' groups become the query length (transformers' pack_gqa)
             query = query.reshape(num_rows, num_kv_heads, groups, head_dim)
-        output = F.scaled_dot_product_attention(query, layer_keys[:, :, :length], layer_values[:, :, :length],
-                                                attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scalings[index])
+        if block > 0:
+            output = blockwise_attention(query, layer_keys, layer_values, positions, length, block,
+                                         layer_keys.size(2) - 1, scalings[index]).to(hidden.dtype)
+        else:
+            output = F.scaled_dot_product_attention(query, layer_keys[:, :, :length], layer_values[:, :, :length],
+                                                    attn_mask=mask, dropout_p=0.0, is_causal=False,
+                                                    scale=scalings[index])
         output = output.reshape(num_rows, -1, 1, head_dim).transpose(1, 2).contiguous()
         hidden = hidden + F.linear(output.reshape(num_rows, 1, -1).contiguous(), weight[3], bias[3])
         x = rms_norm(hidden, norm[1], epsilon[1])

@@ -88,6 +88,10 @@ class EngineConfig:
     # chunks keep chunk_size): fewer, larger forwards read the weights fewer times (a GPU's cost), at the price of up
     # to this many chunks recomputed after a cached run and a last piece padded to its end. Part of the namespace.
     invariant_piece_chunks: int = 1
+    # With invariant_prefill, decode steps whose rows do not depend on their neighbours (every slot a row, blockwise
+    # attention: model/step_runner.py); None: on CUDA in bf16/fp16 (on a CPU a padded step costs several times a
+    # step, docs/performance.md; in fp32 the default step keeps model.generate's tokens, which this one need not).
+    invariant_decode: bool | None = None
 
     @property
     def invariant_piece_tokens(self) -> int:
@@ -126,6 +130,9 @@ class EngineConfig:
         assert self.tokenizer_cache_bytes >= 0, f"tokenizer_cache_bytes must be >= 0, got {self.tokenizer_cache_bytes}"
         assert self.max_store_stream_bytes > 0, f"max_store_stream_bytes must be positive, got {self.max_store_stream_bytes}"
         assert 0 <= self.kv_group_size <= 65535, f"kv_group_size must be in 0..65535, got {self.kv_group_size}"
+        if self.invariant_decode and not self.invariant_prefill:
+            raise ValueError("invariant_decode is part of the invariant path: turn on invariant_prefill too (a decode "
+                             "step alone cannot make an answer independent of the cache)")
         if self.invariant_piece_chunks < 1:
             raise ValueError(f"invariant_piece_chunks must be >= 1 (chunks per invariant prefill forward), got "
                              f"{self.invariant_piece_chunks}")

@@ -3,6 +3,7 @@ forward with the reason; graphs only where the device has them."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from inference_service.model import step_runner
 from inference_service.model.lean_step import LeanStep
@@ -69,3 +70,32 @@ def test_the_model_step_keeps_one_cache_per_view_of_the_slots():
     first = step._cache(buffers.keys[:, 0:2], buffers.values[:, 0:2])
     assert step._cache(buffers.keys[:, 0:2], buffers.values[:, 0:2]) is first
     assert step._cache(buffers.keys[:, 1:3], buffers.values[:, 1:3]) is not first
+
+
+class Neighbourly(LeanStep):
+    """As the invariant step, every row's logits nudged by the mean of all rows' token ids: rows that depend on each
+    other (as the plain lean step, bitwise the model's forward)."""
+
+    def __call__(self, keys, values, token_ids, positions, columns, length, mask):
+        logits = super().__call__(keys, values, token_ids, positions, columns, length, mask)
+        return logits + token_ids.float().mean() * 1e-3 if self.attention_block else logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_invariant_step_passes_its_probe_and_runs_every_slot_as_a_row(dtype):
+    model = tiny("qwen2", dtype)
+    runner = choose_runner(model, slots_of(model), "lean", invariant=True)
+    assert runner.name == "lean+invariant" and runner.invariant
+    assert runner.readable_columns(10) == 40  # whole blocks, capped at the capacity
+    logits = runner.decode({2: (5, 3)})
+    assert logits.shape[0] == 1 and torch.isfinite(logits).all()
+
+
+def test_a_step_whose_rows_depend_on_each_other_fails_the_invariance_probe(monkeypatch):
+    model = tiny("llama", torch.bfloat16)
+    monkeypatch.setattr(step_runner, "LeanStep", Neighbourly)
+    runner = choose_runner(model, slots_of(model), "lean", invariant=True)
+    assert runner.name == "lean" and not runner.invariant  # off, and the log says why
+    step = Neighbourly(model)
+    step.attention_block = step_runner.INVARIANT_ATTENTION_BLOCK
+    assert "differs beside other rows" in step_runner.probe_invariance(model, step)

@@ -172,6 +172,33 @@ async def tokenize(request: Request) -> Response:
                          "token_strs": list(reply.tokens) if body.return_token_strs else None})
 
 
+@router.post("/v1/chat/completions/render")
+async def chat_completions_render(request: Request) -> Response:
+    """The token ids the chat request would prefill (vLLM's render; vllm-router's kv_aware policy asks each
+    replica), read through the same check and tokenization cache as the request itself."""
+    gateway, request_id = _gateway(request), request.state.request_id
+    body = await parse_body(request, ChatCompletionRequest)
+    await gateway.served_model(body.model)
+    grpc_request = mapping.chat_request(body, request_id, gateway.config.default_max_tokens)
+    return await _render(request, grpc_request)
+
+
+@router.post("/v1/completions/render")
+async def completions_render(request: Request) -> Response:
+    """The token ids the completion request would prefill (see chat_completions_render)."""
+    gateway, request_id = _gateway(request), request.state.request_id
+    body = await parse_body(request, CompletionRequest)
+    await gateway.served_model(body.model)
+    return await _render(request, mapping.completion_request(body, request_id))
+
+
+async def _render(request: Request, grpc_request: pb.GenerateRequest) -> Response:
+    gateway = _gateway(request)
+    reply = await gateway.call(gateway.upstream.tokenize(mapping.render_request(grpc_request)))
+    return _json(request, {"token_ids": list(reply.token_ids), "count": len(reply.token_ids),
+                           "max_model_len": reply.max_context})
+
+
 @router.post("/detokenize")
 async def detokenize(request: Request) -> Response:
     gateway = _gateway(request)

@@ -172,10 +172,25 @@ def _apply_kvboost(request: pb.GenerateRequest, options: KVBoostOptions | None) 
 def tokenize_request(body: TokenizeRequest) -> pb.TokenizeRequest:
     if bool(body.prompt) == bool(body.messages):  # an empty one is none, as the service counts them
         raise invalid_request("give exactly one of prompt and messages", param="prompt")
+    if body.continue_final_message:
+        raise invalid_request("continue_final_message is not supported: a chat request always starts a new assistant "
+                              "turn, so these ids would not be the ones it prefills (use add_generation_prompt)",
+                              param="continue_final_message")
     if body.messages:
         return pb.TokenizeRequest(messages=chat_messages(body.messages),
                                   add_generation_prompt=body.add_generation_prompt)
     return pb.TokenizeRequest(prompt=body.prompt, add_special_tokens=body.add_special_tokens)
+
+
+def render_request(generate: pb.GenerateRequest) -> pb.TokenizeRequest:
+    """The Tokenize call whose ids are the prompt a chat or completion request prefills (vLLM's /render endpoints):
+    its messages with the generation prompt, or its text prompt with the tokenizer's special tokens."""
+    if generate.segments:
+        raise invalid_request("render does not take kvboost.segments: segments are tokenized one by one, and their "
+                              "ids are not one prompt's", param="kvboost.segments")
+    if generate.messages:
+        return pb.TokenizeRequest(messages=generate.messages, add_generation_prompt=True)
+    return pb.TokenizeRequest(prompt=generate.prompt, add_special_tokens=True)
 
 
 def warm_request(body: UnpinRequest, cache_salt: str) -> pb.WarmRequest:

@@ -53,6 +53,8 @@ UNSUPPORTED_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "guided_choice": _ABSENT,
     "guided_grammar": _ABSENT,
     "structured_outputs": _ABSENT,
+    # A chat always gets a new assistant turn (the generation prompt); continuing the last message is not served.
+    "continue_final_message": (None, False),
 }
 
 
@@ -214,6 +216,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # refused when true (request_mapping.tokenize_request)
     return_token_strs: bool = False
 
 

@@ -45,6 +45,7 @@ from inference_service.__main__ import SHUTDOWN_GRACE_S, WRITE_BACK_FLUSH_S, loa
 from inference_service.model.threads import confine_to_this_thread  # noqa: E402
 from inference_service.serving.config import ServiceConfig, parse_config as parse_service_config  # noqa: E402
 from inference_service.serving.server import build_server  # noqa: E402
+from inference_service.serving.kv_events import start_kv_events  # noqa: E402
 from kvboost_server.in_process import InProcessUpstream  # noqa: E402
 
 logger = logging.getLogger("kvboost_server")
@@ -75,6 +76,14 @@ async def serve(service: ServiceConfig, gateway: GatewayConfig) -> int:
         await server.stop(0)
         getattr(store, "close", lambda: None)()
         return 2
+    try:
+        kv_events = start_kv_events(service, engine)
+    except Exception as error:  # a port taken, an endpoint ZMQ refuses
+        logger.error("cannot publish KV events on %s: %s", service.kv_events_endpoint, error)
+        await server.stop(0)
+        engine.close()
+        getattr(store, "close", lambda: None)()
+        return 2
     await server.set_engine(engine)
     app = build_app(gateway, upstream_factory=lambda config: InProcessUpstream(server.servicer, server.health,
                                                                                config.timeout_s))
@@ -93,6 +102,8 @@ async def serve(service: ServiceConfig, gateway: GatewayConfig) -> int:
         await server.stop(SHUTDOWN_GRACE_S)
         engine.flush_writes(timeout=WRITE_BACK_FLUSH_S)  # chunks computed so far still reach the daemon
         engine.close()
+        if kv_events is not None:
+            kv_events.close()
         getattr(store, "close", lambda: None)()
     return 0
 

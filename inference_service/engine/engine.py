@@ -13,9 +13,9 @@ from inference_service.engine.core import EngineCore
 from inference_service.request.counters import EngineStats
 from inference_service.request.generation import OnToken, eos_token_ids
 from inference_service.request.logprobs import token_text
-from inference_service.request.planning import EngineParts, plan_request, plan_warm, repair_options, salted
+from inference_service.request.planning import EngineParts, plan_request, plan_warm, repair_options, salted, token_cache
 from inference_service.engine.scheduler import SchedulerLimits, device_limits
-from kvboost_keys.prompts import PromptPlan, tokenize_messages
+from kvboost_keys.prompts import PromptPlan, tokenize_messages, tokenize_prompt
 from inference_service.engine.sequence import OnDone, Sequence, WarmSpec
 from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.request.verification import BUILTIN_PROMPTS, compare_modes
@@ -210,11 +210,14 @@ class Engine:
         """
         if bool(prompt) == bool(messages):
             raise InvalidRequest("Tokenize needs exactly one of prompt and messages")
+        cache = token_cache(self.parts)  # the ids Generate prefills come through it: these do too
         if messages:
             GenerationParams(messages=tuple(messages))  # the same check a Generate request's messages get
-            token_ids = tokenize_messages(self.tokenizer, messages, add_generation_prompt)[0]
+            token_ids = tokenize_messages(self.tokenizer, messages, add_generation_prompt, cache, self.namespace)[0]
+        elif add_special_tokens:
+            token_ids = tokenize_prompt(self.tokenizer, prompt, cache, self.namespace)[0]
         else:
-            token_ids = list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+            token_ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         return token_ids, [token_text(self.tokenizer, token_id) for token_id in token_ids]
 
     def detokenize(self, token_ids: Seq[int]) -> str:

@@ -291,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(e.g. qwen2.5-coder-0.5b)")
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                         help="model dtypes to time (a copy of the model each); the sweep runs at the first")
-    parser.add_argument("--steps", nargs="+", default=["transformers", "lean"], choices=["lean", "transformers"],
-                        help="decode steps to compare (the first is the baseline of the ratios); the retired split, "
+    parser.add_argument("--steps", nargs="+", default=["transformers", "lean"], choices=["lean", "transformers", "invariant"],
+                        help="decode steps to compare (the first is the baseline of the ratios; invariant: the "
+                             "invariant decode step, every slot a row); the retired split, "
                              "wide and onednn steps are measured in docs/performance.md")
     parser.add_argument("--cases", nargs="+", default=["1x50", "16x700"],
                         help="ROWSxCONTEXT: rows decoding together, each after about CONTEXT prompt tokens")

@@ -146,13 +146,16 @@ def split_step(events, num_steps: int) -> Split:
 
 
 def build_engine(model, tokenizer, decode_step: str):
+    """decode_step: a step name, or "invariant" (the lean step as the invariant decode step, with invariant prefill)."""
     from inference_service.engine.core import EngineCore
     from inference_service.engine.engine import Engine, EngineConfig
     from inference_service.store.protocol import NullStore
 
+    invariant = {"decode_step": "lean", "invariant_prefill": True, "invariant_decode": True}
+    config = invariant if decode_step == "invariant" else {"decode_step": decode_step}
     with mock.patch.object(EngineCore, "start", lambda self: None):  # this script drives the steps itself
-        return Engine(model, tokenizer, EngineConfig(decode_step=decode_step, max_new_tokens_limit=1 << 16),
-                      NullStore(), model_id="profile")
+        return Engine(model, tokenizer, EngineConfig(max_new_tokens_limit=1 << 16, **config), NullStore(),
+                      model_id="profile")
 
 
 def run_case(engine, tokenizer, num_rows: int, context: int, num_steps: int):

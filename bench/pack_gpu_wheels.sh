@@ -12,6 +12,7 @@ pin() { sed -n "s/^ *\"\($1==[^\"; ]*\)\".*/\1/p" pyproject.toml | head -1; }
 wanted=(
   "$(pin grpcio)" "$(pin grpcio-health-checking)" "$(pin grpcio-reflection)" "$(pin protobuf)"
   "$(pin lmdb)" "$(pin isal)" "$(pin redis)" "$(pin transformers)"
+  "$(pin pyzmq)" "$(pin msgpack)"  # --kv-events-endpoint (the kv-events extra)
   yappi==1.7.6  # bench_gpu.py --profile: host time per function on every thread (optional; not a dependency)
 )
 platforms=()

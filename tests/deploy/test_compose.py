@@ -297,7 +297,9 @@ def test_daemon_image_installs_every_package_the_daemon_and_health_check_import(
 
 
 def test_dockerfile_pins_match_pyproject() -> None:
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    # The dependencies, and the extras the images install (kv-events: --kv-events-endpoint)
+    pyproject = project["dependencies"] + project["optional-dependencies"]["kv-events"]
     pins = dict(requirement.split("==") for requirement in pyproject)
     in_dockerfile = re.findall(r"([A-Za-z][A-Za-z0-9_.-]*)==([0-9][^\s\\]*)", DOCKERFILE)
     assert in_dockerfile, "the Dockerfile pins its packages"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from inference_service.model.attention import engine_call_kwargs
+from inference_service.model.attention import engine_call_kwargs, live_causal_mask
 from inference_service.model.kv_buffers import LayerKV
 
 
@@ -44,7 +44,8 @@ def _prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int,
         layer.activate_past_recording()
     position_ids = torch.arange(start, start + num_tokens, device=token_ids.device).unsqueeze(0)
     output = model(input_ids=token_ids.unsqueeze(0), position_ids=position_ids, past_key_values=cache,
-                   use_cache=True, logits_to_keep=logits_to_keep, **engine_call_kwargs())
+                   attention_mask=live_causal_mask(model, token_ids, start, bool(sliding)), use_cache=True,
+                   logits_to_keep=logits_to_keep, **engine_call_kwargs())
     new_kv = [(layer.keys[:, :, -num_tokens:], layer.values[:, :, -num_tokens:]) for layer in cache.layers]
     for layer in sliding:
         layer.record_past = False

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.bench_gpu import SHAPES, log, random_model  # noqa: E402
+from bench.gpu_model import SHAPES, log, random_model  # noqa: E402
 from inference_service.model.lean_step import LeanStep  # noqa: E402
 from inference_service.model.graph_step import GraphSteps  # noqa: E402
 from inference_service.model.kv_buffers import kv_geometry  # noqa: E402

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.bench_gpu import CHUNK, QUESTION_WORDS, SHAPES, log, random_model, word_tokenizer, words  # noqa: E402
+from bench.gpu_model import CHUNK, QUESTION_WORDS, SHAPES, log, random_model, word_tokenizer, words  # noqa: E402
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
 from inference_service.store.colocated import ColocatedStore  # noqa: E402
 from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions  # noqa: E402

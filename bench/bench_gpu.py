@@ -10,11 +10,15 @@ mean nothing; no weights need to travel to a GPU machine without network). Per p
   from host tier  L0 off, the pinned host tier holding the prompt's chunks (filled by its first ask's fetch): one DMA
                   per group of slabs into the slot (CUDA only: on a CPU there is no host tier, the row is skipped)
 each with a new question after the warmed document, TTFT from request arrival. The load rate is the engine's own
-(bytes placed / time from Lookup to the last chunk in place). The limits: host -> GPU from pinned and from pageable
+(bytes placed / time from Lookup to the last chunk in place). Then, per length and path, where one request's time
+goes (bench/ttft_stages.py: tokenize, keys, Lookup, placement replayed alone as bench_overhead.py does; the question's
+own prefill, a plain forward of its tokens over the N cached positions; the first sample; host clocks and CUDA
+events; "rest" what no stage names), and one length's from-L0 request through the service's gRPC stream beside the
+same request in process (the hop). The limits: host -> GPU from pinned and from pageable
 memory, page cache -> pinned (1 and N threads), GPU memory bandwidth. Decode: one stream and 16 at once through the
 engine, beside model.generate, and the bound the weights' bytes and the measured bandwidth give.
 
-    python bench/bench_gpu.py                              # Llama-3-8B shape, bf16, 2k/8k/32k, 3 runs (~4 min, H200)
+    python bench/bench_gpu.py                              # Llama-3-8B shape, bf16, 256..32k, 3 runs (H200)
     python bench/bench_gpu.py --shape smollm2 --lengths 1600 8192
     python bench/bench_gpu.py --shape tiny --device cpu --lengths 300 --runs 1   # a smoke run without a GPU
 """
@@ -37,25 +41,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.gpu_model import CHUNK, QUESTION_WORDS, SHAPES, log, random_model, word_tokenizer, words  # noqa: E402
+from bench.ttft_stages import format_row, median_row, split_request  # noqa: E402
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
 from inference_service.store.colocated import ColocatedStore  # noqa: E402
 from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions  # noqa: E402
-
-SHAPES = {  # LlamaConfig fields; vocab sizes are the real models'
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, rope_theta=10000.0),
-}
-CHUNK = 128
-QUESTION_WORDS = 24
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
 
 # -- the machine's limits -------------------------------------------------------------------------------------------
 
@@ -117,47 +107,6 @@ def machine_limits(workdir: Path, gib: int = 1) -> dict:
     return limits
 
 
-# -- the model ------------------------------------------------------------------------------------------------------
-
-def word_tokenizer(vocab_size: int):
-    """One token per word "w<id>", every id of the model's vocabulary decodable."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<eos>": 0, "<unk>": 1} | {f"w{i}": i for i in range(2, vocab_size)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
-    tokenizer.name_or_path = f"kvboost-bench-words-{vocab_size}"
-    return tokenizer
-
-
-def random_model(shape: str, device: str, dtype: torch.dtype, max_context: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(max_context, 8192), tie_word_embeddings=False,
-                         bos_token_id=None, eos_token_id=0, pad_token_id=0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            torch.manual_seed(0)
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():  # weights small enough that activations stay finite through every layer
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.02)
-    return model.eval()
-
-
-def words(count: int, seed: int, vocab_size: int) -> str:
-    generator = torch.Generator().manual_seed(seed)
-    return " ".join(f"w{i}" for i in torch.randint(2, vocab_size, (count,), generator=generator).tolist())
-
-
 # -- the runs -------------------------------------------------------------------------------------------------------
 
 def plain_prefill_ms(model, tokenizer, prompt: str) -> float:
@@ -214,6 +163,59 @@ def measure_length(length: int, args, model, tokenizer, engines: dict[str, Engin
                       "load_bytes": statistics.median(s.get("load_bytes", 0) for s in runs)}
     rows["warm_s"] = warm_s
     return rows
+
+
+def measure_stages(length: int, args, model, engines: dict[str, Engine]) -> dict:
+    """Per path, where one request's time goes (ttft_stages.split_request), paths alternating run by run; medians."""
+    vocab = model.config.vocab_size
+    document = words(length - QUESTION_WORDS, seed=length, vocab_size=vocab)
+    paths = {"BASELINE": (engines["warmed"], "baseline"), "warmed": (engines["warmed"], None),
+             **{name: (engines[name], None) for name in ("from L0", "from host tier") if name in engines}}
+    samples: dict[str, list[dict]] = {name: [] for name in paths}
+    for run in range(args.stage_runs):
+        for index, (name, (engine, mode)) in enumerate(paths.items()):
+            question = words(QUESTION_WORDS, seed=10_000 + 100 * run + index, vocab_size=vocab)
+            samples[name].append(split_request(engine, document + " " + question, mode))
+    rows = {name: median_row(runs) for name, runs in samples.items()}
+    log(f"  where the time goes, ms (medians of {args.stage_runs}; gpu: CUDA events):")
+    for name, row in rows.items():
+        log(format_row(name, row))
+    return rows
+
+
+def measure_grpc_hop(length: int, args, model, engine: Engine, store) -> dict:
+    """The from-L0 request in process and through the service's gRPC stream (a streamed Generate, TTFT at the client
+    to its first token event), alternating; medians and their difference (the hop)."""
+    import grpc
+
+    from inference_service.serving.config import ServiceConfig
+    from kvboost.v1 import inference_pb2 as pb
+    from kvboost.v1 import inference_pb2_grpc
+    from tests.service_support import serving_in_thread
+
+    vocab = model.config.vocab_size
+    document = words(length - QUESTION_WORDS, seed=length, vocab_size=vocab)
+    ask(engine, document + " " + words(QUESTION_WORDS, seed=3, vocab_size=vocab))  # its chunks in L0
+    in_process, through_grpc = [], []
+    with serving_in_thread(ServiceConfig(listen="127.0.0.1:0", cache_addr=""), engine) as port:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            for run in range(max(3, args.runs)):
+                questions = [words(QUESTION_WORDS, seed=20_000 + 10 * run + offset, vocab_size=vocab) for offset in (0, 1)]
+                in_process.append(ask(engine, document + " " + questions[0])["ttft_ms"])
+                started = time.perf_counter()
+                for event in stub.Generate(pb.GenerateRequest(prompt=document + " " + questions[1], max_new_tokens=1),
+                                           timeout=300):
+                    if event.token_ids or event.HasField("result"):
+                        through_grpc.append((time.perf_counter() - started) * 1000)
+                        break
+                engine.flush_writes()
+    row = {"length": length, "in_process_ms": statistics.median(in_process),
+           "grpc_ms": statistics.median(through_grpc)}
+    row["hop_ms"] = row["grpc_ms"] - row["in_process_ms"]
+    log(f"from L0 at {length} tokens: in process {row['in_process_ms']:.2f} ms, through gRPC {row['grpc_ms']:.2f} ms "
+        f"(the hop {row['hop_ms']:.2f} ms; medians of {len(in_process)})")
+    return row
 
 
 def measure_decode(model, tokenizer, engine: Engine, tokens: int, clients: int, peer_cb: bool = False) -> dict:
@@ -351,7 +353,7 @@ def main(argv: list[str] | None = None) -> int | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="model shape (random weights)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 32768], help="prompt tokens")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 2048, 8192, 32768], help="prompt tokens")
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per length (medians)")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu for a smoke run")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
@@ -371,6 +373,11 @@ def main(argv: list[str] | None = None) -> int | None:
     parser.add_argument("--compile", action="store_true", help="only bench_compile_step.py: torch.compile of the "
                         "layer loop under the CUDA graphs against the graphs alone, 1 and --clients rows over the "
                         "first --lengths columns")
+    parser.add_argument("--stage-runs", type=int, default=3, help="requests per length and path split into stages "
+                        "(tokenize, keys, Lookup, placement, the question's own prefill, the first sample; medians; "
+                        "0: skip)")
+    parser.add_argument("--grpc-length", type=int, default=2048, help="prompt tokens of the from-L0 request also "
+                        "asked through the service's gRPC stream, alternating with in process (0: skip)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)
     if args.compile:
@@ -447,6 +454,10 @@ def main(argv: list[str] | None = None) -> int | None:
                     log(f"  {name:14s} TTFT {row['ttft_ms']:9.1f} ms  x{row['speedup_vs_baseline']:5.2f}  "
                         f"cached {row['cached']:6.0f}  load {row['load_bytes'] / 1e6:8.1f} MB at {row['load_gbps']:5.1f} GB/s")
             log(f"  warm (prefill and write-back of {length} tokens) {rows['warm_s']:.1f} s")
+            if args.stage_runs:
+                rows["stages"] = measure_stages(length, args, model, engines)
+        if args.grpc_length:
+            results["grpc"] = measure_grpc_hop(args.grpc_length, args, model, engines["from L0"], store)
         if args.profile:
             longest_length = max(args.lengths)
             document = words(longest_length - QUESTION_WORDS, seed=longest_length, vocab_size=model.config.vocab_size)

@@ -113,7 +113,7 @@ def in_process_worker(args) -> None:
 
 
 def replay_stages(engine, params) -> dict:
-    """Each host stage of the request, run again alone and timed (ms)."""
+    """Each host stage of the request (a prompt or a chat), run again alone and timed (ms)."""
     import torch
 
     from inference_service.request import planning
@@ -124,9 +124,10 @@ def replay_stages(engine, params) -> dict:
     cache = getattr(parts, "token_cache", None)
     start = time.perf_counter()
     if cache is not None:
-        segments = prompts.tokenize_request(parts.tokenizer, None, params.messages, None, cache, parts.namespace)
+        segments = prompts.tokenize_request(parts.tokenizer, params.prompt, params.messages, None, cache,
+                                            parts.namespace)
     else:
-        segments = prompts.tokenize_request(parts.tokenizer, None, params.messages, None)
+        segments = prompts.tokenize_request(parts.tokenizer, params.prompt, params.messages, None)
     tokenized = time.perf_counter()
     plan = prompts.plan_prompt(parts.namespace, segments, parts.config.chunk_size)
     keyed = time.perf_counter()
@@ -140,7 +141,9 @@ def replay_stages(engine, params) -> dict:
     buffers = (torch.zeros(shape, dtype=parts.dtype, device=parts.device),
                torch.zeros(shape, dtype=parts.dtype, device=parts.device))
     placing = time.perf_counter()
-    context = assembler.assemble_context(parts.store, parts.namespace, plan, buffers, False, parts.key_rope, parts.l0)
+    host = getattr(parts.writeback, "host", None)  # the host tier (CUDA), placed after L0 as a request's would be
+    context = assembler.assemble_context(parts.store, parts.namespace, plan, buffers, False, parts.key_rope, parts.l0,
+                                         host=host)
     if parts.device.type == "cuda":
         torch.cuda.synchronize()
     placed = time.perf_counter()

@@ -2,6 +2,7 @@
 #   daemon     the cache daemon (no torch): python -m cache_daemon
 #   inference  the inference service (torch, transformers, the embedded SmolLM2): python -m inference_service
 #   gateway    the OpenAI-compatible HTTP gateway (no torch): python -m http_gateway
+#   vllm-router  vllm-router (PyPI) in front of the replicas' gateways, routing by their KV events
 #   pid-namespace  holds the PID namespace the daemon and the service share (compose.yaml says why)
 # compose.yaml builds them all; compose.gpu.yaml switches the torch wheel to CUDA and reserves a GPU.
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -69,6 +70,14 @@ RUN pip install --no-deps .
 USER kvboost
 EXPOSE 8000
 ENTRYPOINT ["python", "-m", "http_gateway"]
+
+FROM base AS vllm-router
+# vllm-router (PyPI: a Rust binary in a wheel) in front of the replicas' gateways, for `--profile vllm-router`
+# (compose.yaml, docs/scaling.md); the version the end-to-end test pins.
+RUN pip install vllm-router==0.1.17
+USER kvboost
+EXPOSE 8080
+ENTRYPOINT ["vllm-router"]
 
 FROM base AS pid-namespace
 # PID 1 of the shared namespace: waits for SIGTERM and exits; reaps nothing (each process has its own shim).

@@ -6,20 +6,24 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from inference_service.store.protocol import StoreLookup, common_prefix
+from inference_service.store.protocol import StoreLookup
+from kvboost_keys.chunk_keys import encode_token_ids
 from kvboost_keys.prompts import PromptPlan
 
-DEFAULT_SETTLED_LOG_SIZE = 4096  # write-backs remembered; an answer older than that is asked again
+# Write-backs remembered; an answer asked before the oldest is asked again. Each holds its chunks' token ids packed
+# (4 bytes a token: a 32k-token write-back, 128 KiB), so the log stays within tens of MiB.
+DEFAULT_SETTLED_LOG_SIZE = 512
 
 
 @dataclass(slots=True, frozen=True)
 class SettledWrite:
     """What one write-back may have stored: its chunks' prefix keys, content keys, and each chunk's
-    (parent key, token ids), which is what a continuation or partial-chunk query compares against."""
+    (parent key, token ids packed by encode_token_ids), which is what a continuation or partial-chunk query compares
+    against."""
 
     prefix_keys: frozenset[bytes]
     content_keys: frozenset[bytes]
-    children: tuple[tuple[bytes, tuple[int, ...]], ...]
+    children: tuple[tuple[bytes, bytes], ...]
     indexed: bool = True  # False: its chunks named no parent; it may have answered any query after a run
 
     @classmethod
@@ -28,7 +32,7 @@ class SettledWrite:
         """parent_keys: one per chunk, or () for chunks stored without a parent (not indexed under one)."""
         assert not parent_keys or len(parent_keys) == len(token_ids), "one parent key per chunk"
         return cls(frozenset(prefix_keys), frozenset(key for key in content_keys if key is not None),
-                   tuple(zip(parent_keys, (tuple(ids) for ids in token_ids))), bool(parent_keys))
+                   tuple(zip(parent_keys, (encode_token_ids(ids) for ids in token_ids))), bool(parent_keys))
 
 
 class SettledLog:
@@ -79,10 +83,24 @@ def overtakes(write: SettledWrite, prompt: PromptPlan, lookup: StoreLookup, with
     if length <= 0:
         return False
     parent = prompt.parent_key(run)
-    after_run = prompt.token_ids[start : start + length]
+    candidates = [packed for chunk_parent, packed in write.children if chunk_parent == parent]
+    if not candidates:
+        return False
+    after_run = (prompt.packed_ids or encode_token_ids(prompt.token_ids))[4 * start : 4 * (start + length)]
     found = max(lookup.partial_tokens, lookup.continuation_tokens)
-    return any(chunk_parent == parent and common_prefix(after_run, token_ids) > found
-               for chunk_parent, token_ids in write.children)
+    return any(shared_tokens(after_run, packed) > found for packed in candidates)
+
+
+def shared_tokens(packed: bytes, other: bytes) -> int:
+    """How many leading token ids two encode_token_ids byte strings share."""
+    low, high = 0, min(len(packed), len(other)) // 4  # the answer lies in [low, high]
+    while low < high:  # bytes compare in C: log(n) slices, not a Python loop per token
+        middle = (low + high + 1) // 2
+        if packed[: 4 * middle] == other[: 4 * middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def still_current(log: SettledLog, mark: int, prompt: PromptPlan, lookup: StoreLookup,

@@ -1,7 +1,8 @@
 """settled_writes: an early Lookup goes out of date only when a write-back stored what THIS prompt missed."""
 from __future__ import annotations
 
-from inference_service.reuse.settled_writes import SettledLog, SettledWrite, overtakes, still_current
+from inference_service.reuse.settled_writes import SettledLog, SettledWrite, overtakes, shared_tokens, still_current
+from kvboost_keys.chunk_keys import encode_token_ids
 from inference_service.store.protocol import StoreLookup
 from kvboost_keys.prompts import PromptPlan, plan_prompt
 
@@ -107,3 +108,12 @@ def test_the_log_answers_what_ended_after_a_mark_and_forgets_the_oldest() -> Non
     log.add(unrelated)
     assert log.since(mark) is None and not still_current(log, mark, prompt, StoreLookup(0), False)
     assert log.since(1) is not None
+
+
+def test_shared_tokens_counts_whole_equal_token_ids() -> None:
+    ids = [5, 70000, 3, 9, 11]
+    assert shared_tokens(encode_token_ids(ids), encode_token_ids(ids)) == 5
+    assert shared_tokens(encode_token_ids(ids), encode_token_ids(ids[:3])) == 3
+    assert shared_tokens(encode_token_ids(ids), encode_token_ids([5, 70000 + (1 << 24), 3])) == 1  # a high byte differs
+    assert shared_tokens(encode_token_ids(ids), encode_token_ids([6])) == 0
+    assert shared_tokens(b"", encode_token_ids(ids)) == 0

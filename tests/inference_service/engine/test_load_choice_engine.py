@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from inference_service.engine.engine import GenerationParams
 from inference_service.reuse.load_choice import LoadChooser
 from inference_service.store.memory import InMemoryStore
 from kvboost_keys.prompts import tokenize_prompt
@@ -36,15 +37,37 @@ def test_a_run_loaded_whole_in_part_or_not_at_all_gives_model_generates_tokens(t
         head, prompt = text_of_length(32), text_of_length(72)  # 4 and 9 chunks of 8 tokens, the first 4 shared
         expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
         run(writer, prompt=prompt)  # the store holds the 9 chunks
-        run(reader, prompt=head)  # the reader's L0 holds the first 4 (fetched, then kept)
+        run(reader, prompt=head)  # the reader's L0 holds the first 4 (fetched or recomputed, then kept)
         reader.parts.counters.chooser = chooser_with(l0, store)
-        fetched = reader.stats()["chunks_fetched"]
+        before = reader.stats()
         answer = run(reader, prompt=prompt)
-        stats = reader.stats()
+        after = reader.stats()
         assert answer.output_token_ids == expected
         assert answer.cached_tokens == cached
-        assert (stats["loads_skipped"], stats["load_skipped_tokens"]) == (int(skipped > 0), skipped)
-        assert stats["chunks_fetched"] - fetched == (5 if cached == 71 else 0)  # below break-even: no bytes asked
+        assert (after["loads_skipped"] - before["loads_skipped"],
+                after["load_skipped_tokens"] - before["load_skipped_tokens"]) == (int(skipped > 0), skipped)
+        # Below break-even the store is asked for no bytes.
+        assert after["chunks_fetched"] - before["chunks_fetched"] == (5 if cached == 71 else 0)
     finally:
         writer.close()
         reader.close()
+
+
+def test_l0_asked_before_the_choice_still_answers_only_what_the_daemons_lookup_confirms(tiny_llama):
+    store = InMemoryStore()
+    engine = make_engine(tiny_llama, cache=store, recompute_when_faster=True)  # L0 on, the choice on
+    try:
+        prompt = text_of_length(40)
+        expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
+        run(engine, prompt=prompt)
+        engine.parts.counters.chooser = chooser_with(FAST, FAST)
+        assert run(engine, prompt=prompt).cached_tokens == 39  # from L0
+        hits = engine.stats()["l0_chunks_hit"]
+        plan = engine.plan_request(GenerationParams(prompt=prompt))[1]
+        store.delete(list(plan.prefix_keys))  # as the daemon's Delete (or a namespace drop) would
+        answer = run(engine, prompt=prompt)
+        assert answer.output_token_ids == expected
+        assert engine.stats()["l0_chunks_hit"] == hits  # held, but the daemon's Lookup said no
+        assert answer.cached_tokens < 8  # nothing whole was reused
+    finally:
+        engine.close()

@@ -19,7 +19,7 @@ from kvboost_common.kv_events.wire import block_removed, block_stored
 
 # vLLM's consumers read a block hash as a 64-bit integer, some as signed, some as unsigned: 63 bits suit both.
 HASH_MASK = (1 << 63) - 1
-DEFAULT_MAX_NOTED = 1 << 16
+DEFAULT_MAX_NOTED = 1 << 14  # chunks of recent plans (2M tokens at 128 a chunk)
 
 
 def block_hash(parent: int | None, token_ids: tuple[int, ...], seed: bytes) -> int:

@@ -34,7 +34,7 @@ class KvEventsConfig:
     block_size: int = 16
     medium: str = "GPU"
     replay_batches: int = 10_000  # batches the replay ring keeps
-    high_water_mark: int = 100_000  # batches queued per subscriber before the PUB socket drops them
+    high_water_mark: int = 10_000  # batches queued per subscriber before the PUB socket drops them (as the ring)
     publish_salted: bool = False  # announce chunks stored under a cache_salt or tenant scope too
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """The real vllm-router (`--policy kv_aware`) in front of two replicas, each its own host (daemon, inference service
 with a tiny random model, gateway), reading the services' vLLM-format KV events: a document warmed on replica i is
-answered by replica i with reuse >= 0.9 (the replicas' own counters say where it ran); a blind policy fails the
-same check; a replica restart purges its blocks, a restarted router catches up by replay, an evicted document stops
+answered by replica i with reuse >= 0.9 (the replicas' own counters say where it ran), while another subscriber
+never reads; a blind policy fails the same check; a replica restart purges its blocks, a restarted router catches up by replay, an evicted document stops
 attracting requests."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 
 from kvboost.v1 import inference_pb2 as pb
 from tests.conftest import pick_free_port, wait_for
@@ -135,6 +136,10 @@ def test_kv_aware_routing_follows_the_cache_and_a_blind_policy_does_not(replicas
     rng = random.Random(56)
     router = start_router(replicas, tmp_path)
     blind = start_router(replicas, tmp_path, policy="round_robin")
+    stuck = zmq.Context.instance().socket(zmq.SUB)  # a second subscriber of replica 0 that never reads
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.SUBSCRIBE, b"")
+    stuck.connect(replicas[0].events.endpoint)
     try:
         # 20 documents, owners in pairs (0, 0, 1, 1, ...): round robin, whatever its start, hits half of them
         documents = [(document(rng), (index // 2) % 2) for index in range(20)]
@@ -142,6 +147,7 @@ def test_kv_aware_routing_follows_the_cache_and_a_blind_policy_does_not(replicas
         negative = [(document(rng), (index // 2) % 2) for index in range(8)]
         assert share_routed_to_owner(blind, replicas, negative) < 0.95  # the same check fails without the events
     finally:
+        stuck.close(0)
         router.terminate()
         blind.terminate()
 

@@ -111,9 +111,11 @@ class KvEventPublisher:
         return done.wait(timeout)
 
     def close(self) -> None:
+        """Says AllBlocksCleared (a subscriber stops routing here at once, not at the restart), then stops."""
+        self.clear()
         self._queue.put((_STOP, None))
         self._thread.join(timeout=5)
-        self._pub.close(0)
+        self._pub.close(linger=500)  # ms for the last batch to leave
         if self._replay is not None:
             self._replay.close(0)
 

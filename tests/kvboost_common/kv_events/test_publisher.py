@@ -130,3 +130,16 @@ def test_a_subscriber_that_never_reads_does_not_hold_the_publisher_back():
     finally:
         socket.close(0)
         publisher.close()
+
+
+def test_closing_says_all_blocks_cleared():
+    publisher = make_publisher()
+    socket = subscribe(publisher)
+    try:
+        following = wait_until_subscribed(publisher, socket)
+        publisher.close()
+        topic, sequence, payload = socket.recv_multipart()
+        assert decode_sequence(sequence) == following
+        assert decode_batch(payload)[1] == [{"type": "AllBlocksCleared"}]
+    finally:
+        socket.close(0)

@@ -13,6 +13,11 @@ from L1, p50/p99 TTFT, requests/s, and requests per replica (max/min).
     flock /tmp/kvboost-bench.lock python bench/bench_router.py --l2 ...   # every daemon on one shared L2
     flock /tmp/kvboost-bench.lock python bench/bench_router.py --overhead 40   # the router's own cost, 1 replica
     python bench/bench_router.py --model tiny --replicas 2 --documents 4 --warmup 2 --duration 4   # smoke
+    flock /tmp/kvboost-bench.lock python bench/bench_router.py --policies prefix,vllm-kv_aware,vllm-round_robin
+
+A `vllm-POLICY` runs the real vllm-router (PyPI) with that policy instead, over HTTP: each replica gets a gateway
+and publishes its vLLM-format KV events (--kv-events-endpoint), which `vllm-kv_aware` routes by; clients stream
+completions through it. `--overhead-vllm ROUNDS`: TTFT direct to one replica's gateway against through vllm-router.
 """
 from __future__ import annotations
 
@@ -149,7 +154,7 @@ class Clients:
 
 
 def start_replicas(stack: ExitStack, workdir: Path, model: str, num_replicas: int, budget: int, chunk_size: int,
-                   l2_url: str | None) -> list[tuple[str, str]]:
+                   l2_url: str | None, service_flags=lambda index: ()) -> list[tuple[str, str]]:
     """Each replica's daemon, then every service at once (a start is mostly imports and loading, waited on)."""
     from tests.conftest import pick_free_port
     from tests.e2e.daemon_process import start_daemon
@@ -164,7 +169,7 @@ def start_replicas(stack: ExitStack, workdir: Path, model: str, num_replicas: in
 
     def start(index: int):
         return start_service(model, daemons[index].address, pick_free_port(), workdir / f"service-{index}.log",
-                             "--chunk-size", str(chunk_size), "--threads", "1", timeout_s=300)
+                             "--chunk-size", str(chunk_size), "--threads", "1", *service_flags(index), timeout_s=300)
 
     with ThreadPoolExecutor(num_replicas) as starting:
         futures = [starting.submit(start, index) for index in range(num_replicas)]
@@ -196,13 +201,20 @@ def run_policy(args, policy: str, l2_url: str | None, model: str, texts: list[st
     from tests.e2e.router_process import start_router
 
     with ExitStack() as stack:
-        pairs = start_replicas(stack, workdir, model, args.replicas, budget, args.chunk_size, l2_url)
-        router = start_router(pairs, pick_free_port(), pick_free_port(), workdir / "router.log", "--policy", policy)
-        stack.callback(router.terminate)
-        with router.stub() as stub:
+        if policy.startswith("vllm-"):
+            pairs, router, _ = start_vllm_stack(stack, workdir, model, args.replicas, budget, args.chunk_size, l2_url,
+                                                policy.removeprefix("vllm-"))
+            client_type = HttpClients
+        else:
+            pairs = start_replicas(stack, workdir, model, args.replicas, budget, args.chunk_size, l2_url)
+            router = start_router(pairs, pick_free_port(), pick_free_port(), workdir / "router.log", "--policy", policy)
+            stack.callback(router.terminate)
+            client_type = Clients
+        with grpc.insecure_channel(pairs[0][0]) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
             counts = [len(stub.Tokenize(pb.TokenizeRequest(prompt=text), timeout=60).token_ids) for text in texts]
         cacheable = [count - count % args.chunk_size for count in counts]
-        with Clients(router.address, texts, cacheable, args.clients, args.max_new_tokens) as clients:
+        with client_type(router.address, texts, cacheable, args.clients, args.max_new_tokens) as clients:
             time.sleep(args.warmup)
             requests_before, promoted_before = counters(pairs)
             clients.measuring.set()
@@ -214,6 +226,91 @@ def run_policy(args, policy: str, l2_url: str | None, model: str, texts: list[st
         served = [after - before for after, before in zip(requests_after, requests_before)]
         return summarize(policy, l2_url is not None, clients.samples, clients.errors, seconds,
                          (promoted_after - promoted_before) * args.chunk_size, served)
+
+
+class HttpClients(Clients):
+    """The same questions as streamed HTTP completions (through vllm-router to the replicas' gateways)."""
+
+    def _run(self, seed: int) -> None:
+        import httpx
+
+        rng = random.Random(seed)
+        turn = 0
+        with httpx.Client(base_url=self.address, timeout=600) as client:
+            while not self.stopping.is_set():
+                index, turn = rng.randrange(len(self.texts)), turn + 1
+                prompt = f"{self.texts[index]}\nQuestion {seed}.{turn}: which sheet names a keeper?\nAnswer:"
+                measured = self.measuring.is_set()
+                try:
+                    ttft_ms, usage = stream_completion(client, prompt, self.max_new_tokens)
+                except (httpx.HTTPError, RuntimeError):
+                    if measured:
+                        self.errors += 1
+                    continue
+                if measured and self.measuring.is_set():
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    self.samples.append(Sample(ttft_ms, usage["prompt_tokens"], cached, self.cacheable[index]))
+
+
+def stream_completion(client, prompt: str, max_tokens: int) -> tuple[float, dict]:
+    """(ms to the first text chunk, the usage) of one streamed completion."""
+    started, first, usage = time.perf_counter(), None, None
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk.get("choices") and first is None:
+                first = time.perf_counter()
+            usage = chunk.get("usage") or usage
+    if first is None or usage is None:
+        raise RuntimeError("the stream ended without text or usage")
+    return (first - started) * 1000, usage
+
+
+def start_vllm_stack(stack: ExitStack, workdir: Path, model: str, num_replicas: int, budget: int, chunk_size: int,
+                     l2_url: str | None, policy: str):
+    """Replicas publishing KV events, a gateway each, and vllm-router (with `policy`) in front of the gateways."""
+    from tests.conftest import pick_free_port
+    from tests.e2e.gateway_process import launch_gateway, wait_until_answering
+    from tests.e2e.vllm_router_process import EventSource, start_vllm_router
+
+    sockets = [(f"tcp://127.0.0.1:{pick_free_port()}", f"tcp://127.0.0.1:{pick_free_port()}")
+               for _ in range(num_replicas)]
+    pairs = start_replicas(stack, workdir, model, num_replicas, budget, chunk_size, l2_url,
+                           lambda index: ("--kv-events-endpoint", sockets[index][0],
+                                          "--kv-events-replay-endpoint", sockets[index][1]))
+    sources = []
+    for index, (service, _) in enumerate(pairs):
+        gateway = launch_gateway(service, pick_free_port(), workdir / f"gateway-{index}.log",
+                                 "--served-model-name", "bench")
+        stack.callback(gateway.terminate)
+        wait_until_answering(gateway)
+        sources.append(EventSource(gateway.base_url, *sockets[index]))
+    router = start_vllm_router(sources, workdir / "vllm-router.log", policy, model="bench")
+    stack.callback(router.terminate)
+    return pairs, router, [source.worker_url for source in sources]
+
+
+def measure_vllm_overhead(model: str, text: str, budget: int, chunk_size: int, rounds: int,
+                          workdir: Path) -> tuple[float, float]:
+    """(p50 TTFT direct to the gateway, p50 TTFT through vllm-router) on one replica, as measure_overhead."""
+    import httpx
+
+    with ExitStack() as stack:
+        _, router, (gateway,) = start_vllm_stack(stack, workdir, model, 1, budget, chunk_size, None, "kv_aware")
+        direct_times, routed_times = [], []
+        with httpx.Client(base_url=gateway, timeout=600) as direct, \
+                httpx.Client(base_url=router.address, timeout=600) as routed:
+            stream_completion(direct, text, 1)  # the document warmed
+            for turn in range(rounds):
+                direct_times.append(stream_completion(direct, f"{text}\nQuestion d{turn}: who keeps it?\nAnswer:", 1)[0])
+                routed_times.append(stream_completion(routed, f"{text}\nQuestion r{turn}: who keeps it?\nAnswer:", 1)[0])
+        return statistics.median(direct_times), statistics.median(routed_times)
 
 
 def first_token_ms(stub, prompt: str) -> float:
@@ -308,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="every daemon on one redis-server (emptied before each policy)")
     parser.add_argument("--overhead", type=int, default=0, metavar="ROUNDS",
                         help="instead of the policies: TTFT on one replica, direct against through the router")
+    parser.add_argument("--overhead-vllm", type=int, default=0, metavar="ROUNDS",
+                        help="instead of the policies: TTFT on one replica's gateway, direct against through vllm-router")
     parser.add_argument("--json", type=Path, help="write the reports here")
     parser.add_argument("--plot", type=Path, help="write a PNG here")
     args = parser.parse_args(argv)
@@ -334,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
             direct, routed = measure_overhead(model, texts[0], budget, args.chunk_size, args.overhead, workdir)
             print(f"one replica, {args.overhead} rounds: p50 TTFT direct {direct:.1f} ms, through the router "
                   f"{routed:.1f} ms ({routed - direct:+.1f} ms)")
+            return 0
+        if args.overhead_vllm:
+            direct, routed = measure_vllm_overhead(model, texts[0], budget, args.chunk_size, args.overhead_vllm,
+                                                   workdir)
+            print(f"one replica over HTTP, {args.overhead_vllm} rounds: p50 TTFT direct to its gateway {direct:.1f} "
+                  f"ms, through vllm-router {routed:.1f} ms ({routed - direct:+.1f} ms)")
             return 0
         l2_url = None
         if args.l2:

@@ -1,8 +1,9 @@
 """The real vllm-router (`--policy kv_aware`) in front of two replicas, each its own host (daemon, inference service
-with a tiny random model, gateway), reading the services' vLLM-format KV events: a document warmed on replica i is
-answered by replica i with reuse >= 0.9 (the replicas' own counters say where it ran), while another subscriber
-never reads; a blind policy fails the same check; a replica restart purges its blocks, a restarted router catches up by replay, an evicted document stops
-attracting requests."""
+with a tiny random model, gateway with an API key), reading the services' vLLM-format KV events: a document warmed
+on replica i is answered by replica i with reuse >= 0.9 (the replicas' own counters say where it ran), while another
+subscriber never reads, and the router's render calls carry the client's key; a blind policy fails the same check;
+a replica restart purges its blocks, a restarted router catches up by replay, an evicted document stops attracting
+requests."""
 from __future__ import annotations
 
 import random
@@ -32,6 +33,7 @@ BYTES_PER_TOKEN = 512  # the tiny llama's K/V in fp32 (2 layers)
 L0_BYTES = 8 * DOCUMENT_TOKENS * BYTES_PER_TOKEN  # about eight documents
 QUESTION = " Question: what does it say?"
 MIN_REUSE = 0.9
+API_KEY = "router-test-key"
 
 
 @dataclass
@@ -60,8 +62,9 @@ class Replica:
 
 
 def complete(base_url: str, prompt: str) -> dict:
+    """A completion with the gateways' API key: through the router, its render calls must carry it too."""
     response = httpx.post(f"{base_url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
-                          timeout=60)
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -105,8 +108,10 @@ def start_replica(folder: Path, model_dir: Path, index: int) -> Replica:
                     "--kv-events-endpoint", endpoint, "--kv-events-replay-endpoint", replay,
                     "--kv-events-block-size", str(BLOCK_SIZE))
     service = start_service(*service_args)
+    key_file = folder / "gateway.key"
+    key_file.write_text(API_KEY)
     gateway = launch_gateway(service.address, pick_free_port(), folder / f"gateway-{index}.log",
-                             "--served-model-name", "tiny")
+                             "--served-model-name", "tiny", "--api-key-file", str(key_file))
     wait_until_answering(gateway)
     return Replica(daemon, service, gateway, service_args, EventSource(gateway.base_url, endpoint, replay))
 

@@ -56,8 +56,13 @@ class Replica:
         """A completion straight to this replica (warms it: L0 keeps the prompt's chunks)."""
         complete(self.gateway.base_url, prompt)
 
-    def restart_service(self) -> None:
-        self.service.terminate()
+    def restart_service(self, crash: bool = False) -> None:
+        """SIGTERM (the publisher says AllBlocksCleared as it stops), or SIGKILL (it says nothing: the new process's
+        sequence 0 tells); then the same flags again."""
+        if crash:
+            self.service.kill()
+        else:
+            self.service.terminate()
         self.service = start_service(*self.service_args)
 
 
@@ -177,15 +182,17 @@ def test_a_restarted_router_catches_up_by_replay(replicas, tmp_path):
         router.terminate()
 
 
-def test_a_restarted_replica_is_purged_then_routed_to_again(replicas, tmp_path):
-    rng = random.Random(58)
+@pytest.mark.parametrize("crash", [False, True], ids=["sigterm", "sigkill"])
+def test_a_restarted_replica_is_purged_then_routed_to_again(replicas, tmp_path, crash):
+    rng = random.Random(58 + crash)
     router = start_router(replicas, tmp_path)
     try:
         before_restart = document(rng)
         replicas[0].ask(before_restart)
         assert routed(router, replicas, before_restart + QUESTION)[0] == 0
-        replicas[0].restart_service()  # its L0 is empty; it publishes from sequence 0 again
-        # The router forgets replica 0's blocks: half the document on replica 1 now outweighs them
+        replicas[0].restart_service(crash)  # its L0 is empty
+        replicas[0].ask(document(rng))  # after a crash, its first batch (sequence 0) tells the router
+        # The router forgot replica 0's old blocks: half the document on replica 1 now outweighs them
         replicas[1].ask(before_restart[: DOCUMENT_TOKENS // 2])
         wait_for(lambda: routed(router, replicas, before_restart + QUESTION)[0] == 1,
                  "the router to purge the restarted replica's blocks", timeout_s=20, interval_s=0.2)

@@ -16,6 +16,7 @@ from inference_service.kv.codec import read_header
 from inference_service.kv.loader import STAGING_BUFFERS, RunLoad, staging_ring
 from inference_service.model.forward import prefill
 from inference_service.model.kv_buffers import allocate_kv, build_cache
+from inference_service.request.generation import step_hints
 from inference_service.request.planning import EngineParts
 from inference_service.reuse.tier_placement import copy_run_
 from inference_service.reuse.tier_rates import store_tier
@@ -109,13 +110,16 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def _prefill(parts: EngineParts, buffers: tuple[torch.Tensor, torch.Tensor], num_chunks: int) -> None:
-    """A prompt of num_chunks chunks prefilled from position 0, then a question over it (as a cached request's)."""
+    """A prompt of num_chunks chunks prefilled from position 0, then a question over it and its first token picked
+    (as a cached request's)."""
     generator = torch.Generator().manual_seed(num_chunks)
     vocab = int(getattr(parts.model.config, "vocab_size", 0) or len(parts.tokenizer))
     num_tokens = num_chunks * parts.config.chunk_size
     token_ids = torch.randint(0, vocab, (num_tokens + QUESTION_TOKENS,), generator=generator).to(parts.device)
     prefill(parts.model, build_cache(parts.model.config, *buffers, 0), token_ids[:num_tokens], 0)
-    prefill(parts.model, build_cache(parts.model.config, *buffers, num_tokens), token_ids[num_tokens:], num_tokens)
+    logits, _ = prefill(parts.model, build_cache(parts.model.config, *buffers, num_tokens), token_ids[num_tokens:],
+                        num_tokens)
+    step_hints(logits.view(1, -1))  # the first token's pick, as the executor makes it
 
 
 def _host_points(buffers: tuple[torch.Tensor, torch.Tensor], chunk: int, num_chunks: list[int],

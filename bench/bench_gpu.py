@@ -378,6 +378,11 @@ def main(argv: list[str] | None = None) -> int | None:
                         "0: skip)")
     parser.add_argument("--grpc-length", type=int, default=2048, help="prompt tokens of the from-L0 request also "
                         "asked through the service's gRPC stream, alternating with in process (0: skip)")
+    parser.add_argument("--invariant-prefill", action="store_true", help="every engine on the invariant path "
+                        "(the service's --invariant-prefill, and on CUDA in half precision the invariant decode step): "
+                        "its cost against a run without it")
+    parser.add_argument("--invariant-piece-chunks", type=int, default=1, help="with --invariant-prefill: whole "
+                        "chunks per prefill forward")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)
     if args.compile:
@@ -393,6 +398,7 @@ def main(argv: list[str] | None = None) -> int | None:
     from tests.e2e.daemon_process import start_daemon
 
     results: dict = {"shape": args.shape, "dtype": args.dtype, "lengths": args.lengths, "runs": args.runs,
+                     "invariant_prefill": args.invariant_prefill, "invariant_piece_chunks": args.invariant_piece_chunks,
                      "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-bench-gpu-")))
@@ -423,11 +429,13 @@ def main(argv: list[str] | None = None) -> int | None:
                                    weights_id=f"kvboost-bench-random-{args.shape}-{args.dtype}-seed0")
             stack.callback(engines[name].close)
 
+        invariant = dict(invariant_prefill=True, invariant_piece_chunks=args.invariant_piece_chunks) \
+            if args.invariant_prefill else {}
         long_prompts = dict(chunk_size=CHUNK, max_prompt_tokens=longest, max_new_tokens_limit=max(64, args.decode_tokens),
-                            max_running_requests=max(2, args.clients))
+                            max_running_requests=max(2, args.clients), **invariant)
         build("warmed", EngineConfig(l0_bytes=0, kv_cache_bytes=slots_bytes, **long_prompts))
         if args.decode_tokens:  # short prompts, a slot per client (the long-prompt engines hold two slots each)
-            build("decode", EngineConfig(chunk_size=CHUNK, l0_bytes=0, max_prompt_tokens=1024,
+            build("decode", EngineConfig(chunk_size=CHUNK, l0_bytes=0, max_prompt_tokens=1024, **invariant,
                                          max_new_tokens_limit=args.decode_tokens, max_running_requests=args.clients,
                                          kv_cache_bytes=(args.clients + 9) * (1024 + args.decode_tokens + 2) * kv_per_token))
         if cuda:  # the host tier is CUDA's only; sized to hold the longest prompt

@@ -10,7 +10,12 @@
 #   exactness   bench_exactness.py: bf16 cached vs uncached, bitwise, over lengths, tiers and prefill pieces  120 s
 #   pytest      pytest -m gpu (tests/gpu, the K/V kernels, the graph step)                                  120 s
 #   decode      bench_gpu.py at 512 tokens: decode one stream and 16 rows, the peer (transformers' CB)       120 s
-#   invariant   bench_exactness.py --invariant-prefill                                                      150 s
+#   invariant   bench_exactness.py --invariant-prefill: bitwise and TTFT (its cost) at 100..32k                150 s
+#   invariant4  the same in prefill forwards of 4 chunks (--invariant-piece-chunks 4)                       150 s
+#   sweep       bench_invariant_sweep.py: 64 prompts x {uncached, daemon, L0, host tier} x {alone, batched
+#               with 7 unrelated requests}, the invariant path (prefill and decode step), bitwise              180 s
+#   invcost     bench_gpu.py --invariant-prefill at 512/2k/32k with decode: TTFT, 16-row decode against the
+#               variant path's figures of the ttft and decode parts (the default's cost, issue 55 item 3)  240 s
 #   compile     bench_compile_step.py: the compiled layer loop under the graphs against the graphs alone   150 s
 #   bench       bench_gpu.py --service-defaults --peer-cb: the whole former run (TTFT, stages, decode)      300 s
 # Default PARTS: "ttft overhead exactness pytest" (540 s: with the install and the machine's start, inside a 15-minute
@@ -23,7 +28,7 @@ out=${OUT:-/tmp/kvboost-gpu}
 parts=${PARTS:-ttft overhead exactness pytest}
 budget=${BUDGET_S:-540}
 declare -A timeouts=([ttft]=240 [overhead]=60 [exactness]=120 [pytest]=120 [decode]=120 [invariant]=150 [compile]=150
-                     [bench]=300)
+                     [bench]=300 [invariant4]=150 [sweep]=180 [invcost]=240)
 command_of() {  # the part's command line (its output goes to $out/<part>.log)
   case $1 in
     ttft) echo "python3 bench/bench_gpu.py --service-defaults --decode-tokens 0 --stage-runs 3 --grpc-length 2048 --json $out/ttft.json $EXTRA" ;;
@@ -32,6 +37,9 @@ command_of() {  # the part's command line (its output goes to $out/<part>.log)
     pytest) echo "python3 -m pytest -q -m gpu tests/gpu tests/inference_service/kv tests/inference_service/model/test_graph_step.py -p no:cacheprovider" ;;
     decode) echo "python3 bench/bench_gpu.py --lengths 512 --runs 1 --stage-runs 0 --grpc-length 0 --peer-cb --json $out/decode.json $EXTRA" ;;
     invariant) echo "python3 bench/bench_exactness.py --invariant-prefill --json $out/exactness_invariant.json" ;;
+    invariant4) echo "python3 bench/bench_exactness.py --invariant-prefill --invariant-piece-chunks 4 --json $out/exactness_invariant4.json" ;;
+    sweep) echo "python3 bench/bench_invariant_sweep.py --prompts 64 --json $out/sweep.json" ;;
+    invcost) echo "python3 bench/bench_gpu.py --invariant-prefill --lengths 512 2048 32768 --runs 3 --stage-runs 0 --grpc-length 0 --json $out/invcost.json $EXTRA" ;;
     compile) echo "python3 bench/bench_compile_step.py --context 512 --rows 1 16 --compile-limit-s ${COMPILE_LIMIT:-60} --budget-s ${COMPILE_BUDGET:-60} --json $out/compile.json" ;;
     bench) echo "python3 bench/bench_gpu.py --service-defaults --peer-cb --json $out/bench_gpu.json $EXTRA" ;;
   esac

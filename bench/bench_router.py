@@ -283,7 +283,10 @@ def start_vllm_stack(stack: ExitStack, workdir: Path, model: str, num_replicas: 
                for _ in range(num_replicas)]
     pairs = start_replicas(stack, workdir, model, num_replicas, budget, chunk_size, l2_url,
                            lambda index: ("--kv-events-endpoint", sockets[index][0],
-                                          "--kv-events-replay-endpoint", sockets[index][1]))
+                                          "--kv-events-replay-endpoint", sockets[index][1],
+                                          # L0 advertises; sized as L1 so it holds about what the daemon does
+                                          # (L0's chunks are placed only while the daemon's Lookup confirms them)
+                                          "--l0-bytes", str(budget)))
     sources = []
     for index, (service, _) in enumerate(pairs):
         gateway = launch_gateway(service, pick_free_port(), workdir / f"gateway-{index}.log",

@@ -100,7 +100,9 @@ def choose_runner(model, buffers: SlotBuffers, asked: str = DEFAULT_DECODE_STEP,
     step = None if reason else LeanStep(model)
     reason = reason or probe_mismatch(model, step)
     if reason:
-        logger.warning("decode step %s is off for this model, each step runs transformers' forward: %s", asked, reason)
+        logger.warning("decode step %s is off for this model, each step runs transformers' forward%s: %s", asked,
+                       " (so invariant decode is off too: a row's tokens may round with the rows beside it)"
+                       if invariant else "", reason)
         return StepRunner(buffers, ModelStep(model), name="transformers", reason=reason)
     logger.info("decode step: lean (bitwise the model's forward%s)", "; scripted layers" if step.scripted else "")
     suffix = ""

@@ -137,14 +137,22 @@ def replicas(tmp_path_factory):
                     process.terminate()
 
 
+@pytest.fixture(scope="module")
+def router(replicas, tmp_path_factory):
+    """One kv_aware router for the module, subscribed from the start (a new one first replays each replica's whole
+    history, after the first batch it sees)."""
+    router = start_router(replicas, tmp_path_factory.mktemp("router"))
+    yield router
+    router.terminate()
+
+
 def start_router(replicas: list[Replica], folder: Path, policy: str = "kv_aware") -> ChildProcess:
     return start_vllm_router([replica.events for replica in replicas], folder / f"router-{policy}.log", policy,
                              BLOCK_SIZE)
 
 
-def test_kv_aware_routing_follows_the_cache_and_a_blind_policy_does_not(replicas, tmp_path):
+def test_kv_aware_routing_follows_the_cache_and_a_blind_policy_does_not(replicas, router, tmp_path):
     rng = random.Random(56)
-    router = start_router(replicas, tmp_path)
     blind = start_router(replicas, tmp_path, policy="round_robin")
     stuck = zmq.Context.instance().socket(zmq.SUB)  # a second subscriber of replica 0 that never reads
     stuck.setsockopt(zmq.RCVHWM, 1)
@@ -158,21 +166,27 @@ def test_kv_aware_routing_follows_the_cache_and_a_blind_policy_does_not(replicas
         assert share_routed_to_owner(blind, replicas, negative) < 0.95  # the same check fails without the events
     finally:
         stuck.close(0)
-        router.terminate()
         blind.terminate()
 
 
 def test_a_restarted_router_catches_up_by_replay(replicas, tmp_path):
     rng = random.Random(57)
+    # While no router listens (their events are only in the replicas' rings): probe documents, one pair for each
+    # try of the catch-up check (a probe asked on the wrong replica is spoilt: that replica then holds it too), then
+    # the documents checked once it caught up.
+    probed = [(document(rng), owner) for _ in range(4) for owner in (0, 1)]
     documents = [(document(rng), owner) for owner in (0, 1, 1, 0)]
-    for text, owner in documents:  # no router is listening: these events are only in the replicas' rings
+    for text, owner in probed + documents:
         replicas[owner].ask(text)
+    probes = iter(zip(probed[::2], probed[1::2]))
     router = start_router(replicas, tmp_path)
     try:
         def caught_up() -> bool:
-            for replica in replicas:  # one new batch each: the router sees the gap and asks for the rest
-                replica.ask(document(rng))
-            return all(routed(router, replicas, text + QUESTION)[0] == owner for text, owner in documents)
+            for replica in replicas:  # one new batch each (a block): the router sees the gap and asks for the rest
+                replica.ask(f"A short note {rng.random()} for the stream.")
+            pair = next(probes, None)
+            assert pair is not None, "the router did not catch up within four tries"
+            return all(routed(router, replicas, text + QUESTION)[0] == owner for text, owner in pair)
 
         wait_for(caught_up, "the router to replay what it missed", timeout_s=20, interval_s=0.2)
         for text, owner in documents:
@@ -183,38 +197,30 @@ def test_a_restarted_router_catches_up_by_replay(replicas, tmp_path):
 
 
 @pytest.mark.parametrize("crash", [False, True], ids=["sigterm", "sigkill"])
-def test_a_restarted_replica_is_purged_then_routed_to_again(replicas, tmp_path, crash):
+def test_a_restarted_replica_is_purged_then_routed_to_again(replicas, router, crash):
     rng = random.Random(58 + crash)
-    router = start_router(replicas, tmp_path)
-    try:
-        before_restart = document(rng)
-        replicas[0].ask(before_restart)
-        assert routed(router, replicas, before_restart + QUESTION)[0] == 0
-        replicas[0].restart_service(crash)  # its L0 is empty
-        replicas[0].ask(document(rng))  # after a crash, its first batch (sequence 0) tells the router
-        # The router forgot replica 0's old blocks: half the document on replica 1 now outweighs them
-        replicas[1].ask(before_restart[: DOCUMENT_TOKENS // 2])
-        wait_for(lambda: routed(router, replicas, before_restart + QUESTION)[0] == 1,
-                 "the router to purge the restarted replica's blocks", timeout_s=20, interval_s=0.2)
-        fresh = [(document(rng), 0) for _ in range(3)]
-        assert share_routed_to_owner(router, replicas, fresh) == 1.0
-    finally:
-        router.terminate()
+    before_restart = document(rng)
+    replicas[0].ask(before_restart)
+    assert routed(router, replicas, before_restart + QUESTION)[0] == 0
+    replicas[0].restart_service(crash)  # its L0 is empty
+    replicas[0].ask(document(rng))  # after a crash, its first batch (sequence 0) tells the router
+    # The router forgot replica 0's old blocks: half the document on replica 1 now outweighs them
+    replicas[1].ask(before_restart[: DOCUMENT_TOKENS // 2])
+    wait_for(lambda: routed(router, replicas, before_restart + QUESTION)[0] == 1,
+             "the router to purge the restarted replica's blocks", timeout_s=20, interval_s=0.2)
+    fresh = [(document(rng), 0) for _ in range(3)]
+    assert share_routed_to_owner(router, replicas, fresh) == 1.0
 
 
-def test_an_evicted_document_stops_attracting_requests(replicas, tmp_path):
+def test_an_evicted_document_stops_attracting_requests(replicas, router):
     rng = random.Random(59)
-    router = start_router(replicas, tmp_path)
-    try:
-        evicted = document(rng)
-        replicas[0].ask(evicted)
-        for _ in range(L0_BYTES // (DOCUMENT_TOKENS * BYTES_PER_TOKEN) + 2):  # more than L0 holds, each hit once
-            replicas[0].ask(document(rng))
-        kept = document(rng)
-        replicas[0].ask(kept)
-        for text in (evicted, kept):  # replica 1 holds the first half of each
-            replicas[1].ask(text[: DOCUMENT_TOKENS // 2])
-        assert routed(router, replicas, kept + QUESTION)[0] == 0  # the whole document beats half of it ...
-        assert routed(router, replicas, evicted + QUESTION)[0] == 1  # ... until replica 0's L0 lets it go
-    finally:
-        router.terminate()
+    evicted = document(rng)
+    replicas[0].ask(evicted)
+    for _ in range(L0_BYTES // (DOCUMENT_TOKENS * BYTES_PER_TOKEN) + 2):  # more than L0 holds, each hit once
+        replicas[0].ask(document(rng))
+    kept = document(rng)
+    replicas[0].ask(kept)
+    for text in (evicted, kept):  # replica 1 holds the first half of each
+        replicas[1].ask(text[: DOCUMENT_TOKENS // 2])
+    assert routed(router, replicas, kept + QUESTION)[0] == 0  # the whole document beats half of it ...
+    assert routed(router, replicas, evicted + QUESTION)[0] == 1  # ... until replica 0's L0 lets it go

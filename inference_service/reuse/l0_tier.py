@@ -12,7 +12,7 @@ import torch
 
 from inference_service.reuse.l0_eviction import DEFAULT_HALF_LIFE_S, L0Entry, plan_admission, record_hit
 from inference_service.store.protocol import ChunkStore, NullStore
-from kvboost_common.kv_events.sink import ChunkListener
+from kvboost_common.kv_events.sink import KvEventSink
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ class L0Tier:
         # The host tier, when there is one: L0's evicted chunks go there. L0 still counts only its own chunks as held
         # (a chunk whose parent is only in the host tier is an orphan here), so L0 keeps a prefix's head.
         self.spill: Spill | None = None
-        # Told of every chunk that enters or leaves, under the lock, so the order it hears is the tier's: the KV-event
-        # publisher (kvboost_common/kv_events), which only queues.
-        self.listener: ChunkListener | None = None
+        # Told of every chunk that enters or leaves, under the lock, so the order it hears is the tier's, and of each
+        # planned prompt's chunk tokens (request/planning.py): the KV-event publisher (kvboost_common/kv_events).
+        self.listener: KvEventSink | None = None
 
     def __len__(self) -> int:
         return len(self._kv)

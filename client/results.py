@@ -181,7 +181,7 @@ class ServiceStats(_FromProto):
     tokenizer_cache_misses: int = 0
     tokenizer_cache_hit_tokens: int = 0
     tokenizer_cache_bytes: int = 0
-    step_loop_lookups: int = 0  # Lookups the step loop asked itself (the one asked at submission was out of date)
+    step_loop_lookups: int = 0  # Lookups the step loop asked itself (none at submission, or out of date)
 
 
 @dataclass(slots=True, frozen=True)

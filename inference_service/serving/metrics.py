@@ -33,7 +33,7 @@ COUNTERS = {
     "guard_fallbacks": ("kvboost_engine_guard_fallbacks",
                         "requests the fidelity guard sent to full recompute of their content hits"),
     "step_loop_lookups": ("kvboost_engine_step_loop_lookups",
-                          "Lookups the step loop asked itself (the one asked at submission was out of date)"),
+                          "Lookups the step loop asked itself (none asked at submission, as for a batch call, or out of date)"),
     "load_bytes": ("kvboost_engine_load_bytes", "K/V bytes placed from the cache (L0 and the daemon) into slots"),
     "load_seconds": ("kvboost_engine_load_seconds", "seconds from each request's Lookup to its last chunk in place"),
     "l0_chunks_hit": ("kvboost_engine_l0_chunks_hit", "whole chunks placed from L0, the service's own tier"),

@@ -42,10 +42,11 @@ LIVE_CAUSAL = torch.empty((1, 1, 0, 0), dtype=torch.bool)
 _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def live_causal_mask(model, token_ids: torch.Tensor, start: int, has_sliding_layers: bool) -> torch.Tensor | None:
+def live_causal_mask(model, token_ids: torch.Tensor, start: int, other_layer_kinds: bool) -> torch.Tensor | None:
     """LIVE_CAUSAL for a prefill of token_ids after `start` cached positions that live_causal_attention can run (the
-    engine's attention on the CPU in float32, every layer full attention); None: transformers builds the mask."""
-    if (start == 0 or token_ids.shape[-1] < 2 or token_ids.device.type != "cpu" or has_sliding_layers
+    engine's attention on the CPU in float32, every layer full attention: other_layer_kinds False); None:
+    transformers builds the mask."""
+    if (start == 0 or token_ids.shape[-1] < 2 or token_ids.device.type != "cpu" or other_layer_kinds
             or _FLASH_WITH_LSE is None or model.dtype != torch.float32
             or getattr(model.config, "_attn_implementation", None) != ENGINE_ATTENTION):
         return None

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from inference_service.model.attention import engine_call_kwargs, live_causal_mask
-from inference_service.model.kv_buffers import LayerKV
+from inference_service.model.kv_buffers import LayerKV, PreallocatedLayer
 
 
 def prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, LayerKV]:
@@ -44,7 +44,7 @@ def _prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int,
         layer.activate_past_recording()
     position_ids = torch.arange(start, start + num_tokens, device=token_ids.device).unsqueeze(0)
     output = model(input_ids=token_ids.unsqueeze(0), position_ids=position_ids, past_key_values=cache,
-                   attention_mask=live_causal_mask(model, token_ids, start, bool(sliding)), use_cache=True,
+                   attention_mask=live_causal_mask(model, token_ids, start, not _all_full_attention(cache)), use_cache=True,
                    logits_to_keep=logits_to_keep, **engine_call_kwargs())
     new_kv = [(layer.keys[:, :, -num_tokens:], layer.values[:, :, -num_tokens:]) for layer in cache.layers]
     for layer in sliding:
@@ -52,6 +52,12 @@ def _prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int,
         layer.keys = layer.keys[:, :, -layer.sliding_window + 1 :]
         layer.values = layer.values[:, :, -layer.sliding_window + 1 :]
     return output.logits[0].float(), new_kv  # [kept tokens, vocab]
+
+
+def _all_full_attention(cache: DynamicCache) -> bool:
+    """Every layer is plain full attention over the slot's buffers (build_cache's; any other kind, sliding window or
+    chunked, keeps its own type and its own mask)."""
+    return all(type(layer) is PreallocatedLayer for layer in cache.layers)
 
 
 @torch.inference_mode()

@@ -39,10 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.gpu_model import CHUNK, QUESTION_WORDS, SHAPES, log, random_model, word_tokenizer, words  # noqa: E402
+from bench.gpu_model import (CHUNK, QUESTION_WORDS, SHAPES, colocated_daemon, log, random_model,  # noqa: E402
+                             tier_engines, word_tokenizer, words)
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
-from inference_service.store.colocated import ColocatedStore  # noqa: E402
-from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions  # noqa: E402
 
 PATHS = ("uncached", "daemon", "l0-fill", "l0", "host-fill", "host")
 EXPECTED_TIER = {"daemon": "daemon", "l0": "l0", "host": "host"}  # where a path's K/V must come from (tier_loads)
@@ -232,18 +231,8 @@ def build_engines(model, tokenizer, store, stack: ExitStack, args, longest: int,
         configs["host"] = EngineConfig(l0_bytes=0, host_tier_bytes=tier_bytes, **common)
     else:
         log("host tier: skipped (this engine's EngineConfig has no host_tier_bytes)")
-    engines = {}
-    for name, config in configs.items():
-        try:
-            engines[name] = Engine(model, tokenizer, config, store, model_id=f"random-{args.shape}",
-                                   weights_id=f"kvboost-bench-random-{args.shape}-{args.dtype}-seed0")
-        except Exception as error:
-            if name != "host":
-                raise
-            log(f"host tier: skipped, its engine failed to start: {type(error).__name__}: {error}")
-            continue
-        stack.callback(engines[name].close)
-    return engines
+    return tier_engines(model, tokenizer, configs, store, stack, f"random-{args.shape}",
+                        f"kvboost-bench-random-{args.shape}-{args.dtype}-seed0")
 
 
 def summarize(rows: list[dict], generated: list[dict]) -> dict:
@@ -289,9 +278,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda needs a CUDA GPU; use --device cpu --shape tiny for a dry run")
     if min(args.lengths) <= QUESTION_WORDS + 1:
         parser.error(f"--lengths must exceed {QUESTION_WORDS + 1} (the question's tokens)")
-    from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
-
     started = time.perf_counter()
     results: dict = {"shape": args.shape, "dtype": args.dtype, "invariant_prefill": args.invariant_prefill,
                      "invariant_piece_chunks": args.invariant_piece_chunks, "lengths": args.lengths, "pieces": args.pieces,
@@ -308,11 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * \
             (config.hidden_size // config.num_attention_heads) * model.dtype.itemsize
         store_gb = int(kv_per_token * sum(args.lengths) * len(args.pieces) * 1.3 / 1e9) + 2
-        daemon = start_daemon(workdir / "lmdb", pick_free_port(), "--max-bytes", f"{store_gb}G", timeout_s=60)
-        stack.callback(daemon.terminate)
-        store = ColocatedStore(GrpcChunkStore(GrpcStoreOptions(address=daemon.address)), "on")
-        stack.callback(store.close)
-        store.check()
+        store = colocated_daemon(stack, workdir, store_gb)
         engines = build_engines(model, tokenizer, store, stack, args, longest, kv_per_token)
         sizes = {name: pieces_of(engine) for name, engine in engines.items()}
         log(f"engines ready ({', '.join(engines)}; decode step {engines['daemon'].stats().get('decode_step')}) "

@@ -33,10 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.gpu_model import CHUNK, QUESTION_WORDS, SHAPES, log, random_model, word_tokenizer, words  # noqa: E402
+from bench.gpu_model import (CHUNK, QUESTION_WORDS, SHAPES, colocated_daemon, log, random_model,  # noqa: E402
+                             tier_engines, word_tokenizer, words)
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
-from inference_service.store.colocated import ColocatedStore  # noqa: E402
-from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions  # noqa: E402
 
 Answer = tuple[list[int], torch.Tensor]  # greedy tokens, the first token's logits [vocab] float32 on the CPU
 
@@ -80,18 +79,8 @@ def build_engines(model, tokenizer, store, stack: ExitStack, args, longest: int)
     tier_bytes = 4 << 30
     configs = {"daemon": dict(l0_bytes=0), "l0": dict(l0_bytes=tier_bytes), "host": dict(l0_bytes=0,
                                                                                       host_tier_bytes=tier_bytes)}
-    engines = {}
-    for name, config in configs.items():
-        try:
-            engines[name] = Engine(model, tokenizer, EngineConfig(**common, **config), store,
-                                   model_id=f"random-{args.shape}", weights_id=f"kvboost-sweep-{args.shape}-{args.dtype}")
-        except Exception as error:  # the host tier needs pinnable memory; its absence ends that path only
-            if name != "host":
-                raise
-            log(f"host tier: skipped, its engine failed to start: {type(error).__name__}: {error}")
-            continue
-        stack.callback(engines[name].close)
-    return engines
+    return tier_engines(model, tokenizer, {name: EngineConfig(**common, **config) for name, config in configs.items()},
+                        store, stack, f"random-{args.shape}", f"kvboost-sweep-{args.shape}-{args.dtype}")
 
 
 def sweep(engines: dict[str, Engine], prompts: list[tuple[str, str]], args) -> Counter:
@@ -144,9 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda needs a CUDA GPU; use --device cpu --shape tiny on a CPU")
     if args.words[0] <= QUESTION_WORDS + 1 or args.words[1] < args.words[0]:
         parser.error(f"--words needs {QUESTION_WORDS + 1} < MIN <= MAX")
-    from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
-
     started = time.perf_counter()
     draw = random.Random(args.seed)
     with ExitStack() as stack:
@@ -160,11 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         for index in range(args.prompts):
             document = words(draw.randint(*args.words) - QUESTION_WORDS, seed=1000 + index, vocab_size=vocab)
             prompts.append((document, document + " " + words(QUESTION_WORDS, seed=5000 + index, vocab_size=vocab)))
-        daemon = start_daemon(workdir / "lmdb", pick_free_port(), "--max-bytes", "64G", timeout_s=60)
-        stack.callback(daemon.terminate)
-        store = ColocatedStore(GrpcChunkStore(GrpcStoreOptions(address=daemon.address)), "on")
-        stack.callback(store.close)
-        store.check()
+        store = colocated_daemon(stack, workdir, 64)
         engines = build_engines(model, tokenizer, store, stack, args, longest)
         log(f"engines ready ({', '.join(engines)}; decode step {engines['daemon'].stats()['decode_step']}); "
             f"{args.prompts} prompts of {args.words[0]}-{args.words[1]} tokens, batches of {args.batch}")

@@ -59,3 +59,37 @@ def random_model(shape: str, device: str, dtype: torch.dtype, max_context: int):
 def words(count: int, seed: int, vocab_size: int) -> str:
     generator = torch.Generator().manual_seed(seed)
     return " ".join(f"w{i}" for i in torch.randint(2, vocab_size, (count,), generator=generator).tolist())
+
+
+def colocated_daemon(stack, workdir, max_gb: int):
+    """A cache daemon on a free loopback port over workdir/lmdb, read co-located (its map mapped), both closed with
+    the ExitStack; returns the store."""
+    from inference_service.store.colocated import ColocatedStore
+    from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions
+    from tests.conftest import pick_free_port
+    from tests.e2e.daemon_process import start_daemon
+
+    daemon = start_daemon(workdir / "lmdb", pick_free_port(), "--max-bytes", f"{max_gb}G", timeout_s=60)
+    stack.callback(daemon.terminate)
+    store = ColocatedStore(GrpcChunkStore(GrpcStoreOptions(address=daemon.address)), "on")
+    stack.callback(store.close)
+    store.check()
+    return store
+
+
+def tier_engines(model, tokenizer, configs: dict, store, stack, model_id: str, weights_id: str) -> dict:
+    """An Engine per named EngineConfig over one store, each closed with the ExitStack. The "host" engine's failure
+    to start (pinned memory refused, say) ends that path only, and says so."""
+    from inference_service.engine.engine import Engine
+
+    engines = {}
+    for name, config in configs.items():
+        try:
+            engines[name] = Engine(model, tokenizer, config, store, model_id=model_id, weights_id=weights_id)
+        except Exception as error:
+            if name != "host":
+                raise
+            log(f"host tier: skipped, its engine failed to start: {type(error).__name__}: {error}")
+            continue
+        stack.callback(engines[name].close)
+    return engines

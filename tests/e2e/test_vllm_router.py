@@ -7,6 +7,7 @@ requests."""
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ BYTES_PER_TOKEN = 512  # the tiny llama's K/V in fp32 (2 layers)
 L0_BYTES = 8 * DOCUMENT_TOKENS * BYTES_PER_TOKEN  # about eight documents
 QUESTION = " Question: what does it say?"
 MIN_REUSE = 0.9
+TRIES = 6  # probe documents for a check that waits on the router (each try spends its own)
 API_KEY = "router-test-key"
 
 
@@ -173,22 +175,23 @@ def test_a_restarted_router_catches_up_by_replay(replicas, tmp_path):
     rng = random.Random(57)
     # While no router listens (their events are only in the replicas' rings): probe documents, one pair for each
     # try of the catch-up check (a probe asked on the wrong replica is spoilt: that replica then holds it too), then
-    # the documents checked once it caught up.
-    probed = [(document(rng), owner) for _ in range(4) for owner in (0, 1)]
+    # the documents checked once it caught up (warmed last: L0 lets the oldest go first).
+    probed = [(document(rng), owner) for _ in range(TRIES) for owner in (0, 1)]
     documents = [(document(rng), owner) for owner in (0, 1, 1, 0)]
     for text, owner in probed + documents:
         replicas[owner].ask(text)
-    probes = iter(zip(probed[::2], probed[1::2]))
+    pairs = iter(reversed(list(zip(probed[::2], probed[1::2]))))  # the newest first
     router = start_router(replicas, tmp_path)
     try:
         def caught_up() -> bool:
             for replica in replicas:  # one new batch each (a block): the router sees the gap and asks for the rest
                 replica.ask(f"A short note {rng.random()} for the stream.")
-            pair = next(probes, None)
-            assert pair is not None, "the router did not catch up within four tries"
+            time.sleep(0.3)  # the replay's batches are on their way
+            pair = next(pairs, None)
+            assert pair is not None, f"the router did not catch up within {TRIES} tries"
             return all(routed(router, replicas, text + QUESTION)[0] == owner for text, owner in pair)
 
-        wait_for(caught_up, "the router to replay what it missed", timeout_s=20, interval_s=0.2)
+        wait_for(caught_up, "the router to replay what it missed", timeout_s=60, interval_s=0.2)
         for text, owner in documents:
             index, reuse = routed(router, replicas, text + QUESTION)
             assert index == owner and reuse >= MIN_REUSE
@@ -199,15 +202,24 @@ def test_a_restarted_router_catches_up_by_replay(replicas, tmp_path):
 @pytest.mark.parametrize("crash", [False, True], ids=["sigterm", "sigkill"])
 def test_a_restarted_replica_is_purged_then_routed_to_again(replicas, router, crash):
     rng = random.Random(58 + crash)
-    before_restart = document(rng)
-    replicas[0].ask(before_restart)
-    assert routed(router, replicas, before_restart + QUESTION)[0] == 0
+    probes = [document(rng) for _ in range(TRIES)]  # on replica 0 before the restart; one per try afterwards
+    for probe in probes:
+        replicas[0].ask(probe)
+    assert routed(router, replicas, probes[-1] + QUESTION)[0] == 0
     replicas[0].restart_service(crash)  # its L0 is empty
-    replicas[0].ask(document(rng))  # after a crash, its first batch (sequence 0) tells the router
-    # The router forgot replica 0's old blocks: half the document on replica 1 now outweighs them
-    replicas[1].ask(before_restart[: DOCUMENT_TOKENS // 2])
-    wait_for(lambda: routed(router, replicas, before_restart + QUESTION)[0] == 1,
-             "the router to purge the restarted replica's blocks", timeout_s=20, interval_s=0.2)
+    for _ in range(5):  # after a crash, its new batches (from sequence 0) tell the router, once it has reconnected
+        replicas[0].ask(f"A short note {rng.random()} for the stream.")
+        time.sleep(0.1)
+
+    def purged() -> bool:
+        # Half of a probe on replica 1 outweighs the whole of it on replica 0, once the router forgot replica 0's
+        # old blocks (a probe asked on replica 0 is spoilt: it then holds it again)
+        probe = probes.pop()
+        replicas[1].ask(probe[: DOCUMENT_TOKENS // 2])
+        return routed(router, replicas, probe + QUESTION)[0] == 1
+
+    wait_for(lambda: bool(probes) and purged(), "the router to purge the restarted replica's blocks", timeout_s=60,
+             interval_s=0.3)
     fresh = [(document(rng), 0) for _ in range(3)]
     assert share_routed_to_owner(router, replicas, fresh) == 1.0
 

@@ -19,100 +19,19 @@ import logging
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from inference_service.store.colocated import ColocatedStore
-from inference_service.store.grpc_store import GrpcStoreOptions, GrpcChunkStore
-from inference_service.store.protocol import ChunkStore, NullStore
 from inference_service.serving.config import ServiceConfig, parse_config
 from inference_service.errors import UnsupportedArchitecture
-from kvboost_common import catalogue
 from kvboost_common.catalogue import CatalogueError
 from inference_service.serving.kv_events import start_kv_events
 from inference_service.serving.server import build_server
+from inference_service.serving.startup import SHUTDOWN_GRACE_S, WRITE_BACK_FLUSH_S, load_engine, make_store
 from inference_service.model.threads import confine_to_this_thread
 
+__all__ = ["SHUTDOWN_GRACE_S", "WRITE_BACK_FLUSH_S", "load_engine", "main", "make_store", "serve"]
+
 logger = logging.getLogger("inference_service")
-
-SHUTDOWN_GRACE_S = 5.0
-WRITE_BACK_FLUSH_S = 10.0
-
-
-def make_store(config: ServiceConfig) -> ChunkStore:
-    """The daemon client, or a store that holds nothing when no daemon address is configured."""
-    if not config.cache_addr:
-        logger.warning("no --cache-addr: every request runs without the cache")
-        return NullStore()
-    roots = Path(config.cache_tls_ca).read_bytes() if config.cache_tls_ca else None
-    remote = GrpcChunkStore(GrpcStoreOptions(
-        address=config.cache_addr,
-        auth_token=config.cache_auth_token(),
-        tls=config.cache_tls or roots is not None,
-        tls_root_certificates=roots,
-        rpc_timeout_s=config.cache_timeout_s,
-        fetch_timeout_s=config.cache_stream_timeout_s,
-        store_timeout_s=config.cache_stream_timeout_s,
-        reconnect_interval_s=config.cache_timeout_s,
-    ))
-    return remote if config.cache_local_read == "off" else ColocatedStore(remote, config.cache_local_read)
-
-
-def load_engine(config: ServiceConfig, store: ChunkStore) -> Any:
-    """Checks the architecture from the config, then loads the weights (slow: runs off the event loop)."""
-    from inference_service.engine.engine import Engine, EngineConfig  # torch and transformers load here
-    from inference_service.model.loading import load_model, set_threads
-
-    set_threads(config.threads)
-    loaded = load_model(config.model, device=_auto(config.device), dtype=_auto(config.dtype), strict=config.strict)
-    engine_config = EngineConfig(
-        chunk_size=config.chunk_size,
-        kv_cache_bits=config.kv_cache_bits,
-        tenant_salt=config.tenant_salt,
-        max_new_tokens_limit=config.max_new_tokens,
-        max_prompt_tokens=config.max_prompt_tokens or None,
-        default_mode=config.default_mode,
-        default_recompute_strategy=config.recompute_strategy,
-        recompute_ratio=config.recompute_ratio,
-        selective_tokens=config.selective_tokens,
-        sink_tokens=config.sink_tokens,
-        overlap_tokens=config.overlap_tokens,
-        guard_threshold=_guard_threshold(config.guard_threshold, loaded.weights_id),
-        kv_group_size=config.kv_group_size,
-        kv_keys_before_rope=config.kv_keys_before_rope,
-        max_running_requests=config.max_running_requests,
-        kv_cache_bytes=config.kv_cache_bytes,
-        max_store_stream_bytes=config.cache_max_stream_bytes,
-        l0_bytes=config.l0_bytes,
-        host_tier_bytes=config.host_tier_bytes,
-        recompute_when_faster={"auto": None, "on": True, "off": False}[config.recompute_when_faster],
-        tokenizer_cache_bytes=config.tokenizer_cache_bytes,
-        invariant_prefill=config.invariant_prefill,
-        invariant_piece_chunks=config.invariant_piece_chunks,
-        invariant_decode={"auto": None, "on": True, "off": False}[config.invariant_decode],
-        max_prefill_tokens=config.max_prefill_tokens,
-        max_queue=config.max_queue,
-        max_answer_tokens_stored=config.max_answer_tokens_stored,
-        decode_step=config.decode_step,
-    )
-    if isinstance(store, (GrpcChunkStore, ColocatedStore)) and store.check():
-        logger.info("cache daemon at %s answers", store.address)
-    return Engine(loaded.model, loaded.tokenizer, engine_config, store, model_id=loaded.model_id,
-                  weights_id=loaded.weights_id)
-
-
-def _guard_threshold(given: float | None, weights_id: str) -> float:
-    """--fidelity-guard as given, else the threshold tuned for these weights (the catalogue's), else the default."""
-    if given is not None:
-        logger.info("fidelity guard %g (--fidelity-guard)", given)
-        return given
-    threshold, source = catalogue.guard_threshold_for(weights_id)
-    logger.info("fidelity guard %g (%s; --fidelity-guard sets another, 0 turns it off)", threshold, source)
-    return threshold
-
-
-def _auto(value: str) -> str | None:
-    return None if value == "auto" else value
 
 
 async def serve(config: ServiceConfig) -> int:

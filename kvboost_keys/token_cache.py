@@ -26,6 +26,9 @@ from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
+# Token ids kept by default (4 bytes a token), by the service (--tokenizer-cache-bytes) and the router alike.
+DEFAULT_TOKEN_CACHE_BYTES = 64 << 20
+
 # Pieces shorter than this are tokenized every time (in one batch call): a cache entry would cost more than it saves.
 MIN_CACHED_CHARS = 256
 _ENTRY_OVERHEAD_BYTES = 240  # the key, the array object and the LRU's link, per entry (measured ~220)

@@ -41,11 +41,11 @@ import uvicorn  # noqa: E402
 
 from http_gateway.app import build_app  # noqa: E402
 from http_gateway.config import GatewayConfig, parse_config as parse_gateway_config  # noqa: E402
-from inference_service.__main__ import SHUTDOWN_GRACE_S, WRITE_BACK_FLUSH_S, load_engine, make_store  # noqa: E402
 from inference_service.model.threads import confine_to_this_thread  # noqa: E402
 from inference_service.serving.config import ServiceConfig, parse_config as parse_service_config  # noqa: E402
 from inference_service.serving.server import build_server  # noqa: E402
 from inference_service.serving.kv_events import start_kv_events  # noqa: E402
+from inference_service.serving.startup import SHUTDOWN_GRACE_S, WRITE_BACK_FLUSH_S, load_engine, make_store  # noqa: E402
 from kvboost_server.in_process import InProcessUpstream  # noqa: E402
 
 logger = logging.getLogger("kvboost_server")

@@ -7,7 +7,7 @@ import logging
 from kvboost.v1 import inference_pb2 as pb
 from kvboost_keys.namespace import salted_namespace
 from kvboost_keys.prompts import PromptPlan, plan_prompt, tokenize_request, tokenize_warm
-from kvboost_keys.token_cache import TokenCache, token_cache_for
+from kvboost_keys.token_cache import DEFAULT_TOKEN_CACHE_BYTES, TokenCache, token_cache_for
 from router.model_identity import ModelIdentity
 
 logger = logging.getLogger(__name__)
@@ -18,7 +18,7 @@ class RequestKeys:
     request's cache_salt exactly as the service salts it (the service's own --tenant-salt is already in the
     namespace its ModelInfo reports)."""
 
-    def __init__(self, tokenizer, identity: ModelIdentity, token_cache_bytes: int = 64 << 20) -> None:
+    def __init__(self, tokenizer, identity: ModelIdentity, token_cache_bytes: int = DEFAULT_TOKEN_CACHE_BYTES) -> None:
         self.tokenizer = tokenizer
         self.identity = identity
         # Long pieces of prompt text seen before are not tokenized again (the service's cache, the same ids).

@@ -1,18 +1,24 @@
 """docs/configuration.md against the real argument parsers: every flag a process takes is in that process's
 section, no section lists a flag its process does not take (a misplaced, removed or misspelt one), and each row
-names the environment variable the flag's own help names."""
+names the environment variable the flag's own help names. The engine's flags, variables and rows are generated from
+EngineConfig's fields: a field added there is all three, with no other edit."""
 from __future__ import annotations
 
 import argparse
 import ast
 import re
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
 
 from cache_daemon.config import build_parser as cache_daemon_parser
 from http_gateway.config import build_parser as gateway_parser
+from inference_service.config import AUTO, SAME, EngineConfig, FieldError, knob, knob_of
 from inference_service.serving.config import build_parser as service_parser
+from inference_service.serving.engine_flags import (add_engine_flags, doc_block, doc_rows, engine_config_from_args,
+                                                    generated_block)
+from kvboost_common.env_defaults import env_default_reader
 from router.config import build_parser as router_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,3 +160,79 @@ def test_the_check_fails_on_a_missing_and_a_misplaced_flag():
     assert missing_and_misplaced(doc, parser) == (["--listen"], ["--store-deadline"])
     assert wrong_env_names(doc + ["| `--listen` | `KVBOOST_LISTEN` |"], parser) == ["--no-keys: KVBOOST_KEYS"]
     assert split_tables(["| a |", "|---|", "| `--x` |", "", "text", "| `--y` | 1 |"]) == ["| `--y` | 1 |"]
+
+
+# ---- the engine's configuration, declared once ---------------------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class WiderEngineConfig(EngineConfig):
+    """EngineConfig with three fields more, declared as any field is: nothing else is edited for them."""
+
+    prefill_budget_ms: int = knob(250, "milliseconds of prefill per step", lambda value: value > 0, "positive")
+    spill_bytes: int | None = knob(0, "bytes spilled to disk; auto: by the disk", lambda value: value is None or value >= 0,
+                                   ">= 0 or auto", resolved=AUTO, service_default=None, why="tests spill nothing")
+    probe_layers: int = knob(2, "layers probed", lambda value: value >= 0, ">= 0", flag=None, why="measured in code")
+
+
+def wider_parser(environ: dict[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser, env_default_reader(environ), WiderEngineConfig)
+    return parser
+
+
+def test_a_new_field_becomes_a_flag_a_variable_and_a_doc_row():
+    parser = wider_parser({"KVBOOST_PREFILL_BUDGET_MS": "300"})
+    # The flag, its variable (KVBOOST_ and the flag's name) and the library's default under the service's.
+    assert engine_config_from_args(parser.parse_args([]), WiderEngineConfig).prefill_budget_ms == 300
+    config = engine_config_from_args(parser.parse_args(["--prefill-budget-ms", "7", "--chunk-size", "16"]),
+                                     WiderEngineConfig)
+    assert (config.prefill_budget_ms, config.chunk_size, config.spill_bytes, config.probe_layers) == (7, 16, None, 2)
+    assert engine_config_from_args(wider_parser({}).parse_args(["--spill-bytes", "4096"]),
+                                   WiderEngineConfig).spill_bytes == 4096
+    assert WiderEngineConfig().spill_bytes == 0  # the library's default; the flag's is auto, declared in the field
+    # Its check, once, said with the flag's name on the command line and the field's in code.
+    with pytest.raises(ValueError, match="^--prefill-budget-ms must be positive, got 0$"):
+        engine_config_from_args(wider_parser({}).parse_args(["--prefill-budget-ms", "0"]), WiderEngineConfig)
+    with pytest.raises(FieldError, match="^prefill_budget_ms must be positive, got -1$"):
+        WiderEngineConfig(prefill_budget_ms=-1)
+    # Its doc row: the checks this file runs on docs/configuration.md pass on the generated rows alone.
+    rows = doc_rows(WiderEngineConfig)
+    assert missing_and_misplaced(rows, parser) == ([], [])
+    assert wrong_env_names(rows, parser) == []
+    assert "| `--prefill-budget-ms` | `KVBOOST_PREFILL_BUDGET_MS` | `250` | milliseconds of prefill per step |" in rows
+    spill = next(row for row in rows if "`--spill-bytes`" in row)
+    assert "| `auto` |" in spill and "built in code defaults to `0`: tests spill nothing" in spill
+    assert "--probe-layers" not in "\n".join(rows) and "--probe-layers" not in parser.format_help()
+    # And the doc as it stands lacks exactly the new flags: the checks above would fail it.
+    documented = section_of(DOC.read_text(), "python -m inference_service")
+    assert missing_and_misplaced(documented, parser)[0] == ["--prefill-budget-ms", "--spill-bytes"]
+
+
+def test_the_doc_holds_the_rows_generated_from_the_engine_fields():
+    block = generated_block(DOC.read_text())
+    assert block, "docs/configuration.md lost its generated block of the engine's flags"
+    assert block == doc_block(), ("docs/configuration.md's engine rows differ from EngineConfig's fields: run "
+                                  "`python -m inference_service.serving.engine_flags`")
+
+
+def test_every_engine_field_without_a_flag_or_with_another_default_says_why():
+    for item in fields(EngineConfig):
+        declared = knob_of(item)
+        if declared.flag is None or declared.service_default is not SAME:
+            assert declared.why, f"EngineConfig.{item.name}: say why it has no flag or another default"
+
+
+def test_the_service_takes_each_engine_flag_from_the_declaration():
+    service = service_parser({})
+    for item in fields(EngineConfig):
+        takes = [action for action in service._actions if action.dest == item.name]
+        assert len(takes) == (knob_of(item).flag is not None), item.name
+
+
+def test_engine_fields_are_checked_with_value_errors_that_say_what_to_pass():
+    with pytest.raises(FieldError, match="^chunk_size must be positive, got 0$"):
+        EngineConfig(chunk_size=0)
+    with pytest.raises(ValueError, match="^l0_bytes must be >= 0 \\(0 = off\\) or auto, got -1$"):
+        EngineConfig(l0_bytes=-1)
+    with pytest.raises(ValueError, match="recompute_when_faster must be auto, on or off, got sometimes"):
+        EngineConfig(recompute_when_faster="sometimes")

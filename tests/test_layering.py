@@ -18,7 +18,8 @@ ROUTER_TRANSFORMERS_IMPORTS = {"transformers.tokenization_utils_tokenizers",
 # Rooms of inference_service, by floor: a module imports from its own room or from a lower floor only.
 # serving (gRPC) -> engine (the step loop) -> request (one request's plan, sampling, outcome) -> reuse (K/V from
 # and to the store) -> kv (K/V maths, prompts and keys, blobs, repair) -> model | store -> errors.
-ROOM_FLOORS = {"__main__": 7, "serving": 6, "engine": 5, "request": 4, "reuse": 3, "kv": 2, "model": 1, "store": 1,
+ROOM_FLOORS = {"__main__": 7, "serving": 6, "engine": 5, "request": 4, "reuse": 3, "kv": 2, "config": 2, "model": 1,
+               "store": 1,
                "errors": 0, "mkl_dispatch": 0}
 # Which top-level packages each product package may import (besides the stdlib and third parties).
 ALLOWED_PACKAGES = {

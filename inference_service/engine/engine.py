@@ -17,7 +17,8 @@ from inference_service.request.planning import EngineParts, plan_request, plan_w
 from inference_service.engine.scheduler import SchedulerLimits, device_limits
 from kvboost_keys.prompts import PromptPlan, tokenize_messages, tokenize_prompt
 from inference_service.engine.sequence import OnDone, Sequence, WarmSpec
-from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams, WarmOutcome
+from inference_service.config import EngineConfig, resolve_guard_threshold
+from inference_service.request.types import GenerationOutcome, GenerationParams, WarmOutcome
 from inference_service.request.verification import BUILTIN_PROMPTS, compare_modes
 from inference_service.engine.memory_plan import service_tiers, size_tiers
 from inference_service.reuse.writeback import WriteBack
@@ -54,7 +55,7 @@ class Engine:
         if refusal:
             raise ValueError(f"invariant prefill cannot run this model: {refusal}; run it without --invariant-prefill")
         counters = EngineStats()
-        config = size_tiers(config, model, geometry)  # auto K/V, L0 and host tier bytes become numbers, logged
+        config = size_tiers(resolve_guard_threshold(config, self.weights_id), model, geometry)  # auto: numbers, logged
         # Rotary parameters for moving stored keys: re-rotating content hits, un-rotating keys before they
         # are quantized and rotating such keys back into place on every hit. None: RoPE that cannot be moved.
         key_rope = _rope_or_none(model.config)
@@ -69,8 +70,7 @@ class Engine:
             namespace=engine_namespace(model, tokenizer, config, self.weights_id),
             geometry=geometry,
             max_prompt_tokens=config.max_prompt_tokens or geometry.max_context,
-            eos_ids=eos_token_ids(model, tokenizer),
-            counters=counters,
+            eos_ids=eos_token_ids(model, tokenizer), counters=counters,
             writeback=WriteBack(store, config.kv_cache_bits, counters.add_stored, config.kv_group_size,
                                 key_rope if config.keys_before_rope else None, config.max_store_stream_bytes,
                                 *service_tiers(config, model, geometry, store)),  # L0 and the host tier

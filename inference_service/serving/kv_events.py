@@ -19,7 +19,7 @@ def start_kv_events(config: ServiceConfig, engine):
     if l0 is None:
         logger.warning("KV events: not published, there is no L0 (--l0-bytes 0, or --kv-cache-bits below 16)")
         return None
-    if config.tenant_salt and not config.kv_events_publish_salted:
+    if config.engine.tenant_salt and not config.kv_events_publish_salted:
         logger.warning("KV events: not published, --tenant-salt scopes every chunk (--kv-events-publish-salted "
                        "publishes them)")
         return None

@@ -173,7 +173,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--metrics-port", type=int, default=default("METRICS_PORT", defaults.metrics_port), help="Prometheus /metrics HTTP port on the listen host (the step loop's running rows, waiting requests, K/V bytes reserved and budget; request counters); 0 = off (KVBOOST_METRICS_PORT)")
     add_engine_flags(parser, default)
     for removed in REMOVED_FLAGS:  # still parsed, so naming one fails with what replaced it
-        add("--" + removed.replace("_", "-"), dest=removed, default=default(removed.upper(), None), help=argparse.SUPPRESS)
+        add("--" + removed.replace("_", "-"), dest=removed, default=default(removed.upper(), None, str),
+            help=argparse.SUPPRESS)
     add_renamed_flags(parser, RENAMED_FLAGS, default)
     add("--max-message-bytes", type=int, default=default("MAX_MESSAGE_BYTES", defaults.max_message_bytes), help="largest gRPC message received or sent, bytes; larger ones get RESOURCE_EXHAUSTED (KVBOOST_MAX_MESSAGE_BYTES)")
     add("--max-concurrent-streams", type=int, default=default("MAX_CONCURRENT_STREAMS", defaults.max_concurrent_streams), help="RPCs in flight per client connection, more wait; 0 = gRPC's default (KVBOOST_MAX_CONCURRENT_STREAMS)")

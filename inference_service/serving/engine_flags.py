@@ -89,7 +89,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, default: Callable[..., Any
         elif declared.resolved == FROM_WEIGHTS:
             options.update(type=float, default=default(name, value, float))
         else:
-            options.update(type=type(value), default=default(name, value))
+            options.update(type=type(value), default=default(name, value), metavar=name)
         if declared.accepted:  # retired names still parse (parse_config maps them); --help lists the current ones
             choices = tuple(_choices(item))
             options.update(choices=choices + declared.accepted, metavar="{" + ",".join(map(str, choices)) + "}")

@@ -148,7 +148,8 @@ def test_slots_are_sized_by_the_budget_on_cuda(cuda_model):
 def test_the_service_on_cuda_answers_over_grpc_as_model_generate(cuda_model, daemon_store):
     model, tokenizer = cuda_model
     engine = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK), daemon_store, model_id="tiny")
-    config = ServiceConfig(listen="127.0.0.1:0", cache_addr=daemon_store.address, chunk_size=CHUNK, device=DEVICE)
+    config = ServiceConfig(listen="127.0.0.1:0", cache_addr=daemon_store.address, device=DEVICE,
+                           engine=engine.config)
     prompt = text_of_length(200, salt=7)
     expected = reference_ids(model, tokenize_prompt(tokenizer, prompt)[0])
     try:

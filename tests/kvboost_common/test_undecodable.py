@@ -161,8 +161,7 @@ def service(tiny_llama):
     cache = InMemoryStore()
     engine = Engine(model, tokenizer, EngineConfig(chunk_size=8, max_new_tokens_limit=8, max_prompt_tokens=256),
                     cache, model_id="tiny-llama")
-    config = ServiceConfig(listen="127.0.0.1:0", cache_addr="in-process", chunk_size=8, max_queue=8,
-                           max_new_tokens=8, max_prompt_tokens=256)
+    config = ServiceConfig(listen="127.0.0.1:0", cache_addr="in-process", engine=engine.config)
     with serving_in_thread(config, engine) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         before = list(stub.Generate(REFERENCE, timeout=60))[-1].result

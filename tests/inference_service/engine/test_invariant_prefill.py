@@ -242,8 +242,8 @@ def test_the_service_flag_and_variable_reach_the_engine(tmp_path):
     from tests.e2e.stack_process import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "model")
-    assert parse_config(["--model", str(model_dir)], environ={}).invariant_prefill is False
-    assert parse_config(["--model", str(model_dir)], environ={"KVBOOST_INVARIANT_PREFILL": "1"}).invariant_prefill
+    assert parse_config(["--model", str(model_dir)], environ={}).engine.invariant_prefill is False
+    assert parse_config(["--model", str(model_dir)], environ={"KVBOOST_INVARIANT_PREFILL": "1"}).engine.invariant_prefill
     config = parse_config(["--model", str(model_dir), "--invariant-prefill", "--chunk-size", "8", "--device", "cpu"],
                           environ={})
     engine = load_engine(config, InMemoryStore())

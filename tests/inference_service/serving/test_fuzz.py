@@ -38,8 +38,7 @@ def stub(tiny_llama):
     engine = Engine(model, tokenizer, EngineConfig(chunk_size=CHUNK_SIZE, max_new_tokens_limit=MAX_NEW_TOKENS,
                                                    max_prompt_tokens=MAX_PROMPT_TOKENS),
                     InMemoryStore(), model_id="tiny-llama")
-    config = ServiceConfig(listen="127.0.0.1:0", cache_addr="in-process", chunk_size=CHUNK_SIZE, max_queue=8,
-                           max_new_tokens=MAX_NEW_TOKENS, max_prompt_tokens=MAX_PROMPT_TOKENS)
+    config = ServiceConfig(listen="127.0.0.1:0", cache_addr="in-process", engine=engine.config)
     try:
         with serving_in_thread(config, engine) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             service_stub = inference_pb2_grpc.InferenceServiceStub(channel)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zmq
 
+from inference_service.config import EngineConfig
 from inference_service.engine.engine import GenerationParams
 from inference_service.serving.config import ServiceConfig
 from inference_service.serving.kv_events import start_kv_events
@@ -15,10 +16,10 @@ from tests.inference_service.engine.test_engine import make_engine, text_of_leng
 BLOCK_SIZE = 4
 
 
-def start_publisher(engine, **flags):
+def start_publisher(engine, tenant_salt="", **flags):
     config = ServiceConfig(kv_events_endpoint=str(pick_free_port()),
                            kv_events_replay_endpoint=f"127.0.0.1:{pick_free_port()}",
-                           kv_events_block_size=BLOCK_SIZE, **flags)
+                           kv_events_block_size=BLOCK_SIZE, engine=EngineConfig(tenant_salt=tenant_salt), **flags)
     return start_kv_events(config, engine)
 
 

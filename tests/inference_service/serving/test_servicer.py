@@ -40,7 +40,7 @@ def engine(tiny_llama):
 
 
 def make_config(**overrides) -> ServiceConfig:
-    values = dict(listen="127.0.0.1:0", cache_addr="in-process", chunk_size=CHUNK_SIZE, max_queue=4)
+    values = dict(listen="127.0.0.1:0", cache_addr="in-process", engine=EngineConfig(chunk_size=CHUNK_SIZE, max_queue=4))
     values.update(overrides)
     return ServiceConfig(**values)
 

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Mapping, Sequence
 
-from inference_service.config import EngineConfig, service_defaults
+from inference_service.config import FROM_WEIGHTS, EngineConfig, knob_of, service_defaults
 from inference_service.model.step_names import current_decode_step
 from inference_service.model.weights import DEFAULT_MODEL
 from inference_service.mkl_dispatch import CHOICES as MKL_DISPATCHES
@@ -129,6 +129,9 @@ class ServiceConfig:
 
 
 def _described(item, value) -> str:
+    """auto, on, off, "from the weights" (a value resolved at load) or the value."""
+    if value is None and knob_of(item).resolved == FROM_WEIGHTS:
+        return FROM_WEIGHTS
     words = shown(item, value)
     return words if words in ("auto", "on", "off") else repr(value)
 

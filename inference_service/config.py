@@ -35,15 +35,18 @@ class Knob:
     service_default: Any = SAME  # the flag's default, when it differs from the library's
     why: str = ""  # why the service's default differs, or why there is no flag
     shown_default: str = ""  # the doc's default cell, when the value alone says too little
+    choices: tuple = ()  # the values allowed, when they are a few (check and need then follow from them)
     accepted: tuple = ()  # further flag values, mapped to a valid one before the check (retired names)
 
 
-def knob(default: Any, help: str, check: Callable[[Any], bool], need: str, **more: Any) -> Any:
+def knob(default: Any, help: str, check: Callable[[Any], bool] | None = None, need: str = "", **more: Any) -> Any:
+    """An EngineConfig field: its default, help and check (or its choices), and how the service takes it."""
+    choices = more.get("choices", ())
+    if choices:
+        check, need = (lambda value: value in choices), "one of " + ", ".join(map(str, choices))
+    if check is None or not need:
+        raise TypeError("a knob needs a check and what it wants (need), or its choices")
     return field(default=default, metadata={"knob": Knob(help, check, need, **more)})
-
-
-def choice(*values: Any) -> tuple[Callable[[Any], bool], str]:
-    return (lambda value: value in values), "one of " + ", ".join(map(str, values))
 
 
 def _positive(value: Any) -> bool:
@@ -98,16 +101,10 @@ def service_defaults(cls: type) -> dict[str, Any]:
             if knob_of(item).service_default is not SAME}
 
 
-_MODE = choice(*MODES)
-_STRATEGY = choice(*RECOMPUTE_STRATEGIES)
-_BITS = choice(4, 8, 16)
-_STEP = choice(*DECODE_STEPS)
-
-
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     chunk_size: int = knob(128, "tokens per cached chunk", _positive, "positive")
-    kv_cache_bits: int = knob(16, "stored K/V precision: 16 (unquantized, exact), 8, 4", *_BITS)
+    kv_cache_bits: int = knob(16, "stored K/V precision: 16 (unquantized, exact), 8, 4", choices=(4, 8, 16))
     tenant_salt: str = knob("", "isolates this tenant's cache entries", lambda value: isinstance(value, str), "text")
     max_new_tokens_limit: int = knob(4096, "largest max_new_tokens a request may ask for", _positive, "positive",
                                      flag="max-new-tokens")
@@ -116,10 +113,10 @@ class EngineConfig:
     default_mode: str = knob(
         "prefix_cache", "mode when a request names none (ModelInfo says it): `prefix_cache` reuses exactly (the answer "
         "is baseline's); `chunk_kv_reuse` also reuses content hits, approximately, each such answer labelled "
-        "`approximate: true` — a deployment's opt-in; `baseline` no cache", *_MODE)
+        "`approximate: true` — a deployment's opt-in; `baseline` no cache", choices=MODES)
     default_recompute_strategy: str = knob(
         "selective", "default repair of content hits: none, selective, cacheblend; applies in `chunk_kv_reuse` mode "
-        "only (it does not opt a request in)", *_STRATEGY, flag="recompute-strategy")
+        "only (it does not opt a request in)", choices=RECOMPUTE_STRATEGIES, flag="recompute-strategy")
     recompute_ratio: float = knob(0.15, "cacheblend: share of reused tokens recomputed in the later layers",
                                   lambda value: 0.0 < value <= 1.0, "in (0, 1]")
     selective_tokens: int = knob(16, "selective: reused tokens recomputed after each seam", _not_negative, ">= 0")
@@ -179,7 +176,7 @@ class EngineConfig:
         DEFAULT_DECODE_STEP, "`lean`: the model's own ops in one layer loop without transformers' per-call overhead "
         "(scripted on a CPU, replayed from CUDA graphs on a GPU), bitwise its forward (checked at start-up, else the "
         "model's forward runs, logged); `transformers`: the model's forward. The retired `split`, `wide` and `onednn` "
-        "run `lean`, with a warning (their figures: docs/performance.md)", *_STEP,
+        "run `lean`, with a warning (their figures: docs/performance.md)", choices=DECODE_STEPS,
         accepted=tuple(RETIRED_DECODE_STEPS))
     max_store_stream_bytes: int = knob(
         DEFAULT_MAX_STREAM_BYTES, "blob bytes per Store stream: a larger write-back or Warm goes out as several "

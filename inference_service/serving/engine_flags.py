@@ -90,21 +90,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, default: Callable[..., Any
             options.update(type=float, default=default(name, value, float))
         else:
             options.update(type=type(value), default=default(name, value), metavar=name)
-        if declared.accepted:  # retired names still parse (parse_config maps them); --help lists the current ones
-            choices = tuple(_choices(item))
-            options.update(choices=choices + declared.accepted, metavar="{" + ",".join(map(str, choices)) + "}")
-        elif _choices(item):
-            options.update(choices=_choices(item))
+        if declared.choices:  # retired names (accepted) still parse; --help lists the current ones
+            options.update(choices=declared.choices + declared.accepted,
+                           metavar="{" + ",".join(map(str, declared.choices)) + "}")
         group.add_argument(flag_of(item), **options)
-
-
-def _choices(item: Field) -> list[Any]:
-    """The values a field's check accepts when it is a choice among a few (choice() in config.py), else []."""
-    need = knob_of(item).need
-    if not need.startswith("one of "):
-        return []
-    values = need.removeprefix("one of ").split(", ")
-    return [type(item.default)(value) for value in values]
 
 
 def engine_config_from_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:

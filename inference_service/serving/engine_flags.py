@@ -97,8 +97,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, default: Callable[..., Any
 
 
 def engine_config_from_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
-    """Takes the engine's fields out of `args` (parsed with add_engine_flags) and builds the config; raises
-    FieldError with the flag's name in its message."""
+    """Takes the engine's fields out of `args` (parsed with add_engine_flags) and builds the config; a value a
+    field's check refuses raises ValueError naming the flag ("--l0-bytes must be ...")."""
     values = {item.name: vars(args).pop(item.name) for item in flag_fields(cls)}
     try:
         return cls(**values)

@@ -15,7 +15,8 @@ from http_gateway.disconnect import until_disconnect
 from http_gateway.responses import Collected, chat_completion, completion, usage
 from http_gateway.errors import permission_denied
 from http_gateway.schemas import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, UnpinRequest, WarmRequest,
+    ChatCompletionRequest, CompletionRenderRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, UnpinRequest,
+    WarmRequest,
 )
 from http_gateway.sse import DONE, EventStreamResponse, encode
 from http_gateway.state import Gateway, parse_body
@@ -187,7 +188,7 @@ async def chat_completions_render(request: Request) -> Response:
 async def completions_render(request: Request) -> Response:
     """The token ids the completion request would prefill (see chat_completions_render)."""
     gateway, request_id = _gateway(request), request.state.request_id
-    body = await parse_body(request, CompletionRequest)
+    body = await parse_body(request, CompletionRenderRequest)
     await gateway.served_model(body.model)
     return await _render(request, mapping.completion_request(body, request_id))
 

@@ -13,7 +13,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from http_gateway.schemas import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, UnpinRequest, WarmRequest,
+    ChatCompletionRequest, CompletionRenderRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, UnpinRequest,
+    WarmRequest,
 )
 
 REF = "#/components/schemas/{model}"
@@ -60,6 +61,7 @@ RESPONSE_SCHEMAS: dict[str, dict] = {
     "TokenizeResult": _object({"count": _INT, "max_model_len": _INT, "tokens": {"type": "array", "items": _INT},
                                "token_strs": {"type": ["array", "null"], "items": _STR}}),
     "DetokenizeResult": _object({"prompt": _STR}),
+    "RenderResult": _object({"token_ids": {"type": "array", "items": _INT}, "count": _INT, "max_model_len": _INT}),
     "WarmResult": _object({"object": {"const": "kvboost.warm"}, "chunks_stored": _INT, "token_count": _INT,
                            "chunk_size": _INT, "chunk_boundary_aligned": {"type": "boolean"},
                            "partial_tail_tokens": _INT, "alignment_warning": _STR}),
@@ -88,6 +90,8 @@ _OPERATIONS: dict[tuple[str, str], tuple[type[BaseModel] | None, str, dict, tupl
     ("/v1/chat/completions", "post"): (ChatCompletionRequest, "ChatCompletion", _SSE, _GATE + _BODY + _UPSTREAM),
     ("/v1/completions", "post"): (CompletionRequest, "Completion", _SSE, _GATE + _BODY + _UPSTREAM),
     ("/tokenize", "post"): (TokenizeRequest, "TokenizeResult", {}, _GATE + _BODY + _UPSTREAM),
+    ("/v1/chat/completions/render", "post"): (ChatCompletionRequest, "RenderResult", {}, _GATE + _BODY + _UPSTREAM),
+    ("/v1/completions/render", "post"): (CompletionRenderRequest, "RenderResult", {}, _GATE + _BODY + _UPSTREAM),
     ("/detokenize", "post"): (DetokenizeRequest, "DetokenizeResult", {}, _GATE + _BODY + _UPSTREAM),
     ("/v1/kvboost/warm", "post"): (WarmRequest, "WarmResult", {}, _GATE + _BODY + _UPSTREAM),
     ("/v1/kvboost/unpin", "post"): (UnpinRequest, "UnpinResult", {}, _GATE + _BODY + _UPSTREAM),

@@ -205,6 +205,18 @@ class CompletionRequest(_Sampling):
     kvboost: KVBoostOptions | None = None
 
 
+class CompletionRenderRequest(CompletionRequest):
+    """A completion's render (/v1/completions/render): a text prompt only; kvboost.segments are tokenized one by
+    one, so their ids are no single prompt's and the schema says they stay null."""
+
+    model_config = ConfigDict(json_schema_extra=_schema_extra(unsupported=True, anyOf=[
+        {"properties": {"prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                                             {"type": "array", "items": {"type": "string", "minLength": 1},
+                                              "minItems": 1}]}}}]))
+
+    kvboost: ChatKVBoostOptions | None = None
+
+
 class TokenizeRequest(_Body):
     # Exactly one of a non-empty prompt and non-empty messages (request_mapping.tokenize_request).
     model_config = ConfigDict(json_schema_extra=_schema_extra(oneOf=[
@@ -216,7 +228,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    continue_final_message: bool = False  # refused when true (request_mapping.tokenize_request)
+    # Refused when true (request_mapping.tokenize_request), so the schema says false is the one value served.
+    continue_final_message: bool = Field(False, json_schema_extra=neutral_schema((False,)))
     return_token_strs: bool = False
 
 

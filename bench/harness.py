@@ -1,0 +1,155 @@
+"""The benchmarks' one harness: the trees to alternate, turns in alternation, medians, a table, the JSON file.
+
+A benchmark keeps only its measurement. It names its subjects (a tree, a path to the K/V, a peer) and a function
+that measures one of them once; `alternate` calls each in turn, round after round, so drift hits all alike;
+`summarize` takes medians; `print_table` prints one markdown table; `--json` writes the rows. A baseline tree is
+another checkout (`git worktree add /tmp/before HEAD~1`) whose processes start with tests/e2e's helpers (`tree=`)
+or as a `TreeWorker`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, rounds: int | None = 5, baseline: bool = False) -> None:
+    """The flags every benchmark shares: --json, and --rounds / --baseline-tree where it alternates."""
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    if rounds is not None:
+        parser.add_argument("--rounds", type=int, default=rounds, help="turns of each subject (medians over them)")
+    if baseline:
+        parser.add_argument("--baseline-tree", type=Path,
+                            help="a checkout of an earlier commit (git worktree add DIR COMMIT) to alternate with")
+
+
+def trees(baseline_tree: Path | None) -> dict[str, Path]:
+    """{"before": the baseline checkout, "now": this one}, or this one alone."""
+    if baseline_tree is None:
+        return {"now": ROOT}
+    if not (baseline_tree / "inference_service").is_dir():
+        raise SystemExit(f"--baseline-tree {baseline_tree}: not a checkout of this repository")
+    return {"before": baseline_tree.resolve(), "now": ROOT}
+
+
+def alternate(measure: Mapping[str, Callable[[], Any]], rounds: int) -> dict[str, list[Any]]:
+    """Each subject's measurements: one call of each in turn per round, the order reversed every other round (ABBA)
+    so neither always runs first."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    samples: dict[str, list[Any]] = {label: [] for label in measure}
+    labels = list(measure)
+    for round_index in range(rounds):
+        for label in labels if round_index % 2 == 0 else labels[::-1]:
+            samples[label].append(measure[label]())
+    return samples
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def percentile(values: Iterable[float], fraction: float) -> float:
+    """The nearest-rank percentile (fraction in [0, 1]) of the values."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    return ordered[min(len(ordered) - 1, max(0, round(fraction * (len(ordered) - 1))))]
+
+
+def summarize(samples: Sequence[Mapping[str, Any]], **fixed: Any) -> dict[str, Any]:
+    """One row: the fixed fields, then each numeric field's median over the samples (others from the first)."""
+    if not samples:
+        raise ValueError("no samples to summarize")
+    row = dict(fixed)
+    for name, value in samples[0].items():
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        row[name] = median(sample[name] for sample in samples) if numeric else value
+    return row
+
+
+def cell(value: Any, digits: int = 2) -> str:
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return "" if value is None else str(value)
+
+
+def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str | tuple[str, str]], digits: int = 2) -> str:
+    """A markdown table of the rows; a column is a field name or (field, header)."""
+    named = [(column, column) if isinstance(column, str) else column for column in columns]
+    lines = ["| " + " | ".join(header for _, header in named) + " |", "|" + "---|" * len(named)]
+    lines += ["| " + " | ".join(cell(row.get(field), digits) for field, _ in named) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def print_table(title: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[str | tuple[str, str]],
+                digits: int = 2) -> None:
+    """The title (what ran, when, on what), then the table."""
+    print(f"# {title} ({time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC)")
+    print(table(rows, columns, digits), flush=True)
+
+
+def ratio(before: float, now: float) -> str:
+    """'before -> now (Nx)'; above 1x the new tree is faster (for times)."""
+    return f"{before:.2f} -> {now:.2f} ({before / now:.2f}x)" if now else f"{before:.2f} -> {now:.2f}"
+
+
+def print_ratios(rows: Sequence[Mapping[str, Any]], field: str, keys: Sequence[str]) -> None:
+    """For each row of the "now" tree with a "before" twin (same keys): the field before and now."""
+    befores = {tuple(row[k] for k in keys): row[field] for row in rows if row.get("tree") == "before"}
+    for row in rows:
+        key = tuple(row[k] for k in keys)
+        if row.get("tree") == "now" and key in befores:
+            print(f"  {' '.join(map(str, key))} {field}: {ratio(befores[key], row[field])}")
+
+
+def write_json(path: Path | None, payload: Any) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=1, default=str))
+
+
+class TreeWorker:
+    """A benchmark script run again as a child under another tree (`--worker` and its own flags), first on its
+    PYTHONPATH; it reads one JSON request a line on stdin and answers one JSON line on stdout, until `null`."""
+
+    def __init__(self, script: Path, tree: Path, flags: Sequence[str], log: Path) -> None:
+        from tests.e2e.child_process import tree_pythonpath
+
+        env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
+        env["PYTHONPATH"] = tree_pythonpath(tree)
+        self.log = open(log, "ab")
+        self.process = subprocess.Popen([sys.executable, str(script), "--worker", *flags], cwd=tree, env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def ask(self, request: Any) -> Any:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker exited ({self.process.poll()}); see {self.log.name}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write("null\n")
+            self.process.stdin.close()
+            self.process.wait(120)
+        self.log.close()
+
+
+def serve_worker(answer: Callable[[Any], Any]) -> None:
+    """The child's side of a TreeWorker: answers each request line until `null` or the end of stdin."""
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request is None:
+            return
+        print(json.dumps(answer(request)), flush=True)

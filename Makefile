@@ -94,9 +94,7 @@ bench: setup model
 	$(PY) bench/bench_ttft.py
 	$(PY) bench/bench_isolation.py
 	$(PY) bench/bench_accuracy.py
-	$(PY) bench/bench_deviation.py
 	$(PY) bench/load.py
-	flock /tmp/kvboost-bench.lock $(PY) bench/bench_gateway.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_tiers.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_concurrency.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_batch_costs.py

@@ -92,13 +92,11 @@ run: setup model up
 bench: setup model
 	$(PY) bench/bench_daemon.py
 	$(PY) bench/bench_ttft.py
-	$(PY) bench/bench_isolation.py
 	$(PY) bench/bench_accuracy.py
 	$(PY) bench/load.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_tiers.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_concurrency.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_batch_costs.py
-	flock /tmp/kvboost-bench.lock $(PY) bench/bench_compose.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_peers.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --json bench/results/router.json
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --l2 --json bench/results/router-l2.json

@@ -34,7 +34,7 @@ class ComposeProject:
     ports: dict[str, int] = field(default_factory=dict)  # KVBOOST_PUBLISH_<NAME> -> host port on 127.0.0.1
     # Tests: every health check probes this often (the same check, same retries and start period). compose.yaml's
     # 10 s suits a deployment; a test waits up to an interval per service in each depends_on chain for the
-    # first probe (daemon, then service, then gateway). None: the files' own intervals (bench_compose's timings).
+    # first probe (daemon, then service, then gateway). None: the files' own intervals.
     health_interval: str | None = None
 
     def __post_init__(self) -> None:

@@ -27,13 +27,11 @@ import asyncio
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 from kvboost.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
+
+from bench import harness  # noqa: E402
 
 from tests.e2e.daemon_process import start_daemon  # noqa: E402
 
@@ -145,21 +145,13 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@dataclass
-class Series:
-    name: str
-    server_pid: int
-    transfer: Callable[[], int]  # moves every blob once, returns the bytes received
-    rates: list[float] = field(default_factory=list)  # MB/s
-    server_cpu: list[float] = field(default_factory=list)  # server CPU seconds per GB moved
-
-    def run_once(self, total: int) -> None:
-        cpu_before, started = process_cpu_s(self.server_pid), time.perf_counter()
-        received = self.transfer()
-        elapsed = time.perf_counter() - started
-        assert received >= total, f"{self.name}: received {received} of {total} bytes"
-        self.rates.append(total / elapsed / 1e6)
-        self.server_cpu.append((process_cpu_s(self.server_pid) - cpu_before) / total * 1e9)
+def timed_transfer(server_pid: int, transfer: Callable[[], int], total: int) -> dict:
+    """One transfer of every blob: MB/s at the client and the server's CPU seconds per GB moved."""
+    cpu_before, started = process_cpu_s(server_pid), time.perf_counter()
+    received = transfer()
+    elapsed = time.perf_counter() - started
+    assert received >= total, f"received {received} of {total} bytes"
+    return {"mb_per_s": total / elapsed / 1e6, "server_cpu_s_per_gb": (process_cpu_s(server_pid) - cpu_before) / total * 1e9}
 
 
 def run(total_bytes: int, repeats: int, seed: int) -> None:
@@ -179,46 +171,37 @@ def run(total_bytes: int, repeats: int, seed: int) -> None:
                 stub = cache_pb2_grpc.CacheServiceStub(daemon_channel)
                 store_s = store_all(stub, blobs)
                 check_fetch(stub, keys, blobs)
-                series = [
-                    Series("bare gRPC byte stream (1 MiB raw messages)", bare.pid, lambda: bare_stream(bare_channel)),
-                    Series("daemon Fetch, frames decoded by the generated stub", daemon.process.pid,
-                           lambda: fetch_decoded(stub, keys)),
-                    Series("daemon Fetch, frames left undecoded (client work as bare)", daemon.process.pid,
-                           lambda: fetch_undecoded(daemon_channel, keys)),
+                transfers = {
+                    "bare gRPC byte stream (1 MiB raw messages)": (bare.pid, lambda: bare_stream(bare_channel)),
+                    "daemon Fetch, frames decoded by the generated stub": (
+                        daemon.process.pid, lambda: fetch_decoded(stub, keys)),
+                    "daemon Fetch, frames left undecoded (client work as bare)": (
+                        daemon.process.pid, lambda: fetch_undecoded(daemon_channel, keys)),
                     # What the inference service asks for: it checks each blob itself, once, so the daemon doesn't.
-                    Series("daemon Fetch, reader verifies, decoded by the stub", daemon.process.pid,
-                           lambda: fetch_decoded(stub, keys, reader_verifies=True)),
-                    Series("daemon Fetch, reader verifies, undecoded", daemon.process.pid,
-                           lambda: fetch_undecoded(daemon_channel, keys, reader_verifies=True)),
-                ]
-                for one in series:  # warm-up: page cache, connections, allocator
-                    one.transfer()
-                # Interleaved, so drifting load on the machine hits every series alike.
-                for _ in range(repeats):
-                    for one in series:
-                        one.run_once(total)
+                    "daemon Fetch, reader verifies, decoded by the stub": (
+                        daemon.process.pid, lambda: fetch_decoded(stub, keys, reader_verifies=True)),
+                    "daemon Fetch, reader verifies, undecoded": (
+                        daemon.process.pid, lambda: fetch_undecoded(daemon_channel, keys, reader_verifies=True)),
+                }
+                for _, transfer in transfers.values():  # warm-up: page cache, connections, allocator
+                    transfer()
+                samples = harness.alternate({name: lambda pid=pid, transfer=transfer: timed_transfer(
+                    pid, transfer, total) for name, (pid, transfer) in transfers.items()}, repeats)
         finally:
             daemon.terminate()
             bare.kill()
             bare.wait()
-    print_table(total, len(blobs), repeats, store_s, series)
-
-
-def print_table(total: int, num_chunks: int, repeats: int, store_s: float, series: list[Series]) -> None:
     from kvboost_common.checksum import crc32
 
-    print(f"\n{total / 1e6:.1f} MB in {num_chunks} chunks of 1-5 MB, median of {repeats} interleaved repeats, "
-          f"loopback, {os.cpu_count()} CPUs, daemon CRC-32 from {crc32.__module__}")
-    print("| stream | median MB/s | server CPU s/GB | every run, MB/s |")
-    print("|---|---:|---:|---|")
-    for one in series:
-        print(f"| {one.name} | {statistics.median(one.rates):.0f} | {statistics.median(one.server_cpu):.2f} | "
-              f"{', '.join(f'{rate:.0f}' for rate in one.rates)} |")
-    print(f"| daemon Store: one call, one transaction (reference) | {total / store_s / 1e6:.0f} | | |")
-    bare_median = statistics.median(series[0].rates)
-    for one in series[1:]:
-        ratio = statistics.median(one.rates) / bare_median
-        print(f"{one.name} / bare = {ratio:.2f} ({'meets' if ratio >= 0.9 else 'misses'} the target of >= 0.9)")
+    rows = [harness.summarize(runs, stream=name) for name, runs in samples.items()]
+    rows.append({"stream": "daemon Store: one call, one transaction (reference)", "mb_per_s": total / store_s / 1e6})
+    harness.print_table(f"bench_daemon fetch: {total / 1e6:.1f} MB in {len(blobs)} chunks of 1-5 MB, median of "
+                        f"{repeats} alternating repeats, loopback, {os.cpu_count()} CPUs, daemon CRC-32 from "
+                        f"{crc32.__module__}", rows, ["stream", ("mb_per_s", "median MB/s"),
+                                                      ("server_cpu_s_per_gb", "server CPU s/GB")], digits=1)
+    for row in rows[1:-1]:
+        ratio = row["mb_per_s"] / rows[0]["mb_per_s"]
+        print(f"{row['stream']} / bare = {ratio:.2f} ({'meets' if ratio >= 0.9 else 'misses'} the target of >= 0.9)")
 
 
 def main() -> None:
@@ -256,23 +239,23 @@ def run_scale(entry_counts: list[int], num_stores: int, num_lookups: int, seed: 
               baseline_tree: Path | None = None) -> None:
     from bench import daemon_scale
 
-    trees = {"this": None} if baseline_tree is None else {"this": None, "baseline": baseline_tree}
-    empty_rss = {name: daemon_scale.empty_daemon_rss(free_port, tree) for name, tree in trees.items()}
-    points, labels = [], []
-    for round_index, num_entries in enumerate(entry_counts):
-        order = list(trees.items()) if round_index % 2 == 0 else list(reversed(trees.items()))
-        for name, tree in order:
-            points.append(daemon_scale.measure(num_entries, num_stores, num_lookups, seed, free_port, empty_rss[name],
-                                               tree))
-            labels.append(name)
-            print(f"{name}: {num_entries:,} entries: LMDB written directly through the store in "
-                  f"{points[-1].build_s:.1f} s", flush=True)
+    trees = harness.trees(baseline_tree)
+    empty_rss = {label: daemon_scale.empty_daemon_rss(free_port, tree) for label, tree in trees.items()}
+    points: dict[str, list] = {label: [] for label in trees}
+    for index, num_entries in enumerate(entry_counts):  # which tree goes first alternates with the entry count
+        order = list(trees.items())[::-1 if index % 2 else 1]
+        measured = harness.alternate({label: lambda label=label, tree=tree, n=num_entries: daemon_scale.measure(
+            n, num_stores, num_lookups, seed, free_port, empty_rss[label], tree) for label, tree in order}, rounds=1)
+        for label, (point,) in measured.items():
+            points[label].append(point)
+            print(f"{label}: {num_entries:,} entries: LMDB written directly through the store in {point.build_s:.1f} s",
+                  flush=True)
     print(f"\n1 KiB blobs, budget exactly full (every Store of a new chunk evicts one), {num_stores} Stores, "
           f"{num_lookups} Lookups per phase, {os.cpu_count()} CPUs, daemon empty RssAnon "
-          + ", ".join(f"{name} {rss / 2**20:.1f} MiB" for name, rss in empty_rss.items())
-          + (f"; baseline tree {baseline_tree}" if baseline_tree else ""))
-    print("\n".join(daemon_scale.table(points, labels)))
-    daemon_scale.plot([point for point, label in zip(points, labels) if label == "this"], plot_path)
+          + ", ".join(f"{label} {rss / 2**20:.1f} MiB" for label, rss in empty_rss.items()))
+    print(daemon_scale.table([p for label in trees for p in points[label]],
+                             [label for label in trees for _ in points[label]]))
+    daemon_scale.plot(points["now"], plot_path)
     print(f"plot: {plot_path}")
 
 

@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+
+from bench import harness  # noqa: E402
 from kvboost.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 from kvboost.v1 import inference_pb2 as pb  # noqa: E402
 from kvboost.v1 import inference_pb2_grpc  # noqa: E402
@@ -72,11 +74,6 @@ class PolicyReport:
     spread: float = 0.0  # max / min of per_replica
 
 
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else 0.0
-
-
 def summarize(policy: str, l2: bool, samples: list[Sample], errors: int, seconds: float, l2_tokens: int,
               per_replica: list[int]) -> PolicyReport:
     """The report of one measured phase. l2_tokens: tokens the daemons promoted from L2 meanwhile."""
@@ -88,7 +85,8 @@ def summarize(policy: str, l2: bool, samples: list[Sample], errors: int, seconds
     ttfts = [sample.ttft_ms for sample in samples]
     return PolicyReport(
         policy=policy, l2=l2, requests=len(samples), errors=errors, requests_per_s=len(samples) / seconds,
-        ttft_ms_p50=percentile(ttfts, 0.5), ttft_ms_p99=percentile(ttfts, 0.99),
+        ttft_ms_p50=harness.percentile(ttfts, 0.5) if ttfts else 0.0,
+        ttft_ms_p99=harness.percentile(ttfts, 0.99) if ttfts else 0.0,
         share_l1=from_l1 / prompt, share_l2=l2_tokens / prompt, share_computed=(prompt - cached) / prompt,
         cacheable_from_l1=max(0, cacheable_l1) / cacheable, per_replica=per_replica,
         spread=max(per_replica) / max(1, min(per_replica)) if per_replica else 0.0)
@@ -306,14 +304,14 @@ def measure_vllm_overhead(model: str, text: str, budget: int, chunk_size: int, r
 
     with ExitStack() as stack:
         _, router, (gateway,) = start_vllm_stack(stack, workdir, model, 1, budget, chunk_size, None, "kv_aware")
-        direct_times, routed_times = [], []
         with httpx.Client(base_url=gateway, timeout=600) as direct, \
                 httpx.Client(base_url=router.address, timeout=600) as routed:
             stream_completion(direct, text, 1)  # the document warmed
-            for turn in range(rounds):
-                direct_times.append(stream_completion(direct, f"{text}\nQuestion d{turn}: who keeps it?\nAnswer:", 1)[0])
-                routed_times.append(stream_completion(routed, f"{text}\nQuestion r{turn}: who keeps it?\nAnswer:", 1)[0])
-        return statistics.median(direct_times), statistics.median(routed_times)
+            turn = iter(range(1 << 30))
+            times = harness.alternate({client: lambda client=client: stream_completion(
+                client, f"{text}\nQuestion {next(turn)}: who keeps it?\nAnswer:", 1)[0] for client in (direct, routed)},
+                rounds)
+        return harness.median(times[direct]), harness.median(times[routed])
 
 
 def first_token_ms(stub, prompt: str) -> float:
@@ -334,14 +332,13 @@ def measure_overhead(model: str, text: str, budget: int, chunk_size: int, rounds
         pairs = start_replicas(stack, workdir, model, 1, budget, chunk_size, None)
         router = start_router(pairs, pick_free_port(), pick_free_port(), workdir / "router.log")
         stack.callback(router.terminate)
-        direct_times, routed_times = [], []
         with grpc.insecure_channel(pairs[0][0]) as channel, router.stub() as routed:
             direct = inference_pb2_grpc.InferenceServiceStub(channel)
             direct.Warm(pb.WarmRequest(text=text), timeout=600)
-            for turn in range(rounds):
-                direct_times.append(first_token_ms(direct, f"{text}\nQuestion d{turn}: who keeps it?\nAnswer:"))
-                routed_times.append(first_token_ms(routed, f"{text}\nQuestion r{turn}: who keeps it?\nAnswer:"))
-        return statistics.median(direct_times), statistics.median(routed_times)
+            turn = iter(range(1 << 30))
+            times = harness.alternate({stub: lambda stub=stub: first_token_ms(
+                stub, f"{text}\nQuestion {next(turn)}: who keeps it?\nAnswer:") for stub in (direct, routed)}, rounds)
+        return harness.median(times[direct]), harness.median(times[routed])
 
 
 def bytes_per_token(model_path: str) -> int:
@@ -353,16 +350,14 @@ def bytes_per_token(model_path: str) -> int:
     return 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * BYTES_PER_VALUE
 
 
+REPORT_COLUMNS = ("policy", ("l2", "L2"), ("requests", "req"), ("requests_per_s", "req/s"), ("ttft_ms_p50", "p50 ms"),
+                  ("ttft_ms_p99", "p99 ms"), ("share_l1", "L1"), ("share_l2", "from L2"), ("share_computed", "computed"),
+                  ("cacheable_from_l1", "cacheable from L1"), ("per_replica", "per replica"), "spread",
+                  ("errors", "err"))
+
+
 def format_report(reports: list[PolicyReport]) -> str:
-    lines = [f"{'policy':14} {'L2':3} {'req':>5} {'req/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'L1':>6} {'L2':>6} "
-             f"{'comp':>6} {'cacheable from L1':>18} {'per replica':>14} {'spread':>6} {'err':>4}"]
-    for report in reports:
-        lines.append(f"{report.policy:14} {'yes' if report.l2 else 'no':3} {report.requests:5d} "
-                     f"{report.requests_per_s:6.2f} {report.ttft_ms_p50:8.0f} {report.ttft_ms_p99:8.0f} "
-                     f"{report.share_l1:6.1%} {report.share_l2:6.1%} {report.share_computed:6.1%} "
-                     f"{report.cacheable_from_l1:18.1%} {str(report.per_replica):>14} {report.spread:6.2f} "
-                     f"{report.errors:4d}")
-    return "\n".join(lines)
+    return harness.table([asdict(report) for report in reports], REPORT_COLUMNS)
 
 
 def write_plot(reports: list[PolicyReport], path: Path) -> None:
@@ -410,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead of the policies: TTFT on one replica, direct against through the router")
     parser.add_argument("--overhead-vllm", type=int, default=0, metavar="ROUNDS",
                         help="instead of the policies: TTFT on one replica's gateway, direct against through vllm-router")
-    parser.add_argument("--json", type=Path, help="write the reports here")
+    harness.add_arguments(parser, rounds=None)
     parser.add_argument("--plot", type=Path, help="write a PNG here")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "bench"))
@@ -463,9 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             reports.append(run_policy(args, policy, l2_url, model, texts, budget, run_dir))
             print(format_report(reports[-1:]).splitlines()[-1], flush=True)
     print(format_report(reports))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([asdict(report) for report in reports], indent=1))
+    harness.write_json(args.json, [asdict(report) for report in reports])
     if args.plot:
         write_plot(reports, args.plot)
     return 0 if not any(report.errors for report in reports) else 1

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBO
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
 from inference_service.model.loading import load_model  # noqa: E402
@@ -186,21 +186,17 @@ def measure(paths: list, context: str, runs: int) -> dict[str, list[dict]]:
     for path in paths:
         path.warm(context)
     services = [path for path in paths if isinstance(path, ServicePath)]
-    baselines = {"baseline": paths[0]} | ({"service baseline": services[0]} if services else {})
-    samples: dict[str, list[dict]] = {name: [] for name in baselines} | {path.name: [] for path in paths}
-    for run in range(runs):
-        asked = iter(range(run * 97, run * 97 + 97))  # a fresh question for every request
-        for name, path in baselines.items():
-            samples[name].append(path.ask(context + question(next(asked)), "baseline"))
-        for path in paths:  # interleaved, so drift hits every path alike
-            mode = None if isinstance(path, ServicePath) else "prefix_cache"
-            samples[path.name].append(path.ask(context + question(next(asked)), mode))
-    return samples
+    subjects = {"baseline": (paths[0], "baseline")} | (
+        {"service baseline": (services[0], "baseline")} if services else {})
+    subjects |= {path.name: (path, None if isinstance(path, ServicePath) else "prefix_cache") for path in paths}
+    asked = iter(range(1 << 30))  # a fresh question for every request
+    return harness.alternate({name: lambda path=path, mode=mode: path.ask(context + question(next(asked)), mode)
+                              for name, (path, mode) in subjects.items()}, runs)
 
 
 def summarize(length: int, samples: dict[str, list[dict]]) -> list[dict]:
     """Median TTFT per path; engine rows against the engine's BASELINE, service rows against the service's."""
-    median_of = {name: statistics.median(s["ttft_ms"] for s in rows) for name, rows in samples.items()}
+    median_of = {name: harness.median(s["ttft_ms"] for s in rows) for name, rows in samples.items()}
     in_process = median_of.get("in-process", median_of["baseline"])
     rows = []
     for name, rows_of_path in samples.items():
@@ -209,21 +205,10 @@ def summarize(length: int, samples: dict[str, list[dict]]) -> list[dict]:
         server = [s["server_ttft_ms"] for s in rows_of_path if "server_ttft_ms" in s]
         rows.append({"length": length, "path": name, "prompt_tokens": rows_of_path[-1]["prompt"],
                      "cached_tokens": rows_of_path[-1]["cached"], "median_ms": median,
-                     "server_median_ms": statistics.median(server) if server else None,
-                     "x_baseline": baseline / median, "x_in_process": median / in_process,
+                     "server_median_ms": harness.median(server) if server else None,
+                     "x_baseline": f"{baseline / median:.1f}x", "x_in_process": f"{median / in_process:.2f}x",
                      "ttft_ms": [s["ttft_ms"] for s in rows_of_path]})
     return rows
-
-
-def print_table(rows: list[dict]) -> None:
-    header = (f"{'path':<20} {'prompt':>6} {'cached':>6} {'TTFT ms':>9} {'server ms':>9} {'x BASELINE':>10} "
-              f"{'/ in-proc':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        server = f"{r['server_median_ms']:.1f}" if r["server_median_ms"] is not None else ""
-        print(f"{r['path']:<20} {r['prompt_tokens']:>6} {r['cached_tokens']:>6} {r['median_ms']:>9.1f} {server:>9} "
-              f"{r['x_baseline']:>9.1f}x {r['x_in_process']:>8.2f}x")
 
 
 def write_plot(rows: list[dict], path: Path) -> None:
@@ -272,10 +257,13 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
         for path in paths:
             path.close()
-    print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, MKL dispatch {MKL_DISPATCH.applied}, chunk_size {args.chunk_size}, "
-          f"{args.kv_cache_bits}-bit storage, {'aligned' if args.aligned else 'unaligned'} documents, "
-          f"median of {args.runs} runs, a new ~{QUESTION_TOKENS}-token question per run\n")
-    print_table(rows)
+    harness.print_table(
+        f"bench_ttft: {loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, MKL dispatch "
+        f"{MKL_DISPATCH.applied}, chunk_size {args.chunk_size}, {args.kv_cache_bits}-bit storage, "
+        f"{'aligned' if args.aligned else 'unaligned'} documents, median of {args.runs} alternating runs, a new "
+        f"~{QUESTION_TOKENS}-token question per run", rows,
+        ["path", ("prompt_tokens", "prompt"), ("cached_tokens", "cached"), ("median_ms", "TTFT ms"),
+         ("server_median_ms", "server ms"), ("x_baseline", "x BASELINE"), ("x_in_process", "/ in-proc")], digits=1)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (args.out / f"ttft-{stamp}.json").write_text(json.dumps(rows, indent=2))

@@ -12,11 +12,7 @@ in a child process (the concurrent Stores), never inside the daemon.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import random
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import zlib
@@ -26,10 +22,11 @@ from pathlib import Path
 import grpc
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
+from bench import harness
 from bench.plotting import pyplot
 from cache_daemon.entry import Entry
 from cache_daemon.store import LmdbStore
-from tests.e2e.daemon_process import REPO_ROOT, DaemonProcess, _wait_until_serving, start_daemon
+from tests.e2e.daemon_process import start_daemon
 
 BLOB_BYTES = 1024
 NAMESPACE = bytes(range(32))
@@ -156,33 +153,13 @@ class ScalePoint:
     rss_per_entry: float
 
 
-def start_daemon_from(tree: Path | None, data_dir: Path, port: int, *args: str) -> DaemonProcess:
-    """The daemon of this checkout, or of another source tree (--baseline-tree: `python -m cache_daemon` run
-    there, its own modules first on the path), on 127.0.0.1:port; returns once it is SERVING."""
-    if tree is None or Path(tree).resolve() == REPO_ROOT:
-        return start_daemon(data_dir, port, *args)
-    tree = Path(tree).resolve()
-    log_path = data_dir.with_name(data_dir.name + ".log")
-    command = [sys.executable, "-m", "cache_daemon", "--data-dir", str(data_dir), "--listen", f"127.0.0.1:{port}", *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "proto")])}
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(command, cwd=tree, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    daemon = DaemonProcess(process, f"127.0.0.1:{port}", log_path)
-    try:
-        _wait_until_serving(daemon, None, 30.0)
-    except BaseException:
-        daemon.kill()
-        raise
-    return daemon
-
-
 def measure(num_entries: int, num_stores: int, num_lookups: int, seed: int, free_port, empty_rss: int,
             tree: Path | None = None) -> ScalePoint:
     with tempfile.TemporaryDirectory(prefix="kvboost-scale-") as work_dir:
         data_dir = Path(work_dir) / "lmdb"
         build_s = build_environment(data_dir, num_entries, seed)
         args = ("--max-bytes", str(num_entries * BLOB_BYTES), "--log-level", "WARNING")
-        daemon = start_daemon_from(tree, data_dir, free_port(), *args)
+        daemon = start_daemon(data_dir, free_port(), *args, tree=tree)
         try:
             with grpc.insecure_channel(daemon.address) as channel:
                 stub = cache_pb2_grpc.CacheServiceStub(channel)
@@ -203,7 +180,7 @@ def measure(num_entries: int, num_stores: int, num_lookups: int, seed: int, free
                 rss_per_entry = (rss_anon_bytes(daemon.process.pid) - empty_rss) / num_entries
             daemon.kill()  # kill -9: the restart below reads what a crash leaves
             started = time.perf_counter()
-            daemon = start_daemon_from(tree, data_dir, free_port(), *args)
+            daemon = start_daemon(data_dir, free_port(), *args, tree=tree)
             restart_serving_s = time.perf_counter() - started
             with grpc.insecure_channel(daemon.address) as channel:
                 wait_until_loaded(cache_pb2_grpc.CacheServiceStub(channel))
@@ -217,7 +194,7 @@ def measure(num_entries: int, num_stores: int, num_lookups: int, seed: int, free
 def empty_daemon_rss(free_port, tree: Path | None = None) -> int:
     """RssAnon of a daemon over an empty environment, after one Store: the baseline per-entry RSS is above."""
     with tempfile.TemporaryDirectory(prefix="kvboost-scale-") as work_dir:
-        daemon = start_daemon_from(tree, Path(work_dir) / "lmdb", free_port(), "--log-level", "WARNING")
+        daemon = start_daemon(Path(work_dir) / "lmdb", free_port(), "--log-level", "WARNING", tree=tree)
         try:
             with grpc.insecure_channel(daemon.address) as channel:
                 stub = cache_pb2_grpc.CacheServiceStub(channel)
@@ -228,25 +205,19 @@ def empty_daemon_rss(free_port, tree: Path | None = None) -> int:
             daemon.kill()
 
 
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
-def table(points: list[ScalePoint], labels: list[str] | None = None) -> list[str]:
-    labels = labels or [""] * len(points)
-    lines = ["| tree | entries | Store+evict p50 | p99 | Lookup(16) p50 | p99 | Lookup p50 beside Stores | p99 | "
-             "Stores/s beside | restart to SERVING | to index loaded | RSS/entry |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for label, p in zip(labels, points):
-        during_s = len(p.lookup_during_stores_ms) and sum(p.lookup_during_stores_ms) / 1e3
-        lines.append(
-            f"| {label} | {p.num_entries:,} | {statistics.median(p.store_ms):.2f} ms | {percentile(p.store_ms, 0.99):.2f} ms | "
-            f"{statistics.median(p.lookup_ms):.2f} ms | {percentile(p.lookup_ms, 0.99):.2f} ms | "
-            f"{statistics.median(p.lookup_during_stores_ms):.2f} ms | "
-            f"{percentile(p.lookup_during_stores_ms, 0.99):.2f} ms | {p.stores_during_lookups / during_s:.0f} | "
-            f"{p.restart_serving_s:.2f} s | {p.restart_loaded_s:.2f} s | {p.rss_per_entry:.0f} B |")
-    return lines
+def table(points: list[ScalePoint], labels: list[str]) -> str:
+    p50, p99 = harness.median, lambda values: harness.percentile(values, 0.99)
+    rows = [{"tree": label, "entries": f"{p.num_entries:,}", "store_p50": p50(p.store_ms), "store_p99": p99(p.store_ms),
+             "lookup_p50": p50(p.lookup_ms), "lookup_p99": p99(p.lookup_ms),
+             "beside_p50": p50(p.lookup_during_stores_ms), "beside_p99": p99(p.lookup_during_stores_ms),
+             "stores_per_s": f"{p.stores_during_lookups / (sum(p.lookup_during_stores_ms) / 1e3):.0f}",
+             "restart_s": p.restart_serving_s, "loaded_s": p.restart_loaded_s, "rss": f"{p.rss_per_entry:.0f} B"}
+            for label, p in zip(labels, points)]
+    return harness.table(rows, ["tree", "entries", ("store_p50", "Store+evict p50 ms"), ("store_p99", "p99"),
+                                ("lookup_p50", "Lookup(16) p50 ms"), ("lookup_p99", "p99"),
+                                ("beside_p50", "Lookup p50 beside Stores"), ("beside_p99", "p99"),
+                                ("stores_per_s", "Stores/s beside"), ("restart_s", "restart to SERVING s"),
+                                ("loaded_s", "to index loaded s"), ("rss", "RSS/entry")])
 
 
 def plot(points: list[ScalePoint], path: Path) -> None:
@@ -254,10 +225,10 @@ def plot(points: list[ScalePoint], path: Path) -> None:
     sizes = [p.num_entries for p in points]
     figure, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     panels = [
-        ("Store with eviction (ms)", [("p50", [statistics.median(p.store_ms) for p in points]),
-                                      ("p99", [percentile(p.store_ms, 0.99) for p in points])], 5.0),
-        ("Lookup of 16 keys (ms)", [("p99 alone", [percentile(p.lookup_ms, 0.99) for p in points]),
-                                    ("p99 beside Stores", [percentile(p.lookup_during_stores_ms, 0.99)
+        ("Store with eviction (ms)", [("p50", [harness.median(p.store_ms) for p in points]),
+                                      ("p99", [harness.percentile(p.store_ms, 0.99) for p in points])], 5.0),
+        ("Lookup of 16 keys (ms)", [("p99 alone", [harness.percentile(p.lookup_ms, 0.99) for p in points]),
+                                    ("p99 beside Stores", [harness.percentile(p.lookup_during_stores_ms, 0.99)
                                                            for p in points])], 2.0),
         ("restart after kill -9 (s)", [("to SERVING", [p.restart_serving_s for p in points]),
                                        ("to index loaded", [p.restart_loaded_s for p in points])], 2.0),

@@ -19,7 +19,7 @@ def test_a_phase_splits_prompt_tokens_by_tier_and_counts_the_spread():
     assert report.share_computed == pytest.approx(1208 / 3000)
     assert report.cacheable_from_l1 == pytest.approx(896 / 2688)
     assert report.spread == 2.0
-    assert format_report([report]).splitlines()[1].split()[:4] == ["prefix", "yes", "3", "1.50"]
+    assert format_report([report]).splitlines()[2].split(" | ")[:4] == ["| prefix", "True", "3", "1.50"]
 
 
 @pytest.mark.e2e

@@ -17,9 +17,7 @@ past the service's deadline. Every Lookup must answer all its keys; a round that
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import redis as redis_py  # noqa: E402
 from kvboost.v1 import cache_pb2  # noqa: E402
 
+from bench import harness  # noqa: E402
 from cache_daemon.entry import ChunkKey, IncomingChunk  # noqa: E402
 from cache_daemon.l2.record_auth import load_keyring  # noqa: E402
 from cache_daemon.l2.redis_tier import CHUNK_PREFIX, encode_record  # noqa: E402
@@ -41,12 +40,6 @@ from tests.daemon_support import NAMESPACE, cache_stub, digest, shared_l2_key_fi
 from tests.e2e.daemon_process import start_daemon  # noqa: E402
 from tests.e2e.memory_load import memory_heavy_load  # noqa: E402
 from tests.redis_support import redis_node  # noqa: E402
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    """The nearest-rank percentile (p99 of 25 values is the largest)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
 
 
 def measure(folder: Path, rounds: int, num_keys: int, value_bytes: int, load: int) -> dict[str, list[float]]:
@@ -79,10 +72,9 @@ def measure(folder: Path, rounds: int, num_keys: int, value_bytes: int, load: in
                     key=ChunkKey(key), namespace=NAMESPACE, content_key=b"", num_tokens=16,
                     checksum=zlib.crc32(blob), pinned=False, blob=blob), keyring) for key in keys}
                 client.mset(records)
-                order = [("lookup", lookup), ("mget", mget)]
-                for name, run in order if round_index % 2 == 0 else order[::-1]:
+                for name in harness.in_turn(("lookup", "mget"), round_index):
                     started = time.perf_counter()
-                    run(keys, list(records))
+                    {"lookup": lookup, "mget": mget}[name](keys, list(records))
                     timings[name].append(time.perf_counter() - started)
                 client.delete(*records)  # Redis stays small; a promotion not yet done finds them gone (misses)
     return timings
@@ -103,15 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-l2-lookup-") as folder:
         timings = measure(Path(folder), args.rounds, args.keys, args.value_kib << 10, args.load)
     behind = args.keys * args.value_kib / 1024
-    print(f"L2-only keys: {args.keys} x {args.value_kib} KiB ({behind:.1f} MiB behind each Lookup), "
-          f"{args.rounds} rounds, {args.load} load processes")
-    print(f"{'path':<44} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     labels = {"lookup": "Lookup (value-free check, values follow)", "mget": "MGET of the values (a Lookup moving them)"}
-    for name, label in labels.items():
-        values = timings[name]
-        print(f"{label:<44} {statistics.median(values) * 1000:>8.1f} {percentile(values, 0.99) * 1000:>8.1f} "
-              f"{max(values) * 1000:>8.1f}")
-    p99 = percentile(timings["lookup"], 0.99) * 1000
+    harness.print_table(f"bench_l2_lookup: L2-only keys: {args.keys} x {args.value_kib} KiB ({behind:.1f} MiB behind "
+                        f"each Lookup), {args.rounds} rounds, {args.load} load processes",
+                        [{"path": label, "p50": harness.median(timings[name]) * 1000,
+                          "p99": harness.percentile(timings[name], 0.99) * 1000, "max": max(timings[name]) * 1000}
+                         for name, label in labels.items()], ["path", ("p50", "p50 ms"), ("p99", "p99 ms"),
+                                                              ("max", "max ms")], digits=1)
+    p99 = harness.percentile(timings["lookup"], 0.99) * 1000
     print(f"Lookup p99 {p99:.1f} ms against the target of {args.target_ms:.0f} ms: "
           f"{'met' if p99 <= args.target_ms else 'missed'}")
     return 0

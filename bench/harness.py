@@ -46,11 +46,16 @@ def alternate(measure: Mapping[str, Callable[[], Any]], rounds: int) -> dict[str
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     samples: dict[str, list[Any]] = {label: [] for label in measure}
-    labels = list(measure)
     for round_index in range(rounds):
-        for label in labels if round_index % 2 == 0 else labels[::-1]:
+        for label in in_turn(measure, round_index):
             samples[label].append(measure[label]())
     return samples
+
+
+def in_turn(labels: Iterable[str], round_index: int) -> list[str]:
+    """The order of one round: as given in even rounds, reversed in odd ones (ABBA)."""
+    ordered = list(labels)
+    return ordered if round_index % 2 == 0 else ordered[::-1]
 
 
 def median(values: Iterable[float]) -> float:

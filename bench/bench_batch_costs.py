@@ -10,7 +10,6 @@ Device work only (no store, no gRPC): the running batch (model/running_batch.py)
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,8 @@ from inference_service import mkl_dispatch  # noqa: E402
 
 MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBOOST_MKL_DISPATCH=vendor to compare)
 
+from bench import harness  # noqa: E402
+
 
 def load(model_name: str):
     if model_name == "tiny":
@@ -32,12 +33,11 @@ def load(model_name: str):
 
 
 def median_seconds(run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
+    def timed() -> float:
         started = time.perf_counter()
         run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        return time.perf_counter() - started
+    return harness.median(harness.alternate({"run": timed}, repeats)["run"])
 
 
 def main(argv: list[str] | None = None) -> int:

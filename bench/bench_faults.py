@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -26,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+
+from bench import harness  # noqa: E402
 from kvboost.v1 import inference_pb2 as pb  # noqa: E402
 from kvboost.v1 import inference_pb2_grpc  # noqa: E402
 
@@ -137,14 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                         identical &= list(result.output_token_ids) == expected[index]
     worst_excess = 0.0
     for index in range(len(ORDINARY)):
-        own, at_once = statistics.median(alone[index]), statistics.median(together[index])
+        own, at_once = harness.median(alone[index]), harness.median(together[index])
         worst_excess = max(worst_excess, at_once - own)
         print(f"ordinary {index}: alone {own * 1000:7.1f} ms, with the 7 others {at_once * 1000:7.1f} ms "
               f"(+{(at_once - own) * 1000:.1f} ms), {'/'.join(sorted(set(outcomes[index])))}")
     for offset, name in enumerate(EXTREME):
         index = len(ORDINARY) + offset
         print(f"extreme  {name:<40}: {'/'.join(sorted(set(outcomes[index])))} in "
-              f"{statistics.median(together[index]) * 1000:7.1f} ms")
+              f"{harness.median(together[index]) * 1000:7.1f} ms")
     print(f"ordinary answers token-identical to model.generate in every round: {identical}; "
           f"worst ordinary time beyond its own work: {worst_excess * 1000:.1f} ms")
     return 0 if identical else 1

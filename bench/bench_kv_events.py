@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import threading
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench import harness  # noqa: E402
 
 WORDS = ("harbour tide pilot mooring ledger crane berth cargo anchor signal tier chunk prefix block router "
          "replica cache event stream").split()
@@ -78,11 +79,6 @@ class Subscriber:
         self.socket.close(0)
 
 
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="a catalogue name, or tiny")
@@ -117,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = {"on": [], "off": []}
         freshness, busy_before = [], publisher.stats.busy_seconds
         for round_index in range(args.rounds):
-            for mode in (("on", "off") if round_index % 2 == 0 else ("off", "on")):
+            for mode in harness.in_turn(("on", "off"), round_index):
                 l0.listener = publisher if mode == "on" else None
                 text = document(tokenizer, args.tokens, 2 * round_index + (mode == "on"))
                 del first_added[:]
@@ -133,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
                                     if arrival >= entered and any(e["type"] == "BlockStored" for e in events))
                     freshness.append((received - entered) * 1000)
         busy = publisher.stats.busy_seconds - busy_before
-        on, off = statistics.median(seconds["on"]), statistics.median(seconds["off"])
+        on, off = harness.median(seconds["on"]), harness.median(seconds["off"])
         print(f"model {args.model}, {args.tokens}-token documents, chunk {args.chunk_size}, block "
               f"{publisher.config.block_size}, {args.rounds} requests each way, alternating")
-        print(f"freshness (L0 insert -> batch received), ms: median {statistics.median(freshness):.2f}, "
-              f"p99 {percentile(freshness, 0.99):.2f}, max {max(freshness):.2f}")
+        print(f"freshness (L0 insert -> batch received), ms: median {harness.median(freshness):.2f}, "
+              f"p99 {harness.percentile(freshness, 0.99):.2f}, max {max(freshness):.2f}")
         print(f"publisher thread busy: {busy * 1000:.1f} ms over {sum(seconds['on']) * 1000:.0f} ms of 'on' requests "
               f"= {100 * busy / sum(seconds['on']):.3f}%; batches sent {publisher.stats.batches_sent}, "
               f"events {publisher.stats.events_sent}")

@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+
+from bench import harness  # noqa: E402
 from kvboost.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 from kvboost.v1 import inference_pb2 as pb  # noqa: E402
 from kvboost.v1 import inference_pb2_grpc  # noqa: E402
@@ -88,10 +90,7 @@ def require_loopback(address: str) -> None:
 
 
 def percentile(values: list[float], fraction: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+    return harness.percentile(values, fraction) if values else 0.0
 
 
 def rss_bytes(pid: int | None, field: str = "VmRSS") -> int | None:

@@ -24,7 +24,6 @@ guarded engine at that threshold beside the other columns. Accuracy comes with a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBO
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 from inference_service.kv import codec  # noqa: E402
 from inference_service.store.memory import InMemoryStore# noqa: E402
@@ -213,13 +213,13 @@ def guarded_answers(full: dict, blend: dict, threshold: float) -> tuple[list[boo
 def guard_curve(rows: dict, column: str) -> list[dict]:
     """The trade-off of the guard over every threshold that changes a decision on these questions."""
     full, blend = rows["full prefill"], rows[column]
-    full_ttft = statistics.median(full["ttft_ms"])
+    full_ttft = harness.median(full["ttft_ms"])
     thresholds = sorted({risk for risk in blend["risk"] if risk > 0}) + [float("inf")]
     curve = []
     for threshold in [t * (1 - 1e-9) for t in thresholds[:-1]] + [thresholds[-1]]:
         correct, ttft, fallen = guarded_answers(full, blend, threshold)
         curve.append({"threshold": threshold, "accuracy": statistics.mean(correct), "fallback_share": fallen,
-                      "ttft_ratio": statistics.median(ttft) / full_ttft})
+                      "ttft_ratio": harness.median(ttft) / full_ttft})
     return curve
 
 
@@ -232,11 +232,11 @@ def tune_guard(rows: dict, column: str, target: float) -> float:
 
 def summarize(run: dict) -> list[dict]:
     rows = run["rows"]
-    full_ttft = statistics.median(rows["full prefill"]["ttft_ms"])
+    full_ttft = harness.median(rows["full prefill"]["ttft_ms"])
     table = []
     for column in run["columns"]:
         row = rows[column.name]
-        ttft = statistics.median(row["ttft_ms"])
+        ttft = harness.median(row["ttft_ms"])
         low, high = bootstrap_interval(row["correct"])
         table.append({
             "column": column.name, "ratio": column.ratio, "accuracy_ci": [low, high],
@@ -256,27 +256,24 @@ def print_tables(table: list[dict], identity: dict) -> None:
 
 
 def print_questions(table: list[dict]) -> None:
-    header = (f"{'column':<22} {'accuracy':>8} {'95% CI':>13} {'agree':>6} {'1st-tok KL':>10} {'TTFT ms':>8} "
-              f"{'x full':>6} {'reused':>6} {'recomp':>6} {'guarded':>7}")
-    print(header)
-    print("-" * len(header))
-    for r in table:
-        low, high = r["accuracy_ci"]
-        print(f"{r['column']:<22} {r['accuracy']:>8.3f} {f'[{low:.3f}, {high:.3f}]':>13} {r['agreement']:>6.3f} "
-              f"{r['first_token_kl']:>10.4f} {r['ttft_ms']:>8.1f} {r['ttft_ratio']:>6.2f} {r['reused']:>6.2f} "
-              f"{r['recomputed']:>6.2f} {r['fallback_share']:>7.2f}")
+    rows = [{**row, "ci": "[{:.3f}, {:.3f}]".format(*row["accuracy_ci"]), "kl": f"{row['first_token_kl']:.4f}"}
+            for row in table]
+    print(harness.table(rows, ["column", "accuracy", ("ci", "95% CI"), ("agreement", "agree"), ("kl", "1st-tok KL"),
+                               ("ttft_ms", "TTFT ms"), ("ttft_ratio", "x full"), "reused", ("recomputed", "recomp"),
+                               ("fallback_share", "guarded")], digits=3))
 
 
 def print_identity(identity: dict) -> None:
-    print("\nidentity prompts: agreement over the prompts with prefix hits")
-    print(f"{'stored as':<22} {'prompts':>7} {'w/ hits':>7} {'same output':>11} {'same tokens':>11} "
-          f"{'1st-tok KL':>10} {'bytes stored':>12} {'x fewer':>7} {'x fewer than fp16':>17}")
     exact = identity["16-bit"]
-    for name, r in identity.items():
-        fewer = exact["bytes_stored"] / r["bytes_stored"]
-        fewer_fp16 = exact["fp16_equivalent_bytes"] / r["bytes_stored"] if r["bits"] != 16 else 1.0
-        print(f"{name:<22} {r['prompts']:>7d} {r['prompts_with_hits']:>7d} {r['output_agreement']:>11.3f} "
-              f"{r['token_agreement']:>11.3f} {r['first_token_kl']:>10.2e} {r['bytes_stored']:>12d} {fewer:>7.2f} {fewer_fp16:>17.2f}")
+    rows = [{**row, "stored_as": name, "kl": f"{row['first_token_kl']:.2e}",
+             "fewer": exact["bytes_stored"] / row["bytes_stored"],
+             "fewer_fp16": exact["fp16_equivalent_bytes"] / row["bytes_stored"] if row["bits"] != 16 else 1.0}
+            for name, row in identity.items()]
+    print("\nidentity prompts: agreement over the prompts with prefix hits")
+    print(harness.table(rows, [("stored_as", "stored as"), "prompts", ("prompts_with_hits", "w/ hits"),
+                               ("output_agreement", "same output"), ("token_agreement", "same tokens"),
+                               ("kl", "1st-tok KL"), ("bytes_stored", "bytes stored"), ("fewer", "x fewer"),
+                               ("fewer_fp16", "x fewer than fp16")], digits=3))
 
 
 def write_plot(table: list[dict], path: Path, model_name: str = "SmolLM2-135M") -> None:
@@ -398,10 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kept: {guard['threshold']:.4g} (largest within {guard['target']:.2f} of full prefill)\n")
         print(f"held-out split ({guard['held_out_questions']} questions):")
     print_tables(table, identity)
-    args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"accuracy-{stamp}.json").write_text(json.dumps({"table": table, "identity": identity,
-                                                                 "guard": guard}, indent=2))
+    harness.write_json(args.out / f"accuracy-{stamp}.json", {"table": table, "identity": identity, "guard": guard})
     if table:
         write_plot(table, args.out / f"accuracy-{stamp}.png", loaded.model_id)
     if guard:

@@ -18,8 +18,8 @@ def test_identity_table_has_every_storage_row(capsys, smollm2, tmp_path):
     bench_accuracy.main(["--no-questions", "--questions", "1", "--identity-prompts", "1", "--threads", "1",
                          "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    rows = {name: line[len(name):].split() for line in out.splitlines()
-            for name, _, _ in bench_accuracy.STORAGE if line.startswith(name + " ")}
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("|")]
+    rows = {row[0]: row[1:] for row in cells if row[0] in {name for name, _, _ in bench_accuracy.STORAGE}}
     assert set(rows) == {name for name, _, _ in bench_accuracy.STORAGE}
     # columns: prompts, with hits, same output, same tokens, first-token KL, bytes stored, x fewer, x fewer than fp16
     # 16-bit K/V are stored bit-exact (tests/inference_service/kv/test_codec.py); the first token's logits then

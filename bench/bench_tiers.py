@@ -13,8 +13,6 @@ promotes it into B's LMDB, and the engine reads it from there. Runs are interlea
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import tempfile
 import time
@@ -31,6 +29,7 @@ MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBO
 import torch  # noqa: E402
 from kvboost.v1 import cache_pb2  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.bench_ttft import EnginePath, build_context, context_length, question  # noqa: E402
 from inference_service.engine.engine import EngineConfig  # noqa: E402
 from inference_service.model.loading import load_model  # noqa: E402
@@ -85,19 +84,20 @@ def drain_l2_writes(stub, timeout_s: float = 60.0) -> None:
 def measure(paths: dict[str, EnginePath], stub_a, context: str, runs: int) -> dict[str, list[dict]]:
     paths["L1 hit, no L2"].warm(context)
     paths["L1 hit, L2 on"].warm(context)
-    samples: dict[str, list[dict]] = {name: [] for name in ("baseline", "L1 hit, no L2", "L1 hit, L2 on", "L2 hit")}
-    for run in range(runs):
-        asked = iter(range(run * 97, run * 97 + 97))
-        samples["baseline"].append(paths["L1 hit, no L2"].ask(context + question(next(asked)), "baseline"))
-        for name in ("L1 hit, no L2", "L1 hit, L2 on"):
-            samples[name].append(paths[name].ask(context + question(next(asked)), "prefix_cache"))
-        # A document host B has never seen: warmed on A, reaching B through Redis only.
-        fresh = f"Handbook copy {run}.\n" + context
+    asked, copies = iter(range(1 << 30)), iter(range(1 << 30))
+
+    def l2_hit() -> dict:  # a document host B has never seen: warmed on A, reaching B through Redis only
+        fresh = f"Handbook copy {next(copies)}.\n" + context
         paths["warm on A"].warm(fresh)
         paths["warm on A"].engine.flush_writes()  # A's Store replied: every chunk is in A's L2 queue
         drain_l2_writes(stub_a)
-        samples["L2 hit"].append(paths["L2 hit"].ask(fresh + question(next(asked)), "prefix_cache"))
-    return samples
+        return paths["L2 hit"].ask(fresh + question(next(asked)), "prefix_cache")
+
+    return harness.alternate({
+        "baseline": lambda: paths["L1 hit, no L2"].ask(context + question(next(asked)), "baseline"),
+        **{name: lambda name=name: paths[name].ask(context + question(next(asked)), "prefix_cache")
+           for name in ("L1 hit, no L2", "L1 hit, L2 on")},
+        "L2 hit": l2_hit}, runs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,14 +130,14 @@ def main(argv: list[str] | None = None) -> None:
         with cache_stub(addresses["B"]) as stub_b:
             b_stats = l2_stats(stub_b)
         a_stats = l2_stats(stub_a)
-    medians = {name: statistics.median(s["ttft_ms"] for s in rows) for name, rows in samples.items()}
-    print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size {args.chunk_size}, "
-          f"~{args.length}-token prompts, median of {args.runs} runs, redis-server on loopback\n")
-    print(f"{'path':<16} {'prompt':>6} {'cached':>6} {'TTFT ms':>9} {'x BASELINE':>10}")
-    for name, rows in samples.items():
-        last = rows[-1]
-        print(f"{name:<16} {last['prompt']:>6} {last['cached']:>6} {medians[name]:>9.1f} "
-              f"{medians['baseline'] / medians[name]:>9.1f}x")
+    medians = {name: harness.median(s["ttft_ms"] for s in rows) for name, rows in samples.items()}
+    harness.print_table(f"bench_tiers: {loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size "
+                        f"{args.chunk_size}, ~{args.length}-token prompts, median of {args.runs} alternating runs, "
+                        "redis-server on loopback",
+                        [{"path": name, "prompt": rows[-1]["prompt"], "cached": rows[-1]["cached"],
+                          "ttft_ms": medians[name], "x": f"{medians['baseline'] / medians[name]:.1f}x"}
+                         for name, rows in samples.items()],
+                        ["path", "prompt", "cached", ("ttft_ms", "TTFT ms"), ("x", "x BASELINE")], digits=1)
     reuse = [s["cached"] / s["prompt"] for s in samples["L2 hit"]]
     l1_change = medians["L1 hit, L2 on"] / medians["L1 hit, no L2"] - 1
     print(f"\nL2 hit vs BASELINE: {medians['baseline'] / medians['L2 hit']:.1f}x (target >= 5x)")
@@ -145,9 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"cross-host reuse on B: min {min(reuse):.1%} of the prompt (target >= 90%)")
     print(f"L2 counters: A writes {a_stats.writes}, dropped {a_stats.dropped_writes}, errors {a_stats.errors}; "
           f"B hits {b_stats.hits}, misses {b_stats.misses}, corrupted {b_stats.corrupted}")
-    args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"tiers-{stamp}.json").write_text(json.dumps({"medians_ms": medians, "samples": samples}, indent=2))
+    harness.write_json(args.out / f"tiers-{stamp}.json", {"medians_ms": medians, "samples": samples})
     print(f"wrote {args.out}/tiers-{stamp}.json")
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import harness  # noqa: E402
 from bench.load import SYSTEM_PROMPT, Report, rss_bytes, run_load  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 
@@ -45,15 +46,8 @@ def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str
     """The daemon and one service per configuration; ({label: address}, daemon address, daemon pid, {label: the
     decode step the service runs, from its log}): a step that cannot run here falls back (lean to
     transformers), and a row must not be credited to a step that did not run."""
-    from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
-    from tests.e2e.service_process import start_service
-
-    if model == "tiny":
-        from tests.e2e.stack_process import save_tiny_model
-        model = str(save_tiny_model(work_dir / "tiny-model"))
-    daemon = start_daemon(work_dir / "lmdb", pick_free_port(), "--max-bytes", max_bytes)
-    stack.callback(lambda: daemon.process.poll() is None and daemon.terminate())
+    model = harness.model_path(model, work_dir)
+    daemon = harness.start_daemon(stack, work_dir, "--max-bytes", max_bytes)
     configs = {label: (flags, None) for label, flags in CONFIGS.items()}
     for step in decode_steps:  # the running batch again, under another decode step
         configs[f"batched-{step}"] = (("--decode-step", step), None)
@@ -61,10 +55,8 @@ def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str
         configs = {BEFORE: ((), baseline_tree), **configs}
     addresses, steps_run = {}, {}
     for label, (flags, tree) in configs.items():
-        service = start_service(model, daemon.address, pick_free_port(), work_dir / f"service-{label}.log",
-                                "--chunk-size", str(chunk_size), "--max-queue", str(max_queue), *flags,
-                                timeout_s=300, tree=tree)
-        stack.callback(lambda service=service: service.process.poll() is None and service.terminate())
+        service = harness.start_service(stack, model, daemon.address, work_dir, "--chunk-size", str(chunk_size),
+                                        "--max-queue", str(max_queue), *flags, name=f"service-{label}", tree=tree)
         addresses[label] = service.address
         steps_run[label] = step_run(service.log())
     return addresses, daemon.address, daemon.process.pid, steps_run

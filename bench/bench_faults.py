@@ -98,25 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads of the service")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
-    from tests.e2e.service_process import start_service
-
     alone: dict[int, list[float]] = {i: [] for i in range(len(ORDINARY))}
     together: dict[int, list[float]] = {i: [] for i in range(len(ORDINARY) + len(EXTREME))}
     outcomes: dict[int, list[str]] = {i: [] for i in together}
     identical = True
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-faults-")))
-        model = args.model
-        if model == "tiny":
-            from tests.e2e.stack_process import save_tiny_model
-            model = str(save_tiny_model(work_dir / "tiny-model"))
+        model = harness.model_path(args.model, work_dir)
         expected = references(model, ORDINARY)
-        daemon = start_daemon(work_dir / "lmdb", pick_free_port())
-        stack.callback(daemon.terminate)
-        service = start_service(model, daemon.address, pick_free_port(), work_dir / "service.log", timeout_s=300)
-        stack.callback(service.terminate)
+        daemon = harness.start_daemon(stack, work_dir)
+        service = harness.start_service(stack, model, daemon.address, work_dir)
         channel = stack.enter_context(grpc.insecure_channel(service.address))
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         call(stub, "warm-up", {})

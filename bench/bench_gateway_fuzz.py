@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import harness  # noqa: E402
+
 
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -89,19 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     import httpx
 
     from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
     from tests.e2e.gateway_process import running_gateways
     from tests.e2e.service_process import running_service
-    from tests.e2e.stack_process import save_tiny_model
     from tests.e2e.test_gateway_fuzz import API_KEY, ordinary_answer
 
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="kvboost-fuzz-"))
-    model = str(save_tiny_model(work_dir / "tiny-model")) if args.model == "tiny" else args.model
+    model = harness.model_path(args.model, work_dir)
     key_file = work_dir / "api.key"
     key_file.write_text(API_KEY + "\n")
     with ExitStack() as stack:
-        daemon = start_daemon(work_dir / "lmdb", pick_free_port())
-        stack.callback(daemon.terminate)
+        daemon = harness.start_daemon(stack, work_dir)
         service = stack.enter_context(running_service(model, daemon.address, pick_free_port(),
                                                       work_dir / "service.log", "--max-new-tokens",
                                                       str(args.max_new_tokens), timeout_s=300))

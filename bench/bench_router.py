@@ -154,30 +154,16 @@ class Clients:
 def start_replicas(stack: ExitStack, workdir: Path, model: str, num_replicas: int, budget: int, chunk_size: int,
                    l2_url: str | None, service_flags=lambda index: ()) -> list[tuple[str, str]]:
     """Each replica's daemon, then every service at once (a start is mostly imports and loading, waited on)."""
-    from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
-    from tests.e2e.service_process import start_service
+    l2 = ("--l2", l2_url) if l2_url else ()
+    daemons = [harness.start_daemon(stack, workdir, "--max-bytes", str(budget), *l2, name=f"lmdb-{index}")
+               for index in range(num_replicas)]
 
-    daemons = []
-    for index in range(num_replicas):
-        l2 = ("--l2", l2_url) if l2_url else ()
-        daemon = start_daemon(workdir / f"lmdb-{index}", pick_free_port(), "--max-bytes", str(budget), *l2)
-        stack.callback(daemon.terminate)
-        daemons.append(daemon)
-
-    def start(index: int):
-        return start_service(model, daemons[index].address, pick_free_port(), workdir / f"service-{index}.log",
-                             "--chunk-size", str(chunk_size), "--threads", "1", *service_flags(index), timeout_s=300)
+    def start(index: int):  # every started service is stopped with the stack, even when another failed to start
+        return harness.start_service(stack, model, daemons[index].address, workdir, "--chunk-size", str(chunk_size),
+                                     "--threads", "1", *service_flags(index), name=f"service-{index}")
 
     with ThreadPoolExecutor(num_replicas) as starting:
-        futures = [starting.submit(start, index) for index in range(num_replicas)]
-    services = []
-    for future in futures:  # every started service is stopped with the stack, even when another failed to start
-        if future.exception() is None:
-            stack.callback(future.result().terminate)
-            services.append(future.result())
-    for future in futures:
-        future.result()  # raises the first failure
+        services = list(starting.map(start, range(num_replicas)))
     return [(service.address, daemon.address) for service, daemon in zip(services, daemons)]
 
 
@@ -411,11 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "bench"))
     with tempfile.TemporaryDirectory(prefix="bench-router-") as scratch, ExitStack() as stack:
         workdir = Path(scratch)
-        model = args.model
-        if model == "tiny":
-            from tests.e2e.stack_process import save_tiny_model
-
-            model = str(save_tiny_model(workdir / "tiny-model"))
+        model = harness.model_path(args.model, workdir)
         from transformers import AutoTokenizer
 
         from inference_service.model.weights import resolve_model_path

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -120,6 +121,37 @@ def write_json(path: Path | None, payload: Any) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(payload, indent=1, default=str))
+
+
+def model_path(model: str, work: Path) -> str:
+    """The model to start services with: `tiny` (the tests' random 2-layer Llama, saved under work) or as given."""
+    if model != "tiny":
+        return model
+    from tests.e2e.stack_process import save_tiny_model
+
+    folder = work / "tiny-model"
+    return str(folder if (folder / "config.json").is_file() else save_tiny_model(folder))
+
+
+def start_daemon(stack: ExitStack, work: Path, *flags: str, name: str = "lmdb", tree: Path | None = None, **options):
+    """A cache daemon (tests/e2e's start_daemon) on a free loopback port, stopped when the stack closes."""
+    from tests.conftest import pick_free_port
+    from tests.e2e.daemon_process import start_daemon as start
+
+    daemon = start(work / name, pick_free_port(), *flags, tree=tree, **options)
+    stack.callback(lambda: daemon.process.poll() is None and daemon.terminate())
+    return daemon
+
+
+def start_service(stack: ExitStack, model: str, cache_addr: str, work: Path, *flags: str, name: str = "service",
+                  tree: Path | None = None, timeout_s: float = 300.0):
+    """`python -m inference_service` (tests/e2e's start_service) on a free port, stopped when the stack closes."""
+    from tests.conftest import pick_free_port
+    from tests.e2e.service_process import start_service as start
+
+    service = start(model, cache_addr, pick_free_port(), work / f"{name}.log", *flags, timeout_s=timeout_s, tree=tree)
+    stack.callback(lambda: service.process.poll() is None and service.terminate())
+    return service
 
 
 class TreeWorker:

@@ -269,21 +269,10 @@ def format_report(report: Report) -> str:
 def start_stack(stack: ExitStack, model: str, chunk_size: int, max_bytes: str, max_queue: int,
                 work_dir: Path, *service_args: str) -> tuple[str, str, int, Path]:
     """Daemon and service processes on free loopback ports; stopped when `stack` closes."""
-    from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
-    from tests.e2e.service_process import start_service
-
-    if model == "tiny":
-        from tests.e2e.stack_process import save_tiny_model
-        model = str(save_tiny_model(work_dir / "tiny-model"))
-    data_dir = work_dir / "lmdb"
-    daemon = start_daemon(data_dir, pick_free_port(), "--max-bytes", max_bytes)
-    stack.callback(lambda: daemon.process.poll() is None and daemon.terminate())
-    service = start_service(model, daemon.address, pick_free_port(), work_dir / "service.log",
-                            "--chunk-size", str(chunk_size), "--max-queue", str(max_queue), *service_args,
-                            timeout_s=300)
-    stack.callback(lambda: service.process.poll() is None and service.terminate())
-    return service.address, daemon.address, daemon.process.pid, data_dir
+    daemon = harness.start_daemon(stack, work_dir, "--max-bytes", max_bytes)
+    service = harness.start_service(stack, harness.model_path(model, work_dir), daemon.address, work_dir,
+                                    "--chunk-size", str(chunk_size), "--max-queue", str(max_queue), *service_args)
+    return service.address, daemon.address, daemon.process.pid, work_dir / "lmdb"
 
 
 def main(argv: list[str] | None = None) -> int:

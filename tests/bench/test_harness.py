@@ -1,6 +1,7 @@
 """The benchmarks' harness: alternation order, medians, the table, a worker under another tree."""
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,18 @@ def test_tree_worker_runs_a_script_under_the_given_tree(tmp_path):
     assert answer["doubled"] == 42
     assert worker.process.returncode == 0
     assert Path(answer["path0"]) == harness.ROOT
+
+
+def test_model_path_saves_the_tiny_model_once_and_passes_names_through(tmp_path):
+    assert harness.model_path("SmolLM2-135M-Instruct", tmp_path) == "SmolLM2-135M-Instruct"
+    saved = harness.model_path("tiny", tmp_path)
+    assert (Path(saved) / "config.json").is_file()
+    assert harness.model_path("tiny", tmp_path) == saved
+
+
+@pytest.mark.e2e
+def test_a_daemon_started_by_the_harness_stops_with_its_stack(tmp_path):
+    with ExitStack() as stack:
+        daemon = harness.start_daemon(stack, tmp_path, "--max-bytes", "1M", name="data")
+        assert daemon.process.poll() is None and (tmp_path / "data").is_dir()
+    assert daemon.process.poll() == 0

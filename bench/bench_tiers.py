@@ -39,15 +39,8 @@ from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions 
 
 
 def start_tier_daemons(stack: ExitStack, workdir: Path, redis_url: str) -> dict[str, str]:
-    from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
-
-    addresses = {}
-    for name, flags in (("P", ()), ("A", ("--l2", redis_url)), ("B", ("--l2", redis_url))):
-        daemon = start_daemon(workdir / f"lmdb-{name}", pick_free_port(), "--max-bytes", "8GB", *flags)
-        stack.callback(daemon.terminate)
-        addresses[name] = daemon.address
-    return addresses
+    return {name: harness.start_daemon(stack, workdir, "--max-bytes", "8GB", *flags, name=f"lmdb-{name}").address
+            for name, flags in (("P", ()), ("A", ("--l2", redis_url)), ("B", ("--l2", redis_url)))}
 
 
 def engine_over(stack: ExitStack, name: str, loaded, config: EngineConfig, address: str,

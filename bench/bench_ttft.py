@@ -145,11 +145,9 @@ class ServicePath:
 
 def start_daemons(stack: ExitStack, workdir: Path) -> tuple[str, str]:
     """Two daemons with their own data: one on a loopback port, one on a unix socket."""
-    from tests.conftest import pick_free_port
     from tests.e2e.daemon_process import start_daemon
 
-    tcp = start_daemon(workdir / "lmdb-tcp", pick_free_port(), "--max-bytes", "8GB")
-    stack.callback(tcp.terminate)
+    tcp = harness.start_daemon(stack, workdir, "--max-bytes", "8GB", name="lmdb-tcp")
     unix = start_daemon(workdir / "lmdb-unix", f"unix:{workdir / 'daemon.sock'}", "--max-bytes", "8GB")
     stack.callback(unix.terminate)
     return tcp.address, unix.address

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import httpx  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.bench_peers import OurStack, Server, documents, start_peer  # noqa: E402
 
 KINDS = ("words", "logs", "csv")
@@ -124,15 +125,14 @@ def part_rounds(servers: list[Server], approx: Server, args, count_tokens, clien
         runs = args.runs if kind == args.kinds[0] else args.other_runs or args.runs
         samples: dict[str, list[dict]] = {server.name: [] for server in kind_servers}
         for run in range(runs):
-            for server in kind_servers:
+            for server in harness.in_turn(kind_servers, run):
                 rng = random.Random(f"{args.seed}-{kind}-{run}-{server.name}")
                 texts = [document(kind, next(tags), rng, args.tokens, count_tokens) for _ in range(args.documents)]
                 samples[server.name].append(run_rounds(server, texts, args.repeats, args.in_flight, args.seed + run,
                                                        client))
                 print(f"  {kind} run {run + 1} {server.name}: {json.dumps(samples[server.name][-1])}", flush=True)
         results[kind] = {"runs": runs, "servers": {
-            name: {round_name: {figure: statistics.median(sample[round_name][figure] for sample in samples_of)
-                                for figure in samples_of[0][round_name]}
+            name: {round_name: harness.summarize([sample[round_name] for sample in samples_of])
                    for round_name in ("warmup", "query")}
             for name, samples_of in samples.items()}}
     return results
@@ -166,20 +166,19 @@ def part_repeat(ours: Server, args, count_tokens, client: httpx.Client) -> dict:
         ask(ours, log, "log_again")
         print(f"  repeat run {run + 1}: " + ", ".join(f"{key} {values[-1]:.0f}" for key, values in rows.items()),
               flush=True)
-    return {key: statistics.median(values) for key, values in rows.items()}
+    return {key: harness.median(values) for key, values in rows.items()}
 
 
 def print_report(results: dict) -> None:
     print(f"\n{results['header']}\nllama-server: {results['peer_command']}\n")
     for kind, figures in results.get("rounds", {}).items():
         servers = figures["servers"]
-        print(f"{kind}: {results['shape']}, medians of {figures['runs']} runs")
-        print(f"  {'server':<14} {'warm-up TTFT ms':>16} {'query TTFT ms':>14} {'query round s':>14} "
-              f"{'query cached/prompt':>20}")
-        for name, rounds in servers.items():
-            query = rounds["query"]
-            print(f"  {name:<14} {rounds['warmup']['mean_ttft_ms']:>16.1f} {query['mean_ttft_ms']:>14.1f} "
-                  f"{query['round_s']:>14.2f} {query['mean_cached']:>10.0f}/{query['mean_prompt']:<9.0f}")
+        harness.print_table(f"{kind}: {results['shape']}, medians of {figures['runs']} alternating runs", [
+            {"server": name, "warmup": rounds["warmup"]["mean_ttft_ms"], "query": rounds["query"]["mean_ttft_ms"],
+             "round_s": rounds["query"]["round_s"],
+             "cached": f"{rounds['query']['mean_cached']:.0f}/{rounds['query']['mean_prompt']:.0f}"}
+            for name, rounds in servers.items()], ["server", ("warmup", "warm-up TTFT ms"), ("query", "query TTFT ms"),
+                                                   ("round_s", "query round s"), ("cached", "query cached/prompt")])
     repeat = results.get("repeat")
     if repeat:
         print("\nrepeat (ours through the gateway, medians):")
@@ -209,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="kinds that also run ours-approx (chunk_kv_reuse asked for), comma-separated; empty: none")
     parser.add_argument("--other-runs", type=int, default=0,
                         help="runs of every kind but the first (0: --runs), to keep a full run short")
-    parser.add_argument("--json", type=Path, help="write every figure here")
+    harness.add_arguments(parser, rounds=None)
     args = parser.parse_args(argv)
     args.kinds = [kind for kind in args.kinds.split(",") if kind]
     args.approx_kinds = [kind for kind in args.approx_kinds.split(",") if kind]
@@ -248,10 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             if "repeat" in parts:
                 results["repeat"] = part_repeat(ours, args, count_tokens, client)
     print_report(results)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
-        print(f"\nwrote {args.json}")
+    harness.write_json(args.json, results)
     return 0
 
 

@@ -16,8 +16,6 @@ the model's own forward. The service's step is unchanged: this is a measurement.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.gpu_model import SHAPES, log, random_model  # noqa: E402
 from inference_service.model.lean_step import LeanStep  # noqa: E402
 from inference_service.model.graph_step import GraphSteps  # noqa: E402
@@ -102,13 +101,13 @@ def compare_rows(model, num_rows: int, args, steps: dict, capacity: int) -> dict
     equal, worst = int(torch.equal(first["graphs"], first["compiled"])), float((first["graphs"] - first["compiled"]).abs().max())
     for index in range(1, args.steps + 1):
         logits = {}
-        for name, runner in (runners.items() if index % 2 else reversed(runners.items())):
-            logits[name], seconds = timed_step(model, runner, rows_at(index))
+        for name in harness.in_turn(runners, index - 1):
+            logits[name], seconds = timed_step(model, runners[name], rows_at(index))
             times[name].append(seconds)
         equal += int(torch.equal(logits["graphs"], logits["compiled"]))
         worst = max(worst, float((logits["graphs"] - logits["compiled"]).abs().max()))
     for name, samples in times.items():
-        result[f"{name}_ms"] = statistics.median(samples) * 1000
+        result[f"{name}_ms"] = harness.median(samples) * 1000
     result.update(tokens_per_s=num_rows * 1000 / result["compiled_ms"], graphs_tokens_per_s=num_rows * 1000 / result["graphs_ms"],
                   speedup=result["graphs_ms"] / result["compiled_ms"], bitwise_steps=equal, steps=args.steps + 1,
                   max_abs_diff=worst, replays={name: runner.graphs.num_replays for name, runner in runners.items()})
@@ -177,9 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     results["probes"] = probes
     results["seconds"] = time.perf_counter() - started
     log(f"{results['seconds']:.0f} s in all")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-        log(f"wrote {args.json}")
+    harness.write_json(args.json, results)
     return 0
 
 

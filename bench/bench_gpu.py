@@ -28,7 +28,6 @@ import argparse
 import json
 import mmap
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.gpu_model import CHUNK, QUESTION_WORDS, SHAPES, log, random_model, word_tokenizer, words  # noqa: E402
 from bench.ttft_stages import format_row, median_row, split_request  # noqa: E402
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
@@ -58,7 +58,7 @@ def timed_copy(target: torch.Tensor, source: torch.Tensor, repeats: int = 3) -> 
         target.copy_(source, non_blocking=True)
         torch.cuda.synchronize()
         rates.append(source.numel() * source.element_size() / (time.perf_counter() - started) / 1e9)
-    return statistics.median(rates[1:])
+    return harness.median(rates[1:])
 
 
 def page_cache_to_pinned(path: Path, pinned: torch.Tensor, threads: int) -> float:
@@ -81,7 +81,7 @@ def page_cache_to_pinned(path: Path, pinned: torch.Tensor, threads: int) -> floa
                 worker.join()
             rates.append(size / (time.perf_counter() - started) / 1e9)
         source = None  # drop the tensor over the map before the map closes
-    return statistics.median(rates)
+    return harness.median(rates)
 
 
 def machine_limits(workdir: Path, gib: int = 1) -> dict:
@@ -143,24 +143,19 @@ def measure_length(length: int, args, model, tokenizer, engines: dict[str, Engin
     tiers = [name for name in ("from L0", "from host tier") if name in engines]
     if "from host tier" in engines:  # fetched from the daemon once, then copied into the host tier's slabs
         ask(engines["from host tier"], document + " " + words(QUESTION_WORDS, seed=2, vocab_size=vocab))
-    samples: dict[str, list[dict]] = {name: [] for name in ("BASELINE", "plain prefill", "warmed", *tiers)}
-    for run in range(args.runs):
-        questions = iter(range(100 * run + 10, 100 * run + 20))
-        prompt = lambda questions=questions: document + " " + words(QUESTION_WORDS, seed=next(questions),
-                                                                    vocab_size=vocab)
-        samples["BASELINE"].append(ask(engines["warmed"], prompt(), mode="baseline"))
-        samples["plain prefill"].append({"ttft_ms": plain_prefill_ms(model, tokenizer, prompt())})
-        samples["warmed"].append(ask(engines["warmed"], prompt()))
-        for name in tiers:
-            samples[name].append(ask(engines[name], prompt()))
+    questions = iter(range(10, 1 << 30))  # a new question for every request
+    prompt = lambda: document + " " + words(QUESTION_WORDS, seed=next(questions), vocab_size=vocab)  # noqa: E731
+    samples = harness.alternate({
+        "BASELINE": lambda: ask(engines["warmed"], prompt(), mode="baseline"),
+        "plain prefill": lambda: {"ttft_ms": plain_prefill_ms(model, tokenizer, prompt())},
+        **{name: lambda name=name: ask(engines[name], prompt()) for name in ("warmed", *tiers)}}, args.runs)
     rows = {}
-    baseline = statistics.median(s["ttft_ms"] for s in samples["BASELINE"])
+    baseline = harness.median(s["ttft_ms"] for s in samples["BASELINE"])
     for name, runs in samples.items():
-        ttft = statistics.median(s["ttft_ms"] for s in runs)
+        ttft = harness.median(s["ttft_ms"] for s in runs)
         rows[name] = {"ttft_ms": ttft, "speedup_vs_baseline": baseline / ttft,
-                      "cached": statistics.median(s.get("cached", 0) for s in runs),
-                      "load_gbps": statistics.median(s.get("load_gbps", 0.0) for s in runs),
-                      "load_bytes": statistics.median(s.get("load_bytes", 0) for s in runs)}
+                      **{field: harness.median(s.get(field, 0) for s in runs)
+                         for field in ("cached", "load_gbps", "load_bytes")}}
     rows["warm_s"] = warm_s
     return rows
 
@@ -171,11 +166,10 @@ def measure_stages(length: int, args, model, engines: dict[str, Engine]) -> dict
     document = words(length - QUESTION_WORDS, seed=length, vocab_size=vocab)
     paths = {"BASELINE": (engines["warmed"], "baseline"), "warmed": (engines["warmed"], None),
              **{name: (engines[name], None) for name in ("from L0", "from host tier") if name in engines}}
-    samples: dict[str, list[dict]] = {name: [] for name in paths}
-    for run in range(args.stage_runs):
-        for index, (name, (engine, mode)) in enumerate(paths.items()):
-            question = words(QUESTION_WORDS, seed=10_000 + 100 * run + index, vocab_size=vocab)
-            samples[name].append(split_request(engine, document + " " + question, mode))
+    seeds = iter(range(10_000, 1 << 30))
+    samples = harness.alternate({name: lambda engine=engine, mode=mode: split_request(
+        engine, document + " " + words(QUESTION_WORDS, seed=next(seeds), vocab_size=vocab), mode)
+        for name, (engine, mode) in paths.items()}, args.stage_runs)
     rows = {name: median_row(runs) for name, runs in samples.items()}
     log(f"  where the time goes, ms (medians of {args.stage_runs}; gpu: CUDA events):")
     for name, row in rows.items():
@@ -210,8 +204,7 @@ def measure_grpc_hop(length: int, args, model, engine: Engine, store) -> dict:
                         through_grpc.append((time.perf_counter() - started) * 1000)
                         break
                 engine.flush_writes()
-    row = {"length": length, "in_process_ms": statistics.median(in_process),
-           "grpc_ms": statistics.median(through_grpc)}
+    row = {"length": length, "in_process_ms": harness.median(in_process), "grpc_ms": harness.median(through_grpc)}
     row["hop_ms"] = row["grpc_ms"] - row["in_process_ms"]
     log(f"from L0 at {length} tokens: in process {row['in_process_ms']:.2f} ms, through gRPC {row['grpc_ms']:.2f} ms "
         f"(the hop {row['hop_ms']:.2f} ms; medians of {len(in_process)})")
@@ -345,7 +338,7 @@ def measure_agreement(model, tokenizer, engine: Engine, prompts: int, tokens: in
               for o, t in zip(ours, theirs)]
     differing = sorted(k for k in firsts if k is not None)
     return {"prompts": prompts, "tokens": tokens, "identical": firsts.count(None),
-            "first_divergence_median": statistics.median(differing) if differing else None,
+            "first_divergence_median": harness.median(differing) if differing else None,
             "first_divergence_min": differing[0] if differing else None}
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import signal
 import sys
 import tempfile
@@ -39,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.gpu_model import (CHUNK, QUESTION_WORDS, SHAPES, colocated_daemon, log, random_model,  # noqa: E402
                              tier_engines, word_tokenizer, words)
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
@@ -309,15 +309,12 @@ def main(argv: list[str] | None = None) -> int:
                     results["generate"].append({"length": length, **check})
                     log(f"  {length:6d} uncached@{args.pieces[0]} against model.generate: "
                         + describe({**check, "against": "model.generate"}, args.tokens))
-                if args.json:
-                    args.json.write_text(json.dumps(results, indent=1, default=str))
+                harness.write_json(args.json, results)  # so far: a run cut short keeps what it measured
         finally:
             results["summary"] = summarize(results["rows"], results["generate"])
             results["seconds"] = time.perf_counter() - started
             log(f"{results['seconds']:.0f} s in all")
-            if args.json:
-                args.json.write_text(json.dumps(results, indent=1, default=str))
-                log(f"wrote {args.json}")
+            harness.write_json(args.json, results)
     return 0
 
 

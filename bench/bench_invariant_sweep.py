@@ -18,7 +18,6 @@ first token's logits torch.equal and every greedy token identical. A mismatch is
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -33,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.gpu_model import (CHUNK, QUESTION_WORDS, SHAPES, colocated_daemon, log, random_model,  # noqa: E402
                              tier_engines, word_tokenizer, words)
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
@@ -160,10 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{bitwise}/{total} bitwise (first-token logits torch.equal and every greedy token identical)"
         + ("" if bitwise == total else f"; MISMATCH in {total - bitwise}")
         + f"; {time.perf_counter() - started:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "bitwise": bitwise,
-                                         "total": total, "paths": {path: [counts[path, True], counts[path, False]]
-                                                                   for path in paths}}, indent=1))
+    harness.write_json(args.json, {"args": vars(args), "bitwise": bitwise, "total": total,
+                                   "paths": {path: [counts[path, True], counts[path, False]] for path in paths}})
     return 0
 
 

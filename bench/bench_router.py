@@ -294,10 +294,10 @@ def measure_vllm_overhead(model: str, text: str, budget: int, chunk_size: int, r
                 httpx.Client(base_url=router.address, timeout=600) as routed:
             stream_completion(direct, text, 1)  # the document warmed
             turn = iter(range(1 << 30))
-            times = harness.alternate({client: lambda client=client: stream_completion(
-                client, f"{text}\nQuestion {next(turn)}: who keeps it?\nAnswer:", 1)[0] for client in (direct, routed)},
-                rounds)
-        return harness.median(times[direct]), harness.median(times[routed])
+            times = harness.alternate({name: lambda client=client: stream_completion(
+                client, f"{text}\nQuestion {next(turn)}: who keeps it?\nAnswer:", 1)[0]
+                for name, client in (("direct", direct), ("routed", routed))}, rounds)
+        return harness.median(times["direct"]), harness.median(times["routed"])
 
 
 def first_token_ms(stub, prompt: str) -> float:
@@ -322,9 +322,10 @@ def measure_overhead(model: str, text: str, budget: int, chunk_size: int, rounds
             direct = inference_pb2_grpc.InferenceServiceStub(channel)
             direct.Warm(pb.WarmRequest(text=text), timeout=600)
             turn = iter(range(1 << 30))
-            times = harness.alternate({stub: lambda stub=stub: first_token_ms(
-                stub, f"{text}\nQuestion {next(turn)}: who keeps it?\nAnswer:") for stub in (direct, routed)}, rounds)
-        return harness.median(times[direct]), harness.median(times[routed])
+            times = harness.alternate({name: lambda stub=stub: first_token_ms(
+                stub, f"{text}\nQuestion {next(turn)}: who keeps it?\nAnswer:")
+                for name, stub in (("direct", direct), ("routed", routed))}, rounds)
+        return harness.median(times["direct"]), harness.median(times["routed"])
 
 
 def bytes_per_token(model_path: str) -> int:

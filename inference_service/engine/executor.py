@@ -143,8 +143,9 @@ class Executor:
                 cache = seq.cache if index == 0 else build_cache(parts.model.config, *self.owner.views(slot),
                                                                   prompt.num_tokens)
             seq.rows.append(Row(slot, index, decoder, next_position=prompt.num_tokens, cache=cache))
-        # One device -> host copy for the first token (its NaN check and greedy choice), as for a decode step's.
-        hint = step_hints(seq.first_logits.view(1, -1))[0]
+        # One device -> host copy for the first token (its NaN check and greedy choice), as for a decode step's; a
+        # sampled first token (or one whose EOS is held off) reads the logits itself, so nothing is computed for it.
+        hint = step_hints(seq.first_logits.view(1, -1))[0] if takes_hint(params) else None
         for row in list(seq.rows):
             row.next_token_id = int(row.decoder.take(seq.first_logits, hint))
             if row.decoder.reason:
@@ -287,3 +288,9 @@ def is_device_fatal(error: BaseException) -> bool:
 
 def _nothing() -> None:
     pass
+
+
+def takes_hint(params) -> bool:
+    """Whether a request's first token is the greedy one step_hints finds (RowDecoder.take then uses the hint): a
+    temperature of 0 and no EOS held off before it."""
+    return params.temperature <= 0 and params.min_tokens <= 0

@@ -137,7 +137,10 @@ def test_nan_logits_in_the_batched_decode_end_that_row_alone(engine, references,
     assert_others_identical(results, references)
 
 
-def test_nan_logits_at_the_end_of_a_prefill_end_that_request_alone(engine, references, monkeypatch):
+# The first token greedy (from step_hints' copy), sampled, or with its EOS held off (both read the logits themselves).
+@pytest.mark.parametrize("victim_fields", [{}, {"temperature": 0.8, "seed": 3}, {"min_tokens": 2}],
+                         ids=["greedy", "sampled", "min-tokens"])
+def test_nan_logits_at_the_end_of_a_prefill_end_that_request_alone(engine, references, monkeypatch, victim_fields):
     finish = prefill_module.finish
 
     def poisoned(seq, buffers, first_logits):
@@ -146,7 +149,8 @@ def test_nan_logits_at_the_end_of_a_prefill_end_that_request_alone(engine, refer
         finish(seq, buffers, first_logits)
 
     monkeypatch.setattr(prefill_module, "finish", poisoned)
-    results = Run(engine).wait()
+    victim = GenerationParams(prompt=VICTIM, max_new_tokens=MAX_NEW_TOKENS, request_id="victim", **victim_fields)
+    results = Run(engine, victim).wait()
     assert isinstance(results["victim"], NonFiniteLogits)
     assert_others_identical(results, references)
 

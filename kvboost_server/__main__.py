@@ -45,9 +45,7 @@ from inference_service.model.threads import confine_to_this_thread  # noqa: E402
 from inference_service.serving.config import ServiceConfig, parse_config as parse_service_config  # noqa: E402
 from inference_service.serving.server import build_server  # noqa: E402
 from inference_service.serving.kv_events import start_kv_events  # noqa: E402
-from inference_service.serving.startup import (  # noqa: E402
-    SHUTDOWN_GRACE_S, WRITE_BACK_FLUSH_S, hand_over_promptly, load_engine, make_store,
-)
+from inference_service.serving.startup import SHUTDOWN_GRACE_S, WRITE_BACK_FLUSH_S, load_engine, make_store  # noqa: E402
 from kvboost_server.in_process import InProcessUpstream  # noqa: E402
 
 logger = logging.getLogger("kvboost_server")
@@ -65,7 +63,6 @@ class _HttpServer(uvicorn.Server):
 async def serve(service: ServiceConfig, gateway: GatewayConfig) -> int:
     """Loads the model, then serves HTTP (and gRPC) until SIGTERM or SIGINT; returns the exit status."""
     confine_to_this_thread()  # only the engine's step loop runs an OpenMP team (model/threads.py)
-    hand_over_promptly()  # a first token reaches the event loop without waiting out a GIL switch interval
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(thread_name_prefix="kvboost-plan", initializer=confine_to_this_thread))
     store = make_store(service)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +15,6 @@ logger = logging.getLogger("inference_service")
 
 SHUTDOWN_GRACE_S = 5.0
 WRITE_BACK_FLUSH_S = 10.0
-# A thread that wants the GIL while another runs Python waits up to the switch interval (5 ms by default) before
-# asking for it. The event loop wakes when the step loop hands it a first token, and the step loop goes straight on
-# into the next decode step: at 5 ms the token waited for a switch before its SSE frame was written.
-EVENT_LOOP_SWITCH_INTERVAL_S = 0.001
-
-
-def hand_over_promptly() -> None:
-    """The GIL passes to a waiting thread (the event loop with a token to stream) within a millisecond."""
-    sys.setswitchinterval(EVENT_LOOP_SWITCH_INTERVAL_S)
 
 
 def make_store(config: ServiceConfig) -> ChunkStore:

@@ -20,11 +20,7 @@ Parts (each alternates this checkout with --baseline-tree's, request by request,
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if "--worker" not in sys.argv:  # a worker imports the tree under test, first on its PYTHONPATH
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # this checkout's harness, whichever tree a worker runs
+
+import harness  # noqa: E402
 
 WORDS = ("cache chunk key value prefix token model answer question document system prompt layer head memory "
          "daemon tier request stream byte hash tenant budget eviction batch decode prefill slot router").split()
@@ -97,18 +96,16 @@ def in_process_worker(args) -> None:
     for length in args.lengths:  # asked once before: its chunks are stored (and in L0 when L0 is on)
         engine.generate(GenerationParams(messages=tuple(messages(docs[length], 0)), max_new_tokens=1))
         engine.flush_writes(60)
-    line = json.loads(sys.stdin.readline())  # the parent's go: one measurement per line, alternating trees
-    while line:
-        length, mode = line["length"], line["mode"]
-        params = GenerationParams(messages=tuple(messages(docs[length], next(question))), max_new_tokens=1,
-                                  mode=mode)
+
+    def measure(request: dict) -> dict:  # one measurement per request line, the trees alternating
+        params = GenerationParams(messages=tuple(messages(docs[request["length"]], next(question))),
+                                  max_new_tokens=1, mode=request["mode"])
         outcome = engine.generate(params)
         result = {"ttft_ms": outcome.ttft_ms, "cached_tokens": outcome.cached_tokens,
                   "prompt_tokens": outcome.prompt_tokens}
-        if mode == "prefix_cache":
-            result.update(replay_stages(engine, params))
-        print(json.dumps(result), flush=True)
-        line = json.loads(sys.stdin.readline() or "null")
+        return result | (replay_stages(engine, params) if request["mode"] == "prefix_cache" else {})
+
+    harness.serve_worker(measure)
     engine.flush_writes(60)
 
 
@@ -152,36 +149,6 @@ def replay_stages(engine, params) -> dict:
             # assemble_context runs the Lookup(s) and places; the Lookup measured alone is taken out
             "placement": max(0.0, (placed - placing) - (looked_up - keyed)) * 1e3,
             "replayed_cached_tokens": context.num_cached_tokens}
-
-
-class Worker:
-    """A child process running in_process_worker for one tree."""
-
-    def __init__(self, tree: Path, model: str, daemon: str, lengths, device: str, l0: str, log: Path) -> None:
-        from tests.e2e.child_process import tree_pythonpath
-
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", model, "--daemon", daemon,
-                   "--device", device, "--l0", l0, "--lengths", *map(str, lengths)]
-        env = {name: value for name, value in os.environ.items() if not name.startswith("KVBOOST_")}
-        env["PYTHONPATH"] = tree_pythonpath(tree)
-        self.log = open(log, "ab")
-        self.process = subprocess.Popen(command, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self.log, text=True)
-
-    def measure(self, length: int, mode: str) -> dict:
-        self.process.stdin.write(json.dumps({"length": length, "mode": mode}) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker exited ({self.process.poll()}); see {self.log.name}")
-        return json.loads(line)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.write("null\n")
-            self.process.stdin.close()
-            self.process.wait(120)
-        self.log.close()
 
 
 # ---- through kvboost_server ----------------------------------------------------------------------------------
@@ -242,9 +209,7 @@ def grpc_ttft(stub, chat: list[tuple[str, str]]) -> float:
 def run(args) -> list[dict]:
     from transformers import AutoTokenizer
 
-    trees = {"now": ROOT}
-    if args.baseline_tree is not None:
-        trees = {"before": args.baseline_tree.resolve(), "now": ROOT}
+    trees = harness.trees(args.baseline_tree)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as folder, ExitStack() as stack:
         work = Path(folder) if args.work_dir is None else args.work_dir
@@ -271,26 +236,26 @@ def run_in_process(stack: ExitStack, trees: dict, model: str, work: Path, args) 
         for label, tree in trees.items():
             daemon = start_daemon(work / f"lmdb-ip-{label}-{l0}", pick_free_port(), tree=tree)
             stack.callback(daemon.terminate)
-            worker = Worker(tree, model, daemon.address, args.lengths, args.device, l0, work / f"worker-{label}.log")
+            worker = harness.TreeWorker(Path(__file__).resolve(), tree, [
+                "--model", model, "--daemon", daemon.address, "--device", args.device, "--l0", l0,
+                "--lengths", *map(str, args.lengths)], work / f"worker-{label}.log")
             stack.callback(worker.close)
             workers[label] = worker
         for length in args.lengths:
             modes = ["prefix_cache"] + (["baseline"] if length in args.cold_lengths and l0 == args.l0[0] else [])
             for mode in modes:
-                for _ in range(args.rounds if mode == "prefix_cache" else max(1, args.rounds // 2)):
-                    for label, worker in workers.items():  # alternating: one request each, in turn
-                        samples.setdefault((label, l0, length, mode), []).append(worker.measure(length, mode))
+                for turn in range(args.rounds if mode == "prefix_cache" else max(1, args.rounds // 2)):
+                    for label in harness.in_turn(workers, turn):  # alternating: one request each, in turn
+                        samples.setdefault((label, l0, length, mode), []).append(
+                            workers[label].ask({"length": length, "mode": mode}))
         for worker in workers.values():
             worker.close()
     rows = []
     for (label, l0, length, mode), measured in samples.items():
-        row = {"part": "in-process", "tree": label, "source": "cold" if mode == "baseline" else f"L0 {l0}",
-               "length": length, "prompt_tokens": measured[0]["prompt_tokens"],
-               "cached_tokens": measured[0]["cached_tokens"],
-               "ttft_ms": statistics.median(m["ttft_ms"] for m in measured)}
+        row = harness.summarize(measured, part="in-process", tree=label, length=length,
+                                source="cold" if mode == "baseline" else f"L0 {l0}")
+        row.update(prompt_tokens=measured[0]["prompt_tokens"], cached_tokens=measured[0]["cached_tokens"])
         if mode == "prefix_cache":
-            for stage in STAGES:
-                row[stage] = statistics.median(m[stage] for m in measured)
             row["host"] = sum(row[stage] for stage in STAGES)
         rows.append(row)
     return rows
@@ -335,14 +300,15 @@ def run_served(stack: ExitStack, trees: dict, model: str, work: Path, tokenizer,
     question = iter(range(1, 1 << 30))
     samples: dict[tuple, list[float]] = {}
     for length in args.lengths:
-        for _ in range(args.rounds):
+        for turn in range(args.rounds):
             for part in [p for p in ("http", "grpc") if p in args.parts]:
-                for label, (base, _) in servers.items():
+                for label in harness.in_turn(servers, turn):
+                    base = servers[label][0]
                     chat = messages(docs[length], next(question))
                     ttft = http_ttft(client, base, chat) if part == "http" else grpc_ttft(stubs[label], chat)
                     samples.setdefault((part, label, length), []).append(ttft)
     return [{"part": part, "tree": label, "source": "L0 auto", "length": length,
-             "ttft_ms": statistics.median(values), "p90_ms": sorted(values)[int(0.9 * (len(values) - 1))]}
+             "ttft_ms": harness.median(values), "p90_ms": harness.percentile(values, 0.9)}
             for (part, label, length), values in samples.items()]
 
 
@@ -372,9 +338,9 @@ def print_tokenizer(tokenizer, args) -> None:
             assert ids == list(expected), "the cache's ids differ from the tokenizer's"
             own.append((middle - start) * 1e3)
             new.append((end - middle) * 1e3)
-        own_ms, new_ms = statistics.median(own), statistics.median(new)
+        own_ms, new_ms = harness.median(own), harness.median(new)
         print(f"| {len(expected)} | {own_ms:.2f} | {new_ms:.2f} | {new_ms / own_ms:.2f}x | "
-              f"{statistics.median(repeated):.2f} |")
+              f"{harness.median(repeated):.2f} |")
 
 
 def print_rows(rows: list[dict], args) -> None:
@@ -411,11 +377,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=7, help="requests per length, part and tree")
     parser.add_argument("--l0", nargs="+", default=["auto", "off"], choices=["auto", "off"],
                         help="in process: L0 at its default (auto) and off (every chunk from the daemon)")
-    parser.add_argument("--baseline-tree", type=Path, help="a checkout of an earlier commit to alternate with")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--model-dir", type=Path, help="where to keep the negligible model (default: a temp folder)")
     parser.add_argument("--work-dir", type=Path, help="keep the daemons' data and the logs here (default: a temp folder)")
-    parser.add_argument("--json", type=Path, help="also write the rows here")
+    harness.add_arguments(parser, rounds=None, baseline=True)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--daemon", help=argparse.SUPPRESS)
@@ -425,8 +390,7 @@ def main(argv=None) -> None:
         return
     rows = run(args)
     print_rows([row for row in rows if row["part"] != "in-process"], args)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    harness.write_json(args.json, rows)
 
 
 if __name__ == "__main__":

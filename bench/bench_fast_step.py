@@ -32,6 +32,7 @@ from inference_service import mkl_dispatch  # noqa: E402
 
 MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBOOST_MKL_DISPATCH=vendor to compare)
 
+from bench import harness  # noqa: E402
 from bench.profile_step import build_engine, parse_case, prompt_of  # noqa: E402
 
 SYSTEMS = [
@@ -163,16 +164,17 @@ def time_steps(models: dict, tokenizer, steps: list[str], cases: list[str], roun
                                     len(thread_counts) * rounds * steps_per_round + 8)
                  for label, engine in built.items()}
         times: dict[str, list[float]] = {label: [] for label in engines}
-        for _ in range(rounds):
-            for label, (engine, threads) in engines.items():
+        for turn in range(rounds):
+            for label in harness.in_turn(engines, turn):
+                engine, threads = engines[label]
                 torch.set_num_threads(threads)
                 for _ in range(steps_per_round):
                     began = time.perf_counter()
                     engine.core.step()
                     times[label].append(time.perf_counter() - began)
-        base = statistics.median(times[first])
+        base = harness.median(times[first])
         for label in engines:
-            median = statistics.median(times[label])
+            median = harness.median(times[label])
             print(f"  {num_rows:2d} row(s) x ~{context} tokens, {label:25s}: {median * 1000:7.1f} ms per step, "
                   f"{num_rows / median:6.1f} tokens/s, {base / median:.2f}x {first}")
         for label, engine in built.items():
@@ -218,11 +220,12 @@ def compare_compile(model, context: int, num_steps: int) -> None:
         expected = run(0, context, raw)
         times: dict[str, list[float]] = {"eager": [], "compiled": []}
         for index in range(1, num_steps):
-            for which, (name, fn) in enumerate((("eager", raw), ("compiled", compiled))):
+            for name in harness.in_turn(times, index - 1):
+                which, fn = {"eager": (0, raw), "compiled": (1, compiled)}[name]
                 began = time.perf_counter()
                 run(which, context + index, fn)
                 times[name].append(time.perf_counter() - began)
-    eager, fast = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    eager, fast = harness.median(times["eager"]), harness.median(times["compiled"])
     print(f"\ntorch.compile of the lean step (inductor, static shapes, 1 row over {capacity} columns): first call "
           f"{compile_s:.1f} s; step {fast * 1000:.1f} ms vs {eager * 1000:.1f} ms eager ({eager / fast:.2f}x); logits "
           f"{'bitwise equal' if torch.equal(expected, got) else f'differ by up to {float((expected - got).abs().max()):.2g}'}")
@@ -256,16 +259,17 @@ def timed_lines(output: str) -> dict[str, float]:
 def against_baseline(args) -> int:
     """This tree's lean step against the baseline tree's, one process per run, alternating ABBA; per case each
     tree's median over its runs and the ratio (baseline / this: above 1 this tree is faster)."""
-    trees = {"this": ROOT, "before": args.baseline_tree.resolve()}
+    trees = {"this": ROOT, "before": harness.trees(args.baseline_tree)["before"]}
     script = Path("bench") / "bench_fast_step.py"
-    assert (trees["before"] / script).is_file(), f"{trees['before']} holds no {script}"
+    if not (trees["before"] / script).is_file():
+        raise SystemExit(f"{trees['before']} holds no {script}")
     common = ["--model", args.model, "--steps", "lean", "--cases", *args.cases, "--rounds", str(args.rounds),
               "--steps-per-round", str(args.steps_per_round), "--threads", *map(str, args.threads)]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, the lean step: this tree {ROOT} against "
           f"{trees['before']}, {args.pairs} runs each, alternating ABBA; {' '.join(common)}", flush=True)
     for index in range(args.pairs):
-        for name in (("before", "this") if index % 2 == 0 else ("this", "before")):
+        for name in harness.in_turn(("before", "this"), index):
             done = subprocess.run([sys.executable, str(trees[name] / script), *common], cwd=trees[name],
                                   capture_output=True, text=True)
             if done.returncode != 0:
@@ -275,8 +279,8 @@ def against_baseline(args) -> int:
             print(f"  run {index + 1} {name:6s}: " + ", ".join(f"{case} {ms:.1f} ms"
                                                           for case, ms in runs[name][-1].items()), flush=True)
     for case in runs["this"][0]:
-        this = statistics.median(run[case] for run in runs["this"])
-        before = statistics.median(run[case] for run in runs["before"] if case in run)
+        this = harness.median(run[case] for run in runs["this"])
+        before = harness.median(run[case] for run in runs["before"] if case in run)
         print(f"{case}: this tree {this:.2f} ms per step, before {before:.2f} ms: {before / this:.3f}x "
               f"(this tree {'faster' if this < before else 'slower'} by {abs(before - this) / before * 100:.1f}%)")
     return 0
@@ -294,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", nargs="+", default=["transformers", "lean"], choices=["lean", "transformers", "invariant"],
                         help="decode steps to compare (the first is the baseline of the ratios; invariant: the "
                              "invariant decode step, every slot a row); the retired split, "
-                             "wide and onednn steps are measured in docs/performance.md")
+                             "wide and onednn steps are in git history")
     parser.add_argument("--cases", nargs="+", default=["1x50", "16x700"],
                         help="ROWSxCONTEXT: rows decoding together, each after about CONTEXT prompt tokens")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per case")

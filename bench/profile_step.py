@@ -14,7 +14,6 @@ machine's memory bandwidth, measured as the median time of a sum over a >= 1 GiB
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 import time
@@ -29,6 +28,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 from inference_service import mkl_dispatch  # noqa: E402
 
 MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBOOST_MKL_DISPATCH=vendor to compare)
+
+from bench import harness  # noqa: E402
 
 PASSAGE = ("The harbour master kept a log of every ship: its name, its cargo, the tide it came in on and the "
            "weather that followed. Over the years the log grew into a history of the town itself. ")
@@ -61,7 +62,7 @@ def median_bandwidth(gib: float, repeats: int) -> float:
         started = time.perf_counter()
         data.sum()
         times.append(time.perf_counter() - started)
-    return data.numel() * 4 / statistics.median(times)
+    return data.numel() * 4 / harness.median(times)
 
 
 def weight_bytes(model) -> int:
@@ -197,7 +198,7 @@ def run_case(engine, tokenizer, num_rows: int, context: int, num_steps: int):
     stop.set()
     while core.has_work():
         core.step()
-    return statistics.median(times) * 1000, split_step(profile.events(), num_steps), prompt_tokens
+    return harness.median(times) * 1000, split_step(profile.events(), num_steps), prompt_tokens
 
 
 def _in_scope(scope: str, work, *args):
@@ -218,16 +219,14 @@ def serving_figures(engine, tokenizer, num_tokens: int, rounds: int) -> tuple[fl
 
     engine.start()
     prompt = prompt_of(tokenizer, 50)
-    engine_rates, grpc_rates = [], []
     with serving_in_thread(ServiceConfig(listen="127.0.0.1:0", cache_addr=""), engine) as port:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
             request = pb.GenerateRequest(prompt=prompt, max_new_tokens=num_tokens, mode=pb.BASELINE)
-            for _ in range(rounds):
-                engine_rates.append(_engine_rate(engine, GenerationParams(prompt=prompt, max_new_tokens=num_tokens,
-                                                                          mode="baseline")))
-                grpc_rates.append(_client_rate(stub, request))
-    return statistics.median(engine_rates), statistics.median(grpc_rates)
+            params = GenerationParams(prompt=prompt, max_new_tokens=num_tokens, mode="baseline")
+            rates = harness.alternate({"engine": lambda: _engine_rate(engine, params),
+                                       "grpc": lambda: _client_rate(stub, request)}, rounds)
+    return harness.median(rates["engine"]), harness.median(rates["grpc"])
 
 
 def _engine_rate(engine, params) -> float:

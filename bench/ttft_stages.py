@@ -4,12 +4,12 @@ its tokens over the N cached positions) and the first sample, each timed by host
 "rest" is the request's TTFT minus all of them: hand-offs, waits, what no stage names."""
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from bench import harness
 from bench.bench_overhead import replay_stages
 from inference_service.engine.engine import Engine, GenerationParams
 from inference_service.model.forward import prefill
@@ -81,7 +81,7 @@ def split_request(engine: Engine, prompt: str, mode: str | None = None) -> dict:
 def median_row(rows: list[dict]) -> dict:
     """Each field's median over the runs (None where a field has none)."""
     fields = rows[0].keys()
-    return {name: (statistics.median(row[name] for row in rows) if rows[0][name] is not None else None)
+    return {name: (harness.median(row[name] for row in rows) if rows[0][name] is not None else None)
             for name in fields}
 
 

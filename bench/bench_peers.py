@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import httpx  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.peers import llama_cpp  # noqa: E402
 
 WORKLOADS = ("decode", "clients", "followups", "chat", "restart")
@@ -113,17 +113,6 @@ def at_once(target, count: int) -> float:
     return time.perf_counter() - started
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation between closest ranks."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    position = (len(ordered) - 1) * q
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 # ---- texts -------------------------------------------------------------------------------------------------
 
 
@@ -155,41 +144,40 @@ SHORT_QUESTIONS = ["When does the library open?", "How much is the pool?", "Is t
 
 
 def run_decode(servers: list[Server], client: httpx.Client, runs: int) -> dict:
-    rows = {server.name: [] for server in servers}
     messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
-    for _ in range(runs):
-        for server in servers:
-            reply = server.chat(messages, 128, client, ignore_eos=True)
-            rows[server.name].append(reply.decode_tps)
-    return {name: {"decode_tps": statistics.median(values), "runs": values} for name, values in rows.items()}
+    rows = harness.alternate({server.name: lambda server=server: server.chat(
+        messages, 128, client, ignore_eos=True).decode_tps for server in servers}, runs)
+    return {name: {"decode_tps": harness.median(values), "runs": values} for name, values in rows.items()}
 
 
 def run_clients(servers: list[Server], counts: list[int], runs: int) -> dict:
+    visits = iter(range(1 << 30))
+
+    def clients_at_once(server: Server, count: int) -> dict:
+        replies: list[Reply] = []
+        lock, visit = threading.Lock(), next(visits)
+
+        def one(index: int) -> None:
+            messages = [{"role": "system", "content": SYSTEM_700},
+                        {"role": "user", "content": SHORT_QUESTIONS[index % len(SHORT_QUESTIONS)]
+                         + f" (visitor {visit}-{index})"}]
+            with httpx.Client() as own:
+                reply = server.chat(messages, 32, own)
+            with lock:
+                replies.append(reply)
+
+        elapsed = at_once(one, count)
+        return {"output_tps": sum(r.completion_tokens for r in replies) / elapsed, "ttft_ms": [r.ttft_ms for r in replies]}
+
     results = {}
     for count in counts:
-        for server in servers:
-            samples = []
-            for run in range(runs):
-                replies: list[Reply] = []
-                lock = threading.Lock()
-
-                def one(index: int, run=run, server=server, lock=lock, replies=replies) -> None:
-                    messages = [{"role": "system", "content": SYSTEM_700},
-                                {"role": "user", "content": SHORT_QUESTIONS[index % len(SHORT_QUESTIONS)]
-                                 + f" (visitor {run}-{index})"}]
-                    with httpx.Client() as own:
-                        reply = server.chat(messages, 32, own)
-                    with lock:
-                        replies.append(reply)
-
-                elapsed = at_once(one, count)
-                samples.append({"output_tps": sum(r.completion_tokens for r in replies) / elapsed,
-                                "ttft_ms": [r.ttft_ms for r in replies]})
-            ttfts = [t for sample in samples for t in sample["ttft_ms"]]
-            results[f"{server.name}/{count}"] = {
-                "clients": count, "server": server.name,
-                "output_tps": statistics.median(sample["output_tps"] for sample in samples),
-                "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p99_ms": percentile(ttfts, 0.99)}
+        samples = harness.alternate({server.name: lambda server=server, count=count: clients_at_once(server, count)
+                                     for server in servers}, runs)
+        for name, runs_of in samples.items():
+            ttfts = [t for sample in runs_of for t in sample["ttft_ms"]]
+            results[f"{name}/{count}"] = {
+                "clients": count, "server": name, "output_tps": harness.median(s["output_tps"] for s in runs_of),
+                "ttft_p50_ms": harness.median(ttfts), "ttft_p99_ms": harness.percentile(ttfts, 0.99)}
     return results
 
 
@@ -446,7 +434,7 @@ def ratio(rows: dict, key: str) -> str:
 def median_ttfts(rows: list[dict], key: str | None) -> dict[str, float]:
     names = [name for name in ("ours", "baseline", "llama-server") if name in rows[0]]
     skip_first = key is None  # chat: turn 1 has nothing to reuse
-    return {name: statistics.median((row[name][key] if key else row[name])["ttft_ms"]
+    return {name: harness.median((row[name][key] if key else row[name])["ttft_ms"]
                                     for row in rows[1 if skip_first else 0:]) for name in names}
 
 

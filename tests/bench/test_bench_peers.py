@@ -1,4 +1,4 @@
-"""bench/bench_peers.py's pure parts: percentiles, reading each server's streamed reply and its usage/timings,
+"""bench/bench_peers.py's pure parts: reading each server's streamed reply and its usage/timings,
 agreement, the llama-server command line, and the skip when llama.cpp cannot be built."""
 from __future__ import annotations
 
@@ -22,13 +22,6 @@ def sse(*events: dict) -> bytes:
 
 def streamed(events: bytes) -> httpx.Client:
     return httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=events)))
-
-
-def test_percentiles_interpolate_between_ranks():
-    assert bench_peers.percentile([1, 2, 3, 4], 0.5) == 2.5
-    assert bench_peers.percentile([10.0], 0.99) == 10.0
-    assert bench_peers.percentile(list(range(101)), 0.99) == pytest.approx(99.0)
-    assert bench_peers.percentile([], 0.5) == 0.0
 
 
 def test_a_llama_server_reply_counts_its_own_evaluated_prompt_tokens():

@@ -54,7 +54,7 @@ TEST_MODELS ?= qwen2.5-coder-0.5b
 TEST_WORKERS ?= 2
 test: setup lint model redis-server
 	for m in $(TEST_MODELS); do $(PY) -m inference_service.model.weights --prepare --model $$m || exit 1; done
-	$(PY) -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # ruff, pinned in the test extra, with the rules in pyproject.toml's [tool.ruff]; `make test` (so CI) runs it first.
 lint: setup

@@ -19,7 +19,11 @@ from tests.factories import build_tiny_model, load_smollm2
 
 # -- `make test` runs the suite on pytest-xdist workers (-n, --dist loadfile: a module stays on one worker) --------
 
-XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+def xdist_workers(config) -> int:
+    """How many xdist workers run the suite (1: no xdist). Read from the worker's input, which xdist hands over
+    before collection; its PYTEST_XDIST_WORKER_COUNT variable is set only after this file is imported."""
+    workerinput = getattr(config, "workerinput", None)
+    return int(workerinput["workercount"]) if workerinput else 1
 
 
 def module_weight(item) -> int:
@@ -30,20 +34,21 @@ def module_weight(item) -> int:
 
 
 def pytest_configure(config):
-    if XDIST_WORKERS > 1:  # each worker's torch gets its share of the cores, so two workers' forwards do not fight
+    workers = xdist_workers(config)
+    if workers > 1:  # each worker's torch gets its share of the cores, so two workers' forwards do not fight
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // XDIST_WORKERS))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if XDIST_WORKERS > 1:  # every worker sorts the same way, so xdist sees one collection
+    if xdist_workers(config) > 1:  # every worker sorts the same way, so xdist sees one collection
         weight = {}
         for item in items:
-            weight[item.fspath] = min(weight.get(item.fspath, 2), module_weight(item))
-        items.sort(key=lambda item: weight[item.fspath])  # stable: a module's tests keep their order
+            weight[item.path] = min(weight.get(item.path, 2), module_weight(item))
+        items.sort(key=lambda item: weight[item.path])  # stable: a module's tests keep their order
     if torch.cuda.is_available() or os.environ.get("KVBOOST_TEST_DEVICE") == "cpu":  # cpu: tests/gpu/ dry run
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine")

@@ -47,8 +47,8 @@ from inference_service.store.memory import InMemoryStore# noqa: E402
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams# noqa: E402
 from inference_service.model.weights import DEFAULT_MODEL# noqa: E402
 from inference_service.model.loading import load_model# noqa: E402
-from inference_service.request.verification import first_token_kl# noqa: E402
-from inference_service.request.verification import matching_prefix_tokens# noqa: E402
+from inference_service.engine_parts.verification import first_token_kl# noqa: E402
+from inference_service.engine_parts.verification import matching_prefix_tokens# noqa: E402
 from tests.inference_service.test_identity import identity_cases  # noqa: E402
 from rag_dataset import build_documents, build_questions, chat_segments, document_segment  # noqa: E402
 

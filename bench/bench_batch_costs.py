@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from inference_service.model.batch_forward import PrefillRow, prefill_rows
     from inference_service.model.forward import prefill
-    from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+    from inference_service.kv_memory.kv_buffers import allocate_kv, build_cache, kv_geometry
     from inference_service.model.model_step import ModelStep
-    from inference_service.model.slot_buffers import SlotBuffers
+    from inference_service.kv_memory.slot_buffers import SlotBuffers
     from inference_service.model.step_runner import StepRunner
 
     if args.threads:

@@ -29,9 +29,9 @@ from bench import harness  # noqa: E402
 from bench.gpu_model import SHAPES, log, random_model  # noqa: E402
 from inference_service.model.lean_step import LeanStep  # noqa: E402
 from inference_service.model.graph_step import GraphSteps  # noqa: E402
-from inference_service.model.kv_buffers import kv_geometry  # noqa: E402
+from inference_service.kv_memory.kv_buffers import kv_geometry  # noqa: E402
 from inference_service.model.scripted_layers import decoder_layers  # noqa: E402
-from inference_service.model.slot_buffers import SlotBuffers  # noqa: E402
+from inference_service.kv_memory.slot_buffers import SlotBuffers  # noqa: E402
 from inference_service.model.step_runner import StepRunner, probe_mismatch  # noqa: E402
 
 

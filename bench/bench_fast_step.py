@@ -192,7 +192,7 @@ def compare_compile(model, context: int, num_steps: int) -> None:
 
     from inference_service.model.lean_step import LeanStep
     from inference_service.model.scripted_layers import decoder_layers
-    from inference_service.model.kv_buffers import kv_geometry
+    from inference_service.kv_memory.kv_buffers import kv_geometry
 
     capacity = context + 2 * num_steps + 8
     geometry = kv_geometry(model.config)

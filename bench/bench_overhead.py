@@ -113,7 +113,7 @@ def replay_stages(engine, params) -> dict:
     """Each host stage of the request (a prompt or a chat), run again alone and timed (ms)."""
     import torch
 
-    from inference_service.request import planning
+    from inference_service.engine_parts import planning
     from inference_service.reuse import assembler
     from kvboost_keys import prompts
 

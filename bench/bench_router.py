@@ -331,7 +331,7 @@ def measure_overhead(model: str, text: str, budget: int, chunk_size: int, rounds
 def bytes_per_token(model_path: str) -> int:
     from transformers import AutoConfig
 
-    from inference_service.model.kv_buffers import kv_geometry
+    from inference_service.kv_memory.kv_buffers import kv_geometry
 
     geometry = kv_geometry(AutoConfig.from_pretrained(model_path))
     return 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * BYTES_PER_VALUE

@@ -164,7 +164,7 @@ def run_case(engine, tokenizer, num_rows: int, context: int, num_steps: int):
     import torch
     from inference_service.engine.executor import Executor
     from inference_service.engine.engine import GenerationParams
-    from inference_service.model.slot_buffers import SlotBuffers
+    from inference_service.kv_memory.slot_buffers import SlotBuffers
     from inference_service.model.step_runner import StepRunner
 
     core, stop = engine.core, threading.Event()
@@ -269,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from inference_service.engine.kv_owner import bytes_per_token
-    from inference_service.model.kv_buffers import kv_geometry
+    from inference_service.kv_memory.kv_owner import bytes_per_token
+    from inference_service.kv_memory.kv_buffers import kv_geometry
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -13,7 +13,7 @@ from bench import harness
 from bench.bench_overhead import replay_stages
 from inference_service.engine.engine import Engine, GenerationParams
 from inference_service.model.forward import prefill
-from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+from inference_service.kv_memory.kv_buffers import allocate_kv, build_cache, kv_geometry
 
 HOST_STAGES = ("tokenize", "keys", "lookup", "placement")
 DEVICE_STAGES = ("question prefill", "first sample")

@@ -153,7 +153,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = knob(
         None, "K/V memory the running requests may reserve: each reserves prompt + max_new_tokens per row at "
         "admission, so nothing runs out mid-decode; one that does not fit waits, one that could never fit is "
-        "INVALID_ARGUMENT. `auto` (`inference_service/engine/memory_plan.py`): on CUDA half of the device's free "
+        "INVALID_ARGUMENT. `auto` (`inference_service/kv_memory/memory_plan.py`): on CUDA half of the device's free "
         "memory after the weights less a reserve for activations and the lazily captured graphs (a tenth of the "
         "device, at least 2 GiB), or all of it less `--l0-bytes` when that is a number; on a CPU a quarter of the RAM "
         "available at start (MemAvailable). A number wins. Auto slots that would get under 64 MiB refuse to start, "
@@ -184,7 +184,7 @@ class EngineConfig:
         "(default: its `--max-bytes`)", lambda value: value >= 1 << 20, "at least 1048576",
         flag="cache-max-stream-bytes", shown_default="`268435456` (256 MiB)")
     kv_slots_by_budget: bool | None = knob(
-        None, "slots sized so that their memory stays within kv_cache_bytes (engine/slot_ledger.plan_slots); None: on "
+        None, "slots sized so that their memory stays within kv_cache_bytes (kv_memory/slot_ledger.plan_slots); None: on "
         "devices that commit memory at allocation (CUDA), not on a CPU (pages committed as written)", _switch,
         "true, false or None (auto)", flag=None, resolved=AUTO, why="follows the device; set in code to measure")
     l0_bytes: int | None = knob(
@@ -202,7 +202,7 @@ class EngineConfig:
         "`kvboost_engine_tier_{chunks,bytes,seconds,loads}{tier=\"l0\"|\"daemon_map\"|\"daemon_fetch\"}`. 0 = off",
         _bytes_or_auto, ">= 0 (0 = off) or auto", resolved=AUTO)
     host_tier_bytes: int | None = knob(
-        0, "The host tier, under L0 on CUDA (`inference_service/reuse/host_tier.py`): whole chunks' K/V in one host "
+        0, "The host tier, under L0 on CUDA (`inference_service/kv_memory/host_tier.py`): whole chunks' K/V in one host "
         "region, registered with CUDA once (`cudaHostRegister`: page-locked, so the copy engine reads it directly; "
         "not torch's pinned allocator, which rounds sizes up to a power of two), in slabs of one chunk. Filled by "
         "chunks leaving L0 (copied off the device on a side stream, never in a decode step's way) and by chunks "

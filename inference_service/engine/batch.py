@@ -11,16 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
-from inference_service.request.planning import EngineParts, ShouldStop, plan_request
+from inference_service.engine_parts.planning import EngineParts, ShouldStop, plan_request
 from kvboost_keys.prompts import PromptPlan
-from inference_service.engine.sequence import OnDone, Sequence
-from inference_service.request.types import GenerationOutcome, GenerationParams
+from inference_service.engine.request import OnDone, EngineRequest
+from inference_service.engine_parts.types import GenerationOutcome, GenerationParams
 from inference_service.errors import InvalidRequest, PromptTooLong
 from inference_service.store.protocol import StoreUnavailable
 
 
 def batch_sequences(parts: EngineParts, params_list: Seq[GenerationParams], by_first_chunk: bool,
-                    should_stop: ShouldStop, on_done: OnDone) -> list[Sequence]:
+                    should_stop: ShouldStop, on_done: OnDone) -> list[EngineRequest]:
     """The call's requests as sequences, planned and grouped; on_done(outcomes in input order, None) once all have
     ended, or on_done(None, error) at the first failure (the others then stop).
 
@@ -31,7 +31,7 @@ def batch_sequences(parts: EngineParts, params_list: Seq[GenerationParams], by_f
     """
     plans = _plan(parts, params_list)
     gathered = _Gathered([None] * len(plans), len(plans), on_done, should_stop)
-    seqs = [Sequence(params, None, gathered.should_stop, gathered.on_done_for(index), parts=parts, mode=mode,
+    seqs = [EngineRequest(params, None, gathered.should_stop, gathered.on_done_for(index), parts=parts, mode=mode,
                      prompt=prompt, max_new_tokens=max_new_tokens, label=f" batch row {index}")
             for index, (params, mode, prompt, max_new_tokens) in enumerate(plans)]
     for group in _groups(parts, seqs, by_first_chunk):
@@ -115,9 +115,9 @@ def _require_batchable(params: GenerationParams) -> None:
         raise InvalidRequest(f"batches do not take {', '.join(unsupported)}; send such a request with Generate")
 
 
-def _groups(parts: EngineParts, requests: list[Sequence], by_first_chunk: bool) -> list[list[Sequence]]:
+def _groups(parts: EngineParts, requests: list[EngineRequest], by_first_chunk: bool) -> list[list[EngineRequest]]:
     """Requests that may share a prefix, in input order; baseline and content-hit requests share nothing."""
-    groups: dict[tuple[str, bytes | None], list[Sequence]] = {}
+    groups: dict[tuple[str, bytes | None], list[EngineRequest]] = {}
     for request in requests:
         if request.mode == "baseline" or _has_content_hits(parts, request):
             continue
@@ -131,7 +131,7 @@ def _first_shareable_key(prompt: PromptPlan) -> bytes | None:
     return prompt.prefix_keys[0] if chunks and chunks[0].end < prompt.num_tokens else None
 
 
-def _has_content_hits(parts: EngineParts, request: Sequence) -> bool:
+def _has_content_hits(parts: EngineParts, request: EngineRequest) -> bool:
     if request.mode != "chunk_kv_reuse":
         return False
     prompt = request.prompt

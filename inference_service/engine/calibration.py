@@ -15,11 +15,11 @@ from inference_service.kv.blobs import encode_chunk_kv
 from inference_service.kv.codec import read_header
 from inference_service.kv.loader import STAGING_BUFFERS, RunLoad, staging_ring
 from inference_service.model.forward import prefill
-from inference_service.model.kv_buffers import allocate_kv, build_cache
-from inference_service.request.generation import step_hints
-from inference_service.request.planning import EngineParts
-from inference_service.reuse.tier_placement import copy_run_
-from inference_service.reuse.tier_rates import store_tier
+from inference_service.kv_memory.kv_buffers import allocate_kv, build_cache
+from inference_service.engine_parts.generation import step_hints
+from inference_service.engine_parts.planning import EngineParts
+from inference_service.kv_memory.tier_placement import copy_run_
+from inference_service.kv_memory.tier_rates import store_tier
 from inference_service.store.protocol import StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def calibrate(parts: EngineParts) -> Calibration:
     if parts.l0 is not None:
         result.points["l0"] = [(count * chunk * per_token, _timed(device, lambda count=count: copy_run_(
             chunk_kv * count, 0, buffers))) for count in num_chunks]
-    if parts.writeback.host is not None:
+    if parts.host is not None:
         result.points["host"] = _host_points(buffers, chunk, num_chunks, per_token)
     tier = store_tier(parts.store)
     blob = encode_chunk_kv(*chunk_kv[0], 0, 16)

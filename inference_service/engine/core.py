@@ -11,12 +11,12 @@ from typing import Callable, Iterable
 import torch
 
 from inference_service.engine.executor import Executor
-from inference_service.engine.kv_owner import KvOwner, bytes_per_token
-from inference_service.request.planning import EngineParts
-from inference_service.engine.scheduler import Scheduler, SchedulerLimits, SequenceState
-from inference_service.engine.slot_ledger import SlotLayout, SlotLedger, plan_slots
-from inference_service.engine.sequence import Sequence
-from inference_service.request.types import MAX_CHOICES
+from inference_service.kv_memory.kv_owner import KvOwner, bytes_per_token
+from inference_service.engine_parts.planning import EngineParts
+from inference_service.engine.scheduler import Scheduler, SchedulerLimits, RequestState
+from inference_service.kv_memory.slot_ledger import SlotLayout, SlotLedger, plan_slots
+from inference_service.engine.request import EngineRequest
+from inference_service.engine_parts.types import MAX_CHOICES
 from inference_service.errors import EngineFatal, EngineStopped, InvalidRequest, QueueFull
 from inference_service.model.batch_forward import has_sliding_layers
 from inference_service.model.step_runner import choose_runner
@@ -65,8 +65,8 @@ class EngineCore:
         self._padded_to = parts.config.invariant_piece_tokens
         self.on_fatal: Callable[[BaseException], None] | None = None  # the process must restart (serving exits)
         self.num_steps = 0
-        self._inbox: deque[Sequence] = deque()
-        self._held: list[tuple[float, Sequence]] = []  # (deadline, request) waiting for a write-back of its chunks
+        self._inbox: deque[EngineRequest] = deque()
+        self._held: list[tuple[float, EngineRequest]] = []  # (deadline, request) waiting for a write-back of its chunks
         self._wake = threading.Condition()
         self._writeback = parts.writeback
         self._l0 = parts.l0
@@ -86,7 +86,7 @@ class EngineCore:
         """Whether submit would queue that many requests now (it checks again, under its lock)."""
         return not self._stopping and self.num_waiting + num_requests <= self.max_queue
 
-    def submit(self, seqs: Iterable[Sequence]) -> None:
+    def submit(self, seqs: Iterable[EngineRequest]) -> None:
         """Queues the requests (all or none); callable from any thread.
 
         Raises:
@@ -97,7 +97,7 @@ class EngineCore:
         seqs = list(seqs)
         ledger = self.owner.ledger
         for seq in seqs:
-            seq.state = SequenceState(seq.seq_id, seq.prompt.num_tokens, seq.prompt.num_tokens + seq.max_new_tokens,
+            seq.state = RequestState(seq.seq_id, seq.prompt.num_tokens, seq.prompt.num_tokens + seq.max_new_tokens,
                                       num_rows=seq.num_rows)
             padded = -(-seq.prompt.num_tokens // self._padded_to) * self._padded_to  # invariant prefill's last piece
             if max(seq.prompt.num_tokens + seq.max_new_tokens, padded) > self.owner.capacity or not ledger.fits_at_all(
@@ -141,13 +141,13 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_work()
 
-    def _release_held(self, arrived: list[Sequence]) -> list[Sequence]:
+    def _release_held(self, arrived: list[EngineRequest]) -> list[EngineRequest]:
         """The arrivals and held requests that may start: those none of whose prompt chunks is being written
         back by this process, or that waited HOLD_FOR_WRITE_BACK_S for it. The rest are held (FIFO kept)."""
         now = time.monotonic()
         candidates = self._held + [(now + HOLD_FOR_WRITE_BACK_S, seq) for seq in arrived]
-        ready: list[Sequence] = []
-        held: list[tuple[float, Sequence]] = []
+        ready: list[EngineRequest] = []
+        held: list[tuple[float, EngineRequest]] = []
         for deadline, seq in candidates:
             keys = [*seq.prompt.prefix_keys, *([seq.prompt.tail_key] if seq.prompt.tail_key else [])]
             if seq.mode != "baseline" and now < deadline and self._writeback.storing(keys):

@@ -10,17 +10,17 @@ import torch
 from inference_service.engine.batch import batch_sequences
 from inference_service.engine.calibration import start_calibrated
 from inference_service.engine.core import EngineCore
-from inference_service.request.counters import EngineStats
-from inference_service.request.generation import OnToken, eos_token_ids
-from inference_service.request.logprobs import token_text
-from inference_service.request.planning import EngineParts, plan_request, plan_warm, repair_options, salted, token_cache
+from inference_service.engine_parts.counters import EngineStats
+from inference_service.engine_parts.generation import OnToken, eos_token_ids
+from inference_service.engine_parts.logprobs import token_text
+from inference_service.engine_parts.planning import EngineParts, plan_request, plan_warm, repair_options, salted, token_cache
 from inference_service.engine.scheduler import SchedulerLimits, device_limits
 from kvboost_keys.prompts import PromptPlan, tokenize_messages, tokenize_prompt
-from inference_service.engine.sequence import OnDone, Sequence, WarmSpec
+from inference_service.engine.request import OnDone, EngineRequest, WarmSpec
 from inference_service.config import EngineConfig, resolve_guard_threshold
-from inference_service.request.types import GenerationOutcome, GenerationParams, WarmOutcome
-from inference_service.request.verification import BUILTIN_PROMPTS, compare_modes
-from inference_service.engine.memory_plan import service_tiers, size_tiers
+from inference_service.engine_parts.types import GenerationOutcome, GenerationParams, WarmOutcome
+from inference_service.engine_parts.verification import BUILTIN_PROMPTS, compare_modes
+from inference_service.kv_memory.memory_plan import build_tiers, size_tiers
 from inference_service.reuse.writeback import WriteBack
 from inference_service.errors import InvalidRequest
 from kvboost_keys.namespace import dtype_name
@@ -29,7 +29,7 @@ from inference_service.kv.repair import MASKABLE_ATTENTION, RepairOptions
 from inference_service.kv.rope import RopeParams, UnsupportedRope, rope_parameters
 from inference_service.model.attention import use_engine_attention
 from inference_service.engine.prefill import invariant_prefill_refusal
-from inference_service.model.kv_buffers import kv_geometry
+from inference_service.kv_memory.kv_buffers import kv_geometry
 from inference_service.model.weights import state_fingerprint
 from inference_service.store.protocol import ChunkStore
 from kvboost_keys.token_cache import token_cache_for, token_cache_stats
@@ -65,6 +65,7 @@ class Engine:
             logger.info("content hits will not be reused: repair needs %s attention, the model uses %r",
                         " or ".join(MASKABLE_ATTENTION), attention)
             content_rope = None  # content hits then fall back to prefix reuse instead of failing requests
+        tiers = build_tiers(config, model, geometry, store)  # handed to the write-back and the parts alike
         self.parts = EngineParts(
             model=model, tokenizer=tokenizer, config=config, store=store,
             namespace=engine_namespace(model, tokenizer, config, self.weights_id),
@@ -73,9 +74,8 @@ class Engine:
             eos_ids=eos_token_ids(model, tokenizer), counters=counters,
             writeback=WriteBack(store, config.kv_cache_bits, counters.add_stored, config.kv_group_size,
                                 key_rope if config.keys_before_rope else None, config.max_store_stream_bytes,
-                                *service_tiers(config, model, geometry, store)),  # L0 and the host tier
-            key_rope=key_rope,
-            content_rope=content_rope,
+                                tiers.l0, tiers.host),
+            tiers=tiers, key_rope=key_rope, content_rope=content_rope,
             token_cache=token_cache_for(tokenizer, config.tokenizer_cache_bytes),
         )
         use_engine_attention(model)  # after the namespace: the engine's forwards pick grouped SDPA per call
@@ -132,7 +132,7 @@ class Engine:
         if not prompt.num_tokens:  # a text of no tokens: nothing to compute or store
             return on_done(WarmOutcome(0, 0, parts.config.chunk_size, True, 0, ""), None)
         params = GenerationParams(prompt=text or "(messages)", max_new_tokens=1, request_id="warm")
-        self.core.submit([Sequence(params, None, should_stop, on_done, parts, "prefix_cache", prompt, 0,
+        self.core.submit([EngineRequest(params, None, should_stop, on_done, parts, "prefix_cache", prompt, 0,
                                    warm=WarmSpec(content_addressed, pin), label=" warm")])
 
     def unpin(self, text: str | None = None, messages=None, content_addressed: bool = False,
@@ -180,7 +180,7 @@ class Engine:
 
     def generate_with_first_logits(self, params: GenerationParams) -> tuple[GenerationOutcome, torch.Tensor | None]:
         """generate() without streaming, plus the logits the first token was chosen from ([vocab] float32)."""
-        holder: list[Sequence] = []
+        holder: list[EngineRequest] = []
 
         def submit(on_done: OnDone) -> None:
             holder.append(self._sequence(params, None, lambda: False, on_done))
@@ -195,10 +195,10 @@ class Engine:
         return _wait(lambda on_done: self.submit_warm(on_done, text, messages, content_addressed, pin, cache_salt))
 
     def _sequence(self, params: GenerationParams, on_token: OnToken | None, should_stop: ShouldStop,
-                  on_done: OnDone) -> Sequence:
+                  on_done: OnDone) -> EngineRequest:
         parts = salted(self.parts, params.cache_salt)
         mode, prompt, max_new_tokens = plan_request(parts, params)
-        seq = Sequence(params, on_token, should_stop, on_done, parts, mode, prompt, max_new_tokens)
+        seq = EngineRequest(params, on_token, should_stop, on_done, parts, mode, prompt, max_new_tokens)
         return seq.ask_early() if self.core.has_room(1) else seq  # a request refused for room costs no Lookup
 
     def tokenize(self, prompt: str | None = None, messages=None, add_special_tokens: bool = True,
@@ -229,7 +229,7 @@ class Engine:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def plan_request(self, params: GenerationParams) -> tuple[str, PromptPlan, int]:
-        """(mode, planned prompt, capped max_new_tokens); see request.planning.plan_request."""
+        """(mode, planned prompt, capped max_new_tokens); see engine_parts.planning.plan_request."""
         return plan_request(self.parts, params)
 
     def repair_options(self, params: GenerationParams | None = None) -> RepairOptions:
@@ -266,7 +266,7 @@ class Engine:
                 "read_mode": getattr(self.store, "read_mode", ""),  # how cached blobs are read (locked map, stream)
                 "stream_fetches": getattr(self.store, "num_stream_fetches", 0),
                 **token_cache_stats(self.parts.token_cache),
-                **(self.parts.writeback.host.snapshot() if self.parts.writeback.host is not None else {})}
+                **(self.parts.host.snapshot() if self.parts.host is not None else {})}
 
     def flush_writes(self, timeout: float | None = None) -> None:
         """Waits for queued write-backs (tests, shutdown)."""

@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from inference_service.engine import prefill
-from inference_service.request.generation import RowDecoder, SamplingSettings, step_hints
-from inference_service.request.planning import answer_chunks
-from inference_service.engine.sequence import Row, Sequence
-from inference_service.request.types import TokenEvent
+from inference_service.engine_parts.generation import RowDecoder, SamplingSettings, step_hints
+from inference_service.engine_parts.planning import answer_chunks
+from inference_service.engine.request import Row, EngineRequest
+from inference_service.engine_parts.types import TokenEvent
 from inference_service.reuse.assembler import AssembledContext
 from inference_service.errors import EngineError, EngineFatal
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.batch_forward import BatchWorkspace
 from inference_service.model.forward import decode_alone
-from inference_service.model.kv_buffers import build_cache
+from inference_service.kv_memory.kv_buffers import build_cache
 
 if TYPE_CHECKING:  # annotations only: the core builds both and hands them in
-    from inference_service.engine.kv_owner import KvOwner
+    from inference_service.kv_memory.kv_owner import KvOwner
     from inference_service.engine.scheduler import Scheduler, StepPlan
     from inference_service.model.step_runner import StepRunner
 
@@ -42,11 +42,11 @@ class Executor:
         self.batched = batched  # False: rows decode one at a time, each in its own cache (sliding-window models)
         self.pad_token_id = pad_token_id
         self.workspace = BatchWorkspace.for_device(model.device)  # batched prefills' buffers, kept on a CPU
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences: dict[int, EngineRequest] = {}
 
     # ---- admission and prefill --------------------------------------------------------------------
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: EngineRequest) -> None:
         """An admitted sequence: holds its slots and places what the store has (a follower waits for its source)."""
         for slot in seq.state.slots:
             self.owner.hold(slot)
@@ -71,7 +71,7 @@ class Executor:
         if decoding:
             self._decode(decoding)
 
-    def _place(self, seq: Sequence) -> None:
+    def _place(self, seq: EngineRequest) -> None:
         source = seq.source
         # An approximate source's K/V is never shared: the follower looks its prompt up itself (and stays exact).
         if (source is not None and source.first_logits is not None and not source.approximate
@@ -85,11 +85,11 @@ class Executor:
             prefill.start(seq, self.owner.views(seq.state.slots[0]))
         self._maybe_prefilled(seq)
 
-    def _run_piece(self, seq: Sequence, num_tokens: int) -> None:
+    def _run_piece(self, seq: EngineRequest, num_tokens: int) -> None:
         prefill.run_piece(seq, self.owner.views(seq.state.slots[0]), num_tokens)
         self._maybe_prefilled(seq)
 
-    def _run_group(self, seqs: list[Sequence]) -> None:
+    def _run_group(self, seqs: list[EngineRequest]) -> None:
         if not seqs:
             return
         try:  # one forward for all of them: its failure is each one's
@@ -102,7 +102,7 @@ class Executor:
         for seq in seqs:
             self._guard(seq, lambda seq=seq: self._maybe_prefilled(seq))
 
-    def _maybe_prefilled(self, seq: Sequence) -> None:
+    def _maybe_prefilled(self, seq: EngineRequest) -> None:
         """After the last prompt token: the followers take the shared K/V, then the sequence picks its first token."""
         if seq.state.num_computed < seq.prompt.num_tokens or seq.ended:
             return
@@ -114,7 +114,7 @@ class Executor:
         self.scheduler.prefilled(seq.seq_id)
         self._join(seq)
 
-    def _hand_over(self, source: Sequence) -> None:
+    def _hand_over(self, source: EngineRequest) -> None:
         for follower in source.followers:
             if follower.seq_id in self.sequences and follower.state.slots and follower.state.num_computed is None:
                 self._guard(follower, lambda follower=follower: self._place(follower))
@@ -122,7 +122,7 @@ class Executor:
 
     # ---- the first token and decoding ----------------------------------------------------------------
 
-    def _join(self, seq: Sequence) -> None:
+    def _join(self, seq: EngineRequest) -> None:
         """The sequence picks its first token(s); each of its n completions decodes as a row in its own slot."""
         parts, params, prompt = seq.parts, seq.params, seq.prompt
         if seq.prompt_logprobs and seq.on_token is not None:
@@ -151,7 +151,7 @@ class Executor:
             if row.decoder.reason:
                 self._finish_row(seq, row)
 
-    def _decode(self, seqs: list[Sequence]) -> None:
+    def _decode(self, seqs: list[EngineRequest]) -> None:
         rows = [(seq, row) for seq in seqs for row in seq.rows]
         try:  # one forward for every row: its failure is each request's
             logits = self._forward_rows(rows)
@@ -166,7 +166,7 @@ class Executor:
                         self._take(seq, row, row_logits, hint))
 
     @torch.inference_mode()
-    def _forward_rows(self, rows: list[tuple[Sequence, Row]]) -> torch.Tensor | list[torch.Tensor]:
+    def _forward_rows(self, rows: list[tuple[EngineRequest, Row]]) -> torch.Tensor | list[torch.Tensor]:
         if self.batched:
             for _, row in rows:
                 self.owner.buffers.finite_until[row.slot] = max(self.owner.buffers.finite_until[row.slot],
@@ -175,7 +175,7 @@ class Executor:
         return [decode_alone(self.model, row.cache, torch.tensor(row.next_token_id, device=self.model.device),
                              row.next_position) for _, row in rows]
 
-    def _take(self, seq: Sequence, row: Row, logits: torch.Tensor, hint: tuple[bool, int] | None = None) -> None:
+    def _take(self, seq: EngineRequest, row: Row, logits: torch.Tensor, hint: tuple[bool, int] | None = None) -> None:
         if seq.ended:  # another of its rows failed this step
             return
         row.next_position += 1
@@ -183,7 +183,7 @@ class Executor:
         if row.decoder.reason:
             self._finish_row(seq, row)
 
-    def _finish_row(self, seq: Sequence, row: Row) -> None:
+    def _finish_row(self, seq: EngineRequest, row: Row) -> None:
         decoded = row.decoder.finish()
         if row.index == 0:  # submitted before the request reports its end
             self._store_answer(seq, row)
@@ -195,7 +195,7 @@ class Executor:
 
     # ---- write-back, failures --------------------------------------------------------------------------
 
-    def _write_back(self, seq: Sequence) -> None:
+    def _write_back(self, seq: EngineRequest) -> None:
         self._keep_fetched(seq)
         pending = seq.pending
         if pending is not None and seq.stored_keys is not None:  # a batch call: no chunk is stored twice
@@ -206,17 +206,17 @@ class Executor:
         self.owner.hold(slot)  # the write-back reads the slot's K/V on its own thread
         seq.parts.writeback.submit(pending, lambda stored, error: self.owner.let_go(slot))
 
-    def _keep_fetched(self, seq: Sequence) -> None:
+    def _keep_fetched(self, seq: EngineRequest) -> None:
         """L0 copies the whole chunks this prompt took from the store, on the write-back thread (after the first
         token: never on the request's path)."""
         spans = seq.context.fetched_whole
-        if not spans or (seq.parts.l0 is None and seq.parts.writeback.host is None):
+        if not spans or (seq.parts.l0 is None and seq.parts.host is None):
             return
         slot = seq.state.slots[0]
         self.owner.hold(slot)  # the copy reads the slot's K/V on its own thread
         seq.parts.writeback.submit_fetched(self.owner.views(slot), spans, lambda: self.owner.let_go(slot))
 
-    def _store_answer(self, seq: Sequence, row: Row) -> None:
+    def _store_answer(self, seq: EngineRequest, row: Row) -> None:
         """The prompt's tail and the answer's K/V (first completion only) as chunks, so the next turn of a
         conversation reuses the whole previous turn; only K/V that are exact (every decode step is bitwise the
         model's forward: the start-up probe checks it), of single-segment prompts. Not with invariant prefill: an
@@ -233,7 +233,7 @@ class Executor:
         self.owner.hold(row.slot)  # the write-back reads the slot's K/V on its own thread
         seq.parts.writeback.submit(pending, lambda stored, error: self.owner.let_go(row.slot))
 
-    def _store_warm(self, seq: Sequence) -> None:
+    def _store_warm(self, seq: EngineRequest) -> None:
         slot = seq.state.slots[0]
         seq.held_slots.discard(slot)
         self.owner.hold(slot)  # let go of by the write-back, once it has read the slot
@@ -249,13 +249,13 @@ class Executor:
         else:
             seq.parts.writeback.submit(seq.pending, stored)
 
-    def _guard(self, seq: Sequence, work: Callable[[], None]) -> None:
+    def _guard(self, seq: EngineRequest, work: Callable[[], None]) -> None:
         try:
             work()
         except Exception as error:
             self._fail(seq, error)
 
-    def _fail(self, seq: Sequence, error: BaseException | None) -> None:
+    def _fail(self, seq: EngineRequest, error: BaseException | None) -> None:
         """Ends the sequence alone with `error` (None: it already reported) and frees its slots; its followers
         then look their prompts up themselves. A dead device ends the process instead."""
         if error is not None:
@@ -270,7 +270,7 @@ class Executor:
         self._forget(seq)
         self._hand_over(seq)
 
-    def _forget(self, seq: Sequence) -> None:
+    def _forget(self, seq: EngineRequest) -> None:
         self.sequences.pop(seq.seq_id, None)
         self.scheduler.remove(seq.seq_id)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from inference_service.kv import codec
-from inference_service.request.types import EngineConfig
+from inference_service.engine_parts.types import EngineConfig
 from kvboost_keys.namespace import (Namespace, NamespaceSpec, canonical_config_json, dtype_name, namespace_digest,
                                     tokenizer_identity)
 

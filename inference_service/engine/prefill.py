@@ -9,14 +9,14 @@ import torch
 
 from inference_service.reuse.assembler import assemble_context, empty_context
 from inference_service.reuse.content_reuse import prefill_with_content_hits
-from inference_service.request.logprobs import prompt_logprobs
-from inference_service.request.planning import needs_repair, new_chunks, repair_options
+from inference_service.engine_parts.logprobs import prompt_logprobs
+from inference_service.engine_parts.planning import needs_repair, new_chunks, repair_options
 from inference_service.model.batch_forward import BatchWorkspace, PrefillRow, has_sliding_layers, prefill_rows
 from inference_service.model.forward import prefill, prefill_padded, prefill_scored
-from inference_service.model.kv_buffers import build_cache
+from inference_service.kv_memory.kv_buffers import build_cache
 
 if TYPE_CHECKING:  # annotations only: prefill works on the sequences the executor hands it
-    from inference_service.engine.sequence import Sequence
+    from inference_service.engine.request import EngineRequest
 
 Buffers = tuple[torch.Tensor, torch.Tensor]  # a slot's keys, values: [layers, kv_heads, capacity, head_dim]
 
@@ -33,7 +33,7 @@ def invariant_prefill_refusal(model_config) -> str:
     return ""
 
 
-def start(seq: Sequence, buffers: Buffers) -> None:
+def start(seq: EngineRequest, buffers: Buffers) -> None:
     """Places what the store holds for the prompt into the slot; sets how much is in place and whether the rest
     must run in one piece (repair of content hits, every prompt token's logprob)."""
     parts, prompt = seq.parts, seq.prompt
@@ -45,7 +45,7 @@ def start(seq: Sequence, buffers: Buffers) -> None:
     early = seq.current_lookup()
     seq.context = (assemble_context(parts.store, parts.namespace, prompt, buffers, seq.mode == "chunk_kv_reuse",
                                     parts.key_rope, parts.l0, parts.counters.choose_load if recompute_when_faster
-                                    else None, early, parts.writeback.host) if looks_up else empty_context())
+                                    else None, early, parts.host) if looks_up else empty_context())
     if seq.context.num_lookups:
         parts.counters.add_step_loop_lookups(seq.context.num_lookups)
     if seq.context.num_cached_tokens:  # the load rate: bytes in place / time from the Lookup to the last one placed
@@ -61,7 +61,7 @@ def start(seq: Sequence, buffers: Buffers) -> None:
     place(seq, buffers, min(seq.context.num_cached_tokens, prompt.num_tokens - int(seq.need_logits)))
 
 
-def place(seq: Sequence, buffers: Buffers, num_in_place: int) -> None:
+def place(seq: EngineRequest, buffers: Buffers, num_in_place: int) -> None:
     """The first num_in_place prompt tokens are in the slot: the prefill goes on from there (with invariant
     prefill, from the piece boundary at or before it: that piece's forward is the uncached prompt's)."""
     config = seq.parts.config
@@ -75,7 +75,7 @@ def place(seq: Sequence, buffers: Buffers, num_in_place: int) -> None:
 
 
 @torch.inference_mode()
-def run_piece(seq: Sequence, buffers: Buffers, num_tokens: int) -> int:
+def run_piece(seq: EngineRequest, buffers: Buffers, num_tokens: int) -> int:
     """Runs the next num_tokens prompt tokens (all the rest for a whole prefill); returns how many ran."""
     if seq.whole:
         return _run_whole(seq, buffers)
@@ -92,7 +92,7 @@ def run_piece(seq: Sequence, buffers: Buffers, num_tokens: int) -> int:
     return end - begin
 
 
-def _run_chunks(seq: Sequence, buffers: Buffers, num_tokens: int) -> int:
+def _run_chunks(seq: EngineRequest, buffers: Buffers, num_tokens: int) -> int:
     """Invariant prefill: the next pieces covering at least num_tokens prompt tokens, one forward each of exactly
     invariant_piece_tokens rows (whole chunks) at positions aligned to as many, the prompt's last piece padded after
     its end. Every piece's forward then has the same shapes, the same kernels and the same inputs (a row never sees
@@ -116,7 +116,7 @@ def _run_chunks(seq: Sequence, buffers: Buffers, num_tokens: int) -> int:
 
 
 @torch.inference_mode()
-def run_together(seqs: Seq[Sequence], buffers: Seq[Buffers], pad_token_id: int,
+def run_together(seqs: Seq[EngineRequest], buffers: Seq[Buffers], pad_token_id: int,
                  workspace: BatchWorkspace | None = None) -> None:
     """The rest of every sequence's prompt in ONE forward (full-attention models, batch buffers from `workspace`);
     each is then prefilled."""
@@ -131,7 +131,7 @@ def run_together(seqs: Seq[Sequence], buffers: Seq[Buffers], pad_token_id: int,
         finish(seq, slot, row_logits)
 
 
-def finish(seq: Sequence, buffers: Buffers, first_logits: torch.Tensor | None) -> None:
+def finish(seq: EngineRequest, buffers: Buffers, first_logits: torch.Tensor | None) -> None:
     """The whole prompt is in the slot: keeps the first token's logits and names the chunks to store."""
     parts, prompt = seq.parts, seq.prompt
     seq.first_logits = first_logits
@@ -149,7 +149,7 @@ def finish(seq: Sequence, buffers: Buffers, first_logits: torch.Tensor | None) -
             seq.pending = dataclasses.replace(seq.pending, pin=True)
 
 
-def _run_whole(seq: Sequence, buffers: Buffers) -> int:
+def _run_whole(seq: EngineRequest, buffers: Buffers) -> int:
     parts, prompt, context = seq.parts, seq.prompt, seq.context
     num_before = seq.state.num_computed
     if needs_repair(seq.mode, context):
@@ -184,7 +184,7 @@ def _run_whole(seq: Sequence, buffers: Buffers) -> int:
     return prompt.num_tokens - num_before
 
 
-def _keep_sliding_layers(seq: Sequence, buffers: Buffers, new_kv, begin: int) -> None:
+def _keep_sliding_layers(seq: EngineRequest, buffers: Buffers, new_kv, begin: int) -> None:
     """Sliding-window layers keep only their window in the cache: their K/V go into the slot too, so the
     write-back and the copies for n completions find every token there."""
     keys, values = buffers

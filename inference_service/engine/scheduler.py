@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from inference_service.engine.slot_ledger import SlotLedger
+from inference_service.kv_memory.slot_ledger import SlotLedger
 
 # Prompt tokens per batched prefill forward. On a CPU a forward is compute-bound from about this many tokens on
 # (docs/benchmarks.md, "What a step costs now"), so larger forwards save little, while every request in a forward
@@ -44,7 +44,7 @@ class SchedulerLimits:
 
 
 @dataclass(slots=True)
-class SequenceState:
+class RequestState:
     """What the scheduler knows of one request: counts, never tensors."""
 
     seq_id: int
@@ -79,9 +79,9 @@ class Scheduler:
 
     def __init__(self, limits: SchedulerLimits, ledger: SlotLedger) -> None:
         self.limits, self.ledger = limits, ledger
-        self.waiting: deque[SequenceState] = deque()
-        self.prefilling: list[SequenceState] = []  # admitted, oldest first
-        self.running: dict[int, SequenceState] = {}  # seq id -> state, decoding
+        self.waiting: deque[RequestState] = deque()
+        self.prefilling: list[RequestState] = []  # admitted, oldest first
+        self.running: dict[int, RequestState] = {}  # seq id -> state, decoding
 
     @property
     def num_waiting(self) -> int:
@@ -94,12 +94,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
-    def add(self, state: SequenceState) -> None:
+    def add(self, state: RequestState) -> None:
         assert self.ledger.fits_at_all(state.num_reserved_tokens, state.num_rows), (
             f"sequence {state.seq_id} can never fit; check fits_at_all before adding")
         self.waiting.append(state)
 
-    def admit(self) -> list[SequenceState]:
+    def admit(self) -> list[RequestState]:
         """The waiting requests that start now, in arrival order, with their slots reserved."""
         admitted = []
         while (self.waiting and len(self.prefilling) + len(self.running) < self.limits.max_running_requests
@@ -139,7 +139,7 @@ class Scheduler:
         self.prefilling.remove(state)
         self.running[seq_id] = state
 
-    def remove(self, seq_id: int) -> SequenceState | None:
+    def remove(self, seq_id: int) -> RequestState | None:
         """Forgets a sequence wherever it is (finished, failed or cancelled); its slots are the K/V owner's to free."""
         if seq_id in self.running:
             return self.running.pop(seq_id)
@@ -149,13 +149,13 @@ class Scheduler:
                 return state
         return None
 
-    def _prefilling(self, seq_id: int) -> SequenceState:
+    def _prefilling(self, seq_id: int) -> RequestState:
         for state in self.prefilling:
             if state.seq_id == seq_id:
                 return state
         raise KeyError(f"sequence {seq_id} is not prefilling")
 
-    def _groups(self, ending: list[SequenceState]) -> tuple[tuple[int, ...], ...]:
+    def _groups(self, ending: list[RequestState]) -> tuple[tuple[int, ...], ...]:
         """Short prefills in forwards of about max_forward_tokens (each alone without batch_prefills)."""
         groups: list[list[int]] = []
         num_tokens = 0

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from inference_service.model.attention import engine_call_kwargs
-from inference_service.model.kv_buffers import PreallocatedLayer
+from inference_service.kv_memory.kv_buffers import PreallocatedLayer
 
 
 def has_sliding_layers(config) -> bool:

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from inference_service.model.attention import engine_call_kwargs, live_causal_mask
-from inference_service.model.kv_buffers import LayerKV, PreallocatedLayer
+from inference_service.kv_memory.kv_buffers import LayerKV, PreallocatedLayer
 
 
 def prefill(model, cache: DynamicCache, token_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, LayerKV]:

@@ -19,9 +19,9 @@ import torch
 from inference_service.model.lean_step import LeanStep, lean_step_support
 from inference_service.model.scripted_layers import INVARIANT_ATTENTION_BLOCK
 from inference_service.model.graph_step import MIN_LENGTH_BUCKET, CaptureFailed, GraphSteps, graph_support
-from inference_service.model.kv_buffers import kv_geometry
+from inference_service.kv_memory.kv_buffers import kv_geometry
 from inference_service.model.model_step import ModelStep
-from inference_service.model.slot_buffers import SlotBuffers
+from inference_service.kv_memory.slot_buffers import SlotBuffers
 from inference_service.model.step_names import DECODE_STEPS, DEFAULT_DECODE_STEP
 
 logger = logging.getLogger(__name__)

@@ -16,12 +16,12 @@ from inference_service.kv.loader import RunLoad, copies_raw, staging_ring
 from kvboost_keys.prompts import PromptPlan
 from kvboost_keys.chunking import Chunk
 from inference_service.kv.rope import RopeParams
-from inference_service.reuse.host_tier import HostTier
-from inference_service.reuse.l0_tier import L0Tier
+from inference_service.kv_memory.host_tier import HostTier
+from inference_service.kv_memory.l0_tier import L0Tier
 from inference_service.reuse.prefetch import prefetched
 from inference_service.reuse.load_choice import LoadChoice, RunPart
-from inference_service.reuse.tier_placement import device_mark, place_from_tiers, tiers_holding
-from inference_service.reuse.tier_rates import TierLoad, store_tier
+from inference_service.kv_memory.tier_placement import device_mark, place_from_tiers, tiers_holding
+from inference_service.kv_memory.tier_rates import TierLoad, store_tier
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from inference_service.store.protocol import StoreTimeout, StoreUnavailable, Chu
 from kvboost_keys.prompts import PromptPlan
 from inference_service.kv.repair import APPROX, EXACT, MISSING, RepairOptions, repair_prefill
 from inference_service.kv.rope import RopeParams
-from inference_service.model.kv_buffers import KVGeometry, build_cache
+from inference_service.kv_memory.kv_buffers import KVGeometry, build_cache
 
 logger = logging.getLogger(__name__)
 

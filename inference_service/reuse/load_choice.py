@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from inference_service.reuse.tier_rates import CostMeter, CostModel
+from inference_service.kv_memory.tier_rates import CostMeter, CostModel
 
 DEFAULT_PROBE_INTERVAL_S = 30.0
 

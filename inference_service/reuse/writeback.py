@@ -15,10 +15,10 @@ from inference_service.store.protocol import DEFAULT_MAX_STREAM_BYTES, StoreUnav
 from kvboost_keys.chunking import Chunk
 from inference_service.kv.blobs import DEFAULT_GROUP_SIZE, encode_chunk_kv
 from inference_service.kv.rope import RopeParams
-from inference_service.reuse.host_tier import HostTier
-from inference_service.reuse.l0_tier import L0Tier
+from inference_service.kv_memory.host_tier import HostTier
+from inference_service.kv_memory.l0_tier import L0Tier
 from inference_service.reuse.settled_writes import SettledLog, SettledWrite
-from inference_service.model.kv_buffers import LayerKV, stack_layers
+from inference_service.kv_memory.kv_buffers import LayerKV, stack_layers
 from inference_service.model.threads import confine_to_this_thread, lower_this_threads_priority
 
 logger = logging.getLogger(__name__)
@@ -119,12 +119,11 @@ class WriteBack:
         """max_stream_bytes: blob bytes per store call; a larger write-back goes out as several, encoded as it
         goes (its encoded bytes are never all in memory at once). l0: L0, which keeps every chunk written back
         (before the store has it) and the whole chunks requests fetched. host: the host tier, which takes what L0
-        evicts, and what L0 does not keep (or every whole chunk, with no L0)."""
+        evicts, and what L0 does not keep (or every whole chunk, with no L0). Both come wired to each other from
+        kv_memory/memory_plan.build_tiers, which hands the same two to the engine's parts."""
         assert max_stream_bytes > 0, f"max_stream_bytes must be positive, got {max_stream_bytes}"
         self.l0 = l0
         self.host = host
-        if l0 is not None and host is not None:
-            l0.spill = host.add
         self._cache = cache
         self._max_stream_bytes = max_stream_bytes
         self._bits = bits

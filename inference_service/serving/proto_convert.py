@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from inference_service.request.types import GenerationOutcome, GenerationParams, TokenEvent, TokenLogprob, WarmOutcome
+from inference_service.engine_parts.types import GenerationOutcome, GenerationParams, TokenEvent, TokenLogprob, WarmOutcome
 from inference_service.errors import InvalidRequest
 from kvboost.v1 import inference_pb2 as pb
 from kvboost_common.request_ids import new_request_id

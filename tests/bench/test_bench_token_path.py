@@ -22,12 +22,12 @@ def stack(*frames: str) -> str:
 
 def test_library_frames_count_for_the_project_code_that_called_them():
     loop = f"_loop ({REPO}/inference_service/engine/core.py:170)"
-    assert token_path.component_of(stack(loop, f"decode ({REPO}/inference_service/model/slot_buffers.py:90)",
+    assert token_path.component_of(stack(loop, f"decode ({REPO}/inference_service/kv_memory/slot_buffers.py:90)",
                                          f"linear ({SITE}/torch/nn/functional.py:10)")) == "model step"
     assert token_path.component_of(stack(loop, f"push ({REPO}/inference_service/model/detokenizer.py:40)",
                                          f"decode ({SITE}/transformers/tokenization_utils_base.py:3900)",
                                          f"decode ({SITE}/tokenizers/__init__.py:1)")) == "detokenize"
-    assert token_path.component_of(stack(loop, f"take ({REPO}/inference_service/request/generation.py:80)",
+    assert token_path.component_of(stack(loop, f"take ({REPO}/inference_service/engine_parts/generation.py:80)",
                                          f"argmax ({SITE}/torch/_tensor.py:5)")) == "sampling + stop checks"
     assert token_path.component_of(stack(loop, f"plan ({REPO}/inference_service/engine/scheduler.py:80)")) == \
         "step loop bookkeeping"

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
-from inference_service.engine.memory_plan import CUDA_MIN_RESERVE_BYTES, size_tiers
+from inference_service.kv_memory.memory_plan import CUDA_MIN_RESERVE_BYTES, size_tiers
 from inference_service.kv.blobs import decode_hit, encode_chunk_kv, place_hit_
-from inference_service.model.kv_buffers import kv_geometry
-from inference_service.reuse import tier_placement
-from inference_service.reuse.host_tier import HostTier
-from inference_service.reuse.l0_tier import L0Tier
-from inference_service.reuse.tier_placement import place_from_l0
+from inference_service.kv_memory.kv_buffers import kv_geometry
+from inference_service.kv_memory import tier_placement
+from inference_service.kv_memory.host_tier import HostTier
+from inference_service.kv_memory.l0_tier import L0Tier
+from inference_service.kv_memory.tier_placement import place_from_l0
 from inference_service.store.memory import InMemoryStore
 from kvboost_keys.chunking import Chunk
 from tests.factories import build_tiny_model

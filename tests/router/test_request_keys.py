@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from inference_service.engine.engine import Engine, EngineConfig
-from inference_service.request.planning import plan_request, plan_warm, salted
+from inference_service.engine_parts.planning import plan_request, plan_warm, salted
 from inference_service.serving import proto_convert
 from inference_service.store.memory import InMemoryStore
 from kvboost.v1 import inference_pb2 as pb

@@ -15,12 +15,12 @@ def generate_ids(engine: Engine, token_ids: list[int], max_new_tokens: int, mode
     """A request of these exact prompt tokens (a random model's answer need not decode to text that tokenizes back
     to the same ids), run through the engine's step loop like any request."""
     from inference_service.engine.engine import _wait
-    from inference_service.engine.sequence import Sequence
-    from inference_service.request.planning import plan_segments
+    from inference_service.engine.request import EngineRequest
+    from inference_service.engine_parts.planning import plan_segments
 
     params = GenerationParams(prompt="(token ids)", max_new_tokens=max_new_tokens, mode=mode)
     prompt = plan_segments(engine.parts, [token_ids])
-    return _wait(lambda on_done: engine.core.submit([Sequence(params, None, lambda: False, on_done, engine.parts, mode,
+    return _wait(lambda on_done: engine.core.submit([EngineRequest(params, None, lambda: False, on_done, engine.parts, mode,
                                                               prompt, max_new_tokens)]))[0]
 
 

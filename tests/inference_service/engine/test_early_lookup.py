@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
-from inference_service.engine.sequence import Sequence
+from inference_service.engine.request import EngineRequest
 from inference_service.store.memory import InMemoryStore
 from tests.conftest import wait_for
 
@@ -100,7 +100,7 @@ def test_the_early_lookup_reuses_what_the_loop_would(tiny_llama):
         engine.stop()
 
 
-def asked_early(engine: Engine, prompt: str, max_new_tokens: int = 4) -> tuple[Sequence, dict]:
+def asked_early(engine: Engine, prompt: str, max_new_tokens: int = 4) -> tuple[EngineRequest, dict]:
     """A request whose Lookup is asked now, on this thread, but not yet submitted; and where its outcome will land."""
     params = GenerationParams(prompt=prompt, max_new_tokens=max_new_tokens)
     mode, plan, num_tokens = engine.plan_request(params)
@@ -110,10 +110,10 @@ def asked_early(engine: Engine, prompt: str, max_new_tokens: int = 4) -> tuple[S
         landed.update(result=result, error=error)
         landed["done"].set()
 
-    return Sequence(params, None, lambda: False, on_done, engine.parts, mode, plan, num_tokens).ask_early(), landed
+    return EngineRequest(params, None, lambda: False, on_done, engine.parts, mode, plan, num_tokens).ask_early(), landed
 
 
-def run_asked(engine: Engine, seq: Sequence, landed: dict):
+def run_asked(engine: Engine, seq: EngineRequest, landed: dict):
     engine.core.submit([seq])
     assert landed["done"].wait(60), "the request never ended"
     assert landed["error"] is None, landed["error"]

@@ -13,7 +13,7 @@ from inference_service.store.memory import InMemoryStore
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
 from inference_service.errors import InvalidRequest, PromptTooLong
 from kvboost_keys.prompts import tokenize_messages, tokenize_prompt, tokenize_segments
-from inference_service.model.kv_buffers import kv_geometry
+from inference_service.kv_memory.kv_buffers import kv_geometry
 from tests.factories import build_tiny_model
 
 MAX_NEW_TOKENS = 12

@@ -11,7 +11,7 @@ import torch
 from inference_service.reuse import assembler as assembler_module
 from inference_service.engine import prefill as prefill_module
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
-from inference_service.request.generation import NonFiniteLogits, RowDecoder
+from inference_service.engine_parts.generation import NonFiniteLogits, RowDecoder
 from inference_service.errors import InvalidRequest
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.step_runner import StepRunner

@@ -78,30 +78,30 @@ def test_the_host_tier_stays_within_its_bytes_and_answers_stay_exact(tiny_llama)
             assert run(engine, prompt=prompt).output_token_ids == expected
         stats = engine.stats()
         assert stats["host_tier_bytes"] == 3 * CHUNK_BYTES and stats["host_bytes_held"] <= 3 * CHUNK_BYTES
-        assert engine.parts.writeback.host.region.numel() == 3 * CHUNK_BYTES  # the one region, never grown
+        assert engine.parts.host.region.numel() == 3 * CHUNK_BYTES  # the one region, never grown
     finally:
         engine.close()
 
 
 def test_on_a_cpu_auto_keeps_no_host_tier_and_says_so(tiny_llama, caplog):
-    with caplog.at_level(logging.INFO, logger="inference_service.engine.memory_plan"):
+    with caplog.at_level(logging.INFO, logger="inference_service.kv_memory.memory_plan"):
         engine = make_engine(tiny_llama, chunk_size=CHUNK, host_tier_bytes=None)
     default = make_engine(tiny_llama, chunk_size=CHUNK)
     try:
-        assert engine.parts.writeback.host is None and engine.config.host_tier_bytes == 0
+        assert engine.parts.host is None and engine.config.host_tier_bytes == 0
         assert "host tier off: on a CPU L0 already is host memory" in caplog.text
-        assert default.parts.writeback.host is None and "host_chunks_hit" not in default.stats()
+        assert default.parts.host is None and "host_chunks_hit" not in default.stats()
     finally:
         engine.close()
         default.close()
 
 
 def test_a_given_host_tier_is_logged_with_the_tokens_it_holds(tiny_llama, caplog):
-    with caplog.at_level(logging.INFO, logger="inference_service.engine.memory_plan"):
+    with caplog.at_level(logging.INFO, logger="inference_service.kv_memory.memory_plan"):
         engine = make_engine(tiny_llama, chunk_size=CHUNK, host_tier_bytes=1 << 20)
     try:
         assert "host tier 0.00 GiB (given) = 2048 tokens (pageable host memory" in caplog.text
-        assert engine.parts.writeback.host.max_bytes == 1 << 20
+        assert engine.parts.host.max_bytes == 1 << 20
     finally:
         engine.close()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.engine.slot_ledger import SlotLayout
+from inference_service.kv_memory.slot_ledger import SlotLayout
 from inference_service.errors import InvalidRequest
 from kvboost_keys.prompts import tokenize_prompt
 from tests.inference_service.engine.test_engine import make_engine, reference_ids, run, text_of_length

@@ -111,9 +111,9 @@ def test_a_prompt_longer_than_l0_is_served_from_its_first_chunk_as_far_as_l0_hol
 
 
 def test_auto_sizes_l0_and_the_slots_from_the_ram_available_and_says_so(tiny_llama, monkeypatch, caplog):
-    from inference_service.engine import memory_plan
+    from inference_service.kv_memory import memory_plan
     monkeypatch.setattr(memory_plan, "host_memory", lambda: (8 << 30, 16 << 30))
-    with caplog.at_level("INFO", logger="inference_service.engine.memory_plan"):
+    with caplog.at_level("INFO", logger="inference_service.kv_memory.memory_plan"):
         engine = make_engine(tiny_llama)  # kv_cache_bytes and l0_bytes left to auto
     try:
         assert (engine.config.kv_cache_bytes, engine.config.l0_bytes) == (2 << 30, 2 << 30)

@@ -1,8 +1,8 @@
 """The step planner alone: exact admissions and plans, no model (as vLLM tests its scheduler)."""
 from __future__ import annotations
 
-from inference_service.engine.scheduler import Scheduler, SchedulerLimits, SequenceState, StepPlan
-from inference_service.engine.slot_ledger import SlotLedger
+from inference_service.engine.scheduler import Scheduler, SchedulerLimits, RequestState, StepPlan
+from inference_service.kv_memory.slot_ledger import SlotLedger
 
 BYTES_PER_TOKEN = 10
 
@@ -11,8 +11,8 @@ def make_scheduler(num_slots: int = 4, budget_tokens: int = 10_000, **limits) ->
     return Scheduler(SchedulerLimits(**limits), SlotLedger(num_slots, budget_tokens * BYTES_PER_TOKEN, BYTES_PER_TOKEN))
 
 
-def make_state(seq_id: int, prompt: int, new: int = 10, rows: int = 1) -> SequenceState:
-    return SequenceState(seq_id, prompt, prompt + new, num_rows=rows)
+def make_state(seq_id: int, prompt: int, new: int = 10, rows: int = 1) -> RequestState:
+    return RequestState(seq_id, prompt, prompt + new, num_rows=rows)
 
 
 def looked_up(scheduler: Scheduler, cached: dict[int, int], whole: frozenset[int] = frozenset()) -> None:

@@ -11,7 +11,7 @@ from inference_service.kv.codec import decode_chunk
 from inference_service.engine.engine import Engine, EngineConfig
 from kvboost_keys.prompts import plan_prompt
 from inference_service.kv.rope import rope_parameters
-from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+from inference_service.kv_memory.kv_buffers import allocate_kv, build_cache, kv_geometry
 from inference_service.model.forward import prefill
 from inference_service.reuse.writeback import PendingChunks, encode_pending
 

@@ -18,7 +18,7 @@ from inference_service.reuse.content_reuse import place_content_hits
 from kvboost_keys.prompts import plan_prompt
 from inference_service.kv.repair import APPROX, EXACT, MISSING
 from inference_service.kv.rope import rope_parameters
-from inference_service.model.kv_buffers import KVGeometry, allocate_kv, build_cache, kv_geometry
+from inference_service.kv_memory.kv_buffers import KVGeometry, allocate_kv, build_cache, kv_geometry
 from inference_service.model.forward import prefill
 from inference_service.reuse.writeback import PendingChunks, encode_pending
 from tests.inference_service.kv.test_keys_before_rope import pre_rope_keys, relative_error

@@ -16,7 +16,7 @@ from inference_service.model.attention import (ENGINE_ATTENTION, LIVE_CAUSAL, li
                                                use_engine_attention)
 from inference_service.model import forward as forward_module
 from inference_service.model.forward import decode_alone, prefill
-from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+from inference_service.kv_memory.kv_buffers import allocate_kv, build_cache, kv_geometry
 from inference_service.store.memory import InMemoryStore
 from tests.conftest import wait_for
 from tests.factories import build_tiny_model

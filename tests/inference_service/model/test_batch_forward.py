@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from inference_service.model.batch_forward import BatchWorkspace, PrefillRow, prefill_rows
-from inference_service.model.kv_buffers import kv_geometry
+from inference_service.kv_memory.kv_buffers import kv_geometry
 
 
 def make_rows(model, cached: list[int], new: list[int], seed: int) -> list[PrefillRow]:

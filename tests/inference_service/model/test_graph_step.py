@@ -8,9 +8,9 @@ import torch
 from inference_service.model import graph_step
 from inference_service.model.lean_step import LeanStep
 from inference_service.model.graph_step import GraphSteps, bucket, graph_support
-from inference_service.model.kv_buffers import kv_geometry
+from inference_service.kv_memory.kv_buffers import kv_geometry
 from inference_service.model.model_step import ModelStep
-from inference_service.model.slot_buffers import SlotBuffers
+from inference_service.kv_memory.slot_buffers import SlotBuffers
 from inference_service.model.step_runner import StepRunner, choose_runner, probe_mismatch
 
 

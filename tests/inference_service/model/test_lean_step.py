@@ -7,10 +7,10 @@ import torch
 from inference_service.model.attention import use_engine_attention
 from inference_service.model.lean_step import LeanStep, lean_step_support
 from inference_service.model.forward import prefill
-from inference_service.model.kv_buffers import build_cache, kv_geometry
+from inference_service.kv_memory.kv_buffers import build_cache, kv_geometry
 from inference_service.model.model_step import ModelStep
 from inference_service.model.scripted_layers import decoder_layers, scripted_decoder_layers
-from inference_service.model.slot_buffers import SlotBuffers
+from inference_service.kv_memory.slot_buffers import SlotBuffers
 from inference_service.model.step_runner import StepRunner
 from tests.factories import build_tiny_model
 

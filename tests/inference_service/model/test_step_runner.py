@@ -7,9 +7,9 @@ import torch
 
 from inference_service.model import step_runner
 from inference_service.model.lean_step import LeanStep
-from inference_service.model.kv_buffers import kv_geometry
+from inference_service.kv_memory.kv_buffers import kv_geometry
 from inference_service.model.model_step import ModelStep
-from inference_service.model.slot_buffers import SlotBuffers
+from inference_service.kv_memory.slot_buffers import SlotBuffers
 from inference_service.model.step_names import current_decode_step
 from inference_service.model.step_runner import choose_runner, probe_mismatch
 from tests.factories import build_tiny_model

@@ -10,7 +10,7 @@ from inference_service.reuse.content_reuse import place_content_hits, prefill_wi
 from kvboost_keys.prompts import plan_prompt
 from inference_service.kv.repair import APPROX, EXACT, MISSING, RepairOptions
 from inference_service.kv.rope import rerotate_keys, rope_parameters
-from inference_service.model.kv_buffers import allocate_kv, build_cache, kv_geometry
+from inference_service.kv_memory.kv_buffers import allocate_kv, build_cache, kv_geometry
 from inference_service.model.forward import prefill
 from inference_service.reuse.writeback import PendingChunks, encode_pending
 

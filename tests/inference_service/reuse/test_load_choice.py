@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from inference_service.reuse.load_choice import LoadChooser, RunPart, best_load, predicted_seconds
-from inference_service.reuse.tier_rates import CostModel, TierLoad
-from tests.inference_service.reuse.test_tier_rates import Clock, Event
+from inference_service.kv_memory.tier_rates import CostModel, TierLoad
+from tests.inference_service.kv_memory.test_tier_rates import Clock, Event
 
 PER_TOKEN = 1000  # K/V bytes of one token
 PREFILL = CostModel(0.010, 50e-6)  # 10 ms, then 50 us a token
@@ -76,7 +76,7 @@ def test_a_skipped_tier_is_probed_now_and_then_and_its_new_samples_decide():
 
 
 def test_engine_stats_count_skips_and_probes_and_take_cuda_loads_once_their_copies_completed():
-    from inference_service.request.counters import EngineStats
+    from inference_service.engine_parts.counters import EngineStats
     stats = EngineStats()
     clock = Clock()
     stats.chooser = seeded_chooser(clock)

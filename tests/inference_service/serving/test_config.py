@@ -146,7 +146,7 @@ def test_bad_memory_flags_say_what_is_accepted(argv, message, capsys) -> None:
 def test_help_says_what_auto_means() -> None:
     from inference_service.serving.config import build_parser
     text = " ".join(build_parser({}).format_help().split())
-    assert "`auto` (`inference_service/engine/memory_plan.py`): on CUDA half of the device's free memory" in text
+    assert "`auto` (`inference_service/kv_memory/memory_plan.py`): on CUDA half of the device's free memory" in text
     assert "a quarter of the RAM available" in text
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from inference_service.request.counters import EngineStats
-from inference_service.reuse.tier_rates import TierLoad
+from inference_service.engine_parts.counters import EngineStats
+from inference_service.kv_memory.tier_rates import TierLoad
 from inference_service.serving.metrics import EngineCollector
 
 

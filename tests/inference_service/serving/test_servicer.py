@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference_service.store.memory import InMemoryStore
 from inference_service.serving.config import ServiceConfig
-from inference_service.engine import sequence as sequence_module
+from inference_service.engine import request as request_module
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
 from inference_service.serving.server import CACHE_HEALTH_NAME, SERVICE_NAME, build_server
 from kvboost.v1 import inference_pb2 as pb
@@ -80,13 +80,13 @@ async def wait_until(condition, timeout_s: float = 10.0, what: str = "condition"
 
 def record_outcomes(engine, monkeypatch) -> list:
     """Wraps the sequences' record_outcome so the test sees each outcome the engine produced."""
-    outcomes, original_record = [], sequence_module.record_outcome
+    outcomes, original_record = [], request_module.record_outcome
 
     def recording_outcome(*args, **kwargs):
         outcomes.append(original_record(*args, **kwargs))
         return outcomes[-1]
 
-    monkeypatch.setattr(sequence_module, "record_outcome", recording_outcome)
+    monkeypatch.setattr(request_module, "record_outcome", recording_outcome)
     return outcomes
 
 

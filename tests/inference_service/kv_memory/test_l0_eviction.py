@@ -1,7 +1,7 @@
 """L0's eviction order: leaves of the prefix tree first, then the daemon's LFU with decay; exact orders asserted."""
 from __future__ import annotations
 
-from inference_service.reuse.l0_eviction import L0Entry, eviction_order, plan_admission, record_hit
+from inference_service.kv_memory.l0_eviction import L0Entry, eviction_order, plan_admission, record_hit
 
 HALF_LIFE = 10.0
 

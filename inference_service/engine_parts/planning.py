@@ -10,18 +10,20 @@ from typing import Callable, Sequence
 import torch
 
 from inference_service.reuse.assembler import AssembledContext
-from inference_service.request.counters import EngineStats
-from inference_service.request.generation import DecodeResult
+from inference_service.engine_parts.counters import EngineStats
+from inference_service.engine_parts.generation import DecodeResult
 from kvboost_keys.prompts import PromptPlan, plan_prompt, tokenize_request, tokenize_warm
-from inference_service.request.types import EngineConfig, GenerationOutcome, GenerationParams
-from inference_service.reuse.l0_tier import L0Tier
+from inference_service.engine_parts.types import EngineConfig, GenerationOutcome, GenerationParams
+from inference_service.kv_memory.host_tier import HostTier
+from inference_service.kv_memory.l0_tier import L0Tier
+from inference_service.kv_memory.memory_plan import Tiers
 from inference_service.reuse.writeback import PendingChunks, WriteBack
 from inference_service.errors import InvalidRequest, PromptTooLong
 from kvboost_keys.namespace import Namespace, salted_namespace
 from kvboost_keys.token_cache import TokenCache
 from inference_service.kv.repair import RepairOptions
 from inference_service.kv.rope import RopeParams
-from inference_service.model.kv_buffers import KVGeometry
+from inference_service.kv_memory.kv_buffers import KVGeometry
 from inference_service.store.protocol import ChunkStore
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class EngineParts:
     eos_ids: frozenset[int]
     counters: EngineStats
     writeback: WriteBack
+    tiers: Tiers  # L0 and the host tier: the same two the write-back fills
     # Moves stored keys: rotates un-rotated or content-hit keys into place. None: RoPE that cannot be moved.
     key_rope: RopeParams | None
     # Content hits are reused (re-rotated and repaired) only with this; None: they fall back to prefix reuse.
@@ -52,8 +55,13 @@ class EngineParts:
 
     @property
     def l0(self) -> L0Tier | None:
-        """L0 (reuse/l0_tier.py), which the write-back fills; None: off."""
-        return self.writeback.l0
+        """L0 (kv_memory/l0_tier.py); None: off."""
+        return self.tiers.l0
+
+    @property
+    def host(self) -> HostTier | None:
+        """The host tier (kv_memory/host_tier.py); None: off."""
+        return self.tiers.host
 
     @property
     def device(self) -> torch.device:

@@ -10,10 +10,10 @@ import torch
 
 from inference_service.reuse.assembler import AssembledContext, LookupFailed, early_lookup, empty_context
 from inference_service.store.protocol import StoreLookup
-from inference_service.request.generation import DecodeResult, OnToken, RowDecoder
-from inference_service.request.planning import EngineParts, label_repair, outcome_of, record_outcome
+from inference_service.engine_parts.generation import DecodeResult, OnToken, RowDecoder
+from inference_service.engine_parts.planning import EngineParts, label_repair, outcome_of, record_outcome
 from kvboost_keys.prompts import PromptPlan
-from inference_service.request.types import GenerationOutcome, GenerationParams, TokenLogprob, WarmOutcome
+from inference_service.engine_parts.types import GenerationOutcome, GenerationParams, TokenLogprob, WarmOutcome
 from inference_service.reuse.settled_writes import still_current
 from inference_service.reuse.writeback import PendingChunks
 from inference_service.errors import RequestCancelled
@@ -24,7 +24,7 @@ OnDone = Callable[[object, BaseException | None], None]
 ShouldStop = Callable[[], bool]
 
 if TYPE_CHECKING:  # for annotations only: the core gives each sequence its state when it is submitted
-    from inference_service.engine.scheduler import SequenceState
+    from inference_service.engine.scheduler import RequestState
 
 _ids = itertools.count(1)
 
@@ -50,7 +50,7 @@ class Row:
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
+class EngineRequest:
     """The engine's record of one request from submission to on_done."""
 
     params: GenerationParams
@@ -66,7 +66,7 @@ class Sequence:
     count_fetched: bool = True  # False: its shared chunks' fetch is counted on another request of its call
     label: str = ""
     seq_id: int = field(default_factory=lambda: next(_ids))
-    state: SequenceState | None = None
+    state: RequestState | None = None
     # Set while prefilling.
     context: AssembledContext = field(default_factory=empty_context)
     num_cached: int = 0  # leading prompt tokens whose K/V came from the store
@@ -76,7 +76,7 @@ class Sequence:
     pending: PendingChunks | None = None  # new chunks to store after the first token
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     # A batch call's shared leading chunks: `source` prefills them, its `followers` copy them from its slot.
-    source: Sequence | None = None
+    source: EngineRequest | None = None
     num_shared_tokens: int = 0
     num_shared_chunks: int = 0
     followers: list = field(default_factory=list)
@@ -91,7 +91,7 @@ class Sequence:
     outcomes: list = field(default_factory=list)
     ended: bool = False
 
-    def ask_early(self) -> Sequence:
+    def ask_early(self) -> EngineRequest:
         """Asks the prompt's Lookup now, on the submitting thread, when its prefill will look the prompt up: the step
         loop then does not wait for the daemon's answer."""
         if self.mode != "baseline" and self.params.prompt_logprobs is None and self.warm is None:

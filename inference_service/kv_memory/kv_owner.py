@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from inference_service.model.kv_buffers import KVGeometry
-from inference_service.model.slot_buffers import SlotBuffers
+from inference_service.kv_memory.kv_buffers import KVGeometry
+from inference_service.kv_memory.slot_buffers import SlotBuffers
 
 
 if TYPE_CHECKING:  # annotations only: the core makes the ledger the scheduler and this owner share
-    from inference_service.engine.slot_ledger import SlotLedger
+    from inference_service.kv_memory.slot_ledger import SlotLedger
 
 
 def bytes_per_token(geometry: KVGeometry, dtype: torch.dtype) -> int:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from inference_service.kv.blobs import decode_hit, encode_chunk_kv, place_hit_
-from inference_service.reuse import tier_placement
-from inference_service.reuse.l0_tier import L0Tier
-from inference_service.reuse.tier_placement import copy_run_, place_from_l0
+from inference_service.kv_memory import tier_placement
+from inference_service.kv_memory.l0_tier import L0Tier
+from inference_service.kv_memory.tier_placement import copy_run_, place_from_l0
 from kvboost_keys.chunking import Chunk
 
 LAYERS, HEADS, DIMS, CAPACITY = 2, 3, 5, 40

@@ -5,9 +5,9 @@ import threading
 
 import torch
 
-from inference_service.engine.kv_owner import KvOwner, bytes_per_token
-from inference_service.engine.slot_ledger import SlotLedger
-from inference_service.model.kv_buffers import KVGeometry
+from inference_service.kv_memory.kv_owner import KvOwner, bytes_per_token
+from inference_service.kv_memory.slot_ledger import SlotLedger
+from inference_service.kv_memory.kv_buffers import KVGeometry
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, max_context=32)
 

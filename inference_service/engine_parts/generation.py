@@ -7,8 +7,8 @@ from typing import Callable
 
 import torch
 
-from inference_service.request.logprobs import token_logprobs
-from inference_service.request.types import SEED_LIMIT, GenerationParams, TokenEvent
+from inference_service.engine_parts.logprobs import token_logprobs
+from inference_service.engine_parts.types import SEED_LIMIT, GenerationParams, TokenEvent
 from inference_service.errors import InvalidRequest
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.sampling import make_generator, sample, suppress_tokens

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.engine.slot_ledger import SlotLayout, SlotLedger, plan_slots
+from inference_service.kv_memory.slot_ledger import SlotLayout, SlotLedger, plan_slots
 
 
 def test_slots_come_lowest_first_and_bytes_are_reserved_per_row():

@@ -1,17 +1,18 @@
-"""K/V slots', L0's and the host tier's bytes by default from the machine: the device's free memory on CUDA, RAM on
-a CPU (plan_memory and plan_host_tier are pure; size_tiers reads the machine)."""
+"""K/V slots', L0's and the host tier's bytes by default from the machine (the device's free memory on CUDA, RAM on a
+CPU), and the one owner of the tiers: build_tiers makes L0 and the host tier, wired to each other, once (plan_memory
+and plan_host_tier are pure; size_tiers reads the machine)."""
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 
-from inference_service.request.types import EngineConfig
-from inference_service.reuse.host_tier import HostTier, host_tier_for
-from inference_service.reuse.l0_tier import L0Tier, l0_tier_for
+from inference_service.kv_memory.host_tier import HostTier, host_tier_for
+from inference_service.kv_memory.l0_tier import L0Tier, l0_tier_for
 from inference_service.store.protocol import ChunkStore, NullStore
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,20 @@ CPU_L0_SHARE = 0.25
 HOST_TIER_SHARE = 0.25
 HOST_TIER_MAX_BYTES = 64 * GIB
 MIN_BYTES = 64 << 20  # less than this for K/V slots means the machine cannot serve: refused with the reason
+
+
+class TierSettings(Protocol):
+    """The EngineConfig fields (inference_service/config.py declares them) the plan reads; read through this
+    Protocol so that K/V memory sits below the config."""
+
+    kv_cache_bytes: int | None
+    l0_bytes: int | None
+    host_tier_bytes: int | None
+    kv_cache_bits: int
+    chunk_size: int
+
+
+Settings = TypeVar("Settings", bound=TierSettings)  # size_tiers returns the config type it was given
 
 
 @dataclass(slots=True, frozen=True)
@@ -140,7 +155,7 @@ def tokens_held(num_bytes: int, bytes_per_token: int) -> int:
     return num_bytes // bytes_per_token if bytes_per_token else 0
 
 
-def size_tiers(config: EngineConfig, model, geometry) -> EngineConfig:
+def size_tiers(config: Settings, model, geometry) -> Settings:
     """The config with auto (None) kv_cache_bytes and l0_bytes sized from the machine: the device's free memory
     after the weights on CUDA, the RAM available on a CPU (memory_plan.plan_memory); says at start what each holds."""
     device = model.device
@@ -160,7 +175,7 @@ def size_tiers(config: EngineConfig, model, geometry) -> EngineConfig:
     return dataclasses.replace(config, kv_cache_bytes=plan.kv_cache_bytes, l0_bytes=plan.l0_bytes)
 
 
-def _size_host_tier(config: EngineConfig, device: torch.device, per_token: int) -> EngineConfig:
+def _size_host_tier(config: Settings, device: torch.device, per_token: int) -> Settings:
     """The config with an auto (None) host_tier_bytes sized (plan_host_tier); says what the tier holds."""
     given = config.host_tier_bytes is not None
     if given:
@@ -178,12 +193,30 @@ def _size_host_tier(config: EngineConfig, device: torch.device, per_token: int) 
     return dataclasses.replace(config, host_tier_bytes=host_bytes) if not given else config
 
 
-def service_tiers(config: EngineConfig, model, geometry, store: ChunkStore) -> tuple[L0Tier | None, HostTier | None]:
-    """L0 and the host tier for a sized config (either None: off)."""
+@dataclass(slots=True, frozen=True)
+class Tiers:
+    """L0 and the host tier (either None: off), built once by build_tiers and handed to the write-back, which fills
+    them, and to the engine's parts, from which requests are placed."""
+
+    l0: L0Tier | None
+    host: HostTier | None
+
+
+def wire_tiers(l0: L0Tier | None, host: HostTier | None) -> Tiers:
+    """The two tiers, L0 over the host tier: what L0 evicts moves to the host tier, and the host tier counts L0's
+    chunks as held when it evicts (a host chunk whose parent L0 holds is no orphan)."""
+    if l0 is not None and host is not None:
+        l0.spill = host.add
+        host.held_elsewhere = l0.__contains__
+    return Tiers(l0, host)
+
+
+def build_tiers(config: TierSettings, model, geometry, store: ChunkStore) -> Tiers:
+    """L0 and the host tier for a sized config (size_tiers), wired to each other (wire_tiers); no tier without
+    a cache."""
     l0 = l0_tier_for(config.l0_bytes, config.kv_cache_bits, store)
     if isinstance(store, NullStore):  # every request runs without a cache
-        return None, None
+        return Tiers(None, None)
     slab_shape = (geometry.num_layers, geometry.num_kv_heads, config.chunk_size, geometry.head_dim)
-    host = host_tier_for(config.host_tier_bytes or 0, slab_shape, model.dtype, model.device, config.kv_cache_bits,
-                         l0.__contains__ if l0 is not None else None)
-    return l0, host
+    host = host_tier_for(config.host_tier_bytes or 0, slab_shape, model.dtype, model.device, config.kv_cache_bits)
+    return wire_tiers(l0, host)

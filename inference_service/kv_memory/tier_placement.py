@@ -8,9 +8,9 @@ from itertools import pairwise
 
 import torch
 
-from inference_service.reuse.host_tier import HostTier
-from inference_service.reuse.l0_tier import KV, L0Tier
-from inference_service.reuse.tier_rates import TierLoad
+from inference_service.kv_memory.host_tier import HostTier
+from inference_service.kv_memory.l0_tier import KV, L0Tier
+from inference_service.kv_memory.tier_rates import TierLoad
 from kvboost_keys.chunking import Chunk
 
 # On CUDA a group of chunks is gathered into one contiguous temporary before its one strided copy into the slot: the

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from inference_service.model.kv_buffers import KVGeometry
+from inference_service.kv_memory.kv_buffers import KVGeometry
 
 
 class SlotBuffers:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from collections.abc import Sequence
 
 from inference_service.reuse.load_choice import LoadChoice, LoadChooser, RunPart
-from inference_service.reuse.tier_rates import TierLoad, loaded_seconds
+from inference_service.kv_memory.tier_rates import TierLoad, loaded_seconds
 
 
 @dataclass(slots=True)

@@ -7,15 +7,13 @@ import logging
 import pytest
 import torch
 
-from inference_service.engine.memory_plan import GIB, HOST_TIER_MAX_BYTES, plan_host_tier
+from inference_service.kv_memory.memory_plan import GIB, HOST_TIER_MAX_BYTES, plan_host_tier, wire_tiers
 from inference_service.kv.blobs import decode_hit, encode_chunk_kv, place_hit_
-from inference_service.reuse import host_tier as host_tier_module
-from inference_service.reuse.host_tier import HostTier, _adjacent_groups, host_tier_for
-from inference_service.reuse.l0_tier import L0Tier
-from inference_service.reuse.tier_placement import place_from_tiers
-from inference_service.reuse.writeback import WriteBack
-from inference_service.store.memory import InMemoryStore
-from tests.inference_service.reuse.test_tier_placement import CAPACITY, DIMS, HEADS, LAYERS, chunks_of, kv, slot
+from inference_service.kv_memory import host_tier as host_tier_module
+from inference_service.kv_memory.host_tier import HostTier, _adjacent_groups, host_tier_for
+from inference_service.kv_memory.l0_tier import L0Tier
+from inference_service.kv_memory.tier_placement import place_from_tiers
+from tests.inference_service.kv_memory.test_tier_placement import CAPACITY, DIMS, HEADS, LAYERS, chunks_of, kv, slot
 
 CHUNK = 8
 SHAPE = (LAYERS, HEADS, CHUNK, DIMS)
@@ -103,7 +101,7 @@ def test_partial_chunks_and_other_dtypes_are_not_kept():
 def test_l0_evictions_move_to_the_host_tier_and_a_run_is_placed_from_both():
     host = HostTier(8, SHAPE, torch.float32)
     l0 = L0Tier(2 * SLAB)  # two chunks
-    WriteBack(InMemoryStore(), 16, lambda chunks, num_bytes: None, l0=l0, host=host).close()  # wires them
+    wire_tiers(l0, host)  # as the engine's tiers are: L0's evictions go to the host tier
     entries = [kv(CHUNK, seed) for seed in range(4)]
     for index, entry in enumerate(entries[:2]):
         l0.add(key(index), *entry, parent=parent(index))
@@ -130,7 +128,7 @@ def test_a_failed_pinning_falls_back_to_pageable_memory_with_one_log_line(monkey
         raise RuntimeError("cudaHostAlloc: out of locked memory")
 
     monkeypatch.setattr(host_tier_module, "empty_pinned", refuse)
-    with caplog.at_level(logging.WARNING, logger="inference_service.reuse.host_tier"):
+    with caplog.at_level(logging.WARNING, logger="inference_service.kv_memory.host_tier"):
         host, entries = filled(2, 1, pin=True)
     assert not host.pinned and host.snapshot()["host_tier_pinned"] is False
     assert [record.message for record in caplog.records if "pinning" in record.message] == [

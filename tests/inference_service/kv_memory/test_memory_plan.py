@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.engine.memory_plan import GIB, cgroup_room, mem_available, plan_memory, tokens_held
+from inference_service.kv_memory.memory_plan import GIB, cgroup_room, mem_available, plan_memory, tokens_held
 
 SMOLLM2_FP32_TOKEN = 46_080  # K/V bytes of one token: 30 layers x 2 x 3 kv heads x 64 dims x 4 bytes
 LLAMA8B_BF16_TOKEN = 131_072  # 32 layers x 2 x 8 kv heads x 128 dims x 2 bytes

@@ -5,7 +5,7 @@ from typing import Sequence
 
 import torch
 
-from inference_service.request.types import TokenLogprob, TopLogprob
+from inference_service.engine_parts.types import TokenLogprob, TopLogprob
 from inference_service.model.logprobs import chosen_and_top
 
 

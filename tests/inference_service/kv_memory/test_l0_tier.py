@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference_service.reuse.l0_tier import L0Tier
+from inference_service.kv_memory.l0_tier import L0Tier
 
 CHUNK_BYTES = 2 * 2 * 3 * 4 * 5 * 4  # keys and values [2 layers, 3 heads, 4 tokens, 5 dims] in float32
 
@@ -95,7 +95,7 @@ def test_a_pending_chunk_that_is_not_kept_is_not_pending():
 
 MEASURE_RESIDENT = """
 import os, sys, torch
-from inference_service.reuse.l0_tier import L0Tier
+from inference_service.kv_memory.l0_tier import L0Tier
 
 def resident_bytes():
     with open("/proc/self/statm") as statm:

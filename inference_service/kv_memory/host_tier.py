@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.reuse.l0_eviction import DEFAULT_HALF_LIFE_S, HeldElsewhere, L0Entry, plan_admission, record_hit
+from inference_service.kv_memory.l0_eviction import DEFAULT_HALF_LIFE_S, HeldElsewhere, L0Entry, plan_admission, record_hit
 
 logger = logging.getLogger(__name__)
 

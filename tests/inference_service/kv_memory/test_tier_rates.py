@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.reuse.tier_rates import CostMeter, CostModel, TierLoad, loaded_seconds, store_tier
+from inference_service.kv_memory.tier_rates import CostMeter, CostModel, TierLoad, loaded_seconds, store_tier
 
 
 class Clock:

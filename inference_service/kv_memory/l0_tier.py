@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.reuse.l0_eviction import DEFAULT_HALF_LIFE_S, L0Entry, plan_admission, record_hit
+from inference_service.kv_memory.l0_eviction import DEFAULT_HALF_LIFE_S, L0Entry, plan_admission, record_hit
 from inference_service.store.protocol import ChunkStore, NullStore
 from kvboost_common.kv_events.sink import KvEventSink
 
@@ -56,7 +56,7 @@ class L0Tier:
         # (a chunk whose parent is only in the host tier is an orphan here), so L0 keeps a prefix's head.
         self.spill: Spill | None = None
         # Told of every chunk that enters or leaves, under the lock, so the order it hears is the tier's, and of each
-        # planned prompt's chunk tokens (request/planning.py): the KV-event publisher (kvboost_common/kv_events).
+        # planned prompt's chunk tokens (engine_parts/planning.py): the KV-event publisher (kvboost_common/kv_events).
         self.listener: KvEventSink | None = None
 
     def __len__(self) -> int:

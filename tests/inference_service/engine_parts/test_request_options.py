@@ -169,7 +169,7 @@ def test_the_smallest_temperature_is_accepted_as_the_proto_carries_it():
     import struct
 
     from inference_service.errors import InvalidRequest
-    from inference_service.request.types import MIN_TEMPERATURE, GenerationParams
+    from inference_service.engine_parts.types import MIN_TEMPERATURE, GenerationParams
 
     as_float32 = struct.unpack("<f", struct.pack("<f", MIN_TEMPERATURE))[0]
     assert as_float32 < MIN_TEMPERATURE

@@ -299,3 +299,15 @@ def test_the_cycle_check_sees_function_local_imports_and_skips_type_checking_one
     assert arrows["inference_service.model.c"] == set()
     assert arrows["inference_service.model.d"] == {"inference_service.model", "inference_service.model.c"}
     assert import_cycles(arrows) == [["inference_service.model.a", "inference_service.model.b"]]
+
+
+def test_every_product_package_is_installed():
+    """`pip install .` (the Dockerfile's images) installs the packages pyproject.toml lists: a new sub-package
+    left out of the list would be missing from an installed copy."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    top = {name.split(".")[0] for name in listed}
+    on_disk = {str(init.parent.relative_to(ROOT)).replace("/", ".") for package in top
+               for init in (ROOT / package).rglob("__init__.py") if "__pycache__" not in init.parts}
+    assert on_disk - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"

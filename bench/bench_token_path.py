@@ -53,6 +53,9 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("inference_service/engine_parts/generation.py", "sampling + stop checks"),
     ("inference_service/engine_parts/logprobs.py", "sampling + stop checks"),
     ("inference_service/model/", "model step"),
+    ("inference_service/kv_memory/slot_buffers.py", "model step"),  # the step's own K/V slots
+    ("inference_service/kv_memory/kv_buffers.py", "model step"),
+    ("inference_service/kv_memory/", "cache reuse + write-back"),  # the ledger, L0, the host tier, placement
     ("inference_service/engine/", "step loop bookkeeping"),
     ("inference_service/reuse/", "cache reuse + write-back"),
     ("inference_service/kv/", "cache reuse + write-back"),

@@ -61,7 +61,9 @@ def test_sigterm_lets_an_in_flight_store_finish_and_refuses_new_calls(tmp_path: 
         # Shutting down, the daemon takes no new calls...
         with cache_stub(daemon.address) as stub, pytest.raises(grpc.RpcError) as refused:
             stub.Lookup(cache_pb2.LookupRequest(namespace=chunks[0].namespace, prefix_keys=[chunks[0].key]), timeout=5)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+        # Refused either way: UNAVAILABLE once the listener is closed; CANCELLED from gRPC's core when the call
+        # reaches the transport while the server is stopping (seen under two pytest-xdist workers). Neither runs.
+        assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), refused.value
         assert daemon.process.poll() is None, "the daemon exited with a call in flight"
         # ...but the one in flight finishes and is acknowledged.
         release.set()

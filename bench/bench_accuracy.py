@@ -10,12 +10,11 @@ stored as computed (the default) and before RoPE: greedy agreement with full pre
 hits, mean first-token KL, and bytes stored.
 
     python bench/bench_accuracy.py            # 100 questions, all 52 identity prompts
-    python bench/bench_accuracy.py --quick    # 24 questions, 12 identity prompts
 
 The fidelity guard (--fidelity-guard on the service) is tuned and checked on two splits of the questions: on
 the development split every column runs and each cacheblend request reports its risk (the check layer's K/V
 error left unrepaired); the threshold kept is the largest whose guarded answers (full prefill's where the risk
-exceeds it) stay within --guard-target of full prefill's accuracy there. The held-out split then runs a real
+exceeds it) stay within 0.02 of full prefill's accuracy there. The held-out split then runs a real
 guarded engine at that threshold beside the other columns. Accuracy comes with a 95% bootstrap interval.
 
     python bench/bench_accuracy.py --model qwen2.5-coder-0.5b --no-identity --questions 120 \
@@ -51,6 +50,13 @@ from inference_service.engine_parts.verification import first_token_kl# noqa: E4
 from inference_service.engine_parts.verification import matching_prefix_tokens# noqa: E402
 from tests.inference_service.test_identity import identity_cases  # noqa: E402
 from rag_dataset import build_documents, build_questions, chat_segments, document_segment  # noqa: E402
+
+
+GUARD_COLUMN = "cacheblend 15%"  # the column the fidelity guard is tuned on and checked with
+GUARD_TARGET = 0.02  # accuracy the guarded answers may lose against full prefill on the development split
+DEV_FRACTION = 0.5  # the share of the questions that tunes the guard; the rest is held out
+IDENTITY_CHUNK_SIZE = 128  # the identity part's chunk: the service default, where int8's scales cost least
+IDENTITY_NEW_TOKENS = 16
 
 
 @dataclass(slots=True, frozen=True)
@@ -297,25 +303,6 @@ def write_plot(table: list[dict], path: Path, model_name: str = "SmolLM2-135M") 
     figure.savefig(path)
 
 
-def write_tradeoff_plot(table: list[dict], curve: list[dict], model_name: str, path: Path) -> None:
-    """Accuracy against TTFT (× full prefill): every column of the held-out split, and the guard's curve over
-    thresholds measured on the development split."""
-    plt = pyplot()
-    figure, axis = plt.subplots(figsize=(6, 4.5))
-    axis.plot([point["ttft_ratio"] for point in curve], [point["accuracy"] for point in curve], color="0.6",
-              marker=".", label="guard thresholds (development split)")
-    for row in table:
-        low, high = row["accuracy_ci"]
-        axis.errorbar([row["ttft_ratio"]], [row["accuracy"]], yerr=[[row["accuracy"] - low], [high - row["accuracy"]]],
-                      marker="o", capsize=3, linestyle="", label=row["column"])
-    axis.set_xlabel("TTFT / full prefill (median)")
-    axis.set_ylabel("answer accuracy (held-out split, 95% CI)")
-    axis.set_title(f"{model_name}: accuracy against TTFT", fontsize=9)
-    axis.legend(fontsize=6)
-    figure.tight_layout()
-    figure.savefig(path)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -323,34 +310,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--identity-prompts", type=int, default=None,
                         help="first N of tests/inference_service/test_identity.py's prompts (default: all 52); the RAG "
                              "questions' prompts are always added")
-    parser.add_argument("--identity-chunk-size", type=int, default=128, help="chunk size of the identity part "
-                        "(the service default, where int8's scales cost least)")
-    parser.add_argument("--identity-new-tokens", type=int, default=16)
     parser.add_argument("--chunk-size", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=6)
-    parser.add_argument("--quick", action="store_true", help="24 questions, 12 identity prompts")
     parser.add_argument("--no-identity", action="store_true", help="only the questions table (skips the "
                         "quantized-storage agreement on the identity prompts)")
     parser.add_argument("--no-questions", action="store_true", help="only the identity table (skips the RAG "
                         "questions' columns)")
     parser.add_argument("--columns", help="comma-separated column names to run (default: all); full prefill always "
                         "runs first: " + ", ".join(column.name for column in columns()).replace("%", "%%"))
-    parser.add_argument("--guard-column", default="cacheblend 15%", help="the cacheblend column the fidelity "
-                        "guard is tuned on and checked with (default: %(default)s); '' skips the guard")
-    parser.add_argument("--guard-target", type=float, default=0.02, help="accuracy the guarded answers may lose "
-                        "against full prefill on the development split (default: %(default)s)")
-    parser.add_argument("--dev-fraction", type=float, default=0.5,
-                        help="share of the questions that tunes the guard; the rest is held out (default: %(default)s)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    num_questions, num_identity = (24, 12) if args.quick else (args.questions, args.identity_prompts)
 
     loaded = load_model(args.model, device="cpu", dtype="float32")
     documents = build_documents()
-    questions = build_questions(documents, num_questions)
+    questions = build_questions(documents, args.questions)
     started = time.perf_counter()
     cols = columns()
     if args.columns:
@@ -359,30 +335,30 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             parser.error(f"unknown columns {sorted(unknown)}; choose from {[column.name for column in cols]}")
         cols = [column for column in cols if column.name in wanted]
-    guard_column = next((column for column in cols if column.name == args.guard_column), None)
+    guard_column = next((column for column in cols if column.name == GUARD_COLUMN), None)
     run, guard = None, {}
     if not args.no_questions and guard_column is not None:
-        split = max(1, min(len(questions) - 1, round(len(questions) * args.dev_fraction)))
+        split = max(1, min(len(questions) - 1, round(len(questions) * DEV_FRACTION)))
         print(f"development split: {split} questions; held out: {len(questions) - split}", flush=True)
         dev = run_questions(loaded, documents, questions[:split], args.chunk_size, args.max_new_tokens, cols)
-        threshold = tune_guard(dev["rows"], guard_column.name, args.guard_target)
+        threshold = tune_guard(dev["rows"], guard_column.name, GUARD_TARGET)
         curve = guard_curve(dev["rows"], guard_column.name)
         guarded = Column(f"{guard_column.name} + guard", guard_column.mode, guard_column.bits, guard_column.strategy,
                          guard_column.ratio, guard=threshold)
         print(f"guard threshold tuned on the development split: {threshold:.4g}", flush=True)
         run = run_questions(loaded, documents, questions[split:], args.chunk_size, args.max_new_tokens,
                             cols + [guarded])
-        guard = {"threshold": threshold, "target": args.guard_target, "column": guard_column.name,
+        guard = {"threshold": threshold, "target": GUARD_TARGET, "column": guard_column.name,
                  "dev_questions": split, "held_out_questions": len(questions) - split,
                  "dev_table": summarize(dev), "dev_curve": curve}
     elif not args.no_questions:
         run = run_questions(loaded, documents, questions, args.chunk_size, args.max_new_tokens, cols)
     identity = {} if args.no_identity else run_identity(
-        loaded, identity_prompts(loaded, documents, questions, num_identity), args.identity_chunk_size,
-        args.identity_new_tokens)
+        loaded, identity_prompts(loaded, documents, questions, args.identity_prompts), IDENTITY_CHUNK_SIZE,
+        IDENTITY_NEW_TOKENS)
     table = [] if run is None else summarize(run)
     print(f"\n{loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size {args.chunk_size}, "
-          f"{num_questions} questions over 4-6 of {len(documents)} documents, greedy {args.max_new_tokens} tokens, "
+          f"{args.questions} questions over 4-6 of {len(documents)} documents, greedy {args.max_new_tokens} tokens, "
           f"TTFT median, {time.perf_counter() - started:.0f} s\n")
     if guard:
         print(f"development split ({guard['dev_questions']} questions):")
@@ -399,8 +375,6 @@ def main(argv: list[str] | None = None) -> None:
     harness.write_json(args.out / f"accuracy-{stamp}.json", {"table": table, "identity": identity, "guard": guard})
     if table:
         write_plot(table, args.out / f"accuracy-{stamp}.png", loaded.model_id)
-    if guard:
-        write_tradeoff_plot(table, guard["dev_curve"], loaded.model_id, args.out / f"accuracy-tradeoff-{stamp}.png")
     print(f"\nwrote {args.out}/accuracy-{stamp}.json and .png")
 
 

@@ -134,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="rows decoding at once, one bucket each")
     parser.add_argument("--context", type=int, default=512, help="K/V columns each row attends to before its step")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per variant and bucket")
-    parser.add_argument("--compile-mode", default="default", help="torch.compile mode (default, max-autotune-no-cudagraphs)")
     parser.add_argument("--compile-limit-s", type=float, default=90.0, help="skip the rest once a bucket's first "
                         "compiled call (compile and capture) takes longer than this")
     parser.add_argument("--budget-s", type=float, default=100.0, help="run the probes only while the run is under this")
@@ -146,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"building a random-weight {args.shape}-shaped model on {args.device} in {args.dtype}")
     model = random_model(args.shape, args.device, getattr(torch, args.dtype), args.context + args.steps + 512)
     capacity = args.context + args.steps + 8
-    steps = {"graphs": LeanStep(model), "compiled": compiled_step(model, args.compile_mode)}
+    steps = {"graphs": LeanStep(model), "compiled": compiled_step(model, "default")}
     results: dict = {"shape": args.shape, "dtype": args.dtype, "context": args.context, "capacity": capacity,
-                     "torch": torch.__version__, "compile_mode": args.compile_mode, "by_rows": [],
+                     "torch": torch.__version__, "compile_mode": "default", "by_rows": [],
                      "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                      "graphs_step_scripted": steps["graphs"].scripted}
     log(f"the service's step: lean{' (scripted loop)' if steps['graphs'].scripted else ''}, in graph buckets"

@@ -127,8 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-tree", type=Path,
                         help="a checkout of an earlier commit (git worktree add DIR COMMIT): its service runs as "
                              "`before` beside this one, in the same run")
-    parser.add_argument("--no-warm", action="store_true",
-                        help="do not Warm the system prompt first (then every request also prefills its tail)")
     parser.add_argument("--decode-steps", nargs="+", default=[], choices=["transformers"],
                         help="also run the batched service under each of these --decode-step choices (label "
                              "batched-STEP), beside the default's")
@@ -141,14 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         addresses, daemon_address, daemon_pid, steps_run = start_services(
             stack, args.model, args.chunk_size, args.max_bytes, args.max_queue, work_dir, args.baseline_tree,
             tuple(args.decode_steps))
-        if not args.no_warm:  # as a deployment would: the shared system prompt, its partial last chunk included
-            warm_system_prompt(addresses["batched"])
+        warm_system_prompt(addresses["batched"])  # as a deployment would: its partial last chunk included
         for scheduler in addresses:  # each service's first forward
             run_load(addresses[scheduler], 1, 0.1, args.max_new_tokens)
         rss_start = {field: rss_bytes(daemon_pid, field) for field in RSS_FIELDS}
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, {args.duration:.0f} s per row, "
               f"max_new_tokens {args.max_new_tokens}, {args.threads} torch thread(s) per service, system prompt "
-              f"{'not ' if args.no_warm else ''}warmed; decode step run by each service {steps_run}", flush=True)
+              "warmed; decode step run by each service {steps_run}", flush=True)
         for clients in args.levels:
             for scheduler in addresses:
                 report = run_load(addresses[scheduler], clients, args.duration, args.max_new_tokens,

@@ -17,19 +17,28 @@ wrapped so every prefill runs in pieces of the size asked (a bench-only hook; th
 uncached answer against plain model.generate (SDPA, one forward of the whole prompt) at the shortest two lengths.
 A mismatch is a measurement, not an error: the exit code stays 0 and the line says MISMATCH.
 
+--sweep PROMPTS: the invariant path (invariant prefill and decode step, also on a CPU) over many prompts of --words
+tokens: per prompt its uncached answer alone is the reference for the daemon, L0 (second ask) and host tier (second
+ask, L0 off) paths, then the prompts in batches of 8 submitted at once, uncached and from L0; the first token's logits
+torch.equal and every greedy token identical. --variant runs the default path instead.
+
     python bench/bench_exactness.py --json out.json                      # 8B shape, bf16, 100..32k (H100: ~1.5 min)
     python bench/bench_exactness.py --shape tiny --device cpu --lengths 100 300 --dtype float32   # a CPU dry run
     python bench/bench_exactness.py --invariant-prefill                  # the same with the service's --invariant-prefill
     python bench/bench_exactness.py --invariant-prefill --invariant-piece-chunks 4   # forwards of 4 chunks
+    python bench/bench_exactness.py --sweep 200 --device cpu --dtype bfloat16 --shape tiny --words 40 1200
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 import signal
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -39,10 +48,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench import harness  # noqa: E402
-from bench.gpu_model import (CHUNK, QUESTION_WORDS, SHAPES, colocated_daemon, log, random_model,  # noqa: E402
-                             tier_engines, word_tokenizer, words)
+from bench.gpu_model import (CHUNK, QUESTION_WORDS, SHAPES, colocated_daemon, kv_bytes_per_token, log,  # noqa: E402
+                             random_model, tier_engines, word_tokenizer, words)
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
 
+Plain = tuple[list[int], torch.Tensor]  # a sweep's answer: greedy tokens, the first token's logits [vocab] float32
+SWEEP_BATCH = 8  # prompts submitted at once in the sweep's batched paths
 PATHS = ("uncached", "daemon", "l0-fill", "l0", "host-fill", "host")
 EXPECTED_TIER = {"daemon": "daemon", "l0": "l0", "host": "host"}  # where a path's K/V must come from (tier_loads)
 HAS_HOST_TIER = "host_tier_bytes" in getattr(EngineConfig, "__dataclass_fields__", {})
@@ -251,6 +262,111 @@ def summarize(rows: list[dict], generated: list[dict]) -> dict:
             "generate_identical": same, "generate_checks": len(generated)}
 
 
+def ask_plain(engine: Engine, prompt: str, tokens: int, mode: str | None = None) -> Plain:
+    outcome, logits = engine.generate_with_first_logits(GenerationParams(
+        prompt=prompt, max_new_tokens=tokens, ignore_eos=True, mode=mode))
+    return list(outcome.output_token_ids), logits.detach().float().cpu()
+
+
+def ask_together(engine: Engine, prompts: list[str], tokens: int, mode: str | None = None) -> list[Plain]:
+    """The prompts submitted at once from as many threads; their answers in prompt order."""
+    answers: list[Plain | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+
+    def one(index: int) -> None:
+        try:
+            answers[index] = ask_plain(engine, prompts[index], tokens, mode)
+        except BaseException as error:  # reported after the join: a failed row must not look like a mismatch
+            errors.append(error)
+
+    threads = [threading.Thread(target=one, args=(index,)) for index in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return answers
+
+
+def same(answer: Plain, reference: Plain) -> bool:
+    return answer[0] == reference[0] and torch.equal(answer[1], reference[1])
+
+
+def sweep_engines(model, tokenizer, store, stack: ExitStack, args, longest: int) -> dict[str, Engine]:
+    common = dict(chunk_size=CHUNK, max_prompt_tokens=longest, max_new_tokens_limit=max(64, args.tokens),
+                  max_running_requests=SWEEP_BATCH, recompute_when_faster=False)
+    if not args.variant:
+        common |= dict(invariant_prefill=True, invariant_decode=True, invariant_piece_chunks=args.invariant_piece_chunks)
+    tier_bytes = 4 << 30
+    configs = {"daemon": dict(l0_bytes=0), "l0": dict(l0_bytes=tier_bytes), "host": dict(l0_bytes=0,
+                                                                                      host_tier_bytes=tier_bytes)}
+    return tier_engines(model, tokenizer, {name: EngineConfig(**common, **config) for name, config in configs.items()},
+                        store, stack, f"random-{args.shape}", f"kvboost-sweep-{args.shape}-{args.dtype}")
+
+
+def sweep(engines: dict[str, Engine], prompts: list[tuple[str, str]], args) -> Counter:
+    """Every path of every prompt against its uncached answer alone; returns (path, bitwise) counts."""
+    counts: Counter = Counter()
+    references = []
+    for index, (document, prompt) in enumerate(prompts):
+        reference = ask_plain(engines["daemon"], prompt, args.tokens, mode="baseline")
+        references.append(reference)
+        engines["daemon"].warm(document)
+        engines["daemon"].flush_writes()
+        found = {"daemon": ask_plain(engines["daemon"], prompt, args.tokens)}
+        for tier in ("l0", "host"):
+            if tier in engines:
+                ask_plain(engines[tier], prompt, args.tokens)
+                engines[tier].flush_writes()
+                found[tier] = ask_plain(engines[tier], prompt, args.tokens)
+        for path, answer in found.items():
+            counts[path, same(answer, reference)] += 1
+        if (index + 1) % 20 == 0:
+            log(f"  {index + 1}/{len(prompts)} prompts alone")
+    for start in range(0, len(prompts), SWEEP_BATCH):
+        batch = [prompt for _, prompt in prompts[start:start + SWEEP_BATCH]]
+        for path, engine, mode in (("uncached, batched", engines["daemon"], "baseline"),
+                                   ("l0, batched", engines["l0"], None)):
+            for answer, reference in zip(ask_together(engine, batch, args.tokens, mode), references[start:]):
+                counts[path, same(answer, reference)] += 1
+    return counts
+
+
+def run_sweep(args) -> int:
+    """The --sweep run: every prompt on every path, alone and batched, against its uncached answer alone."""
+    started = time.perf_counter()
+    draw = random.Random(args.seed)
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-sweep-")))
+        longest = args.words[1] + 4 * CHUNK * args.invariant_piece_chunks
+        log(f"building a random-weight {args.shape}-shaped model on {args.device} in {args.dtype}")
+        model = random_model(args.shape, args.device, getattr(torch, args.dtype), longest + 512)
+        tokenizer = word_tokenizer(model.config.vocab_size)
+        vocab = model.config.vocab_size
+        prompts = []
+        for index in range(args.sweep):
+            document = words(draw.randint(*args.words) - QUESTION_WORDS, seed=1000 + index, vocab_size=vocab)
+            prompts.append((document, document + " " + words(QUESTION_WORDS, seed=5000 + index, vocab_size=vocab)))
+        store = colocated_daemon(stack, workdir, 64)
+        engines = sweep_engines(model, tokenizer, store, stack, args, longest)
+        log(f"engines ready ({', '.join(engines)}; decode step {engines['daemon'].stats()['decode_step']}); "
+            f"{args.sweep} prompts of {args.words[0]}-{args.words[1]} tokens, batches of {SWEEP_BATCH}")
+        counts = sweep(engines, prompts, args)
+    paths = sorted({path for path, _ in counts})
+    total = sum(counts.values())
+    bitwise = sum(n for (_, ok), n in counts.items() if ok)
+    for path in paths:
+        log(f"  {path:18s} {counts[path, True]}/{counts[path, True] + counts[path, False]} bitwise")
+    log(f"summary ({'variant' if args.variant else 'invariant'} path, {args.shape} {args.dtype} on {args.device}): "
+        f"{bitwise}/{total} bitwise (first-token logits torch.equal and every greedy token identical)"
+        + ("" if bitwise == total else f"; MISMATCH in {total - bitwise}")
+        + f"; {time.perf_counter() - started:.0f} s")
+    harness.write_json(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "bitwise": bitwise, "total": total,
+                                   "paths": {path: [counts[path, True], counts[path, False]] for path in paths}})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -258,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[100, 2048 + 37, 8192 + 5, 32768 - 3],
                         help="prompt tokens (a document, then a question of %d)" % QUESTION_WORDS)
     parser.add_argument("--pieces", type=int, nargs="+", default=[512, 2048], help="prefill piece sizes, tokens")
-    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per answer")
+    parser.add_argument("--tokens", type=int, help="greedy tokens per answer (default: 32; with --sweep 16)")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu for a dry run")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--generate-lengths", type=int, default=2, help="the shortest N lengths also compared with "
@@ -270,12 +386,25 @@ def main(argv: list[str] | None = None) -> int:
                         "--invariant-prefill")
     parser.add_argument("--invariant-piece-chunks", type=int, default=1, help="with --invariant-prefill: whole "
                         "chunks per prefill forward (the service's --invariant-piece-chunks)")
+    parser.add_argument("--sweep", type=int, default=0, metavar="PROMPTS", help="the invariant path's sweep instead: "
+                        "PROMPTS prompts of --words tokens on every path, alone and batched (--tokens 16 there)")
+    parser.add_argument("--words", type=int, nargs=2, default=[200, 2200], metavar=("MIN", "MAX"),
+                        help="with --sweep: prompt length range in tokens, a question of %d included" % QUESTION_WORDS)
+    parser.add_argument("--variant", action="store_true", help="with --sweep: the default (variant) path instead of "
+                        "the invariant one: what the invariant path is measured against")
+    parser.add_argument("--seed", type=int, default=0, help="with --sweep: the prompts' lengths")
     parser.add_argument("--json", type=Path, help="write every row here (rewritten after each length)")
     args = parser.parse_args(argv)
-    if args.invariant_piece_chunks != 1 and not args.invariant_prefill:
-        parser.error("--invariant-piece-chunks needs --invariant-prefill")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; use --device cpu --shape tiny for a dry run")
+    if args.tokens is None:
+        args.tokens = 16 if args.sweep else 32
+    if args.sweep:
+        if args.words[0] <= QUESTION_WORDS + 1 or args.words[1] < args.words[0]:
+            parser.error(f"--words needs {QUESTION_WORDS + 1} < MIN <= MAX")
+        return run_sweep(args)
+    if args.invariant_piece_chunks != 1 and not args.invariant_prefill:
+        parser.error("--invariant-piece-chunks needs --invariant-prefill")
     if min(args.lengths) <= QUESTION_WORDS + 1:
         parser.error(f"--lengths must exceed {QUESTION_WORDS + 1} (the question's tokens)")
     started = time.perf_counter()
@@ -290,9 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"building a random-weight {args.shape}-shaped model on {args.device} in {args.dtype}")
         model = random_model(args.shape, args.device, getattr(torch, args.dtype), longest + 512)
         tokenizer = word_tokenizer(model.config.vocab_size)
-        config = model.config
-        kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * \
-            (config.hidden_size // config.num_attention_heads) * model.dtype.itemsize
+        kv_per_token = kv_bytes_per_token(model)
         store_gb = int(kv_per_token * sum(args.lengths) * len(args.pieces) * 1.3 / 1e9) + 2
         store = colocated_daemon(stack, workdir, store_gb)
         engines = build_engines(model, tokenizer, store, stack, args, longest, kv_per_token)

@@ -41,11 +41,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench import harness  # noqa: E402
-from bench.gpu_model import CHUNK, QUESTION_WORDS, SHAPES, log, random_model, word_tokenizer, words  # noqa: E402
+from bench.gpu_model import (CHUNK, QUESTION_WORDS, SHAPES, colocated_daemon, kv_bytes_per_token, log,  # noqa: E402
+                             random_model, word_tokenizer, words)
 from bench.ttft_stages import format_row, median_row, split_request  # noqa: E402
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
-from inference_service.store.colocated import ColocatedStore  # noqa: E402
-from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions  # noqa: E402
 
 # -- the machine's limits -------------------------------------------------------------------------------------------
 
@@ -315,33 +314,6 @@ def host_profile(engine: Engine, prompt: str | None, rows: int = 40, call=None) 
     return "\n".join(lines)
 
 
-def measure_agreement(model, tokenizer, engine: Engine, prompts: int, tokens: int) -> dict:
-    """Greedy answers of the engine (batched, as served) against model.generate (batched by prompt length) on
-    random prompts: how many are identical, and where the others first differ. On random weights the logits are
-    nearly flat, so rounding flips far more tokens than on trained weights: a floor, not a forecast."""
-    vocab = model.config.vocab_size
-    texts = [words(64 + (i % 4) * 32, seed=5000 + i, vocab_size=vocab) for i in range(prompts)]
-    ours = engine.generate_many([GenerationParams(prompt=text, max_new_tokens=tokens, ignore_eos=True, mode="baseline")
-                                 for text in texts])
-    theirs: list[list[int]] = [[] for _ in texts]
-    for length in sorted({len(text.split()) for text in texts}):
-        group = [i for i, text in enumerate(texts) if len(text.split()) == length]
-        for start in range(0, len(group), 32):
-            batch = group[start:start + 32]
-            ids = torch.tensor([tokenizer(texts[i])["input_ids"] for i in batch], device=model.device)
-            with torch.inference_mode():
-                output = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                        max_new_tokens=tokens, min_new_tokens=tokens)
-            for i, row in zip(batch, output[:, ids.shape[1]:].tolist()):
-                theirs[i] = row
-    firsts = [next((k for k, (a, b) in enumerate(zip(o.output_token_ids, t)) if a != b), None)
-              for o, t in zip(ours, theirs)]
-    differing = sorted(k for k in firsts if k is not None)
-    return {"prompts": prompts, "tokens": tokens, "identical": firsts.count(None),
-            "first_divergence_median": harness.median(differing) if differing else None,
-            "first_divergence_min": differing[0] if differing else None}
-
-
 def main(argv: list[str] | None = None) -> int | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -359,8 +331,6 @@ def main(argv: list[str] | None = None) -> int | None:
     parser.add_argument("--clients", type=int, default=16, help="rows decoding at once in the batched measurement")
     parser.add_argument("--profile", action="store_true", help="profile one ask from L0 and one from the daemon at "
                         "the longest length (tables beside --json, or in the working directory)")
-    parser.add_argument("--agreement", type=int, default=0, help="prompts whose greedy answers are compared with "
-                        "model.generate (0: skip)")
     parser.add_argument("--peer-cb", action="store_true", help="also time transformers' continuous batching "
                         "(model.generate_batch) on the batched decode's prompts")
     parser.add_argument("--compile", action="store_true", help="only bench_compile_step.py: torch.compile of the "
@@ -387,9 +357,6 @@ def main(argv: list[str] | None = None) -> int | None:
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; use --device cpu --shape tiny for a smoke run")
-    from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
-
     results: dict = {"shape": args.shape, "dtype": args.dtype, "lengths": args.lengths, "runs": args.runs,
                      "invariant_prefill": args.invariant_prefill, "invariant_piece_chunks": args.invariant_piece_chunks,
                      "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
@@ -405,15 +372,9 @@ def main(argv: list[str] | None = None) -> int | None:
         tokenizer = word_tokenizer(model.config.vocab_size)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         results["weight_bytes"] = weight_bytes
-        kv_per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
-            (model.config.hidden_size // model.config.num_attention_heads) * torch.tensor([], dtype=model.dtype).element_size()
+        kv_per_token = kv_bytes_per_token(model)
         store_gb = max(4, int(kv_per_token * sum(args.lengths) * 2 / 1e9) + 2)
-        daemon = start_daemon(workdir / "lmdb", pick_free_port(), "--max-bytes", f"{store_gb}G", timeout_s=60)
-        stack.callback(daemon.terminate)
-        remote = GrpcChunkStore(GrpcStoreOptions(address=daemon.address))
-        store = ColocatedStore(remote, "on")
-        stack.callback(store.close)
-        store.check()
+        store = colocated_daemon(stack, workdir, store_gb)
         slots_bytes = 2 * (longest + 320) * kv_per_token + (1 << 30)
         engines = {}
 
@@ -475,11 +436,6 @@ def main(argv: list[str] | None = None) -> int | None:
             if args.profile:
                 profile_decode(engines["decode"], model.config.vocab_size, args.clients,
                                (args.json.parent if args.json else Path(".")) / f"profile_{max(args.lengths)}.txt")
-        if args.agreement:
-            log(f"greedy agreement with model.generate, {args.agreement} prompts")
-            results["agreement"] = measure_agreement(model, tokenizer, engines["decode"], args.agreement,
-                                                     args.decode_tokens or 32)
-            log(json.dumps(results["agreement"]))
         results["stats"] = {name: {k: v for k, v in engine.stats().items() if isinstance(v, (int, float))}
                             for name, engine in engines.items()}
     if args.json:

@@ -384,45 +384,6 @@ def print_report(results: dict) -> None:
             for name, row in results["restart"].items()))
 
 
-COLORS = {"ours": "C0", "baseline": "C1", "llama-server": "C2"}
-
-
-def write_plot(results: dict, path: Path) -> None:
-    """Follow-up TTFT per document and chat TTFT per turn (log scale), and output tokens/s by client count."""
-    from plotting import pyplot
-
-    plt = pyplot()
-    panels = [name for name in ("followups", "chat", "clients") if name in results]
-    if not panels:
-        return
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for axis, name in zip(axes[0], panels):
-        if name == "clients":
-            for server in ("ours", "llama-server"):
-                rows = [row for row in results["clients"].values() if row["server"] == server]
-                axis.plot([row["clients"] for row in rows], [row["output_tps"] for row in rows], marker="o", label=server,
-                          color=COLORS[server])
-            axis.set_xlabel("concurrent clients")
-            axis.set_ylabel("output tokens/s")
-            axis.set_title("throughput, ~700-token shared system prompt", fontsize=9)
-        else:
-            rows, key = results[name]["rows"], ("second" if name == "followups" else None)
-            for server in ("ours", "baseline", "llama-server"):
-                if server in rows[0]:
-                    xs = [row.get("document", row.get("turn")) for row in rows]
-                    axis.plot(xs, [(row[server][key] if key else row[server])["ttft_ms"] for row in rows], marker="o",
-                              label=server, color=COLORS[server])
-            axis.set_yscale("log")
-            axis.set_xlabel("document (1-4.6k tokens)" if key else "chat turn")
-            axis.set_ylabel("TTFT ms (log)")
-            axis.set_title("follow-up question, no explicit warm" if key else "6-turn chat, ~100-token answers",
-                           fontsize=9)
-        axis.legend(fontsize=7)
-    figure.suptitle(f"SmolLM2-135M on 2 CPU cores: ours against llama-server ({results['date']})", fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path)
-
-
 def ratio(rows: dict, key: str) -> str:
     if "ours" in rows and "llama-server" in rows and rows["llama-server"][key]:
         one = (f", ours-1p / theirs {rows['ours-1p'][key] / rows['llama-server'][key]:.2f}"
@@ -554,11 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                     restart[server.name] = asdict(server.chat(messages, 8, client))
                 results["restart"] = restart
     print_report(results)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
-        write_plot(results, args.json.with_suffix(".png"))
-        print(f"\nwrote {args.json} and {args.json.with_suffix('.png').name}")
+    harness.write_json(args.json, results)
     return 0
 
 

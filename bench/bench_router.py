@@ -1,7 +1,7 @@
 """Routing policies compared: round-robin, least-loaded and prefix-aware, on replicas whose L1s cannot each hold
 the whole working set.
 
-Per policy, a fresh stack on loopback: N replicas (a daemon with an L1 budget of about --l1-documents documents,
+Per policy, a fresh stack on loopback: N replicas (a daemon with an L1 budget of about 5 documents,
 and a service with one torch thread each) behind `python -m router`, optionally every daemon on one redis-server
 as a shared L2. Clients ask questions about random documents through the router: --warmup seconds first (not
 measured), then --duration seconds measured. Reported per policy: where the measured prompt tokens came from
@@ -46,6 +46,7 @@ from kvboost.v1 import inference_pb2 as pb  # noqa: E402
 from kvboost.v1 import inference_pb2_grpc  # noqa: E402
 
 POLICIES = ("round-robin", "least-loaded", "prefix")
+L1_DOCUMENTS = 5  # documents one daemon's L1 budget holds: the working set fits no one replica
 BYTES_PER_VALUE = 4  # CPU serving keeps K/V in float32, and 16-bit storage stores them as computed
 
 
@@ -379,7 +380,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--documents", type=int, default=12)
     parser.add_argument("--sheets", type=int, default=16, help="fact sheets per document (~100 SmolLM2 tokens each)")
-    parser.add_argument("--l1-documents", type=float, default=5.0, help="documents one daemon's L1 budget holds")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds of questions before measuring")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds measured")
@@ -407,9 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         texts = documents(args.documents, args.sheets)
         tokenizer = AutoTokenizer.from_pretrained(path)
         mean_tokens = statistics.mean(len(tokenizer(text)["input_ids"]) for text in texts)
-        budget = int(args.l1_documents * mean_tokens * bytes_per_token(path))
+        budget = int(L1_DOCUMENTS * mean_tokens * bytes_per_token(path))
         print(f"{args.documents} documents of ~{mean_tokens:.0f} tokens; L1 budget {budget / 2**20:.0f} MiB per "
-              f"daemon (~{args.l1_documents:g} documents)", flush=True)
+              f"daemon (~{L1_DOCUMENTS} documents)", flush=True)
         if args.overhead:
             direct, routed = measure_overhead(model, texts[0], budget, args.chunk_size, args.overhead, workdir)
             print(f"one replica, {args.overhead} rounds: p50 TTFT direct {direct:.1f} ms, through the router "

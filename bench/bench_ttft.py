@@ -1,7 +1,7 @@
 """TTFT on SmolLM2 (CPU) of a warmed document plus a new question, per path to the cached K/V.
 
-Each length's document is warmed once per path (not a whole number of chunks unless --aligned: a
-user's document ends where it ends), then every run asks a question never seen before. Runs are
+Each length's document is warmed once per path (not a whole number of chunks: a user's document ends
+where it ends), then every run asks a question never seen before. Runs are
 interleaved: one BASELINE request, then one cached request per path, so drift hits all alike, and
 every ratio is against the BASELINE medians of the same run. TTFT counts everything from request
 arrival: tokenize, hash, lookup, fetch, decode, assembly, prefill, first token.
@@ -12,8 +12,15 @@ over a unix socket. Service rows send the same requests to a running `python -m 
 (default mode, as `kvboost generate` does) and time from the client's call to the first streamed
 token; the service's own ttft_ms is reported beside it.
 
+With --tiers, the two cache tiers instead: three daemons on loopback, P (LMDB only), A and B (each its own LMDB,
+both on one redis-server as L2), each read by an Engine as the service does by default (co-located reads). Every
+run: BASELINE; an L1 hit through P and through A (the same warmed document, a new question); then a new document
+warmed through A, A's write-behind queue drained to Redis, and asked through B, whose LMDB never saw it: B's Lookup
+finds it in L2 and the engine reads it once it is in B's LMDB.
+
     python bench/bench_ttft.py                       # 512/1600/3000 tokens, every path, 5 runs
     python bench/bench_ttft.py --lengths 1600 --no-service
+    flock /tmp/kvboost-bench.lock python bench/bench_ttft.py --tiers --lengths 1600 --lookup-timeout 1
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ from inference_service.model.weights import DEFAULT_MODEL  # noqa: E402
 from inference_service.store.colocated import ColocatedStore  # noqa: E402
 from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions  # noqa: E402
 from inference_service.store.memory import InMemoryStore  # noqa: E402
+from kvboost.v1 import cache_pb2  # noqa: E402
 from kvboost.v1 import inference_pb2 as pb  # noqa: E402
 from kvboost.v1 import inference_pb2_grpc  # noqa: E402
 
@@ -55,14 +63,6 @@ PASSAGE = (
     "east building, sorted by pump number, and the inventory is counted at the end of every quarter.\n"
 )
 SUBJECTS = ("pump", "valve", "seal", "alarm", "bearing", "motor", "log", "operator", "inventory", "building")
-
-
-def context_length(prompt_tokens: int, chunk_size: int, aligned: bool) -> int:
-    """Tokens of document for a prompt of about prompt_tokens tokens: a whole number of chunks when
-    aligned, else whatever the question leaves (a partial last chunk, as users' documents have)."""
-    if not aligned:
-        return prompt_tokens - QUESTION_TOKENS
-    return max(chunk_size, round((prompt_tokens - QUESTION_TOKENS) / chunk_size) * chunk_size)
 
 
 def build_context(tokenizer, num_tokens: int) -> str:
@@ -153,8 +153,9 @@ def start_daemons(stack: ExitStack, workdir: Path) -> tuple[str, str]:
     return tcp.address, unix.address
 
 
-def grpc_store(stack: ExitStack, address: str) -> GrpcChunkStore:
-    store = GrpcChunkStore(GrpcStoreOptions(address=address, fetch_timeout_s=60.0, store_timeout_s=60.0))
+def grpc_store(stack: ExitStack, address: str, rpc_timeout_s: float | None = None) -> GrpcChunkStore:
+    timeouts = {} if rpc_timeout_s is None else {"rpc_timeout_s": rpc_timeout_s}
+    store = GrpcChunkStore(GrpcStoreOptions(address=address, fetch_timeout_s=60.0, store_timeout_s=60.0, **timeouts))
     stack.callback(store.close)
     assert store.check(), f"cache daemon at {address} does not answer"
     return store
@@ -209,6 +210,54 @@ def summarize(length: int, samples: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
+def start_tier_daemons(stack: ExitStack, workdir: Path, redis_url: str) -> dict[str, str]:
+    return {name: harness.start_daemon(stack, workdir, "--max-bytes", "8GB", *flags, name=f"lmdb-{name}").address
+            for name, flags in (("P", ()), ("A", ("--l2", redis_url)), ("B", ("--l2", redis_url)))}
+
+
+def engine_over(stack: ExitStack, name: str, loaded, config: EngineConfig, address: str,
+                lookup_timeout_s: float) -> EnginePath:
+    store = ColocatedStore(grpc_store(stack, address, lookup_timeout_s), "on")
+    store.check()
+    path = EnginePath(name, loaded, config, store)
+    stack.callback(path.close)
+    return path
+
+
+def l2_stats(stub) -> cache_pb2.L2Stats:
+    return stub.Stats(cache_pb2.CacheStatsRequest(), timeout=10).l2
+
+
+def drain_l2_writes(stub, timeout_s: float = 60.0) -> None:
+    """Waits until the daemon's L2 write-behind queue (the batch being written included) is empty."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = l2_stats(stub)
+        if stats.queued_writes == 0:
+            return
+        assert time.monotonic() < deadline and not stats.degraded, f"L2 writes did not drain: {stats}"
+        time.sleep(0.01)
+
+
+def measure_tiers(paths: dict[str, EnginePath], stub_a, context: str, runs: int) -> dict[str, list[dict]]:
+    paths["L1 hit, no L2"].warm(context)
+    paths["L1 hit, L2 on"].warm(context)
+    asked, copies = iter(range(1 << 30)), iter(range(1 << 30))
+
+    def l2_hit() -> dict:  # a document host B has never seen: warmed on A, reaching B through Redis only
+        fresh = f"Handbook copy {next(copies)}.\n" + context
+        paths["warm on A"].warm(fresh)
+        paths["warm on A"].engine.flush_writes()  # A's Store replied: every chunk is in A's L2 queue
+        drain_l2_writes(stub_a)
+        return paths["L2 hit"].ask(fresh + question(next(asked)), "prefix_cache")
+
+    return harness.alternate({
+        "baseline": lambda: paths["L1 hit, no L2"].ask(context + question(next(asked)), "baseline"),
+        **{name: lambda name=name: paths[name].ask(context + question(next(asked)), "prefix_cache")
+           for name in ("L1 hit, no L2", "L1 hit, L2 on")},
+        "L2 hit": l2_hit}, runs)
+
+
 def write_plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
@@ -225,30 +274,74 @@ def write_plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path)
 
 
+def run_tiers(args, loaded) -> None:
+    """The --tiers run: P, A and B alternating, medians, and the targets' lines."""
+    from tests.daemon_support import cache_stub
+    from tests.redis_support import redis_node
+
+    config = EngineConfig(chunk_size=args.chunk_size)
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-tiers-")))
+        redis = stack.enter_context(redis_node(workdir / "redis"))
+        addresses = start_tier_daemons(stack, workdir, redis.url)
+        paths = {name: engine_over(stack, name, loaded, config, addresses[daemon], args.lookup_timeout)
+                 for name, daemon in (("L1 hit, no L2", "P"), ("L1 hit, L2 on", "A"), ("L2 hit", "B"))}
+        paths["warm on A"] = paths["L1 hit, L2 on"]
+        stub_a = stack.enter_context(cache_stub(addresses["A"]))
+        context = build_context(loaded.tokenizer, args.lengths[0] - QUESTION_TOKENS)
+        samples = measure_tiers(paths, stub_a, context, args.runs)
+        with cache_stub(addresses["B"]) as stub_b:
+            b_stats = l2_stats(stub_b)
+        a_stats = l2_stats(stub_a)
+    medians = {name: harness.median(s["ttft_ms"] for s in rows) for name, rows in samples.items()}
+    harness.print_table(f"bench_ttft --tiers: {loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, chunk_size "
+                        f"{args.chunk_size}, ~{args.lengths[0]}-token prompts, median of {args.runs} alternating runs, "
+                        "redis-server on loopback",
+                        [{"path": name, "prompt": rows[-1]["prompt"], "cached": rows[-1]["cached"],
+                          "ttft_ms": medians[name], "x": f"{medians['baseline'] / medians[name]:.1f}x"}
+                         for name, rows in samples.items()],
+                        ["path", "prompt", "cached", ("ttft_ms", "TTFT ms"), ("x", "x BASELINE")], digits=1)
+    reuse = [s["cached"] / s["prompt"] for s in samples["L2 hit"]]
+    l1_change = medians["L1 hit, L2 on"] / medians["L1 hit, no L2"] - 1
+    print(f"\nL2 hit vs BASELINE: {medians['baseline'] / medians['L2 hit']:.1f}x (target >= 5x)")
+    print(f"L1 hit with L2 configured vs without: {l1_change:+.1%} (target within 5%)")
+    print(f"cross-host reuse on B: min {min(reuse):.1%} of the prompt (target >= 90%)")
+    print(f"L2 counters: A writes {a_stats.writes}, dropped {a_stats.dropped_writes}, errors {a_stats.errors}; "
+          f"B hits {b_stats.hits}, misses {b_stats.misses}, corrupted {b_stats.corrupted}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    harness.write_json(args.out / f"tiers-{stamp}.json", {"medians_ms": medians, "samples": samples})
+    print(f"wrote {args.out}/tiers-{stamp}.json")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or path (default: the embedded SmolLM2)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1600, 3000], help="prompt tokens")
     parser.add_argument("--runs", type=int, default=5, help="requests per path and length (medians; at least 5)")
     parser.add_argument("--chunk-size", type=int, default=128, help="tokens per cached chunk")
-    parser.add_argument("--aligned", action="store_true", help="documents of a whole number of chunks")
     parser.add_argument("--no-daemon", action="store_true", help="the in-process store only")
     parser.add_argument("--no-service", action="store_true", help="engine rows only (no service processes)")
     parser.add_argument("--kv-cache-bits", type=int, choices=(16, 8, 4), default=16, help="storage width")
     parser.add_argument("--threads", type=int, help="torch CPU threads in this process (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where JSON and PNG go")
+    parser.add_argument("--tiers", action="store_true", help="the cache tiers instead of the paths: L1 hits with and "
+                        "without L2, and L2 hits on a second daemon, at the first of --lengths")
+    parser.add_argument("--lookup-timeout", type=float, default=10.0, help="with --tiers: seconds for a Lookup (the "
+                        "service's --cache-timeout, 1 s by default)")
     args = parser.parse_args(argv)
     assert args.runs >= 5, "medians need at least 5 runs"
     if args.threads:
         torch.set_num_threads(args.threads)
 
     loaded = load_model(args.model, device="cpu", dtype="float32")
+    if args.tiers:
+        return run_tiers(args, loaded)
     rows: list[dict] = []
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-ttft-")))
         paths = build_paths(args, stack, workdir, loaded)
         for length in args.lengths:
-            context = build_context(loaded.tokenizer, context_length(length, args.chunk_size, args.aligned))
+            context = build_context(loaded.tokenizer, length - QUESTION_TOKENS)
             length_rows = summarize(length, measure(paths, context, args.runs))
             rows += length_rows
             print(f"  {length} tokens: " + ", ".join(f"{r['path']} {r['median_ms']:.1f} ms" for r in length_rows),
@@ -258,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     harness.print_table(
         f"bench_ttft: {loaded.model_id}, CPU fp32, {torch.get_num_threads()} threads, MKL dispatch "
         f"{MKL_DISPATCH.applied}, chunk_size {args.chunk_size}, {args.kv_cache_bits}-bit storage, "
-        f"{'aligned' if args.aligned else 'unaligned'} documents, median of {args.runs} alternating runs, a new "
+        "unaligned documents, median of {args.runs} alternating runs, a new "
         f"~{QUESTION_TOKENS}-token question per run", rows,
         ["path", ("prompt_tokens", "prompt"), ("cached_tokens", "cached"), ("median_ms", "TTFT ms"),
          ("server_median_ms", "server ms"), ("x_baseline", "x BASELINE"), ("x_in_process", "/ in-proc")], digits=1)

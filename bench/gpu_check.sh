@@ -12,7 +12,7 @@
 #   decode      bench_gpu.py at 512 tokens: decode one stream and 16 rows, the peer (transformers' CB)       120 s
 #   invariant   bench_exactness.py --invariant-prefill: bitwise and TTFT (its cost) at 100..32k                150 s
 #   invariant4  the same in prefill forwards of 4 chunks (--invariant-piece-chunks 4)                       150 s
-#   sweep       bench_invariant_sweep.py: 64 prompts x {uncached, daemon, L0, host tier} x {alone, batched
+#   sweep       bench_exactness.py --sweep: 64 prompts x {uncached, daemon, L0, host tier} x {alone, batched
 #               with 7 unrelated requests}, the invariant path (prefill and decode step), bitwise              180 s
 #   invcost     bench_gpu.py --invariant-prefill at 512/2k/32k with decode: TTFT, 16-row decode against the
 #               variant path's figures of the ttft and decode parts (the default's cost, issue 55 item 3)  240 s
@@ -38,7 +38,7 @@ command_of() {  # the part's command line (its output goes to $out/<part>.log)
     decode) echo "python3 bench/bench_gpu.py --lengths 512 --runs 1 --stage-runs 0 --grpc-length 0 --peer-cb --json $out/decode.json $EXTRA" ;;
     invariant) echo "python3 bench/bench_exactness.py --invariant-prefill --json $out/exactness_invariant.json" ;;
     invariant4) echo "python3 bench/bench_exactness.py --invariant-prefill --invariant-piece-chunks 4 --json $out/exactness_invariant4.json" ;;
-    sweep) echo "python3 bench/bench_invariant_sweep.py --prompts 64 --json $out/sweep.json" ;;
+    sweep) echo "python3 bench/bench_exactness.py --sweep 64 --json $out/sweep.json" ;;
     invcost) echo "python3 bench/bench_gpu.py --invariant-prefill --lengths 512 2048 32768 --runs 3 --stage-runs 0 --grpc-length 0 --json $out/invcost.json $EXTRA" ;;
     compile) echo "python3 bench/bench_compile_step.py --context 512 --rows 1 16 --compile-limit-s ${COMPILE_LIMIT:-60} --budget-s ${COMPILE_BUDGET:-60} --json $out/compile.json" ;;
     bench) echo "python3 bench/bench_gpu.py --service-defaults --peer-cb --json $out/bench_gpu.json $EXTRA" ;;

@@ -56,6 +56,13 @@ def random_model(shape: str, device: str, dtype: torch.dtype, max_context: int):
     return model.eval()
 
 
+def kv_bytes_per_token(model) -> int:
+    """K and V of one token over every layer, in the model's dtype."""
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
+
+
 def words(count: int, seed: int, vocab_size: int) -> str:
     generator = torch.Generator().manual_seed(seed)
     return " ".join(f"w{i}" for i in torch.randint(2, vocab_size, (count,), generator=generator).tolist())

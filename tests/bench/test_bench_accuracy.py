@@ -78,4 +78,4 @@ def test_the_guard_runs_end_to_end_on_two_splits(capsys, smollm2, tmp_path, monk
     written = json.loads(next(tmp_path.glob("accuracy-*.json")).read_text())
     assert written["guard"]["dev_questions"] == 2 and written["guard"]["held_out_questions"] == 2
     assert [row["column"] for row in written["table"]] == ["full prefill", "cacheblend 15%", "cacheblend 15% + guard"]
-    assert list(tmp_path.glob("accuracy-tradeoff-*.png"))
+    assert list(tmp_path.glob("accuracy-*.png"))

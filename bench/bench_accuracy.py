@@ -1,22 +1,11 @@
-"""Answer accuracy, agreement and TTFT by reuse mode on SmolLM2: RAG questions over documents warmed alone.
+"""Answer accuracy, agreement and TTFT by reuse mode: RAG questions over 4-6 documents (bench/rag_dataset.py) each
+warmed alone and presented in a new order, every column its own engine, columns interleaved per question; and whole
+prompts reused by prefix at 16, 8 and 4 bits (the identity table). Agreement and first-token KL against full prefill.
 
-Each question is asked over 4-6 documents (bench/rag_dataset.py) presented in a new order as
-`segments`; every document was warmed alone (content-addressed) beforehand, so in CHUNK_KV_REUSE its
-chunks hit by content and are re-rotated and repaired. Every column has its own engine and in-process
-store, warmed the same way; columns are interleaved per question so drift hits all alike. Agreement
-and first-token KL are against full prefill of the same run. A second table reuses whole prompts by
-prefix (the identity test's prompts plus every question's prompt) at 16, 8 and 4 bits, quantized keys
-stored as computed (the default) and before RoPE: greedy agreement with full prefill over the prompts with
-hits, mean first-token KL, and bytes stored.
+The fidelity guard is tuned on a development half of the questions (the largest threshold whose guarded answers stay
+within 0.02 of full prefill's accuracy) and checked on the held-out half; accuracy with a 95% bootstrap interval.
 
     python bench/bench_accuracy.py            # 100 questions, all 52 identity prompts
-
-The fidelity guard (--fidelity-guard on the service) is tuned and checked on two splits of the questions: on
-the development split every column runs and each cacheblend request reports its risk (the check layer's K/V
-error left unrepaired); the threshold kept is the largest whose guarded answers (full prefill's where the risk
-exceeds it) stay within 0.02 of full prefill's accuracy there. The held-out split then runs a real
-guarded engine at that threshold beside the other columns. Accuracy comes with a 95% bootstrap interval.
-
     python bench/bench_accuracy.py --model qwen2.5-coder-0.5b --no-identity --questions 120 \
         --columns "full prefill,reuse none,selective,cacheblend 15%,cacheblend 30%"
 """

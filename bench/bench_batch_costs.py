@@ -1,8 +1,5 @@
-"""What a batched token costs on this machine: one decode step of the running batch at 1..N rows, and a short
-prefill after a cached prompt alone vs several in one forward (the two costs continuous batching trades).
-
-Device work only (no store, no gRPC): the running batch (model/running_batch.py) and the batched prefill
-(model/batch_forward.prefill_rows) the scheduler uses, over random cached K/V of --context tokens.
+"""What a batched token costs: one decode step of the running batch at 1..N rows, and a short prefill after a cached
+prompt alone against several in one forward; device work only, over random cached K/V of --context tokens.
 
     flock /tmp/kvboost-bench.lock python bench/bench_batch_costs.py                  # SmolLM2, 737 cached tokens
     flock /tmp/kvboost-bench.lock python bench/bench_batch_costs.py --model tiny --rows 1 4 --repeats 2

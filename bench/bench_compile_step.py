@@ -1,17 +1,12 @@
-"""torch.compile of the one layer loop under the CUDA graphs, against the graphs alone: step time and bitwise.
+"""torch.compile of the lean step's layer loop under the CUDA graphs, against the graphs alone: step time and bitwise.
 
-The decode step the service runs on a GPU is the lean step (model/lean_step.py) replayed from CUDA graphs
-(model/graph_step.py). Here a second lean step runs `torch.compile(scripted_layers.decoder_layers)` (inductor) in its
-place, captured in the same graph buckets. Both decode the same rows over the same random K/V (a random-weight model,
-bench_gpu.py's), one stream and --rows at once, steps alternating between the two: the median step time of each,
-the compile time of the compiled one (a bucket's first call; the rest is skipped when one exceeds --compile-limit-s),
-and whether every step's logits are bitwise the graphs-only step's. Then, while --budget-s allows, the start-up
-probe (model/step_runner.probe_mismatch) on the compiled step: captured vs eager in the probe's buckets, and against
-the model's own forward. The service's step is unchanged: this is a measurement.
+Both steps decode the same rows over the same random K/V (bench/gpu_model.py's model), one stream and --rows at once,
+alternating: each one's median step time, the compiled one's compile time per bucket (the rest skipped past
+--compile-limit-s), whether every step's logits are bitwise the graphs-only step's; then, within --budget-s, the
+start-up probe on the compiled step. The service's step is unchanged: this is a measurement.
 
     python bench/bench_compile_step.py                                   # 8B shape, bf16, 1 and 16 rows, on a GPU
     python bench/bench_compile_step.py --shape tiny --device cpu --dtype float32 --steps 4   # a CPU dry run
-    python bench/bench_gpu.py --compile                                  # the same, from bench_gpu.py
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
-"""One request at a time vs the running batch under concurrent clients, in one run, on the shared system-prompt
-workload; optionally beside the service of an earlier commit (a git worktree of it).
+"""One request at a time against the running batch under concurrent clients, in one run, on the shared system-prompt
+workload (bench/load.py's), optionally beside the service of an earlier commit (--baseline-tree).
 
-One cache daemon and an inference service per configuration on loopback: `one-at-a-time` (--max-running-requests
-1), `batched` (the defaults) and, with --baseline-tree, `before` (that tree's own service and defaults). At each
-concurrency level every service gets the same bench/load.py load in turn. Reported per row: requests/s, output
-tokens/s, p50/p99 TTFT (client side), p50 time per output token, errors, the daemon's budget and RSS. Writes a plot
-of throughput and p99 TTFT vs concurrency.
+One daemon and a service per configuration: `one-at-a-time` (--max-running-requests 1), `batched` (the defaults),
+`before` (that tree's); at each level every service gets the same load in turn. Per row: requests/s, output tokens/s,
+p50/p99 TTFT, p50 time per output token, errors, the daemon's budget and RSS; a plot of throughput and p99 TTFT.
 
-    flock /tmp/kvboost-bench.lock python bench/bench_concurrency.py                 # SmolLM2, 1 4 8 16, 20 s
-    git worktree add /tmp/before <commit> && \
-      flock /tmp/kvboost-bench.lock python bench/bench_concurrency.py --baseline-tree /tmp/before
+    flock /tmp/kvboost-bench.lock python bench/bench_concurrency.py --baseline-tree /tmp/before   # git worktree add
     flock /tmp/kvboost-bench.lock python bench/bench_concurrency.py --model tiny --levels 1 4 --duration 5
 """
 from __future__ import annotations
@@ -29,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import harness  # noqa: E402
-from bench.load import SYSTEM_PROMPT, Report, rss_bytes, run_load  # noqa: E402
+from bench.load import SYSTEM_PROMPT, Report, run_load  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 
 # label -> the service's own flags (besides model, daemon, port, chunk size and queue).
@@ -41,16 +37,13 @@ RSS_FIELDS = {"VmRSS": "all", "RssAnon": "anonymous", "RssFile": "mapped LMDB fi
 
 
 def start_services(stack: ExitStack, model: str, chunk_size: int, max_bytes: str, max_queue: int,
-                   work_dir: Path, baseline_tree: Path | None = None,
-                   decode_steps: tuple[str, ...] = ()) -> tuple[dict[str, str], str, int, dict[str, str]]:
+                   work_dir: Path, baseline_tree: Path | None = None) -> tuple[dict[str, str], str, int, dict[str, str]]:
     """The daemon and one service per configuration; ({label: address}, daemon address, daemon pid, {label: the
     decode step the service runs, from its log}): a step that cannot run here falls back (lean to
     transformers), and a row must not be credited to a step that did not run."""
     model = harness.model_path(model, work_dir)
     daemon = harness.start_daemon(stack, work_dir, "--max-bytes", max_bytes)
     configs = {label: (flags, None) for label, flags in CONFIGS.items()}
-    for step in decode_steps:  # the running batch again, under another decode step
-        configs[f"batched-{step}"] = (("--decode-step", step), None)
     if baseline_tree is not None:
         configs = {BEFORE: ((), baseline_tree), **configs}
     addresses, steps_run = {}, {}
@@ -108,8 +101,8 @@ def write_plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path)
 
 
-def ratio(row: dict, baseline: str, field: str = "output_tokens_per_s", batched: str = "batched") -> float:
-    return row[batched][field] / row[baseline][field] if row[baseline][field] else 0.0
+def ratio(row: dict, baseline: str, field: str = "output_tokens_per_s") -> float:
+    return row["batched"][field] / row[baseline][field] if row[baseline][field] else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,9 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-tree", type=Path,
                         help="a checkout of an earlier commit (git worktree add DIR COMMIT): its service runs as "
                              "`before` beside this one, in the same run")
-    parser.add_argument("--decode-steps", nargs="+", default=[], choices=["transformers"],
-                        help="also run the batched service under each of these --decode-step choices (label "
-                             "batched-STEP), beside the default's")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="folder for concurrency.png and .json")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the services inherit it; torch sizes its pool by it
@@ -137,15 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-concurrency-")))
         addresses, daemon_address, daemon_pid, steps_run = start_services(
-            stack, args.model, args.chunk_size, args.max_bytes, args.max_queue, work_dir, args.baseline_tree,
-            tuple(args.decode_steps))
+            stack, args.model, args.chunk_size, args.max_bytes, args.max_queue, work_dir, args.baseline_tree)
         warm_system_prompt(addresses["batched"])  # as a deployment would: its partial last chunk included
         for scheduler in addresses:  # each service's first forward
             run_load(addresses[scheduler], 1, 0.1, args.max_new_tokens)
-        rss_start = {field: rss_bytes(daemon_pid, field) for field in RSS_FIELDS}
+        rss_start = {field: harness.rss_bytes(daemon_pid, field) for field in RSS_FIELDS}
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {args.model}, {args.duration:.0f} s per row, "
               f"max_new_tokens {args.max_new_tokens}, {args.threads} torch thread(s) per service, system prompt "
-              "warmed; decode step run by each service {steps_run}", flush=True)
+              f"warmed; decode step run by each service {steps_run}", flush=True)
         for clients in args.levels:
             for scheduler in addresses:
                 report = run_load(addresses[scheduler], clients, args.duration, args.max_new_tokens,
@@ -153,17 +142,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_row(scheduler, report), flush=True)
                 rows.append({"scheduler": scheduler, "decode_step_run": steps_run[scheduler], **asdict(report)})
                 failed |= report.errors > 0 or report.budget_exceeded
-        rss_end = {field: rss_bytes(daemon_pid, field) for field in RSS_FIELDS}
+        rss_end = {field: harness.rss_bytes(daemon_pid, field) for field in RSS_FIELDS}
     for clients in args.levels:
         row = {r["scheduler"]: r for r in rows if r["clients"] == clients}
         line = f"{clients:>3} clients: batched / one-at-a-time output tok/s = {ratio(row, 'one-at-a-time'):.2f}x"
         if BEFORE in row:
             line += (f"; batched / before: output tok/s {ratio(row, BEFORE):.2f}x, TTFT p50 "
                      f"{row['batched']['ttft_ms_p50']:.1f} vs {row[BEFORE]['ttft_ms_p50']:.1f} ms")
-        for step in args.decode_steps:
-            ran = steps_run[f"batched-{step}"]
-            label = f"batched-{step}" + ("" if ran == step else f" (ran {ran})")
-            line += f"; {label} / one-at-a-time {ratio(row, 'one-at-a-time', batched=f'batched-{step}'):.2f}x"
         print(line)
     mib = (lambda value: "n/a" if value is None else f"{value / (1 << 20):.1f} MiB")
     print("daemon RSS " + ", ".join(f"{RSS_FIELDS[field]} {mib(rss_start[field])} -> {mib(rss_end[field])}"

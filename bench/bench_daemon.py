@@ -1,24 +1,12 @@
-"""Fetch throughput of the cache daemon next to a bare gRPC byte stream of the same bytes, same run.
+"""Fetch throughput of the cache daemon next to a bare gRPC byte stream of the same bytes, same run; and (--parts scale,
+bench/daemon_scale.py) the daemon at 1e4..1e6 entries.
 
-Both servers run as separate processes on loopback; this process is the client. The bare server
-is a generic-handler gRPC server that streams the same blobs as raw 1 MiB messages with no
-protobuf at all. Fetch is timed twice: decoded by the generated stub (what a plain client sees)
-and received as undecoded frames (the same client work as the bare stream, so the ratio is the
-daemon's own cost: LMDB reads, CRC-32 checks, framing). Runs are interleaved and the server
-processes' CPU time is reported too, since wall time is noisy on a shared machine.
+Both servers are processes on loopback. The bare one streams the blobs as raw 1 MiB messages (no protobuf); Fetch is
+timed decoded by the generated stub and undecoded (the bare stream's client work, so the ratio is the daemon's own
+cost), and with the reader verifying. Runs alternate; the servers' CPU time is reported beside wall time.
 
     python bench/bench_daemon.py            # ~100 MB of 1-5 MB chunks, 5 repeats
-    python bench/bench_daemon.py --quick    # ~20 MB, 3 repeats
-
-The scale part (issue #16, bench/daemon_scale.py) times Store with eviction, Lookup alone and beside
-concurrent Stores, restart and RSS per entry at each entry count, writes docs/daemon_scale.png:
-
-    python bench/bench_daemon.py --parts scale --entries 1e4,1e5,1e6
-
-With --baseline-tree DIR (another checkout, e.g. `git archive HEAD~1 | tar -x -C /tmp/base`), each entry count
-is measured with that tree's daemon too, alternating which goes first, on the same environment builder:
-
-    python bench/bench_daemon.py --parts scale --entries 1e4,1e5 --baseline-tree /tmp/base
+    python bench/bench_daemon.py --parts scale --entries 1e4,1e5,1e6 [--baseline-tree /tmp/base]
 """
 from __future__ import annotations
 
@@ -26,7 +14,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +30,7 @@ from kvboost.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 
 from bench import harness  # noqa: E402
 
+from tests.conftest import pick_free_port as free_port  # noqa: E402
 from tests.e2e.daemon_process import start_daemon  # noqa: E402
 
 MiB = 1 << 20
@@ -85,12 +73,6 @@ def serve_bare(port: int, total_bytes: int, seed: int) -> None:
         await server.wait_for_termination()
 
     asyncio.run(main())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def store_all(stub: cache_pb2_grpc.CacheServiceStub, blobs: list[bytes]) -> float:
@@ -139,19 +121,14 @@ def check_fetch(stub: cache_pb2_grpc.CacheServiceStub, keys: list[bytes], blobs:
     assert [b"".join(pieces[key]) for key in keys] == blobs, "fetched bytes differ from the stored ones"
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, from Linux /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def timed_transfer(server_pid: int, transfer: Callable[[], int], total: int) -> dict:
     """One transfer of every blob: MB/s at the client and the server's CPU seconds per GB moved."""
-    cpu_before, started = process_cpu_s(server_pid), time.perf_counter()
+    cpu_s = lambda: harness.cpu_seconds(Path(f"/proc/{server_pid}/stat").read_text())  # noqa: E731
+    cpu_before, started = cpu_s(), time.perf_counter()
     received = transfer()
     elapsed = time.perf_counter() - started
     assert received >= total, f"received {received} of {total} bytes"
-    return {"mb_per_s": total / elapsed / 1e6, "server_cpu_s_per_gb": (process_cpu_s(server_pid) - cpu_before) / total * 1e9}
+    return {"mb_per_s": total / elapsed / 1e6, "server_cpu_s_per_gb": (cpu_s() - cpu_before) / total * 1e9}
 
 
 def run(total_bytes: int, repeats: int, seed: int) -> None:
@@ -206,9 +183,8 @@ def run(total_bytes: int, repeats: int, seed: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="~20 MB and 3 repeats")
-    parser.add_argument("--total-mb", type=float, default=None, help="bytes to move per run, in MB (default 100)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs of each stream (default 5)")
+    parser.add_argument("--total-mb", type=float, default=100, help="bytes to move per run, in MB")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each stream (medians)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", default="fetch", help="comma-separated: fetch (throughput vs bare gRPC), "
                         "scale (entry counts, see --entries)")
@@ -226,10 +202,8 @@ def main() -> None:
     parts = set(args.parts.split(","))
     assert parts <= {"fetch", "scale"}, f"unknown parts: {parts - {'fetch', 'scale'}}"
     if "fetch" in parts:
-        total_mb = args.total_mb or (20 if args.quick else 100)
-        repeats = args.repeats or (3 if args.quick else 5)
-        assert repeats >= 3, "the median needs at least 3 repeats"
-        run(int(total_mb * 1e6), repeats, args.seed)
+        assert args.repeats >= 3, "the median needs at least 3 repeats"
+        run(int(args.total_mb * 1e6), args.repeats, args.seed)
     if "scale" in parts:
         run_scale([int(float(count)) for count in args.entries.split(",")], args.stores, args.lookups, args.seed,
                   args.plot, args.baseline_tree)

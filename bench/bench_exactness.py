@@ -1,30 +1,19 @@
 """Exactness on a device: cached answers against uncached ones, bitwise, over prompt lengths, tiers and prefill pieces.
 
-A random-weight model (bench_gpu.py's: near-ties everywhere, the harsher test) answers one prompt per length, a
-document then a question, with every prefill cut into pieces of each size in --pieces. Per (length, piece) the paths:
-  uncached    the engine with the cache off (mode baseline)
-  daemon      L0 off: the document warmed (its K/V computed in the same pieces, stored in the daemon's LMDB map), then
-              the prompt asked: the document's K/V come from the map, the question is prefilled after them
-  l0-fill     the engine with L0 on asks the prompt first: its K/V come from the daemon and L0 keeps them
-  l0          the same engine asks again: the K/V come from L0
-  host-fill   (where EngineConfig has host_tier_bytes) the engine with a host tier and L0 off, first ask
-  host        its second ask: the K/V come from the host tier
-Every cached answer is compared with the uncached one at the same piece size, and every answer at another piece size
-with the uncached one at the first: the first token's logits must be torch.equal and the greedy tokens identical.
-Each piece size stores under its own cache salt, so the cached K/V of a path were computed in that path's pieces. The
-engine runs a lone prefill whole (its pieces only matter while other rows decode); here its scheduler's plan is
-wrapped so every prefill runs in pieces of the size asked (a bench-only hook; the service is unchanged). Also: the
-uncached answer against plain model.generate (SDPA, one forward of the whole prompt) at the shortest two lengths.
-A mismatch is a measurement, not an error: the exit code stays 0 and the line says MISMATCH.
+A random-weight model (bench/gpu_model.py: near-ties everywhere, the harsher test) answers one prompt per length (a
+document, then a question) with every prefill in pieces of each --pieces size (the scheduler's plan wrapped: a
+bench-only hook), on the paths `uncached`, `daemon` (the document warmed, L0 off), `l0-fill` / `l0` (first and second
+ask with L0), `host-fill` / `host` (the host tier, L0 off). Each cached answer against the uncached one at its piece
+size, and every answer against the first size's: first-token logits torch.equal and greedy tokens identical; each piece
+size stores under its own salt. The uncached answer also against plain model.generate at the shortest lengths. A
+mismatch is a measurement: the exit code stays 0 and the line says MISMATCH (--perturb shows one).
 
---sweep PROMPTS: the invariant path (invariant prefill and decode step, also on a CPU) over many prompts of --words
-tokens: per prompt its uncached answer alone is the reference for the daemon, L0 (second ask) and host tier (second
-ask, L0 off) paths, then the prompts in batches of 8 submitted at once, uncached and from L0; the first token's logits
-torch.equal and every greedy token identical. --variant runs the default path instead.
+--sweep PROMPTS: the invariant path (prefill and decode step, also on a CPU; --variant the default path) over many
+prompts of --words tokens: daemon, L0, host tier, then batches of 8 at once (uncached and from L0), each against the
+prompt's uncached answer alone.
 
     python bench/bench_exactness.py --json out.json                      # 8B shape, bf16, 100..32k (H100: ~1.5 min)
     python bench/bench_exactness.py --shape tiny --device cpu --lengths 100 300 --dtype float32   # a CPU dry run
-    python bench/bench_exactness.py --invariant-prefill                  # the same with the service's --invariant-prefill
     python bench/bench_exactness.py --invariant-prefill --invariant-piece-chunks 4   # forwards of 4 chunks
     python bench/bench_exactness.py --sweep 200 --device cpu --dtype bfloat16 --shape tiny --words 40 1200
 """
@@ -36,7 +25,6 @@ import random
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager
@@ -270,23 +258,7 @@ def ask_plain(engine: Engine, prompt: str, tokens: int, mode: str | None = None)
 
 def ask_together(engine: Engine, prompts: list[str], tokens: int, mode: str | None = None) -> list[Plain]:
     """The prompts submitted at once from as many threads; their answers in prompt order."""
-    answers: list[Plain | None] = [None] * len(prompts)
-    errors: list[BaseException] = []
-
-    def one(index: int) -> None:
-        try:
-            answers[index] = ask_plain(engine, prompts[index], tokens, mode)
-        except BaseException as error:  # reported after the join: a failed row must not look like a mismatch
-            errors.append(error)
-
-    threads = [threading.Thread(target=one, args=(index,)) for index in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return answers
+    return harness.at_once(lambda index: ask_plain(engine, prompts[index], tokens, mode), len(prompts))[0]
 
 
 def same(answer: Plain, reference: Plain) -> bool:

@@ -1,16 +1,9 @@
-"""The engine's decode steps side by side: step time at 1 row and at 16 rows, alternating between the steps in one
-process (medians per step kind), and (--sweep) greedy identity with plain transformers model.generate over many
-chat prompts of 64 tokens, served as the engine serves them (prefixes from the cache, rows joining and leaving one
-running batch).
+"""The engine's decode steps side by side: step time per --cases (rows x context), the steps alternating in one process
+(medians); --sweep: greedy identity with plain `model.generate` over chat prompts served as the engine serves them;
+--baseline-tree DIR: the lean step in that checkout and this one, in processes that alternate (ABBA, --pairs).
 
     flock /tmp/kvboost-bench.lock python bench/bench_fast_step.py --threads 1
     python bench/bench_fast_step.py --threads 1 --skip-timing --sweep 200 --steps lean
-    flock /tmp/kvboost-bench.lock python bench/bench_fast_step.py --model tiny --cases 1x20 --rounds 2 --sweep 4
-
---baseline-tree DIR (a checkout of an earlier commit: git worktree add DIR COMMIT, or git archive COMMIT | tar -x)
-times the lean step in that tree and in this one, in separate processes that alternate (ABBA order, --pairs
-pairs), and prints each tree's median and their ratio:
-
     flock /tmp/kvboost-bench.lock python bench/bench_fast_step.py --baseline-tree /tmp/before --cases 1x50
 """
 from __future__ import annotations

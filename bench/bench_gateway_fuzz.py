@@ -1,14 +1,7 @@
-"""The long run of the schema-driven fuzzers against a real stack (daemon, service, gateway with an API key):
-
-- HTTP: Schemathesis from the gateway's own OpenAPI document (tests/e2e/schema_fuzz.py: every phase, every check,
-  positive and negative bodies, stateful over the document's links), run after run with a new seed until at
-  least --requests requests were sent, while an ordinary greedy chat request is sent beside it every second;
-- gRPC: messages generated from the proto descriptors (tests/proto_strategies.py, unknown fields included) sent
-  to every RPC of the cache daemon and the inference service until at least --messages were sent.
-
-It prints the requests sent, the responses by status and by status class, the responses >= 500 (the target is 0),
-the gRPC replies by status (the target: none but OK and clients' errors), whether the ordinary request kept its
-answer, and each process's resident memory before and after. Exit status 0 only when all of that holds.
+"""The schema-driven fuzzers' long run against a real stack (daemon, service, gateway with an API key): Schemathesis
+from the gateway's OpenAPI document while an ordinary greedy request runs beside it, then messages generated from the
+proto descriptors to every RPC (docs/benchmarks.md#schema-driven-fuzzing-http-and-grpc). Exit status 0 only when no
+response is >= 500, no check failed, no gRPC reply is outside OK and clients' errors and the ordinary answer held.
 
     flock /tmp/kvboost-bench.lock python bench/bench_gateway_fuzz.py                       # 10,000 + 10,000
     python bench/bench_gateway_fuzz.py --model tiny --requests 300 --messages 200          # a quick look
@@ -27,13 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import harness  # noqa: E402
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -108,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            "--api-key-file", str(key_file), "--default-max-tokens",
                                                            "4")))
         pids = {"daemon": daemon.process.pid, "service": service.process.pid, "gateway": gateway.process.pid}
-        rss_before = {name: rss_mib(pid) for name, pid in pids.items()}
+        rss_before = {name: harness.rss_bytes(pid) / 2**20 for name, pid in pids.items()}
         client = stack.enter_context(httpx.Client(base_url=gateway.base_url, timeout=300,
                                                   headers={"Authorization": f"Bearer {API_KEY}"}))
         before = ordinary_answer(client)
@@ -119,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_s = time.perf_counter() - started - http_s
         after = ordinary_answer(client)
         alive = all(process.process.poll() is None for process in (daemon, service, gateway))
-        rss_after = {name: rss_mib(pid) for name, pid in pids.items()}
+        rss_after = {name: harness.rss_bytes(pid) / 2**20 for name, pid in pids.items()}
 
     print(f"\n{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, model {args.model}, seed {args.seed}")
     ok = before == after and all(answer == before for answer in beside) and alive

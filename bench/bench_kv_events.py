@@ -1,13 +1,9 @@
 """The KV-event publisher's freshness and cost, in process, on the real step loop.
 
-One engine (SmolLM2 by default, CPU) with L0 and an in-memory store; a ZMQ subscriber in this process reads the
-published stream. Requests alternate with the publisher on and off (L0's listener set or not), each a new document
-of --tokens tokens asked once (its chunks enter L0, so each "on" request publishes its blocks):
-
-- freshness: from the first chunk of a request entering L0 (the listener's call) to the first BlockStored batch
-  the subscriber receives after it, per "on" request (median, p99, max); target <= 50 ms;
-- cost: the publisher thread's busy time over the "on" requests' wall time, and the requests' wall time with the
-  publisher on against off (medians, alternating in one run); target <= 1% of step-loop time.
+One engine with L0 and an in-memory store, a ZMQ subscriber in this process; requests (each a new --tokens document)
+alternate with the publisher on and off. Freshness: from a request's first chunk entering L0 to the first BlockStored
+batch received after it (target <= 50 ms). Cost: the publisher thread's busy time over the "on" requests' wall time,
+and their wall time on against off (target <= 1% of step-loop time).
 
     flock /tmp/kvboost-heavy.lock python bench/bench_kv_events.py                  # SmolLM2, 2k tokens, 2 x 12
     python bench/bench_kv_events.py --model tiny --tokens 256 --rounds 3           # smoke

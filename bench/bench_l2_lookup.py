@@ -1,18 +1,11 @@
 """A cross-host Lookup of L2-only keys on a busy machine: the daemon's value-free Lookup next to reading the values.
 
-A daemon runs on a real redis-server as its L2. Each round plants `--keys` fresh records (signed with the daemons'
-key, `--value-kib` each) in Redis only, as if another host had stored them, and times from this process:
-
-- the daemon's Lookup of them (it checks L2 by size and answers them as arriving; their values follow into LMDB
-  in the background, so the promotions of earlier rounds run behind later rounds, as in service);
-- an MGET of the same records: the least a Lookup that moved the values had to do before it could answer.
-
-The two alternate which goes first from round to round. With the default `--load 2`, two processes rewrite
-256 MB buffers throughout (memory bandwidth and CPU): the busy machine on which a Lookup that moved values ran
-past the service's deadline. Every Lookup must answer all its keys; a round that does not stops the run.
+Each round plants --keys fresh signed records of --value-kib in the daemon's Redis L2 only, then times the daemon's
+Lookup of them (it checks L2 by size; the values follow into LMDB behind it) and an MGET of the same records (the least
+a Lookup moving the values had to do), alternating which goes first, while --load processes rewrite 256 MB buffers.
+Every Lookup must answer all its keys; a round that does not stops the run.
 
     python bench/bench_l2_lookup.py                   # 25 rounds of 64 keys x 256 KiB under load
-    python bench/bench_l2_lookup.py --load 0          # an idle machine
 """
 from __future__ import annotations
 

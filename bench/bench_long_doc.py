@@ -1,22 +1,11 @@
-"""Repetitive long documents, as a public long-document QA benchmark asks them: our stack against llama-server on
-the same CPU, the same weights, both through streamed chat at temperature 0; and the exact default's own targets.
+"""Repetitive long documents as a public long-document QA benchmark asks them, our stack against llama-server (same CPU,
+weights, streamed chat at temperature 0), and the exact default's own targets.
 
-Part `rounds` (--kinds words,logs,csv): N documents of about L tokens each; a warm-up round asks each once, then a
-query round asks each R times in a seeded random order, K requests in flight. Reported per server, medians over
---runs alternating runs (each run and server with documents of its own, so no run finds another's): the mean TTFT
-of each round, the query round's wall time and its mean cached tokens.
-  words  one repeated word (the public benchmark's documents)
-  logs   log lines from a few templates, many repeated verbatim (heartbeats, retries)
-  csv    a table whose rows repeat a few values
-Ours runs in its default mode (exact reuse) and, as `ours-approx`, with `chunk_kv_reuse` asked for (the old
-default; approximate, labelled): the second shows what exact-by-default changed.
-
-Part `repeat` (ours only, through the gateway): per run, alternating, a fresh repetitive ~2k-token prompt asked in
-BASELINE mode, another asked with the cache (first request: its write-back must stay off the request path), the
-latter again (cached to its last token?), an ordinary (non-repetitive) ~2k-token document asked twice (an ordinary
-warm hit), and a ~5.8k-token log (one line, 180 times) asked twice.
-
-TTFT: from sending the request to the first content chunk, at the client.
+Part `rounds` (--kinds words,logs,csv): a warm-up round asks each document once, a query round each --repeats times in
+a seeded order, --in-flight at once; per server, medians over alternating --runs (documents of their own): each
+round's mean TTFT, the query round's wall time and cached tokens; `ours-approx` asks for `chunk_kv_reuse`. Part
+`repeat` (ours, through the gateway): a repetitive ~2k-token prompt cold, cached, and again; an ordinary document
+twice; a ~5.8k-token log twice.
 
     flock /tmp/kvboost-bench.lock python bench/bench_long_doc.py --other-runs 2 --json /tmp/long_doc.json   # ~30 min
     python bench/bench_long_doc.py --kinds words --runs 1 --parts rounds                      # a quicker look

@@ -1,13 +1,9 @@
-"""What --mkl-dispatch features changes against MKL's own choice: plain transformers `model.generate`, greedy, over
-many chat prompts, once in a process left on MKL's vendor dispatch and once in a process under `features`; prints
-how many prompts give the same tokens and each process's speed. (The engine is bitwise model.generate under either
-dispatch: the identity tests check that in the dispatch `make test` runs; this measures the dispatch alone.)
+"""What --mkl-dispatch features changes against MKL's own choice: plain `model.generate`, greedy, over chat prompts, in a
+process on MKL's vendor dispatch and one under `features`: prompts with the same tokens and each process's speed. On an
+Intel CPU both run the same kernels.
 
     flock /tmp/kvboost-bench.lock python bench/bench_mkl_dispatch.py --prompts 200
-    python bench/bench_mkl_dispatch.py --model tiny-llama --prompts 50
     python bench/bench_mkl_dispatch.py --model qwen2.5-coder-0.5b --prompts 50
-
-On an Intel CPU both processes run the same kernels (auto leaves MKL alone there; `features` changes nothing).
 """
 from __future__ import annotations
 

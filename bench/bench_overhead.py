@@ -1,20 +1,12 @@
-"""The host's work per request: a fully cached chat prompt with a model whose compute is negligible.
+"""The host's work per fully cached chat: a negligible model (random, hidden 64, 2 layers) behind SmolLM2's tokenizer
+and template; a chat whose 2k / 8k / 32k-token system message was asked before is asked again with a new question.
 
-The model: random weights, hidden 64, 2 layers, SmolLM2-135M-Instruct's real tokenizer and chat template (so the
-token counts and the template are a real deployment's). A chat whose long system message (2k / 8k / 32k tokens) was
-asked once before is asked again with a new question; what is left of its TTFT is host work.
+Each part alternates this checkout with --baseline-tree's, request by request, medians: `in-process` (the engine as
+`python -m inference_service` builds it, a child per tree; L0 auto and off, and cold; each host stage of the request
+replayed alone: template + tokenize, keys, Lookup, placement; "rest" the TTFT they leave), `http` / `grpc` (`python
+-m kvboost_server` per tree, TTFT at the client), `tokenizer` (the tokenization cache against apply_chat_template).
 
-Parts (each alternates this checkout with --baseline-tree's, request by request, and reports medians):
-- in-process: the service's engine built as `python -m inference_service` builds it (its defaults), in a child
-  process per tree; TTFT from the request's arrival, with L0 (the default) and with --l0-bytes 0 (every chunk from
-  the daemon), and cold (BASELINE mode: nothing reused). Split by replaying each stage of the same request alone:
-  template + tokenize, chunks + keys, the Lookup(s), placement; "rest" = TTFT minus those (the question's prefill,
-  the first token, hand-offs).
-- http / grpc: `python -m kvboost_server` per tree (each with its own daemon): a streamed chat completion over HTTP
-  and a streamed Generate over gRPC, TTFT at the client from sending the request to its first token.
-
-    flock /tmp/kvboost-heavy.lock python bench/bench_overhead.py
-    git worktree add /tmp/before HEAD~1 && flock /tmp/kvboost-heavy.lock python bench/bench_overhead.py --baseline-tree /tmp/before
+    flock /tmp/kvboost-heavy.lock python bench/bench_overhead.py --baseline-tree /tmp/before   # git worktree add
     python bench/bench_overhead.py --parts in-process --lengths 2048 --rounds 3       # the GPU check's part
 """
 from __future__ import annotations

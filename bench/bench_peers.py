@@ -1,22 +1,12 @@
-"""Our stack against llama.cpp's llama-server on the same CPU, the same weights (SmolLM2-135M-Instruct's GGUF,
-F32 for llama-server, dequantized to fp32 for us), both through their OpenAI-compatible streaming chat API,
-alternating ours and theirs; medians.
+"""Our stack against llama.cpp's llama-server on the same CPU and weights (SmolLM2-135M-Instruct's GGUF: F32 for it,
+fp32 for us), both through streamed chat at temperature 0, alternating; medians. TTFT is at the client.
 
-Workloads (--workloads, comma-separated; all by default):
-  decode     one stream, 128 new tokens: decode tokens/s after the first token
-  clients    1, 8 and 16 concurrent clients, a ~700-token shared system prompt, short questions, 32 new tokens:
-             output tokens/s, p50/p99 TTFT
-  followups  documents of 1-4k tokens, no explicit warm: a first question, then a follow-up question; per
-             request the prompt tokens recomputed and TTFT, against BASELINE (ours, no reuse for that request)
-             and llama-server (its slots and prompt cache); greedy agreement of the first answers
-  chat       a 6-turn chat, ~500-token system prompt, ~100-token answers: per turn the same figures
-  restart    both servers restarted, then a follow-up on a document asked before the restart
+Workloads (--workloads): `decode` one stream, 128 tokens; `clients` 1, 8, 16 at once on a ~700-token shared system
+prompt, 32 tokens; `followups` a second question per 1-4k-token document, against BASELINE; `chat` a 6-turn chat;
+`restart` a follow-up after both servers restarted. Recomputed tokens: ours `prompt_tokens - cached_tokens` (usage),
+llama-server's `timings.prompt_n`.
 
-Recomputed tokens: ours `usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens`; llama-server's
-`timings.prompt_n` (the prompt tokens it evaluated; `timings.cache_n` were reused). TTFT: from sending the
-request to the first content chunk, at the client.
-
-    flock /tmp/kvboost-bench.lock python bench/bench_peers.py                     # everything (~15 min)
+    flock /tmp/kvboost-bench.lock python bench/bench_peers.py --one-process                    # everything (~15 min)
     python bench/bench_peers.py --workloads followups,chat --documents 4          # a quicker look
 """
 from __future__ import annotations
@@ -27,7 +17,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -102,17 +91,6 @@ class Server:
         return reply
 
 
-def at_once(target, count: int) -> float:
-    """Runs target(0) .. target(count - 1) on threads started together; the seconds until the last returned."""
-    started = time.perf_counter()
-    threads = [threading.Thread(target=target, args=(index,)) for index in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return time.perf_counter() - started
-
-
 # ---- texts -------------------------------------------------------------------------------------------------
 
 
@@ -154,19 +132,16 @@ def run_clients(servers: list[Server], counts: list[int], runs: int) -> dict:
     visits = iter(range(1 << 30))
 
     def clients_at_once(server: Server, count: int) -> dict:
-        replies: list[Reply] = []
-        lock, visit = threading.Lock(), next(visits)
+        visit = next(visits)
 
-        def one(index: int) -> None:
+        def one(index: int) -> Reply:
             messages = [{"role": "system", "content": SYSTEM_700},
                         {"role": "user", "content": SHORT_QUESTIONS[index % len(SHORT_QUESTIONS)]
                          + f" (visitor {visit}-{index})"}]
             with httpx.Client() as own:
-                reply = server.chat(messages, 32, own)
-            with lock:
-                replies.append(reply)
+                return server.chat(messages, 32, own)
 
-        elapsed = at_once(one, count)
+        replies, elapsed = harness.at_once(one, count)
         return {"output_tps": sum(r.completion_tokens for r in replies) / elapsed, "ttft_ms": [r.ttft_ms for r in replies]}
 
     results = {}
@@ -262,50 +237,37 @@ def run_chat(servers: list[Server], ours: Server | None, client: httpx.Client, t
 
 
 class OurStack:
-    """Daemon (LMDB in work_dir, kept across restarts), inference service and HTTP gateway on loopback as three
-    processes (the layout of `python -m client.stack up --separate-gateway`); named "ours" in the report."""
+    """Daemon (LMDB in work_dir, kept across restarts), service and gateway as three processes (the layout of
+    `python -m client.stack up --separate-gateway`); "ours" in the report. processes: gateway, service, daemon."""
 
     def __init__(self, work_dir: Path, threads: int, max_bytes: str = "8GB") -> None:
         self.work_dir, self.threads, self.max_bytes = work_dir, threads, max_bytes
-        self.processes: list = []
-        self.base_url = ""
+        self.stack, self.processes, self.base_url = ExitStack(), [], ""
 
     def start(self) -> OurStack:
         from tests.conftest import pick_free_port
-        from tests.e2e.daemon_process import start_daemon
         from tests.e2e.gateway_process import launch_gateway, wait_until_answering
-        from tests.e2e.service_process import start_service
 
         os.environ["OMP_NUM_THREADS"] = str(self.threads)
-        daemon = start_daemon(self.work_dir / "lmdb", pick_free_port(), "--max-bytes", self.max_bytes)
-        service = start_service("SmolLM2-135M-Instruct", daemon.address, pick_free_port(),
-                                self.work_dir / "service.log", timeout_s=180)
+        daemon = harness.start_daemon(self.stack, self.work_dir, "--max-bytes", self.max_bytes)
+        service = harness.start_service(self.stack, "SmolLM2-135M-Instruct", daemon.address, self.work_dir,
+                                        timeout_s=180)
         gateway = launch_gateway(service.address, pick_free_port(), self.work_dir / "gateway.log")
+        self.stack.callback(gateway.terminate)
         wait_until_answering(gateway)
-        self.processes = [gateway, service, daemon]
-        self.base_url = gateway.base_url
+        self.processes, self.base_url = [gateway, service, daemon], gateway.base_url
         return self
 
     def stop(self) -> None:
-        for process in self.processes:
-            terminate = getattr(process, "terminate", None)
-            if terminate is not None:
-                terminate()
-            else:
-                process.process.terminate()
-                process.process.wait(timeout=30)
-        self.processes = []
+        self.stack.close()  # the gateway, the service, then the daemon
 
 
 class OneProcessStack:
     """`python -m kvboost_server`: the gateway and the service in one process (in-process transport), over the same
-    daemon as OurStack (the layout `make up` runs); named "ours-1p" in the report."""
+    daemon as OurStack (the layout `make up` runs); "ours-1p" in the report."""
 
     def __init__(self, work_dir: Path, daemon_address: str) -> None:
         self.work_dir, self.daemon_address = work_dir, daemon_address
-        self.process = None
-        self.base_url = ""
-        self.grpc_address = ""  # the gRPC contract it also serves
 
     def start(self) -> OneProcessStack:
         from tests.e2e.one_process import start_one_process
@@ -316,7 +278,7 @@ class OneProcessStack:
         return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
+        if self.process.poll() is None:
             self.process.terminate()
             self.process.wait(timeout=60)
 
@@ -440,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         # the servers' own stops, so it runs after them.
         stack.callback(shutil.rmtree, work_dir / "lmdb", ignore_errors=True)
         ours_stack = OurStack(work_dir, args.threads).start()
-        stack.callback(lambda: ours_stack.stop())
+        stack.callback(ours_stack.stop)
         ours = Server("ours", ours_stack.base_url, "SmolLM2-135M-Instruct")
         one = []
         if args.one_process:

@@ -1,23 +1,14 @@
-"""Routing policies compared: round-robin, least-loaded and prefix-aware, on replicas whose L1s cannot each hold
-the whole working set.
+"""Routing policies (round-robin, least-loaded, prefix-aware) on replicas whose L1s cannot each hold the working set.
 
-Per policy, a fresh stack on loopback: N replicas (a daemon with an L1 budget of about 5 documents,
-and a service with one torch thread each) behind `python -m router`, optionally every daemon on one redis-server
-as a shared L2. Clients ask questions about random documents through the router: --warmup seconds first (not
-measured), then --duration seconds measured. Reported per policy: where the measured prompt tokens came from
-(L1 of the chosen replica, L2, computed), the share of cacheable tokens (whole chunks of the document) served
-from L1, p50/p99 TTFT, requests/s, and requests per replica (max/min).
+Per policy a fresh loopback stack: N replicas (a daemon with an L1 of about 5 documents, a service with one thread)
+behind `python -m router` (optionally every daemon on one redis-server as L2); clients ask about random documents for
+--warmup seconds, then --duration measured: prompt tokens by source, cacheable tokens from L1, p50/p99 TTFT, req/s,
+requests per replica. `vllm-POLICY` runs the real vllm-router over HTTP instead (replicas publish KV events);
+`--overhead` / `--overhead-vllm ROUNDS`: one replica's TTFT direct against through the router.
 
-    flock /tmp/kvboost-bench.lock python bench/bench_router.py --json bench/results/router.json \\
-        --plot docs/router.png                                     # SmolLM2, 3 replicas, 12 documents, 60 s
-    flock /tmp/kvboost-bench.lock python bench/bench_router.py --l2 ...   # every daemon on one shared L2
+    flock /tmp/kvboost-bench.lock python bench/bench_router.py --json bench/results/router.json --plot docs/router.png
     flock /tmp/kvboost-bench.lock python bench/bench_router.py --overhead 40   # the router's own cost, 1 replica
     python bench/bench_router.py --model tiny --replicas 2 --documents 4 --warmup 2 --duration 4   # smoke
-    flock /tmp/kvboost-bench.lock python bench/bench_router.py --policies prefix,vllm-kv_aware,vllm-round_robin
-
-A `vllm-POLICY` runs the real vllm-router (PyPI) with that policy instead, over HTTP: each replica gets a gateway
-and publishes its vLLM-format KV events (--kv-events-endpoint), which `vllm-kv_aware` routes by; clients stream
-completions through it. `--overhead-vllm ROUNDS`: TTFT direct to one replica's gateway against through vllm-router.
 """
 from __future__ import annotations
 
@@ -31,7 +22,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -128,28 +119,38 @@ class Clients:
             thread.join(timeout=600)
 
     def _run(self, seed: int) -> None:
-        rng = random.Random(seed)
-        with grpc.insecure_channel(self.address) as channel:
-            stub = inference_pb2_grpc.InferenceServiceStub(channel)
-            turn = 0
+        rng, turn = random.Random(seed), 0
+        with self.connect() as ask:
             while not self.stopping.is_set():
                 index, turn = rng.randrange(len(self.texts)), turn + 1
-                prompt = f"{self.texts[index]}\nQuestion {seed}.{turn}: which sheet names a keeper?\nAnswer:"
                 measured = self.measuring.is_set()
-                started = time.perf_counter()
-                first = result = None
                 try:
-                    for event in stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=self.max_new_tokens),
-                                               timeout=600):
-                        first = first or time.perf_counter()
-                        result = event.result if event.HasField("result") else None
-                except grpc.RpcError:
+                    ttft_ms, prompt_tokens, cached_tokens = ask(
+                        f"{self.texts[index]}\nQuestion {seed}.{turn}: which sheet names a keeper?\nAnswer:")
+                except (grpc.RpcError, RuntimeError):
                     if measured:
                         self.errors += 1
                     continue
-                if measured and self.measuring.is_set() and result is not None:
-                    self.samples.append(Sample((first - started) * 1000, result.prompt_tokens, result.cached_tokens,
-                                               self.cacheable[index]))
+                if measured and self.measuring.is_set():
+                    self.samples.append(Sample(ttft_ms, prompt_tokens, cached_tokens, self.cacheable[index]))
+
+    @contextmanager
+    def connect(self):
+        """ask(prompt) -> (TTFT ms, prompt tokens, cached tokens) of one streamed Generate through the router."""
+        with grpc.insecure_channel(self.address) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+
+            def ask(prompt: str) -> tuple[float, int, int]:
+                started, first, result = time.perf_counter(), None, None
+                for event in stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=self.max_new_tokens),
+                                           timeout=600):
+                    first = first or time.perf_counter()
+                    result = event.result if event.HasField("result") else None
+                if result is None:
+                    raise RuntimeError("the stream ended without a result")
+                return (first - started) * 1000, result.prompt_tokens, result.cached_tokens
+
+            yield ask
 
 
 def start_replicas(stack: ExitStack, workdir: Path, model: str, num_replicas: int, budget: int, chunk_size: int,
@@ -216,25 +217,20 @@ def run_policy(args, policy: str, l2_url: str | None, model: str, texts: list[st
 class HttpClients(Clients):
     """The same questions as streamed HTTP completions (through vllm-router to the replicas' gateways)."""
 
-    def _run(self, seed: int) -> None:
+    @contextmanager
+    def connect(self):
         import httpx
 
-        rng = random.Random(seed)
-        turn = 0
         with httpx.Client(base_url=self.address, timeout=600) as client:
-            while not self.stopping.is_set():
-                index, turn = rng.randrange(len(self.texts)), turn + 1
-                prompt = f"{self.texts[index]}\nQuestion {seed}.{turn}: which sheet names a keeper?\nAnswer:"
-                measured = self.measuring.is_set()
+            def ask(prompt: str) -> tuple[float, int, int]:
                 try:
                     ttft_ms, usage = stream_completion(client, prompt, self.max_new_tokens)
-                except (httpx.HTTPError, RuntimeError):
-                    if measured:
-                        self.errors += 1
-                    continue
-                if measured and self.measuring.is_set():
-                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                    self.samples.append(Sample(ttft_ms, usage["prompt_tokens"], cached, self.cacheable[index]))
+                except httpx.HTTPError as error:
+                    raise RuntimeError(str(error)) from error
+                return ttft_ms, usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens", 0)
+
+            yield ask
 
 
 def stream_completion(client, prompt: str, max_tokens: int) -> tuple[float, dict]:
@@ -284,48 +280,27 @@ def start_vllm_stack(stack: ExitStack, workdir: Path, model: str, num_replicas: 
     return pairs, router, [source.worker_url for source in sources]
 
 
-def measure_vllm_overhead(model: str, text: str, budget: int, chunk_size: int, rounds: int,
-                          workdir: Path) -> tuple[float, float]:
-    """(p50 TTFT direct to the gateway, p50 TTFT through vllm-router) on one replica, as measure_overhead."""
-    import httpx
-
-    with ExitStack() as stack:
-        _, router, (gateway,) = start_vllm_stack(stack, workdir, model, 1, budget, chunk_size, None, "kv_aware")
-        with httpx.Client(base_url=gateway, timeout=600) as direct, \
-                httpx.Client(base_url=router.address, timeout=600) as routed:
-            stream_completion(direct, text, 1)  # the document warmed
-            turn = iter(range(1 << 30))
-            times = harness.alternate({name: lambda client=client: stream_completion(
-                client, f"{text}\nQuestion {next(turn)}: who keeps it?\nAnswer:", 1)[0]
-                for name, client in (("direct", direct), ("routed", routed))}, rounds)
-        return harness.median(times["direct"]), harness.median(times["routed"])
-
-
-def first_token_ms(stub, prompt: str) -> float:
-    started = time.perf_counter()
-    for _ in stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=1), timeout=600):
-        return (time.perf_counter() - started) * 1000
-    raise RuntimeError("Generate ended without an event")
-
-
-def measure_overhead(model: str, text: str, budget: int, chunk_size: int, rounds: int,
-                     workdir: Path) -> tuple[float, float]:
-    """(p50 TTFT direct, p50 TTFT through the router) on one replica: the document warmed, then a new question
-    each round, asked directly and through the router in turn."""
+def measure_overhead(model: str, text: str, budget: int, chunk_size: int, rounds: int, workdir: Path,
+                     vllm: bool = False) -> tuple[float, float]:
+    """(p50 TTFT direct, p50 TTFT through the router) on one replica: the document warmed, then a new question each
+    round, asked directly and through the router in turn; vllm: its gateway and vllm-router over HTTP."""
     from tests.conftest import pick_free_port
     from tests.e2e.router_process import start_router
 
     with ExitStack() as stack:
-        pairs = start_replicas(stack, workdir, model, 1, budget, chunk_size, None)
-        router = start_router(pairs, pick_free_port(), pick_free_port(), workdir / "router.log")
-        stack.callback(router.terminate)
-        with grpc.insecure_channel(pairs[0][0]) as channel, router.stub() as routed:
-            direct = inference_pb2_grpc.InferenceServiceStub(channel)
-            direct.Warm(pb.WarmRequest(text=text), timeout=600)
-            turn = iter(range(1 << 30))
-            times = harness.alternate({name: lambda stub=stub: first_token_ms(
-                stub, f"{text}\nQuestion {next(turn)}: who keeps it?\nAnswer:")
-                for name, stub in (("direct", direct), ("routed", routed))}, rounds)
+        if vllm:
+            _, router, (gateway,) = start_vllm_stack(stack, workdir, model, 1, budget, chunk_size, None, "kv_aware")
+            clients = {"direct": HttpClients(gateway, [], [], 0, 1), "routed": HttpClients(router.address, [], [], 0, 1)}
+        else:
+            pairs = start_replicas(stack, workdir, model, 1, budget, chunk_size, None)
+            router = start_router(pairs, pick_free_port(), pick_free_port(), workdir / "router.log")
+            stack.callback(router.terminate)
+            clients = {"direct": Clients(pairs[0][0], [], [], 0, 1), "routed": Clients(router.address, [], [], 0, 1)}
+        asks = {name: stack.enter_context(client.connect()) for name, client in clients.items()}
+        asks["direct"](text)  # the document warmed
+        turn = iter(range(1 << 30))
+        times = harness.alternate({name: lambda ask=ask: ask(f"{text}\nQuestion {next(turn)}: who keeps it?\nAnswer:")[0]
+                                   for name, ask in asks.items()}, rounds)
         return harness.median(times["direct"]), harness.median(times["routed"])
 
 
@@ -416,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{routed:.1f} ms ({routed - direct:+.1f} ms)")
             return 0
         if args.overhead_vllm:
-            direct, routed = measure_vllm_overhead(model, texts[0], budget, args.chunk_size, args.overhead_vllm,
-                                                   workdir)
+            direct, routed = measure_overhead(model, texts[0], budget, args.chunk_size, args.overhead_vllm, workdir,
+                                              vllm=True)
             print(f"one replica over HTTP, {args.overhead_vllm} rounds: p50 TTFT direct to its gateway {direct:.1f} "
                   f"ms, through vllm-router {routed:.1f} ms ({routed - direct:+.1f} ms)")
             return 0

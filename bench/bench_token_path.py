@@ -1,20 +1,10 @@
 """Where a streamed token's time goes between the step loop and the client's socket, on the running stack.
 
-For each stack (three processes: daemon, service, gateway; or one: `python -m kvboost_server`) and each number of
-concurrent streams, N clients stream chat completions at temperature 0 (ignore_eos, T new tokens each) and:
-
-1. an unprofiled window measures the tokens delivered per second at the clients and the CPU time each process
-   spent (utime + stime from /proc, every thread: MKL's worker threads included), per token delivered;
-2. a second window of the same load runs py-spy (a sampling profiler of Python stacks, from PyPI) on the service
-   and the gateway, and attributes each non-idle sample of their Python threads to a component by the innermost
-   frame that names one: the model step (the decode/prefill ops), sampling and stop checks, detokenization, the
-   step loop's own bookkeeping, the service's streaming hand-off and protobuf messages, the gRPC runtime, the
-   gateway's handlers, JSON/SSE encoding, the HTTP server (uvicorn/starlette), the event loop, thread hand-offs.
-   A component's share of the samples splits the CPU of the process's "python"-named threads (OpenMP's workers,
-   which run the model step's products, included); gRPC's C-core threads are reported by their own names.
-
-Both figures share the machine's cores with the clients (this script's threads, also reported) and, in the second
-window, with py-spy itself: its delivered rate is printed beside the first so the perturbation shows.
+Per stack (`three`: daemon, service, gateway; `one`: `python -m kvboost_server`) and number of streams, N clients
+stream chat completions (temperature 0, ignore_eos): an unprofiled window measures tokens/s at the clients and each
+process's CPU time (every thread, from /proc) per token; a second window runs py-spy on the service and the gateway and
+splits each process's CPU by the component its samples' innermost named frame belongs to (COMPONENTS below). Both
+windows share the cores with the clients and the second with py-spy: its delivered rate is printed beside the first.
 
     flock /tmp/kvboost-bench.lock python bench/bench_token_path.py                      # 1 and 16 streams, both stacks
     python bench/bench_token_path.py --streams 1 --stacks one --tokens 64               # a quick look
@@ -39,7 +29,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import httpx  # noqa: E402
 
-from bench_peers import OneProcessStack, OurStack, Server, at_once  # noqa: E402
+from bench import harness  # noqa: E402
+from bench_peers import OneProcessStack, OurStack, Server  # noqa: E402
 
 # Libraries whose frames say nothing of what their caller does with them: a sample in torch's, transformers' or
 # tokenizers' code counts for the innermost project frame that called it (model step, sampling, detokenizing).
@@ -119,20 +110,13 @@ def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
             text = (task / "stat").read_text()
         except OSError:  # the thread ended meanwhile
             continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        fields = text.rpartition(")")[2].split()
-        threads[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        threads[int(task.name)] = (text[text.index("(") + 1:text.rindex(")")], harness.cpu_seconds(text))
     return threads
 
 
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of the whole process so far (ended threads included), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def snapshot(pid: int) -> tuple[float, dict]:
-    return process_cpu_s(pid), thread_cpu_s(pid)
+    """utime + stime of the whole process so far (ended threads included), and by thread."""
+    return harness.cpu_seconds(Path(f"/proc/{pid}/stat").read_text()), thread_cpu_s(pid)
 
 
 def cpu_by_thread_name(before: tuple[float, dict], after: tuple[float, dict]) -> Counter:
@@ -189,7 +173,7 @@ def load(server: Server, streams: int, tokens: int, processes: dict[str, int], p
                 stdout=subprocess.DEVNULL, stderr=(work_dir / f"{out.stem}.log").open("wb"))))
         time.sleep(1.0)  # py-spy attaches
     before = {name: snapshot(pid) for name, pid in processes.items()}
-    window.wall_s = at_once(client, streams)
+    window.wall_s = harness.at_once(client, streams)[1]
     window.cpu_s = {name: cpu_by_thread_name(before[name], snapshot(pid)) for name, pid in processes.items()}
     window.tokens = sum(results)
     window.decode_rate = sum(decode_rates)
@@ -232,7 +216,7 @@ def grpc_window(address: str, streams: int, tokens: int) -> tuple[float, float]:
         if first is not None and last > first and counts[index] > 1:
             delivered[index] = (counts[index] - 1) / (last - first)
 
-    at_once(client, streams)
+    harness.at_once(client, streams)
     return sum(delivered), sum(rates)
 
 

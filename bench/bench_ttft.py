@@ -1,25 +1,12 @@
-"""TTFT on SmolLM2 (CPU) of a warmed document plus a new question, per path to the cached K/V.
+"""TTFT on SmolLM2 (CPU) of a warmed document plus a new question, per path to the cached K/V, against BASELINE.
 
-Each length's document is warmed once per path (not a whole number of chunks: a user's document ends
-where it ends), then every run asks a question never seen before. Runs are
-interleaved: one BASELINE request, then one cached request per path, so drift hits all alike, and
-every ratio is against the BASELINE medians of the same run. TTFT counts everything from request
-arrival: tokenize, hash, lookup, fetch, decode, assembly, prefill, first token.
-
-Engine rows run the Engine in this process over each store: an in-process dict; the daemon read
-co-located (its LMDB opened read-only here); the daemon's Fetch stream over loopback TCP; the same
-over a unix socket. Service rows send the same requests to a running `python -m inference_service`
-(default mode, as `kvboost generate` does) and time from the client's call to the first streamed
-token; the service's own ttft_ms is reported beside it.
-
-With --tiers, the two cache tiers instead: three daemons on loopback, P (LMDB only), A and B (each its own LMDB,
-both on one redis-server as L2), each read by an Engine as the service does by default (co-located reads). Every
-run: BASELINE; an L1 hit through P and through A (the same warmed document, a new question); then a new document
-warmed through A, A's write-behind queue drained to Redis, and asked through B, whose LMDB never saw it: B's Lookup
-finds it in L2 and the engine reads it once it is in B's LMDB.
+Each length's document (not a whole number of chunks) is warmed once per path; every run asks a new question, paths
+alternating with BASELINE; TTFT from request arrival. Engine rows: the Engine in this process over an in-process store,
+the daemon read co-located, its Fetch stream over TCP and over a unix socket. Service rows: a running `python -m
+inference_service` asked over gRPC (TTFT at the client, the service's own beside it). --tiers: L1 hits through a
+daemon without and with a Redis L2, and L2 hits on a second daemon whose LMDB never saw the document.
 
     python bench/bench_ttft.py                       # 512/1600/3000 tokens, every path, 5 runs
-    python bench/bench_ttft.py --lengths 1600 --no-service
     flock /tmp/kvboost-bench.lock python bench/bench_ttft.py --tiers --lengths 1600 --lookup-timeout 1
 """
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""The daemon at 1e4..1e6 entries (issue #16): Store with eviction, Lookup alone and beside Stores,
-restart, RSS per entry. Run through bench/bench_daemon.py --parts scale --entries 1e4,1e5,1e6.
+"""The daemon at 1e4..1e6 entries: Store with eviction, Lookup alone and beside Stores, restart, RSS per entry.
 
-For each size the LMDB environment is written directly through cache_daemon.store (one write
-transaction per 20k chunks, what a million gRPC Stores would leave behind, in seconds instead of
-an hour); then a real daemon process is started on it with --max-bytes exactly full, so every
-Store of a new 1 KiB chunk evicts one. Before timing, 65,536 chunks are Stored over the wire (in streams of 1024,
-each with its parent key and token ids, as the service stores them), so the events journal holds its full default
-history and the continuation index is in use, as on a daemon that has served a while. All timings are taken from gRPC clients in this process or
-in a child process (the concurrent Stores), never inside the daemon.
+Each size's LMDB environment is written directly through cache_daemon.store, then a daemon process serves it with
+--max-bytes exactly full (every Store of a new 1 KiB chunk evicts one), after 65,536 chunks Stored over the wire (the
+events journal full, the continuation index in use). Timed from gRPC clients, never inside the daemon. Run through
+`bench/bench_daemon.py --parts scale`.
 """
 from __future__ import annotations
 
@@ -127,14 +123,6 @@ def store_forever(address: str, label: str, stop, counter) -> None:
         counter.value = number
 
 
-def rss_anon_bytes(pid: int) -> int:
-    """Anonymous resident memory: the process's own RAM, without LMDB's file-backed map."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc status")
-
-
 def wait_until_loaded(stub) -> None:
     """A Store waits for the index to load: the first one returns once it is there."""
     stub.Store(store_frames(chunk_key("warm-up", 0)))
@@ -177,7 +165,7 @@ def measure(num_entries: int, num_stores: int, num_lookups: int, seed: int, free
                 lookup_during_ms = timed_lookups(stub, num_lookups, seed + 1, num_entries)
                 stop.set()
                 writer.join()
-                rss_per_entry = (rss_anon_bytes(daemon.process.pid) - empty_rss) / num_entries
+                rss_per_entry = (harness.rss_bytes(daemon.process.pid, "RssAnon") - empty_rss) / num_entries
             daemon.kill()  # kill -9: the restart below reads what a crash leaves
             started = time.perf_counter()
             daemon = start_daemon(data_dir, free_port(), *args, tree=tree)
@@ -200,7 +188,7 @@ def empty_daemon_rss(free_port, tree: Path | None = None) -> int:
                 stub = cache_pb2_grpc.CacheServiceStub(channel)
                 stub.Store(store_frames(chunk_key("empty", 0)))
                 stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=[chunk_key("empty", 0)]))
-            return rss_anon_bytes(daemon.process.pid)
+            return harness.rss_bytes(daemon.process.pid, "RssAnon")
         finally:
             daemon.kill()
 

@@ -14,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -115,6 +116,51 @@ def print_ratios(rows: Sequence[Mapping[str, Any]], field: str, keys: Sequence[s
         key = tuple(row[k] for k in keys)
         if row.get("tree") == "now" and key in befores:
             print(f"  {' '.join(map(str, key))} {field}: {ratio(befores[key], row[field])}")
+
+
+def at_once(work: Callable[[int], Any], count: int) -> tuple[list[Any], float]:
+    """work(0) .. work(count - 1) on threads started together: their results in order and the seconds until the last
+    returned. The first exception a thread raised is raised after every thread ended."""
+    results: list[Any] = [None] * count
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(count)
+
+    def one(index: int) -> None:
+        barrier.wait()
+        try:
+            results[index] = work(index)
+        except BaseException as error:  # raised after the join: a failed thread must not look like a result
+            errors.append(error)
+
+    threads = [threading.Thread(target=one, args=(index,)) for index in range(count)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results, time.perf_counter() - started
+
+
+def rss_bytes(pid: int | None, field: str = "VmRSS") -> int | None:
+    """A process's resident memory from /proc: VmRSS (all of it), RssAnon (its heap: what would leak) or RssFile
+    (mapped file pages, such as the daemon LMDB's: the kernel's to drop); None without a pid or the process."""
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def cpu_seconds(stat_text: str) -> float:
+    """utime + stime, in seconds, from the text of /proc/PID/stat or /proc/PID/task/TID/stat."""
+    fields = stat_text.rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def write_json(path: Path | None, payload: Any) -> None:

@@ -1,17 +1,12 @@
-"""Bounded load generator for the KVBoost stack: N concurrent clients for D seconds on loopback, then it stops.
+"""Bounded load generator for the KVBoost stack: N concurrent clients for D seconds on loopback only, then it stops.
 
-Each client loops Generate on a long shared system prompt plus its own question (so the cache is used as in
-production: the prefix hits, the tail is new) until the duration is over. Reported: p50/p99 TTFT (measured by
-the client, first streamed token, and as reported by the server), error count (target 0), RESOURCE_EXHAUSTED
-rejections counted separately (back-pressure, not errors), the daemon's RSS and LMDB size before and after, and
-the daemon's byte budget sampled from its Stats every 0.25 s (never exceeded).
+Each client loops Generate on a long shared system prompt plus its own question. Reported: p50/p99 TTFT (client and
+server), errors (target 0), RESOURCE_EXHAUSTED rejections apart, the daemon's RSS and LMDB size before and after, and
+its byte budget sampled every 0.25 s (never exceeded).
 
     python bench/load.py                                  # starts its own stack (SmolLM2), 16 clients, 60 s
-    python bench/load.py --model tiny --duration 10       # the tiny random Llama (for tests)
-    python bench/load.py --address 127.0.0.1:50051 --daemon-address 127.0.0.1:50052 --daemon-pid PID \\
+    python bench/load.py --address 127.0.0.1:50051 --daemon-address 127.0.0.1:50052 --daemon-pid PID \
         --data-dir ~/.cache/kvboost/cache-daemon          # against a running stack
-
-Loopback only: any other address is refused.
 """
 from __future__ import annotations
 
@@ -91,20 +86,6 @@ def require_loopback(address: str) -> None:
 
 def percentile(values: list[float], fraction: float) -> float:
     return harness.percentile(values, fraction) if values else 0.0
-
-
-def rss_bytes(pid: int | None, field: str = "VmRSS") -> int | None:
-    """A process's resident memory from /proc: VmRSS (all of it), RssAnon (its heap: what would leak) or
-    RssFile (mapped file pages, for the daemon LMDB's pages it read or wrote: the kernel's to drop)."""
-    if pid is None:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def dir_bytes(folder: Path | None) -> int | None:
@@ -201,8 +182,8 @@ def run_load(address: str, clients: int, duration_s: float, max_new_tokens: int 
              request_timeout_s: float = 120.0) -> Report:
     require_loopback(address)
     report = Report(clients=clients, duration_s=duration_s)
-    report.daemon_rss_before_bytes = rss_bytes(daemon_pid)
-    report.daemon_anon_rss_before_bytes = rss_bytes(daemon_pid, "RssAnon")
+    report.daemon_rss_before_bytes = harness.rss_bytes(daemon_pid)
+    report.daemon_anon_rss_before_bytes = harness.rss_bytes(daemon_pid, "RssAnon")
     report.lmdb_bytes_before = dir_bytes(data_dir)
     monitor = None
     if daemon_address:
@@ -240,8 +221,8 @@ def run_load(address: str, clients: int, duration_s: float, max_new_tokens: int 
     report.output_tokens_per_s = report.output_tokens / elapsed if elapsed else 0.0
     report.time_per_output_token_ms_p50 = percentile(
         [value for worker in workers for value in worker.time_per_output_token_ms], 0.5)
-    report.daemon_rss_after_bytes = rss_bytes(daemon_pid)
-    report.daemon_anon_rss_after_bytes = rss_bytes(daemon_pid, "RssAnon")
+    report.daemon_rss_after_bytes = harness.rss_bytes(daemon_pid)
+    report.daemon_anon_rss_after_bytes = harness.rss_bytes(daemon_pid, "RssAnon")
     report.lmdb_bytes_after = dir_bytes(data_dir)
     return report
 

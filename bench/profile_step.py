@@ -1,13 +1,8 @@
-"""Where one decode step's time goes, beside the physical limit: the engine's own step loop (scheduler, executor,
-K/V owner, sampling, streaming) at 1 row with a short and a long context and at 8 and 16 rows, split by
-torch.profiler into weight reads (matrix products), attention, K/V cache upkeep, other tensor ops, dispatch-only
-ops, Python between ops, sampling and streaming, and the loop itself; then (--serving) one stream through the
-service's gRPC server against the engine alone.
+"""Where one decode step's time goes, beside the physical limit: the engine's step loop at --cases, split by
+torch.profiler into weight reads, attention, K/V upkeep, other ops, dispatch-only ops, Python between ops, sampling and
+streaming, and the loop itself; --serving: one stream through the service's gRPC server against the engine alone. The
+limit: the bytes a step reads (the weights once, every row's K/V) over the measured memory bandwidth.
 
-The physical limit of a step is the bytes it must read (every weight once, plus every row's K/V) over this
-machine's memory bandwidth, measured as the median time of a sum over a >= 1 GiB tensor.
-
-    flock /tmp/kvboost-bench.lock python bench/profile_step.py --threads 1                     # SmolLM2, fp32
     flock /tmp/kvboost-bench.lock python bench/profile_step.py --threads 1 --decode-step transformers --serving
     flock /tmp/kvboost-bench.lock python bench/profile_step.py --model tiny --cases 1x20 4x20 --steps 3
 """

@@ -29,7 +29,6 @@ MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBO
 import torch  # noqa: E402
 
 from bench import harness  # noqa: E402
-from bench.plotting import pyplot  # noqa: E402
 from inference_service.kv import codec  # noqa: E402
 from inference_service.store.memory import InMemoryStore# noqa: E402
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams# noqa: E402
@@ -272,7 +271,7 @@ def print_identity(identity: dict) -> None:
 
 
 def write_plot(table: list[dict], path: Path, model_name: str = "SmolLM2-135M") -> None:
-    plt = pyplot()
+    plt = harness.pyplot()
     by_name = {r["column"]: r for r in table}
     blend = sorted((r for r in table if r["ratio"] is not None), key=lambda r: r["ratio"])
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))

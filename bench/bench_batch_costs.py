@@ -21,14 +21,6 @@ MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBO
 from bench import harness  # noqa: E402
 
 
-def load(model_name: str):
-    if model_name == "tiny":
-        from tests.factories import build_tiny_model
-        return build_tiny_model("llama")[0]
-    from tests.factories import load_smollm2
-    return load_smollm2()[0]
-
-
 def median_seconds(run, repeats: int) -> float:
     def timed() -> float:
         started = time.perf_counter()
@@ -60,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load(args.model)
+    model = harness.cpu_model(args.model)[0]
     geometry = kv_geometry(model.config)
     context, question = args.context, args.question_tokens
     generator = torch.Generator().manual_seed(0)

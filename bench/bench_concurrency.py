@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench import harness  # noqa: E402
 from bench.load import SYSTEM_PROMPT, Report, run_load  # noqa: E402
-from bench.plotting import pyplot  # noqa: E402
 
 # label -> the service's own flags (besides model, daemon, port, chunk size and queue).
 CONFIGS = {"one-at-a-time": ("--max-running-requests", "1"), "batched": ()}
@@ -82,7 +81,7 @@ def format_row(scheduler: str, report: Report) -> str:
 
 
 def write_plot(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
+    plt = harness.pyplot()
     figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(10, 4.2))
     for scheduler in dict.fromkeys(row["scheduler"] for row in rows):
         points = [row for row in rows if row["scheduler"] == scheduler]

@@ -26,7 +26,7 @@ from inference_service import mkl_dispatch  # noqa: E402
 MKL_DISPATCH = mkl_dispatch.apply()  # before torch: the service's default (KVBOOST_MKL_DISPATCH=vendor to compare)
 
 from bench import harness  # noqa: E402
-from bench.profile_step import build_engine, parse_case, prompt_of  # noqa: E402
+from bench.profile_step import build_engine, parse_case, start_rows  # noqa: E402
 
 SYSTEMS = [
     "You are a helpful assistant.",
@@ -153,7 +153,7 @@ def time_steps(models: dict, tokenizer, steps: list[str], cases: list[str], roun
     first = next(iter(engines))
     for case in cases:
         num_rows, context = parse_case(case)
-        stops = {label: _start_rows(engine, tokenizer, num_rows, context,
+        stops = {label: start_rows(engine, tokenizer, num_rows, context,
                                     len(thread_counts) * rounds * steps_per_round + 8)
                  for label, engine in built.items()}
         times: dict[str, list[float]] = {label: [] for label in engines}
@@ -222,23 +222,6 @@ def compare_compile(model, context: int, num_steps: int) -> None:
     print(f"\ntorch.compile of the lean step (inductor, static shapes, 1 row over {capacity} columns): first call "
           f"{compile_s:.1f} s; step {fast * 1000:.1f} ms vs {eager * 1000:.1f} ms eager ({eager / fast:.2f}x); logits "
           f"{'bitwise equal' if torch.equal(expected, got) else f'differ by up to {float((expected - got).abs().max()):.2g}'}")
-
-
-def _start_rows(engine, tokenizer, num_rows: int, context: int, num_steps: int) -> threading.Event:
-    """num_rows greedy rows of about `context` prompt tokens, stepped until each decodes; set the event to end them."""
-    from inference_service.engine.engine import GenerationParams
-
-    stop, tokens = threading.Event(), [0] * num_rows
-    prompt = prompt_of(tokenizer, context)
-    for index in range(num_rows):
-        def on_token(event, index=index):
-            tokens[index] += 1
-        engine.submit(GenerationParams(prompt=prompt + f" ({index})", max_new_tokens=num_steps + 16, mode="baseline",
-                                       ignore_eos=True, request_id=f"t{index}"),
-                      on_token, stop.is_set, lambda result, error: None)
-    while min(tokens) < 2:
-        engine.core.step()
-    return stop
 
 
 TIMED = re.compile(r"^ *(\d+) row\(s\) x ~(\d+) tokens, (.+?) *: +([\d.]+) ms per step", re.M)
@@ -315,16 +298,7 @@ def main(argv: list[str] | None = None) -> int:
 
     thread_counts = [threads or torch.get_num_threads() for threads in args.threads]
     torch.set_num_threads(thread_counts[0])
-    if args.model == "tiny":
-        from tests.factories import build_tiny_model
-        model, tokenizer = build_tiny_model("llama")
-    elif args.model == "smollm2":
-        from tests.factories import load_smollm2
-        model, tokenizer, _ = load_smollm2()
-    else:
-        from inference_service.model.loading import load_model
-        loaded = load_model(args.model, device="cpu", dtype="float32")  # refuses an unprepared or unknown name
-        model, tokenizer = loaded.model, loaded.tokenizer
+    model, tokenizer = harness.cpu_model(args.model)
     # nn.Module.to converts in place: each dtype gets its own copy of the float32 model
     models = {dtype: copy.deepcopy(model).to(getattr(torch, dtype)) if dtype != "float32" else model
               for dtype in args.dtypes}

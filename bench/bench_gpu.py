@@ -8,7 +8,7 @@ stream beside in process (the hop), the machine's copy and memory limits, and de
 through the engine beside model.generate (--peer-cb: transformers' continuous batching) and the bandwidth bound.
 
     python bench/bench_gpu.py                              # Llama-3-8B shape, bf16, 256..32k, 3 runs (H200)
-    python bench/bench_gpu.py --shape tiny --device cpu --lengths 300 --runs 1   # a smoke run without a GPU
+    python bench/bench_gpu.py --shape tiny --device cpu --lengths 300 --grpc-length 300 --runs 1   # no GPU: a smoke run
 """
 from __future__ import annotations
 
@@ -134,15 +134,12 @@ def measure_length(length: int, args, model, tokenizer, engines: dict[str, Engin
     prompt = lambda: document + " " + words(QUESTION_WORDS, seed=next(questions), vocab_size=vocab)  # noqa: E731
     samples = harness.alternate({
         "BASELINE": lambda: ask(engines["warmed"], prompt(), mode="baseline"),
-        "plain prefill": lambda: {"ttft_ms": plain_prefill_ms(model, tokenizer, prompt())},
+        "plain prefill": lambda: {"ttft_ms": plain_prefill_ms(model, tokenizer, prompt()), "cached": 0, "prompt": 0,
+                                  "load_bytes": 0, "load_gbps": 0.0},
         **{name: lambda name=name: ask(engines[name], prompt()) for name in ("warmed", *tiers)}}, args.runs)
-    rows = {}
-    baseline = harness.median(s["ttft_ms"] for s in samples["BASELINE"])
-    for name, runs in samples.items():
-        ttft = harness.median(s["ttft_ms"] for s in runs)
-        rows[name] = {"ttft_ms": ttft, "speedup_vs_baseline": baseline / ttft,
-                      **{field: harness.median(s.get(field, 0) for s in runs)
-                         for field in ("cached", "load_gbps", "load_bytes")}}
+    rows = {name: harness.summarize(runs) for name, runs in samples.items()}
+    for row in rows.values():
+        row["speedup_vs_baseline"] = rows["BASELINE"]["ttft_ms"] / row["ttft_ms"]
     rows["warm_s"] = warm_s
     return rows
 

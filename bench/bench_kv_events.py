@@ -35,16 +35,6 @@ def document(tokenizer, num_tokens: int, seed: int) -> str:
     return tokenizer.decode(ids[:num_tokens])
 
 
-def load(model_name: str):
-    """(model, tokenizer): SmolLM2 from the catalogue, or the tests' tiny random llama."""
-    if model_name == "tiny":
-        from tests.factories import build_tiny_model
-        return build_tiny_model("llama")
-    from inference_service.model.loading import load_model
-    loaded = load_model(model_name, device="cpu", dtype="float32", strict=True)
-    return loaded.model, loaded.tokenizer
-
-
 class Subscriber:
     """Receives every batch on a SUB socket, with its arrival time (perf_counter)."""
 
@@ -89,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from inference_service.store.memory import InMemoryStore
     from tests.conftest import pick_free_port
 
-    model, tokenizer = load(args.model)
+    model, tokenizer = harness.cpu_model(args.model)
     engine = Engine(model, tokenizer, EngineConfig(chunk_size=args.chunk_size, l0_bytes=1 << 30,
                                                    kv_cache_bytes=1 << 30), InMemoryStore(), model_id=args.model)
     publisher = start_kv_events(ServiceConfig(kv_events_endpoint=str(pick_free_port())), engine)

@@ -27,21 +27,13 @@ def worker(model_name: str, prompts: int, tokens: int, threads: int) -> dict:
     dispatch = mkl_dispatch.apply()
     import torch
 
+    from bench import harness
     from bench.bench_fast_step import reference_ids, sweep_cases
     from kvboost_keys.prompts import tokenize_messages
 
     if threads:
         torch.set_num_threads(threads)
-    if model_name.startswith("tiny-"):
-        from tests.factories import build_tiny_model
-        model, tokenizer = build_tiny_model(model_name.removeprefix("tiny-"))
-    elif model_name == "smollm2":
-        from tests.factories import load_smollm2
-        model, tokenizer, _ = load_smollm2()
-    else:
-        from inference_service.model.loading import load_model
-        loaded = load_model(model_name, device="cpu", dtype="float32")
-        model, tokenizer = loaded.model, loaded.tokenizer
+    model, tokenizer = harness.cpu_model(model_name)
     outputs, seconds = [], 0.0
     for index, case in enumerate(sweep_cases(prompts)):
         token_ids = tokenize_messages(tokenizer, case)[0]

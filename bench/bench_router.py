@@ -324,9 +324,7 @@ def format_report(reports: list[PolicyReport]) -> str:
 
 
 def write_plot(reports: list[PolicyReport], path: Path) -> None:
-    from bench.plotting import pyplot
-
-    plt = pyplot()
+    plt = harness.pyplot()
     labels = [f"{report.policy}{' +L2' if report.l2 else ''}" for report in reports]
     figure, (ttft_axis, share_axis) = plt.subplots(1, 2, figsize=(11, 4))
     positions = range(len(reports))

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,15 +152,12 @@ def load(server: Server, streams: int, tokens: int, processes: dict[str, int], p
     """streams clients at once, each one streamed chat of `tokens` new tokens; CPU per process over the window,
     and py-spy over the service/gateway processes when profile_rate > 0."""
     window = Window()
-    results = [0] * streams
-    decode_rates = [0.0] * streams
     messages = [[{"role": "user", "content": f"Story {index}: write a long story about a lighthouse keeper."}]
                 for index in range(streams)]
 
-    def client(index: int) -> None:
+    def client(index: int):
         with httpx.Client() as http:
-            reply = server.chat(messages[index], tokens, http, ignore_eos=True)
-            results[index], decode_rates[index] = reply.completion_tokens, reply.decode_tps
+            return server.chat(messages[index], tokens, http, ignore_eos=True)
 
     profilers = []
     if profile_rate:
@@ -173,10 +171,10 @@ def load(server: Server, streams: int, tokens: int, processes: dict[str, int], p
                 stdout=subprocess.DEVNULL, stderr=(work_dir / f"{out.stem}.log").open("wb"))))
         time.sleep(1.0)  # py-spy attaches
     before = {name: snapshot(pid) for name, pid in processes.items()}
-    window.wall_s = harness.at_once(client, streams)[1]
+    replies, window.wall_s = harness.at_once(client, streams)
     window.cpu_s = {name: cpu_by_thread_name(before[name], snapshot(pid)) for name, pid in processes.items()}
-    window.tokens = sum(results)
-    window.decode_rate = sum(decode_rates)
+    window.tokens = sum(reply.completion_tokens for reply in replies)
+    window.decode_rate = sum(reply.decode_tps for reply in replies)
     if not window.tokens:
         raise RuntimeError(f"{server.name}: no tokens came back from {streams} stream(s); see the logs")
     window.main_names = {name: Path(f"/proc/{pid}/comm").read_text().strip() for name, pid in processes.items()}
@@ -198,10 +196,9 @@ def grpc_window(address: str, streams: int, tokens: int) -> tuple[float, float]:
     from kvboost.v1 import inference_pb2 as pb
     from kvboost.v1 import inference_pb2_grpc
 
-    rates, counts, delivered = [0.0] * streams, [0] * streams, [0.0] * streams
-
-    def client(index: int) -> None:
+    def client(index: int) -> tuple[float, float]:
         first = last = None
+        rate = count = 0
         with grpc.insecure_channel(address) as channel:
             request = pb.GenerateRequest(
                 messages=[pb.ChatMessage(role="user", content=f"Story {index}: write a long story about a lighthouse "
@@ -212,12 +209,11 @@ def grpc_window(address: str, streams: int, tokens: int) -> tuple[float, float]:
                     last = time.perf_counter()
                     first = first or last
                 if event.HasField("result"):
-                    rates[index], counts[index] = event.result.tokens_per_sec, event.result.generated_tokens
-        if first is not None and last > first and counts[index] > 1:
-            delivered[index] = (counts[index] - 1) / (last - first)
+                    rate, count = event.result.tokens_per_sec, event.result.generated_tokens
+        return ((count - 1) / (last - first) if first is not None and last > first and count > 1 else 0.0), rate
 
-    harness.at_once(client, streams)
-    return sum(delivered), sum(rates)
+    rates = harness.at_once(client, streams)[0]
+    return sum(delivered for delivered, _ in rates), sum(rate for _, rate in rates)
 
 
 def report(stack: str, streams: int, rounds: list[tuple[tuple[float, float], Window]], profiled: Window) -> None:
@@ -265,33 +261,29 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="kvboost-token-path-"))
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, SmolLM2-135M-Instruct fp32, {os.cpu_count()} "
           f"cores, {args.tokens} tokens a stream, py-spy at {args.rate} Hz; logs in {work_dir}")
-    three = OurStack(work_dir, args.threads).start()
-    try:
-        daemon_address, daemon_pid = three.processes[2].address, three.processes[2].process.pid
+    with ExitStack() as stack:
+        three = OurStack(work_dir, args.threads).start()
+        stack.callback(three.stop)
+        gateway, service, daemon = three.processes
         stacks = {}
         if "three" in args.stacks:
-            stacks["three"] = (three.base_url, three.processes[1].address,
-                               {"service": three.processes[1].process.pid, "gateway": three.processes[0].process.pid})
-        one = OneProcessStack(work_dir, daemon_address).start() if "one" in args.stacks else None
-        if one is not None:
+            stacks["three"] = (three.base_url, service.address,
+                               {"service": service.process.pid, "gateway": gateway.process.pid})
+        if "one" in args.stacks:
+            one = OneProcessStack(work_dir, daemon.address).start()
+            stack.callback(one.stop)
             stacks["one"] = (one.base_url, one.grpc_address, {"server": one.process.pid})
-        try:
-            for streams in args.streams:
-                for name, (base_url, grpc_address, processes) in stacks.items():
-                    server = Server(name, base_url, "SmolLM2-135M-Instruct")
-                    processes = {**processes, "daemon": daemon_pid, "clients": os.getpid()}
-                    load(server, 1, 8, processes, 0, work_dir)  # warm-up
-                    rounds = []
-                    for _ in range(args.rounds):  # gRPC and HTTP alternate
-                        over_grpc = grpc_window(grpc_address, streams, args.tokens)
-                        rounds.append((over_grpc, load(server, streams, args.tokens, processes, 0, work_dir)))
-                    profiled = load(server, streams, args.tokens, processes, args.rate, work_dir)
-                    report(name, streams, rounds, profiled)
-        finally:
-            if one is not None:
-                one.stop()
-    finally:
-        three.stop()
+        for streams in args.streams:
+            for name, (base_url, grpc_address, processes) in stacks.items():
+                server = Server(name, base_url, "SmolLM2-135M-Instruct")
+                processes = {**processes, "daemon": daemon.process.pid, "clients": os.getpid()}
+                load(server, 1, 8, processes, 0, work_dir)  # warm-up
+                rounds = []
+                for _ in range(args.rounds):  # gRPC and HTTP alternate
+                    over_grpc = grpc_window(grpc_address, streams, args.tokens)
+                    rounds.append((over_grpc, load(server, streams, args.tokens, processes, 0, work_dir)))
+                profiled = load(server, streams, args.tokens, processes, args.rate, work_dir)
+                report(name, streams, rounds, profiled)
     return 0
 
 

@@ -30,7 +30,6 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from bench import harness  # noqa: E402
-from bench.plotting import pyplot  # noqa: E402
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
 from inference_service.model.loading import load_model  # noqa: E402
 from inference_service.model.weights import DEFAULT_MODEL  # noqa: E402
@@ -246,7 +245,7 @@ def measure_tiers(paths: dict[str, EnginePath], stub_a, context: str, runs: int)
 
 
 def write_plot(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
+    plt = harness.pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for name in dict.fromkeys(r["path"] for r in rows):
         points = [r for r in rows if r["path"] == name]

@@ -19,7 +19,6 @@ import grpc
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
 from bench import harness
-from bench.plotting import pyplot
 from cache_daemon.entry import Entry
 from cache_daemon.store import LmdbStore
 from tests.e2e.daemon_process import start_daemon
@@ -209,7 +208,7 @@ def table(points: list[ScalePoint], labels: list[str]) -> str:
 
 
 def plot(points: list[ScalePoint], path: Path) -> None:
-    plt = pyplot()
+    plt = harness.pyplot()
     sizes = [p.num_entries for p in points]
     figure, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     panels = [

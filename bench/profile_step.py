@@ -158,21 +158,10 @@ def run_case(engine, tokenizer, num_rows: int, context: int, num_steps: int):
     """(median wall ms of a decode-only step, profiled Split, prompt tokens) for num_rows rows of ~context tokens."""
     import torch
     from inference_service.engine.executor import Executor
-    from inference_service.engine.engine import GenerationParams
     from inference_service.kv_memory.slot_buffers import SlotBuffers
     from inference_service.model.step_runner import StepRunner
 
-    core, stop = engine.core, threading.Event()
-    tokens = [0] * num_rows
-    prompt = prompt_of(tokenizer, context)
-    for index in range(num_rows):
-        def on_token(event, index=index):
-            tokens[index] += 1
-        engine.submit(GenerationParams(prompt=prompt + f" ({index})", max_new_tokens=4 * num_steps + 64,
-                                       mode="baseline", ignore_eos=True, request_id=f"p{index}"),
-                      on_token, stop.is_set, lambda result, error: None)
-    while min(tokens) < 3:  # every row prefilled and decoding
-        core.step()
+    core, stop = engine.core, start_rows(engine, tokenizer, num_rows, context, 4 * num_steps + 48)
     prompt_tokens = max(seq.prompt.num_tokens for seq in core.executor.sequences.values())
     times = []
     for _ in range(num_steps):
@@ -194,6 +183,24 @@ def run_case(engine, tokenizer, num_rows: int, context: int, num_steps: int):
     while core.has_work():
         core.step()
     return harness.median(times) * 1000, split_step(profile.events(), num_steps), prompt_tokens
+
+
+def start_rows(engine, tokenizer, num_rows: int, context: int, num_steps: int) -> threading.Event:
+    """num_rows greedy rows of about `context` prompt tokens, stepped until each decodes (room for num_steps more
+    steps); set the event to end them."""
+    from inference_service.engine.engine import GenerationParams
+
+    stop, tokens = threading.Event(), [0] * num_rows
+    prompt = prompt_of(tokenizer, context)
+    for index in range(num_rows):
+        def on_token(event, index=index):
+            tokens[index] += 1
+        engine.submit(GenerationParams(prompt=prompt + f" ({index})", max_new_tokens=num_steps + 16, mode="baseline",
+                                       ignore_eos=True, request_id=f"r{index}"),
+                      on_token, stop.is_set, lambda result, error: None)
+    while min(tokens) < 3:  # every row prefilled and decoding
+        engine.core.step()
+    return stop
 
 
 def _in_scope(scope: str, work, *args):
@@ -269,12 +276,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model == "tiny":
-        from tests.factories import build_tiny_model
-        model, tokenizer = build_tiny_model("llama")
-    else:
-        from tests.factories import load_smollm2
-        model, tokenizer, _ = load_smollm2()
+    model, tokenizer = harness.cpu_model(args.model)
     model = model.to(getattr(torch, args.dtype))
     bandwidth = median_bandwidth(args.bandwidth_gib, 7)
     weights = weight_bytes(model)

@@ -31,11 +31,40 @@ from cache_daemon.tenancy import Tenancy, Tenant, current_tenant, load_tenants_f
 from kvboost_common.auth import BearerTokenInterceptor, TokenTableInterceptor, load_token
 from kvboost_common.addresses import is_unix
 from kvboost_common.binding import bind
+from kvboost_common.handlers import replace_behavior
 from kvboost_common.undecodable import UndecodableRequestInterceptor
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
+# The calls a stop waits for (counted by method name): the cache's own, not a health watch or a reflection stream.
+CACHE_METHODS = frozenset(method.name for method in cache_pb2.DESCRIPTOR.services_by_name["CacheService"].methods)
+SHUTTING_DOWN = "daemon is shutting down, retry on another replica"
+_HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+_DRAIN_POLL_S = 0.02
+
+
+class ShutdownGate(grpc.aio.ServerInterceptor):
+    """The outermost interceptor: once closed, every new call but a health check is refused with UNAVAILABLE before
+    any handler runs. The daemon closes it on SIGTERM and stops the server only after the calls in flight are done,
+    so a new call meets this refusal, which clients retry elsewhere; gRPC's own stop answers a call that races it
+    with CANCELLED."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or not self.closed or details.method.startswith(_HEALTH_METHOD_PREFIX):
+            return handler
+        return replace_behavior(handler, lambda behavior: _refuse_shutting_down)
+
+
+async def _refuse_shutting_down(request, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
 
 
 def grpc_options(config: DaemonConfig) -> list[tuple[str, int]]:
@@ -88,13 +117,13 @@ def share_budgets(tenants_by_token: dict[str, Tenant] | None) -> dict[str, int]:
 
 def build_server(config: DaemonConfig, cache: ChunkCache, health_servicer: health.aio.HealthServicer,
                  refusals: Refusals | None = None, tenants_by_token: dict[str, Tenant] | None = None,
-                 executors: DaemonExecutors | None = None,
-                 in_flight: CallsInFlight | None = None) -> tuple[grpc.aio.Server, int, Tenancy | None]:
+                 executors: DaemonExecutors | None = None, in_flight: CallsInFlight | None = None,
+                 gate: ShutdownGate | None = None) -> tuple[grpc.aio.Server, int, Tenancy | None]:
     """The server with every service registered, bound to config.listen (port 0 picks a free
     port); returns it with the bound port and the tenancy (None without --tenants-file). Not started.
-    tenants_by_token: the tenants file's contents, read here when not given."""
+    tenants_by_token: the tenants file's contents, read here when not given. gate: refuses new calls once closed."""
     refusals = refusals or Refusals()
-    interceptors: list[grpc.aio.ServerInterceptor] = [RequestContextInterceptor(in_flight)]
+    interceptors: list[grpc.aio.ServerInterceptor] = [gate or ShutdownGate(), RequestContextInterceptor(in_flight)]
     tenancy = None
     count_unauthenticated = lambda: refusals.count("unauthenticated")  # noqa: E731
     if config.auth_token_file is not None:
@@ -119,9 +148,10 @@ class CacheDaemon:
 
     def __init__(self, config: DaemonConfig, cache: ChunkCache, server: grpc.aio.Server, port: int,
                  health_servicer: health.aio.HealthServicer, executors: DaemonExecutors,
-                 in_flight: CallsInFlight) -> None:
+                 in_flight: CallsInFlight, gate: ShutdownGate) -> None:
         self.config = config
         self.in_flight = in_flight  # what the interceptor counts
+        self.gate = gate
         self.executors = executors
         self.cache = cache
         self.server = server
@@ -151,16 +181,17 @@ class CacheDaemon:
         refusals = Refusals()
         in_flight = CallsInFlight()
         executors = DaemonExecutors()
+        gate = ShutdownGate()
         try:
             server, port, tenancy = build_server(config, cache, health_servicer, refusals, tenants_by_token, executors,
-                                                 in_flight)
+                                                 in_flight, gate)
         except (RuntimeError, OSError, ValueError, StartupError) as error:
             cache.close()
             executors.shutdown()
             if isinstance(error, StartupError):
                 raise
             raise StartupError(f"cannot serve on {config.listen}: {error}") from error
-        daemon = cls(config, cache, server, port, health_servicer, executors, in_flight)
+        daemon = cls(config, cache, server, port, health_servicer, executors, in_flight, gate)
         await server.start()
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port:
@@ -179,11 +210,16 @@ class CacheDaemon:
         return daemon
 
     async def stop(self) -> None:
-        """Stop accepting, end the event watches (they never finish by themselves), let in-flight RPCs
-        finish, flush frequencies, sync and close LMDB."""
+        """Refuse new calls with UNAVAILABLE (health checks answer NOT_SERVING), end the event watches (they never
+        finish by themselves), let in-flight calls finish within --shutdown-grace, stop the server, flush
+        frequencies, sync and close LMDB."""
+        self.gate.close()
         await self._health.enter_graceful_shutdown()
         self.cache.events.close()
-        await self.server.stop(self.config.shutdown_grace_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.shutdown_grace_s
+        await self._drain(deadline)
+        await self.server.stop(max(deadline - loop.time(), 0.0))
         for task in (self._flusher, self._heap_trimmer):
             if task is not None:
                 task.cancel()
@@ -194,6 +230,15 @@ class CacheDaemon:
         await asyncio.to_thread(self.executors.shutdown)
         await asyncio.to_thread(self.cache.close)
         logger.info("stopped; frequencies flushed and LMDB synced")
+
+    async def _drain(self, deadline: float) -> None:
+        """Returns when no cache call is in flight or at deadline (loop time); the server keeps listening, so a
+        new call is refused by the gate rather than by the transport."""
+        loop = asyncio.get_running_loop()
+        # Polled: the count is the interceptor's thread-safe counter, with nothing to await; a signal on every
+        # call's exit would cost each call, the poll costs only the stop.
+        while CACHE_METHODS & self.in_flight.snapshot().keys() and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(_DRAIN_POLL_S)
 
 
 async def _flush_periodically(cache: ChunkCache, interval_s: float) -> None:

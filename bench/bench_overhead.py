@@ -309,8 +309,7 @@ def print_tokenizer(tokenizer, args) -> None:
     tokenizer's own apply_chat_template, alternating, medians (ms)."""
     from kvboost_keys.token_cache import TokenCache
 
-    print("| tokens | apply_chat_template ms | cache, new document ms | ratio | cache, repeated ms |")
-    print("|---|---|---|---|---|")
+    rows = []
     for length in args.lengths:
         doc = document(tokenizer, length, seed=length)
         own, new, repeated = [], [], []
@@ -331,28 +330,22 @@ def print_tokenizer(tokenizer, args) -> None:
             own.append((middle - start) * 1e3)
             new.append((end - middle) * 1e3)
         own_ms, new_ms = harness.median(own), harness.median(new)
-        print(f"| {len(expected)} | {own_ms:.2f} | {new_ms:.2f} | {new_ms / own_ms:.2f}x | "
-              f"{harness.median(repeated):.2f} |")
+        rows.append({"tokens": len(expected), "own": own_ms, "new": new_ms, "ratio": f"{new_ms / own_ms:.2f}x",
+                     "repeated": harness.median(repeated)})
+    print(harness.table(rows, ["tokens", ("own", "apply_chat_template ms"), ("new", "cache, new document ms"), "ratio",
+                               ("repeated", "cache, repeated ms")]))
 
 
 def print_rows(rows: list[dict], args) -> None:
     if not rows:
         return
-    print(f"# bench_overhead: negligible model (random, hidden 64, 2 layers, SmolLM2 tokenizer + template), "
-          f"{args.rounds} rounds, medians, device {args.device}")
-    print("| part | tree | source | tokens | cached | TTFT ms | tokenize | keys | lookup | placement | host | rest |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        stages = [f"{row[s]:.2f}" if s in row else "" for s in (*STAGES, "host")]
-        rest = f"{row['ttft_ms'] - row['host']:.2f}" if "host" in row else ""
-        print(f"| {row['part']} | {row['tree']} | {row['source']} | {row.get('prompt_tokens', row['length'])} | "
-              f"{row.get('cached_tokens', '')} | {row['ttft_ms']:.1f} | " + " | ".join(stages) + f" | {rest} |")
-    befores = {(r["part"], r["source"], r["length"]): r["ttft_ms"] for r in rows if r["tree"] == "before"}
-    for row in rows:
-        key = (row["part"], row["source"], row["length"])
-        if row["tree"] == "now" and key in befores:
-            print(f"  {row['part']} {row['source']} {row['length']}: before {befores[key]:.1f} ms -> now "
-                  f"{row['ttft_ms']:.1f} ms ({befores[key] / row['ttft_ms']:.2f}x)")
+    shown = [{**row, "tokens": row.get("prompt_tokens", row["length"]),
+              **({"rest": row["ttft_ms"] - row["host"]} if "host" in row else {})} for row in rows]
+    harness.print_table(f"bench_overhead: negligible model (random, hidden 64, 2 layers, SmolLM2 tokenizer + "
+                        f"template), {args.rounds} rounds, medians, device {args.device}", shown,
+                        ["part", "tree", "source", "tokens", ("cached_tokens", "cached"), ("ttft_ms", "TTFT ms"),
+                         *STAGES, "host", "rest"])
+    harness.print_ratios(rows, "ttft_ms", ("part", "source", "length"))
 
 
 def main(argv=None) -> None:

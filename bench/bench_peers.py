@@ -313,10 +313,8 @@ def print_report(results: dict) -> None:
             f"{name} {row['decode_tps']:.1f}" for name, row in results["decode"].items())
         print(line + ratio(results["decode"], "decode_tps"))
     if "clients" in results:
-        print(f"\n{'clients':>7} {'server':<13} {'output tok/s':>12} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11}")
-        for row in results["clients"].values():
-            print(f"{row['clients']:>7} {row['server']:<13} {row['output_tps']:>12.1f} {row['ttft_p50_ms']:>11.0f} "
-                  f"{row['ttft_p99_ms']:>11.0f}")
+        print("\n" + harness.table(list(results["clients"].values()), ["clients", "server", ("output_tps", "output tok/s"),
+                                    ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms")], digits=1))
     for workload, key in (("followups", "second"), ("chat", None)):
         if workload not in results:
             continue

@@ -121,6 +121,32 @@ def test_bos_post_processor_config_tokens_and_template_environment_match_auto_to
         loaded.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
 
+def save_llama_class_tokenizer(folder) -> None:
+    """A model-specific class (LlamaTokenizer: Metaspace pieces, byte fallback, BOS from its post-processor) over a tiny
+    vocabulary, with the rich template: AutoTokenizer rebuilds this class from the saved files."""
+    import string
+
+    from transformers import LlamaTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for symbol in ["▁", *string.ascii_letters, *string.digits, *string.punctuation, " ", "\n", "\t"]:
+        vocab.setdefault(symbol, len(vocab))
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [("▁", "t"), ("▁t", "h"), ("e", "r")]
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    tokenizer = LlamaTokenizer(vocab=vocab, merges=merges)
+    tokenizer.chat_template = RICH_TEMPLATE
+    tokenizer.save_pretrained(folder)
+
+
+def test_a_model_specific_tokenizer_class_tokenizes_as_auto_tokenizer(tmp_path):
+    save_llama_class_tokenizer(tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "LlamaTokenizer"
+    assert_tokenizes_as_auto_tokenizer(tmp_path)
+
+
 def test_a_config_option_that_rewrites_the_backend_loads_through_transformers(tmp_path):
     build_byte_tokenizer().save_pretrained(tmp_path)
     config_path = tmp_path / "tokenizer_config.json"

@@ -7,10 +7,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
-
-import redis
-from redis.cluster import ClusterNode, RedisCluster
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
 from cache_daemon.l2.address import L2Address
@@ -19,9 +16,21 @@ from cache_daemon.l2.tls import L2TlsFiles
 from cache_daemon.store import decode_entry, encode_entry
 from kvboost_common.checksum import crc32
 
+if TYPE_CHECKING:
+    import redis
+    from redis.cluster import RedisCluster
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _redis():
+    """redis-py, imported when a tier first connects: a daemon without --l2 never loads it (~0.1 s of its start)."""
+    import redis
+    import redis.cluster
+
+    return redis
 
 # Key layout (binary keys; the 32-byte digests are the daemon's stored keys, tenant-scoped already):
 CHUNK_PREFIX = b"kvb:chunk:"  # + key -> record (below)
@@ -118,11 +127,12 @@ class RedisTier:
                        socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s)
         if self.address.tls:
             options.update(self._tls_files.redis_options())
+        redis_py = _redis()
         if self.address.cluster:
-            nodes = [ClusterNode(host, port) for host, port in self.address.nodes]
-            return RedisCluster(startup_nodes=nodes, cluster_error_retry_attempts=3, **options)
+            nodes = [redis_py.cluster.ClusterNode(host, port) for host, port in self.address.nodes]
+            return redis_py.cluster.RedisCluster(startup_nodes=nodes, cluster_error_retry_attempts=3, **options)
         (host, port), = self.address.nodes
-        return redis.Redis(host=host, port=port, db=self.address.db, **options)
+        return redis_py.Redis(host=host, port=port, db=self.address.db, **options)
 
     def _call(self, operation: Callable[[redis.Redis | RedisCluster], T]) -> T:
         with self._lock:
@@ -137,7 +147,7 @@ class RedisTier:
                 with self._lock:
                     self._client = client
             result = operation(client)
-        except (redis.RedisError, OSError) as error:
+        except (_redis().RedisError, OSError) as error:
             self._mark_failed(error)
             raise L2Unavailable(f"L2 {self.address.redacted()}: {error}") from error
         finally:
@@ -155,7 +165,7 @@ class RedisTier:
             self.degraded = True
             self.num_errors += 1
             self._retry_at = self._clock() + self._retry_interval_s
-            if isinstance(self._client, RedisCluster) and first:
+            if isinstance(self._client, _redis().cluster.RedisCluster) and first:
                 self._client = None  # start again from the seed nodes: the slot map may be stale
         if first:  # once per outage, not once per request
             logger.warning("L2 %s failed (%s): serving from LMDB alone, retrying every %.1f s",
@@ -280,7 +290,7 @@ def _written_with_wait(client: redis.Redis | RedisCluster, commands: Sequence[tu
                        timeout_s: float) -> int:
     """Runs the commands node by node, each batch followed by WAIT on the same connection (WAIT counts
     the replicas holding what *that* connection wrote); returns the fewest replicas any node reached."""
-    if isinstance(client, RedisCluster):
+    if isinstance(client, _redis().cluster.RedisCluster):
         by_node: dict[str, tuple[redis.Redis, list[tuple]]] = {}
         for command in commands:
             node = client.get_node_from_key(command[1])

@@ -11,7 +11,6 @@ p50/p99 TTFT, p50 time per output token, errors, the daemon's budget and RSS; a 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -152,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     mib = (lambda value: "n/a" if value is None else f"{value / (1 << 20):.1f} MiB")
     print("daemon RSS " + ", ".join(f"{RSS_FIELDS[field]} {mib(rss_start[field])} -> {mib(rss_end[field])}"
                                     for field in RSS_FIELDS))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "concurrency.json").write_text(json.dumps(rows, indent=2))
+    harness.write_json(args.out / "concurrency.json", rows)
     write_plot(rows, args.out / "concurrency.png")
     print(f"wrote {args.out / 'concurrency.png'} and concurrency.json")
     return 1 if failed else 0

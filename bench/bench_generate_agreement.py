@@ -8,7 +8,6 @@ equal to generate's at the same position and the prompts answered identically. -
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.gpu_model import log  # noqa: E402
 from bench.rag_dataset import build_documents, build_questions, chat_segments  # noqa: E402
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
@@ -86,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{label}: {path_name:8s} {equal[path_name]}/{total} greedy tokens equal to model.generate's "
             f"({equal[path_name] / total:.4f}); {identical[path_name]}/{len(prompts)} prompts identical")
     log(f"cached tokens per cached answer: {num_cached / len(prompts):.0f}; {time.perf_counter() - started:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "equal": equal,
-                                         "identical": identical, "total_tokens": total, "prompts": len(prompts)}))
+    harness.write_json(args.json, {"args": vars(args), "equal": equal, "identical": identical, "total_tokens": total,
+                                   "prompts": len(prompts)})
     return 0
 
 

@@ -423,9 +423,7 @@ def main(argv: list[str] | None = None) -> int | None:
                                (args.json.parent if args.json else Path(".")) / f"profile_{max(args.lengths)}.txt")
         results["stats"] = {name: {k: v for k, v in engine.stats().items() if isinstance(v, (int, float))}
                             for name, engine in engines.items()}
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
-        log(f"wrote {args.json}")
+    harness.write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,7 @@ from bench import harness  # noqa: E402
 from cache_daemon.entry import ChunkKey, IncomingChunk  # noqa: E402
 from cache_daemon.l2.record_auth import load_keyring  # noqa: E402
 from cache_daemon.l2.redis_tier import CHUNK_PREFIX, encode_record  # noqa: E402
-from tests.conftest import pick_free_port  # noqa: E402
 from tests.daemon_support import NAMESPACE, cache_stub, digest, shared_l2_key_file  # noqa: E402
-from tests.e2e.daemon_process import start_daemon  # noqa: E402
 from tests.e2e.memory_load import memory_heavy_load  # noqa: E402
 from tests.redis_support import redis_node  # noqa: E402
 
@@ -41,8 +39,7 @@ def measure(folder: Path, rounds: int, num_keys: int, value_bytes: int, load: in
     blob = os.urandom(value_bytes)
     timings: dict[str, list[float]] = {"lookup": [], "mget": []}
     with redis_node(folder / "redis") as node, ExitStack() as stack:
-        daemon = start_daemon(folder / "lmdb", pick_free_port(), "--l2", node.url)
-        stack.callback(daemon.terminate)
+        daemon = harness.start_daemon(stack, folder, "--l2", node.url)
         client = stack.enter_context(redis_py.Redis(host="127.0.0.1", port=node.port))
         stub = stack.enter_context(cache_stub(daemon.address))
         stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=[digest("warm-up")]), timeout=10)

@@ -147,12 +147,9 @@ def replay_stages(engine, params) -> dict:
 
 def start_server(stack: ExitStack, tree: Path, model: str, work: Path, label: str, device: str) -> tuple[str, str]:
     """(HTTP base URL, gRPC address) of `python -m kvboost_server` of that tree, beside a daemon of its own."""
-    from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
     from tests.e2e.one_process import start_one_process
 
-    daemon = start_daemon(work / f"lmdb-{label}", pick_free_port(), tree=tree)
-    stack.callback(daemon.terminate)
+    daemon = harness.start_daemon(stack, work, name=f"lmdb-{label}", tree=tree)
     server, grpc_address = start_one_process(model, daemon.address, work / f"server-{label}.log", device=device,
                                              tree=tree, timeout_s=180)
     stack.callback(server.terminate)
@@ -219,15 +216,11 @@ def run(args) -> list[dict]:
 
 
 def run_in_process(stack: ExitStack, trees: dict, model: str, work: Path, args) -> list[dict]:
-    from tests.conftest import pick_free_port
-    from tests.e2e.daemon_process import start_daemon
-
     samples: dict[tuple, list[dict]] = {}
     for l0 in args.l0:
         workers = {}
         for label, tree in trees.items():
-            daemon = start_daemon(work / f"lmdb-ip-{label}-{l0}", pick_free_port(), tree=tree)
-            stack.callback(daemon.terminate)
+            daemon = harness.start_daemon(stack, work, name=f"lmdb-ip-{label}-{l0}", tree=tree)
             worker = harness.TreeWorker(Path(__file__).resolve(), tree, [
                 "--model", model, "--daemon", daemon.address, "--device", args.device, "--l0", l0,
                 "--lengths", *map(str, args.lengths)], work / f"worker-{label}.log")

@@ -12,7 +12,6 @@ daemon without and with a Redis L2, and L2 hits on a second daemon whose LMDB ne
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -341,9 +340,8 @@ def main(argv: list[str] | None = None) -> None:
         f"~{QUESTION_TOKENS}-token question per run", rows,
         ["path", ("prompt_tokens", "prompt"), ("cached_tokens", "cached"), ("median_ms", "TTFT ms"),
          ("server_median_ms", "server ms"), ("x_baseline", "x BASELINE"), ("x_in_process", "/ in-proc")], digits=1)
-    args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"ttft-{stamp}.json").write_text(json.dumps(rows, indent=2))
+    harness.write_json(args.out / f"ttft-{stamp}.json", rows)
     write_plot(rows, args.out / f"ttft-{stamp}.png")
     print(f"\nwrote {args.out}/ttft-{stamp}.json and .png")
 

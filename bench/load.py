@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import ipaddress
-import json
 import os
 import statistics
 import sys
@@ -284,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run_load(address, args.clients, args.duration, args.max_new_tokens, daemon_address, daemon_pid,
                           data_dir)
     print(format_report(report), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(asdict(report), indent=2))
+    harness.write_json(args.json, asdict(report))
     return 0 if report.errors == 0 and not report.budget_exceeded else 1
 
 

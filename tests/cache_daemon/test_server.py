@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -128,3 +130,10 @@ def test_a_call_still_in_flight_at_the_end_of_the_grace_does_not_hold_the_stop(t
         finally:
             held.release()
         assert "reply" not in held.outcome, "a call cut off by the stop was acknowledged"
+
+
+def test_a_daemon_without_l2_loads_no_redis_client():
+    # redis-py is a tenth of the daemon's start-up; it is imported when an L2 tier first connects.
+    probe = "import sys, cache_daemon.__main__\nprint(sorted({name.split('.')[0] for name in sys.modules} & {'redis'}))\n"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"

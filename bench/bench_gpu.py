@@ -237,68 +237,6 @@ def measure_decode(model, tokenizer, engine: Engine, tokens: int, clients: int, 
             "model_generate_tps": hf_tps}
 
 
-def profile_asks(engines: dict[str, Engine], document: str, vocab: int, path: Path) -> None:
-    """torch.profiler over one ask from L0 and one from the daemon: where a warmed TTFT goes, kernels and host ops."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    sections = []
-    for seed, name in enumerate(("from L0", "warmed")):
-        prompt = lambda seed=seed: document + " " + words(QUESTION_WORDS, seed=990 + 2 * seed + len(sections),
-                                                         vocab_size=vocab)
-        with profile(activities=activities) as profiler:
-            row = ask(engines[name], prompt())
-        table = profiler.key_averages().table(sort_by="self_cuda_time_total" if len(activities) > 1 else
-                                              "self_cpu_time_total", row_limit=15, max_name_column_width=60)
-        sections.append(f"== {name}: TTFT {row['ttft_ms']:.1f} ms, {row['load_bytes'] / 1e6:.0f} MB at "
-                        f"{row['load_gbps']:.1f} GB/s; kernels (torch.profiler)\n{table}")
-        sections.append(f"== {name}: host time by function, every thread (yappi, wall clock)\n{host_profile(engines[name], prompt())}")
-    path.write_text("\n".join(sections))
-    log(f"profile written to {path}")
-
-
-def profile_decode(engine: Engine, vocab: int, clients: int, path: Path) -> None:
-    """Where a decode step's time goes: kernels of one stream's steps, host time of a batch of `clients` rows."""
-    from torch.profiler import ProfilerActivity, profile
-
-    params = lambda seed, tokens: GenerationParams(prompt=words(200, seed=seed, vocab_size=vocab), max_new_tokens=tokens,
-                                                   ignore_eos=True, mode="baseline")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-        engine.generate(params(77, 16))
-    table = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60)
-    batch = [params(700 + i, 16) for i in range(clients)]
-    with open(path, "a") as out:
-        out.write(f"\n== decode, one stream, 16 tokens: kernels\n{table}\n")
-        out.write(f"== decode, {clients} rows x 16 tokens: host time by function\n"
-                  f"{host_profile(engine, None, rows=45, call=lambda: engine.generate_many(batch))}\n")
-
-
-def host_profile(engine: Engine, prompt: str | None, rows: int = 40, call=None) -> str:
-    """Wall time per function over every thread (the step loop's too) while one ask runs; needs yappi (optional:
-    bench/pack_gpu_wheels.sh packs it)."""
-    try:
-        import yappi
-    except ImportError:
-        return "(yappi is not installed)"
-    yappi.set_clock_type("wall")
-    yappi.clear_stats()
-    yappi.start(builtins=False, profile_threads=True)
-    call() if call is not None else ask(engine, prompt)
-    yappi.stop()
-    stats = yappi.get_func_stats()
-    stats.sort("ttot", "desc")
-    lines = []
-    for entry in stats[: rows * 3]:
-        where = entry.module.replace(str(ROOT) + "/", "")
-        if "threading.py" in where or "queue.py" in where:
-            continue
-        lines.append(f"{entry.ttot * 1000:9.2f} ms total {entry.tsub * 1000:9.2f} ms own {entry.ncall:7d} calls  "
-                     f"{entry.name} ({where.split('site-packages/')[-1]}:{entry.lineno})")
-        if len(lines) == rows:
-            break
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -314,8 +252,6 @@ def main(argv: list[str] | None = None) -> int | None:
                         "engines (built first, with the numbers they need)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode measurement (0: skip)")
     parser.add_argument("--clients", type=int, default=16, help="rows decoding at once in the batched measurement")
-    parser.add_argument("--profile", action="store_true", help="profile one ask from L0 and one from the daemon at "
-                        "the longest length (tables beside --json, or in the working directory)")
     parser.add_argument("--peer-cb", action="store_true", help="also time transformers' continuous batching "
                         "(model.generate_batch) on the batched decode's prompts")
     parser.add_argument("--compile", action="store_true", help="only bench_compile_step.py: torch.compile of the "
@@ -405,11 +341,6 @@ def main(argv: list[str] | None = None) -> int | None:
                 rows["stages"] = measure_stages(length, args, model, engines)
         if args.grpc_length:
             results["grpc"] = measure_grpc_hop(args.grpc_length, args, model, engines["from L0"], store)
-        if args.profile:
-            longest_length = max(args.lengths)
-            document = words(longest_length - QUESTION_WORDS, seed=longest_length, vocab_size=model.config.vocab_size)
-            profile_asks(engines, document, model.config.vocab_size,
-                         (args.json.parent if args.json else Path(".")) / f"profile_{longest_length}.txt")
         if args.decode_tokens:
             log("decode")
             decode = measure_decode(model, tokenizer, engines["decode"], args.decode_tokens, args.clients, args.peer_cb)
@@ -418,9 +349,6 @@ def main(argv: list[str] | None = None) -> int | None:
                 decode["bound_tps"] = results["limits"]["device_copy_gbps"] * 1e9 / weight_bytes
             results["decode"] = decode
             log(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in decode.items()}))
-            if args.profile:
-                profile_decode(engines["decode"], model.config.vocab_size, args.clients,
-                               (args.json.parent if args.json else Path(".")) / f"profile_{max(args.lengths)}.txt")
         results["stats"] = {name: {k: v for k, v in engine.stats().items() if isinstance(v, (int, float))}
                             for name, engine in engines.items()}
     harness.write_json(args.json, results)

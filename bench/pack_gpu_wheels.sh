@@ -13,7 +13,6 @@ wanted=(
   "$(pin grpcio)" "$(pin grpcio-health-checking)" "$(pin grpcio-reflection)" "$(pin protobuf)"
   "$(pin lmdb)" "$(pin isal)" "$(pin redis)" "$(pin transformers)"
   "$(pin pyzmq)" "$(pin msgpack)"  # --kv-events-endpoint (the kv-events extra)
-  yappi==1.7.6  # bench_gpu.py --profile: host time per function on every thread (optional; not a dependency)
 )
 platforms=()
 for n in 17 24 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done

@@ -1,39 +1,44 @@
-"""The lean step's fused layout: each layer's q|k|v and gate|up weights joined into one matrix, in file-backed pages.
+"""The decode weights in one huge-page arena: every weight the lean step reads, with each layer's q|k|v and gate|up
+joined into one matrix, copied into one anonymous mapping that asks the kernel for transparent huge pages.
 
-One product for q, k and v (and one for gate and up) is three (two) fewer ops and OpenMP regions per layer, and
-MKL reduces each output column of a product alike whatever its width (the start-up probe checks it bitwise). The
-joined matrices live in one mapped temporary file, not in anonymous memory: the kernel keeps a file's pages in
-physically contiguous runs, which the CPU's TLB covers with fewer entries, and a one-row product reads weights at
-the rate their pages allow (docs/performance.md, "Joined weights"). The model's own linears are re-pointed to views
-of the joined matrices, so the weights are held once.
+A one-row decode step streams all of the model's weights once per token, and on a CPU its speed is the rate those
+reads reach. Read through 4 KiB pages, every 4 KiB costs a TLB entry, and how much the page walks cost depends on the
+host: on this machine the same 538 MB of one-row products took 25 ms from 2 MiB pages and 35-77 ms from 4 KiB ones
+(a safetensors file's page cache or a plain copy), run after run (docs/performance.md, "Decode weights in huge
+pages"). So the lean step places them once, at start-up: a private anonymous mapping, `madvise(MADV_HUGEPAGE)`
+before the first write (the kernel's `transparent_hugepage` setting is `madvise` or `always` on most hosts; under
+`never` the arena is ordinary memory and nothing else changes). The model's own parameters are re-pointed to views
+of the arena, so the weights are held once and the prefill forward reads the same bytes.
+
+Joined, one product for q, k and v (and one for gate and up) is three (two) fewer ops and OpenMP regions per layer,
+and MKL reduces each output column of a product alike whatever its width (the start-up probe checks it bitwise).
 """
 from __future__ import annotations
 
 import logging
 import mmap
-import tempfile
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 _GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
-_ALIGN = 64  # bytes: each joined tensor starts on a cache line of the file
+_SINGLES = (("self_attn", "o_proj"), ("mlp", "down_proj"))
+_ALIGN = 64  # bytes: each placed tensor starts on a cache line, as torch's own allocator places them
+_PLACED = "_kvboost_weights_placed"
 
 
 def fused_projections(layers) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor | None]]] | None:
     """Each layer's weights and biases as [q|k|v], o, [gate|up], down; None where a layer's q/k/v or gate/up biases
-    are not all present or all absent. The first call joins them (re-pointing the model's linears to views); a
-    later call on the same model finds them joined and returns views of the same memory."""
+    are not all present or all absent. Where the model's weights are not placed yet (place_weights), the q|k|v
+    and gate|up groups are joined into an arena of their own; a later call finds them joined and returns views."""
     groups = [[[getattr(getattr(layer, room), name) for name in names] for room, names in _GROUPS] for layer in layers]
     if any(len({linear.bias is None for linear in linears}) > 1 for layer in groups for linears in layer):
         return None
-    parts = [[[getattr(linear, kind) for linear in linears] for linears in layer for kind in ("weight", "bias")
-              if getattr(linears[0], kind) is not None] for layer in groups]
-    if not all(_adjacent(tensors) for layer in parts for tensors in layer):
-        _join([tensors for layer in parts for tensors in layer],
-              [(linears, kind) for layer in groups for linears in layer for kind in ("weight", "bias")
-               if getattr(linears[0], kind) is not None])
+    blocks = [[(linear, kind) for linear in linears] for layer in groups for linears in layer
+              for kind in ("weight", "bias") if getattr(linears[0], kind) is not None]
+    if not all(_adjacent([getattr(owner, kind) for owner, kind in block]) for block in blocks):
+        _place(blocks)
     weights, biases = [], []
     for layer, (qkv, gate_up) in zip(layers, groups):
         joined = [[_joined_view([getattr(linear, kind) for linear in linears]) if getattr(linears[0], kind) is not None
@@ -42,6 +47,50 @@ def fused_projections(layers) -> tuple[list[list[torch.Tensor]], list[list[torch
         weights.append([joined[0][0], out.weight.detach(), joined[0][1], down.weight.detach()])
         biases.append([joined[1][0], _detached(out.bias), joined[1][1], _detached(down.bias)])
     return weights, biases
+
+
+def place_weights(model) -> bool:
+    """Copies every weight a Llama-layout decoder's step reads into one huge-page arena and re-points the model's
+    parameters to views of it (tied parameters stay tied): per layer q|k|v (joined where their biases allow),
+    o, gate|up, down and both norms, then the final norm, the embedding and the head. Returns False where the
+    model was placed already (placing twice would only copy again)."""
+    if getattr(model, _PLACED, False):
+        return False
+    decoder = model.model
+    blocks: list[list[tuple[torch.nn.Module, str]]] = []
+    for layer in decoder.layers:
+        for room, names in _GROUPS:
+            linears = [getattr(getattr(layer, room), name) for name in names]
+            for kind in ("weight", "bias"):
+                present = [linear for linear in linears if getattr(linear, kind) is not None]
+                if len(present) == len(linears):
+                    blocks.append([(linear, kind) for linear in linears])  # adjacent: fused_projections joins
+                else:
+                    blocks.extend([(linear, kind)] for linear in present)
+        for room, name in _SINGLES:
+            linear = getattr(getattr(layer, room), name)
+            blocks.extend([(linear, kind)] for kind in ("weight", "bias") if getattr(linear, kind) is not None)
+        blocks.extend([(norm, "weight")] for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+    blocks.append([(decoder.norm, "weight")])
+    blocks.append([(decoder.embed_tokens, "weight")])
+    head = getattr(model, "lm_head", None)
+    if head is not None and head.weight is not decoder.embed_tokens.weight:
+        blocks.append([(head, "weight")])
+        if head.bias is not None:
+            blocks.append([(head, "bias")])
+    _place(blocks, ties=_owners(model))
+    setattr(model, _PLACED, True)
+    return True
+
+
+def _owners(model) -> dict[int, list[tuple[torch.nn.Module, str]]]:
+    """Each parameter (by identity) with every (module, name) that holds it: a tied head and embedding are one."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, parameter in module._parameters.items():
+            if parameter is not None:
+                owners.setdefault(id(parameter), []).append((module, name))
+    return owners
 
 
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -65,39 +114,41 @@ def _joined_view(tensors: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((sum(tensor.shape[0] for tensor in tensors), *first.shape[1:]), first.stride())
 
 
-def _join(groups: list[list[torch.Tensor]], owners: list[tuple[list, str]]) -> None:
-    """Writes each group of tensors, joined, into one temporary file, maps it, and points each owner's linears
-    (owners[i]: (linears, 'weight' or 'bias') of groups[i]) at views of the mapping. Anonymous memory where no
-    temporary file can be written."""
-    sizes = [sum(tensor.numel() * tensor.element_size() for tensor in group) for group in groups]
-    starts = [sum(-(-size // _ALIGN) * _ALIGN for size in sizes[:index]) for index in range(len(sizes))]
+def _place(blocks: list[list[tuple[torch.nn.Module, str]]],
+           ties: dict[int, list[tuple[torch.nn.Module, str]]] | None = None) -> None:
+    """Copies each block's tensors one after the other into one arena (a block's tensors adjacent, each block on a
+    cache line) and points every holder of each tensor at its view: the block's own (module, name) pairs, and
+    through `ties` every other module holding the same parameter."""
+    tensors = [[getattr(owner, kind) for owner, kind in block] for block in blocks]
+    sizes = [sum(tensor.numel() * tensor.element_size() for tensor in block) for block in tensors]
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += -(-size // _ALIGN) * _ALIGN
+    arena = _huge_page_arena(max(total, 1))
+    for block, group, start in zip(blocks, tensors, starts):
+        offset = start
+        for (owner, kind), tensor in zip(block, group):
+            size = tensor.numel() * tensor.element_size()
+            view = arena[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor.detach())
+            holders = (ties or {}).get(id(tensor), [(owner, kind)])
+            parameter = torch.nn.Parameter(view, requires_grad=tensor.requires_grad)
+            for module, name in holders:
+                setattr(module, name, parameter)
+            offset += size
+
+
+def _huge_page_arena(size: int) -> torch.Tensor:
+    """A uint8 tensor over `size` bytes of private anonymous memory that asked for transparent huge pages before
+    any page was touched; ordinary memory where the platform has no such mapping."""
     try:
-        memory = _file_backed(groups, starts, starts[-1] + sizes[-1])
-    except OSError as error:
-        logger.info("joined decode weights in anonymous memory (no temporary file: %s)", error)
-        memory = None
-    for group, start, size, (linears, kind) in zip(groups, starts, sizes, owners):
-        if memory is None:
-            joined = torch.cat([tensor.detach() for tensor in group])
-        else:
-            first = group[0]
-            joined = memory[start : start + size].view(first.dtype).view(-1, *first.shape[1:])
-        row = 0
-        for linear, tensor in zip(linears, group):
-            view = joined[row : row + tensor.shape[0]]
-            setattr(linear, kind, torch.nn.Parameter(view, requires_grad=tensor.requires_grad))
-            row += tensor.shape[0]
-
-
-def _file_backed(groups: list[list[torch.Tensor]], starts: list[int], total: int) -> torch.Tensor:
-    """A uint8 tensor of `total` bytes over a private mapping of an unlinked temporary file holding each group
-    joined at its start (the file is written, then mapped: written pages are the page cache's)."""
-    with tempfile.TemporaryFile(prefix="kvboost-joined-") as file:
-        for group, start in zip(groups, starts):
-            file.seek(start)
-            for tensor in group:
-                file.write(tensor.detach().contiguous().view(torch.uint8).view(-1).numpy().data)
-        file.truncate(max(total, 1))
-        file.flush()
-        mapping = mmap.mmap(file.fileno(), total, access=mmap.ACCESS_COPY)  # writes (none) stay private
-    return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor holds the mapping; the file is unlinked
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (AttributeError, OSError, ValueError) as error:  # no anonymous private mappings here
+        logger.info("decode weights in the allocator's memory (no anonymous mapping: %s)", error)
+        return torch.empty(size, dtype=torch.uint8)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError) as error:  # no MADV_HUGEPAGE on this platform or kernel: 4 KiB pages
+        logger.info("decode weights without huge pages (madvise: %s)", error)
+    return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive

@@ -6,8 +6,9 @@ projection, RMSNorm and the gated MLP. LeanStep runs the embedding and RoPE tabl
 through the one layer loop (model/scripted_layers.py), then the final norm and the head, so at any dtype its
 logits are bitwise the model's own (the start-up probe in model/step_runner.py checks it); what it leaves out is the
 per-call machinery around those ops (output dataclasses, Cache objects, mask preprocessing, kwargs merging, hooks).
-On a CPU it also runs q/k/v and gate/up as one product each (model/joined_weights.py) and makes the mask additive
-once per step instead of in each layer's SDPA: the same bits, fewer ops (the probe checks that too).
+On a CPU it first places the weights it reads in huge pages, runs q/k/v and gate/up as one product each
+(model/joined_weights.py), and makes the mask additive once per step instead of in each layer's SDPA: the same bits,
+fewer ops (the probe checks that too).
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from inference_service.model.batch_forward import has_sliding_layers
-from inference_service.model.joined_weights import fused_projections
-from inference_service.model.scripted_layers import decoder_layers, rms_norm, scripted_decoder_layers
+from inference_service.model.joined_weights import fused_projections, place_weights
+from inference_service.model.scripted_layers import decoder_layers, rms_norm, scripted_decoder_layers, signed_sin
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})  # decoders whose forward LeanStep repeats op for op
 SDPA_IMPLEMENTATIONS = frozenset({"sdpa", "kvboost_sdpa"})  # kvboost_sdpa runs transformers' SDPA for one query
@@ -73,6 +74,8 @@ class LeanStep:
 
     def __init__(self, model, fused: bool | None = None) -> None:
         decoder = model.model
+        if decoder.embed_tokens.weight.device.type == "cpu":
+            place_weights(model)  # every weight the step reads, in huge pages (model/joined_weights.py); once
         config = model.config
         self.head_dim = decoder.layers[0].self_attn.head_dim
         self.num_kv_heads = config.num_key_value_heads
@@ -103,6 +106,8 @@ class LeanStep:
         self.fused = layout is not None
         if layout is not None:
             self.weights, self.biases = layout
+        # what the layer loop multiplies by: each weight transposed, once (views: no bytes copied)
+        self.weights_t = [[weight.t() for weight in row] for row in self.weights]
         # > 0: attention in blocks of this many columns whose result depends on the row alone (the invariant decode
         # step: model/step_runner.py pads its rows to every slot); 0: SDPA, bitwise the model's forward.
         self.attention_block = 0
@@ -120,11 +125,11 @@ class LeanStep:
         if self.scripted and self.attention_block == 0:
             # SDPA turns a boolean mask into this one in each layer: once per step here, the same values
             mask = torch.zeros(mask.shape, dtype=self.embedding.dtype).masked_fill_(mask.logical_not(), float("-inf"))
-        hidden = F.embedding(token_ids, self.embedding)  # [rows, 1, hidden]
-        cos, sin = self.rotary(hidden, positions.view(num_rows, 1))  # [rows, 1, head_dim]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [rows, 1, 1, head_dim], over the heads
-        hidden = self.layers(hidden, keys, values, rows, columns, length, mask, cos, sin, self.weights, self.biases,
-                             self.norms, self.eps, self.scalings, self.head_dim, self.num_kv_heads, self.groups,
-                             positions, self.attention_block)
+        embedded = F.embedding(token_ids, self.embedding)  # [rows, 1, hidden]
+        cos, sin = self.rotary(embedded, positions.view(num_rows, 1))  # [rows, 1, head_dim]
+        cos, sin = cos.unsqueeze(1), signed_sin(sin.unsqueeze(1))  # [rows, 1, 1, head_dim], over the heads
+        hidden = self.layers(embedded.view(num_rows, -1), keys, values, rows, columns, length, mask, cos, sin,
+                             self.weights_t, self.biases, self.norms, self.eps, self.scalings, self.head_dim,
+                             self.num_kv_heads, self.groups, positions, self.attention_block)  # [rows, hidden]
         hidden = rms_norm(hidden, *self.final_norm)
-        return F.linear(hidden, *self.lm_head)[:, -1].float()
+        return F.linear(hidden, *self.lm_head).float()

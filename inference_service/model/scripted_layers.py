@@ -17,17 +17,32 @@ from torch import Tensor
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # transformers' LlamaRMSNorm.forward, op for op (the casts matter at bfloat16 and float16)
+    # transformers' LlamaRMSNorm.forward, op for op (the casts matter at bfloat16 and float16; at float32 they
+    # return x itself, so the loop skips their dispatch)
     dtype = x.dtype
-    x = x.to(torch.float32)
+    if dtype != torch.float32:
+        x = x.to(torch.float32)
     variance = x.pow(2).mean(-1, keepdim=True)
     x = x * torch.rsqrt(variance + eps)
-    return weight * x.to(dtype)
+    if dtype != torch.float32:
+        x = x.to(dtype)
+    return weight * x
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.size(-1) // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def project(x: Tensor, weight_t: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """F.linear(x, weight, bias) for x [rows, in] and weight_t = weight.t() (a view made once): the product
+    aten::linear runs for the decoder's [rows, 1, in] input (mm, or addmm with a bias, over the flattened rows),
+    without linear's and matmul's dispatch, the transpose and the reshapes around it, ~120 times a step."""
+    if bias is None:
+        return torch.mm(x, weight_t)
+    return torch.addmm(bias, x, weight_t)
+
+
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin with its first half negated: transformers' rotate_half(x) * sin ==
+    x[..., swapped halves] * signed_sin(sin), bitwise."""
+    half = sin.size(-1) // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 # Columns per block of the invariant decode step's attention: a fixed split, so a row's reduction order never
@@ -72,14 +87,24 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
                    block: int) -> Tensor:
     """Each layer over one token per row; writes each row's K/V at its column and returns the hidden states.
 
-    hidden: [rows, 1, hidden]; keys, values: [layers, rows, kv_heads, capacity, head_dim]; rows, columns: [rows];
+    hidden: [rows, hidden]; keys, values: [layers, rows, kv_heads, capacity, head_dim]; rows, columns: [rows];
     mask: [rows, 1, 1, length], bool (True where a row may attend) or additive (0 / -inf); cos, sin: [rows, 1, 1,
-    head_dim]. weights[i], biases[i]: layer i's q, k, v, o, gate, up, down, or (joined, model/joined_weights.py)
-    q|k|v, o, gate|up, down; norms[i], eps[i]: its input and post-attention norms. block > 0: attention is
-    blockwise_attention in blocks of that many columns up to `length` (mask unused; positions [rows] instead), the
-    invariant decode step's; 0: transformers' SDPA, bitwise the model's forward."""
+    head_dim], sin with its first half negated (rotate_half's sign, moved onto sin: -(a*b) == (-a)*b == a*(-b) in
+    IEEE arithmetic, so the products are the same bits). weights[i]: layer i's q, k, v, o, gate, up, down, or
+    (joined, model/joined_weights.py) q|k|v, o, gate|up, down, each transposed ([in, out] views); biases[i]: theirs;
+    norms[i], eps[i]: its input and post-attention norms. block > 0: attention is blockwise_attention in blocks of
+    that many columns up to `length` (mask unused; positions [rows] instead), the invariant decode step's; 0:
+    transformers' SDPA, bitwise the model's forward."""
     num_rows = hidden.size(0)
     num_heads = num_kv_heads * groups
+    half = head_dim // 2
+    # rotate_half as one gather: the last dimension's halves swapped (the sign is in sin)
+    swap = torch.cat((torch.arange(half, head_dim, device=hidden.device), torch.arange(0, half, device=hidden.device)))
+    # each row's new K/V lands at (row, head, column): one index_copy_ into a [rows * kv_heads * capacity,
+    # head_dim] view of a layer's slots where they are laid out contiguously (the same bytes as indexing them)
+    capacity = keys.size(3)
+    flat = ((rows.view(-1, 1) * num_kv_heads + torch.arange(num_kv_heads, device=rows.device).view(1, -1))
+            * capacity + columns.view(-1, 1)).view(-1)
     for index in range(len(weights)):
         weight, bias, norm, epsilon = weights[index], biases[index], norms[index], eps[index]
         fused = len(weight) == 4  # [q|k|v], o, [gate|up], down (fuse_projections), else the 7 separate ones
@@ -87,23 +112,24 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
         if fused:
             # one product for q, k and v, one RoPE for q and k: per element the same ops as apart (a row's output
             # columns are reduced alike whatever the product's width: the start-up probe checks it bitwise)
-            qkv = F.linear(x, weight[0], bias[0]).view(num_rows, 1, -1, head_dim).transpose(1, 2)
+            qkv = project(x, weight[0], bias[0]).view(num_rows, -1, 1, head_dim)
             rotated = qkv[:, : num_heads + num_kv_heads]  # [rows, heads + kv_heads, 1, head_dim]
-            rotated = (rotated * cos) + (rotate_half(rotated) * sin)
+            rotated = (rotated * cos) + (rotated.index_select(-1, swap) * sin)
             query, key = rotated[:, :num_heads], rotated[:, num_heads:]
             value = qkv[:, num_heads + num_kv_heads :]
         else:
-            query = F.linear(x, weight[0], bias[0])
-            key = F.linear(x, weight[1], bias[1])
-            value = F.linear(x, weight[2], bias[2])
-            query = query.view(num_rows, 1, -1, head_dim).transpose(1, 2)
-            key = key.view(num_rows, 1, -1, head_dim).transpose(1, 2)
-            value = value.view(num_rows, 1, -1, head_dim).transpose(1, 2)
-            query = (query * cos) + (rotate_half(query) * sin)
-            key = (key * cos) + (rotate_half(key) * sin)
-        layer_keys, layer_values = keys[index], values[index]
-        layer_keys[rows, :, columns] = key[:, :, 0]  # layer_keys: [rows, kv_heads, capacity, head_dim]
-        layer_values[rows, :, columns] = value[:, :, 0]
+            query = project(x, weight[0], bias[0]).view(num_rows, -1, 1, head_dim)
+            key = project(x, weight[1], bias[1]).view(num_rows, -1, 1, head_dim)
+            value = project(x, weight[2], bias[2]).view(num_rows, -1, 1, head_dim)
+            query = (query * cos) + (query.index_select(-1, swap) * sin)
+            key = (key * cos) + (key.index_select(-1, swap) * sin)
+        layer_keys, layer_values = keys[index], values[index]  # [rows, kv_heads, capacity, head_dim]
+        if layer_keys.is_contiguous() and layer_values.is_contiguous():
+            layer_keys.view(-1, head_dim).index_copy_(0, flat, key.reshape(-1, head_dim))
+            layer_values.view(-1, head_dim).index_copy_(0, flat, value.reshape(-1, head_dim))
+        else:
+            layer_keys[rows, :, columns] = key[:, :, 0]
+            layer_values[rows, :, columns] = value[:, :, 0]
         if groups > 1:  # one query token: its heads' groups become the query length (transformers' pack_gqa)
             query = query.reshape(num_rows, num_kv_heads, groups, head_dim)
         if block > 0:
@@ -113,17 +139,18 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
             output = F.scaled_dot_product_attention(query, layer_keys[:, :, :length], layer_values[:, :, :length],
                                                     attn_mask=mask, dropout_p=0.0, is_causal=False,
                                                     scale=scalings[index])
-        output = output.reshape(num_rows, -1, 1, head_dim).transpose(1, 2).contiguous()
+        # one query token: [rows, heads, 1, head_dim] and [rows, 1, heads * head_dim] hold the same elements in
+        # the same order (reshape copies only where SDPA's output is laid out otherwise)
         out, down = (1, 3) if fused else (3, 6)
-        hidden = hidden + F.linear(output.reshape(num_rows, 1, -1).contiguous(), weight[out], bias[out])
+        hidden = hidden + project(output.reshape(num_rows, -1), weight[out], bias[out])
         x = rms_norm(hidden, norm[1], epsilon[1])
         if fused:
-            gate_up = F.linear(x, weight[2], bias[2])  # [rows, 1, 2 * intermediate]
+            gate_up = project(x, weight[2], bias[2])  # [rows, 2 * intermediate]
             gate, up = gate_up.chunk(2, dim=-1)
         else:
-            gate = F.linear(x, weight[4], bias[4])
-            up = F.linear(x, weight[5], bias[5])
-        hidden = hidden + F.linear(F.silu(gate) * up, weight[down], bias[down])
+            gate = project(x, weight[4], bias[4])
+            up = project(x, weight[5], bias[5])
+        hidden = hidden + project(F.silu(gate) * up, weight[down], bias[down])
     return hidden
 
 

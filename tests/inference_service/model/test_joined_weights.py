@@ -1,4 +1,5 @@
-"""q|k|v and gate|up joined for the lean step: the model's linears read views of them, the forward is unchanged."""
+"""The lean step's weights in one huge-page arena, q|k|v and gate|up joined: the model's parameters read views of it,
+the forward is unchanged."""
 from __future__ import annotations
 
 import sys
@@ -51,18 +52,44 @@ def test_the_models_linears_read_the_joined_weights_and_its_forward_is_bitwise_t
     assert again.weights[1][0].data_ptr() == qkv.data_ptr() and torch.equal(again.weights[1][0], qkv)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
-def test_the_joined_weights_live_in_a_mapped_file():
+def _mapping_of(address: int) -> tuple[str, list[str]]:
+    """The /proc/self/smaps header line of the mapping holding address, and its VmFlags."""
+    header, flags, inside = "", [], False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):
+            start, end = (int(bound, 16) for bound in first.split("-"))
+            inside = start <= address < end
+            if inside:
+                header = line
+        elif inside and first == "VmFlags:":
+            flags = line.split()[1:]
+    return header, flags
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.parametrize("tie", [True, False])
+def test_every_weight_the_step_reads_lives_in_one_huge_page_arena(tie):
     model = tiny("llama")
-    step = LeanStep(model)
-    address = step.weights[0][0].data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span, _, _, _, inode, *path = line.split(maxsplit=5)
-        start, end = (int(bound, 16) for bound in span.split("-"))
-        if start <= address < end:
-            assert inode != "0" and path and path[0].endswith("(deleted)"), f"not an unlinked file's pages: {line}"
-            return
-    pytest.fail("the joined weights are in no mapping")
+    if tie:  # SmolLM2's head is its embedding: placed once, and still one parameter
+        model.lm_head.weight = model.model.embed_tokens.weight
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    tokens = torch.tensor([[3, 9, 27, 4, 11, 60]])
+    with torch.inference_mode():
+        before = model(tokens).logits
+    LeanStep(model)
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    headers = {name: _mapping_of(parameter.data_ptr()) for name, parameter in parameters.items()}
+    arena, flags = headers["model.embed_tokens.weight"]
+    assert arena, "the embedding is in no mapping"
+    assert all(header == arena for header, _ in headers.values()), \
+        [name for name, (header, _) in headers.items() if header != arena]
+    span, _, _, _, inode, *_ = arena.split(maxsplit=5)
+    assert inode == "0", f"not anonymous memory: {arena}"
+    assert "hg" in flags, f"huge pages not asked for (madvise): {flags}"
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    with torch.inference_mode():
+        assert torch.equal(model(tokens).logits, before)
 
 
 def test_layers_with_some_qkv_biases_only_keep_the_seven_products():

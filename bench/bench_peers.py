@@ -374,7 +374,7 @@ def agreement(followups: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated among {', '.join(WORKLOADS)}")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of both servers (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per server for decode and clients")

@@ -40,7 +40,7 @@ def project(x: Tensor, weight_t: Tensor, bias: Optional[Tensor]) -> Tensor:
 
 def signed_sin(sin: Tensor) -> Tensor:
     """sin with its first half negated: transformers' rotate_half(x) * sin ==
-    x[..., swapped halves] * signed_sin(sin), bitwise."""
+    roll(x, half) * signed_sin(sin), bitwise."""
     half = sin.size(-1) // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
@@ -97,9 +97,7 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
     transformers' SDPA, bitwise the model's forward."""
     num_rows = hidden.size(0)
     num_heads = num_kv_heads * groups
-    half = head_dim // 2
-    # rotate_half as one gather: the last dimension's halves swapped (the sign is in sin)
-    swap = torch.cat((torch.arange(half, head_dim, device=hidden.device), torch.arange(0, half, device=hidden.device)))
+    half = head_dim // 2  # rotate_half as one roll: the last dimension's halves swapped (the sign is in sin)
     # each row's new K/V lands at (row, head, column): one index_copy_ into a [rows * kv_heads * capacity,
     # head_dim] view of a layer's slots where they are laid out contiguously (the same bytes as indexing them)
     capacity = keys.size(3)
@@ -114,15 +112,15 @@ def decoder_layers(hidden: Tensor, keys: Tensor, values: Tensor, rows: Tensor, c
             # columns are reduced alike whatever the product's width: the start-up probe checks it bitwise)
             qkv = project(x, weight[0], bias[0]).view(num_rows, -1, 1, head_dim)
             rotated = qkv[:, : num_heads + num_kv_heads]  # [rows, heads + kv_heads, 1, head_dim]
-            rotated = (rotated * cos) + (rotated.index_select(-1, swap) * sin)
+            rotated = (rotated * cos) + (torch.roll(rotated, [half], [-1]) * sin)
             query, key = rotated[:, :num_heads], rotated[:, num_heads:]
             value = qkv[:, num_heads + num_kv_heads :]
         else:
             query = project(x, weight[0], bias[0]).view(num_rows, -1, 1, head_dim)
             key = project(x, weight[1], bias[1]).view(num_rows, -1, 1, head_dim)
             value = project(x, weight[2], bias[2]).view(num_rows, -1, 1, head_dim)
-            query = (query * cos) + (query.index_select(-1, swap) * sin)
-            key = (key * cos) + (key.index_select(-1, swap) * sin)
+            query = (query * cos) + (torch.roll(query, [half], [-1]) * sin)
+            key = (key * cos) + (torch.roll(key, [half], [-1]) * sin)
         layer_keys, layer_values = keys[index], values[index]  # [rows, kv_heads, capacity, head_dim]
         if layer_keys.is_contiguous() and layer_values.is_contiguous():
             layer_keys.view(-1, head_dim).index_copy_(0, flat, key.reshape(-1, head_dim))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import weakref
 
 import torch
 
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 _GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 _SINGLES = (("self_attn", "o_proj"), ("mlp", "down_proj"))
 _ALIGN = 64  # bytes: each placed tensor starts on a cache line, as torch's own allocator places them
-_PLACED = "_kvboost_weights_placed"
+_PLACED: weakref.WeakSet = weakref.WeakSet()  # models placed (not an attribute: a deepcopy's weights are not)
 
 
 def fused_projections(layers) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor | None]]] | None:
@@ -54,7 +55,7 @@ def place_weights(model) -> bool:
     parameters to views of it (tied parameters stay tied): per layer q|k|v (joined where their biases allow),
     o, gate|up, down and both norms, then the final norm, the embedding and the head. Returns False where the
     model was placed already (placing twice would only copy again)."""
-    if getattr(model, _PLACED, False):
+    if model in _PLACED:
         return False
     decoder = model.model
     blocks: list[list[tuple[torch.nn.Module, str]]] = []
@@ -79,7 +80,7 @@ def place_weights(model) -> bool:
         if head.bias is not None:
             blocks.append([(head, "bias")])
     _place(blocks, ties=_owners(model))
-    setattr(model, _PLACED, True)
+    _PLACED.add(model)
     return True
 
 

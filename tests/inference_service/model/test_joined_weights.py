@@ -2,6 +2,7 @@
 the forward is unchanged."""
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -98,3 +99,15 @@ def test_layers_with_some_qkv_biases_only_keep_the_seven_products():
     assert fused_projections(model.model.layers) is None
     step = LeanStep(model)
     assert not step.fused and len(step.weights[0]) == 7
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_a_copy_of_a_placed_model_is_placed_in_an_arena_of_its_own():
+    model = tiny("llama")
+    LeanStep(model)
+    twin = copy.deepcopy(model)  # what a benchmark does for a second dtype: its weights are ordinary tensors again
+    LeanStep(twin)
+    weight, copied = model.model.layers[0].mlp.down_proj.weight, twin.model.layers[0].mlp.down_proj.weight
+    assert copied.data_ptr() != weight.data_ptr() and torch.equal(copied, weight)
+    header, flags = _mapping_of(copied.data_ptr())  # (two small arenas side by side may share one mapping)
+    assert header and "hg" in flags, f"the copy's weights are not in a huge-page arena: {header} {flags}"

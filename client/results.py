@@ -182,6 +182,7 @@ class ServiceStats(_FromProto):
     tokenizer_cache_hit_tokens: int = 0
     tokenizer_cache_bytes: int = 0
     step_loop_lookups: int = 0  # Lookups the step loop asked itself (none at submission, or out of date)
+    writebacks_in_flight: int = 0  # write-backs queued or running now (0: everything answered so far is kept)
 
 
 @dataclass(slots=True, frozen=True)

@@ -261,10 +261,10 @@ class Engine:
 
     def stats(self) -> dict:
         """Fields of ServiceStatsReply the engine knows: counters, the scheduler's state, `degraded`."""
-        return {**self.parts.counters.snapshot(), **self.core.stats(),
-                "degraded": bool(getattr(self.store, "degraded", False)),
+        return {**self.parts.counters.snapshot(), **self.core.stats(), "degraded": bool(getattr(self.store, "degraded", False)),
                 "read_mode": getattr(self.store, "read_mode", ""),  # how cached blobs are read (locked map, stream)
-                "stream_fetches": getattr(self.store, "num_stream_fetches", 0),
+                "stream_fetches": getattr(self.store, "num_stream_fetches", 0),  # fetches over Fetch, not the map
+                "writebacks_in_flight": self.parts.writeback.num_in_flight,
                 **token_cache_stats(self.parts.token_cache),
                 **(self.parts.host.snapshot() if self.parts.host is not None else {})}
 

@@ -249,6 +249,12 @@ class WriteBack:
         with self._lock:
             self._pending.discard(future)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Write-backs (and copies of fetched chunks into L0) queued or running now."""
+        with self._lock:
+            return len(self._pending)
+
     def flush(self, timeout: float | None = None) -> None:
         """Waits until every write-back queued so far has finished (or timeout seconds)."""
         with self._lock:

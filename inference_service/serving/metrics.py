@@ -20,6 +20,8 @@ GAUGES = {
     "host_chunks_held": ("kvboost_engine_host_chunks_held", "whole chunks the pinned host tier holds now"),
     "tokenizer_cache_bytes": ("kvboost_engine_tokenizer_cache_bytes",
                               "bytes of token ids the tokenization cache holds now (--tokenizer-cache-bytes)"),
+    "writebacks_in_flight": ("kvboost_engine_writebacks_in_flight",
+                             "write-backs queued or running (L0 and the store taking answered requests' new chunks)"),
 }
 COUNTERS = {
     "requests": ("kvboost_engine_requests", "requests finished"),

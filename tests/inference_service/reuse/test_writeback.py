@@ -1,6 +1,8 @@
 """Write-back picks the quantization group by bits when none is configured."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kvboost_keys.chunking import Chunk
@@ -10,6 +12,7 @@ import pytest
 from inference_service.reuse.writeback import PendingChunks, WriteBack, bounded_batches, encode_pending
 from inference_service.store.protocol import StoreItem, StoreUnavailable
 from inference_service.kv.blobs import group_size_for
+from tests.conftest import wait_for
 
 
 def test_group_size_defaults_by_bits_and_an_explicit_one_wins():
@@ -90,3 +93,27 @@ def test_bounded_batches_send_an_oversized_item_alone():
     sizes = [5, 1, 9, 2, 2, 2]
     items = [StoreItem(bytes([i]) * 32, b"ns", None, 1, b"x" * size) for i, size in enumerate(sizes)]
     assert [[len(item.blob) for item in batch] for batch in bounded_batches(items, 6)] == [[5, 1], [9], [2, 2, 2]]
+
+
+def test_write_backs_in_flight_count_queued_and_running_ones_until_each_ends():
+    release = threading.Event()
+
+    class HeldStore(RecordingStore):
+        def store(self, items) -> int:
+            release.wait(timeout=30)
+            return super().store(items)
+
+    writeback = WriteBack(HeldStore(), 16, lambda chunks, num_bytes: None)
+    ended = threading.Semaphore(0)
+    try:
+        assert writeback.num_in_flight == 0
+        for _ in range(2):  # one running (held in its store call), one queued behind it
+            writeback.submit(many_chunks(1), lambda stored, error: ended.release())
+        assert writeback.num_in_flight == 2
+        release.set()
+        for _ in range(2):
+            assert ended.acquire(timeout=30)
+        wait_for(lambda: writeback.num_in_flight == 0, "both write-backs to leave the count", timeout_s=30)
+    finally:
+        release.set()
+        writeback.close()

@@ -100,7 +100,6 @@ bench: setup model
 	$(PY) bench/bench_accuracy.py
 	$(PY) bench/load.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_ttft.py --tiers --lengths 1600
-	flock /tmp/kvboost-bench.lock $(PY) bench/bench_batch_costs.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_peers.py
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --json bench/results/router.json
 	flock /tmp/kvboost-bench.lock $(PY) bench/bench_router.py --l2 --json bench/results/router-l2.json

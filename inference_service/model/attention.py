@@ -26,7 +26,7 @@ def engine_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         return live_causal_attention(query, key, value, scaling), None
     groups = getattr(module, "num_key_value_groups", 1)
     # One query token (a decode step): transformers already folds the query groups into the batch (pack_gqa),
-    # which the CPU runs faster than grouped SDPA (bench/bench_batch_costs.py).
+    # which the CPU runs faster than grouped SDPA (docs/benchmarks.md, "What a step costs now").
     if (not engine_call or query.device.type != "cpu" or groups == 1 or query.shape[2] == 1
             or kwargs.get("position_bias") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -1,6 +1,5 @@
 """Every RPC of a gRPC service fed messages generated from its descriptors (tests/proto_strategies.py), sent as
-wire bytes so unknown fields reach the server; each reply's status counted. Shared by tests/e2e/test_grpc_fuzz.py
-and bench/bench_gateway_fuzz.py."""
+wire bytes so unknown fields reach the server; each reply's status counted. Used by tests/e2e/test_grpc_fuzz.py."""
 from __future__ import annotations
 
 from collections import Counter

@@ -1,6 +1,6 @@
 """Schemathesis against a running gateway, from its own OpenAPI document: every phase (examples, coverage,
-fuzzing, stateful over the document's links) and every check, with statuses counted. Shared by
-tests/e2e/test_gateway_fuzz.py and bench/bench_gateway_fuzz.py; needs Python >= 3.11 (Schemathesis does)."""
+fuzzing, stateful over the document's links) and every check, with statuses counted. Used by
+tests/e2e/test_gateway_fuzz.py; needs Python >= 3.11 (Schemathesis does)."""
 from __future__ import annotations
 
 import re

@@ -1,7 +1,7 @@
 """The gateway fuzzed from its own OpenAPI document by Schemathesis, on a real stack with the tiny model: every
 phase (examples, coverage, fuzzing, stateful over the document's links), every check, positive and negative
 bodies; no response >= 500, and an ordinary greedy request sent before, beside and after gets the same answer.
-Bytes no schema describes (not JSON, bad UTF-8, NaN) are sent by hand. bench/bench_gateway_fuzz.py is the long run.
+Bytes no schema describes (not JSON, bad UTF-8, NaN) are sent by hand.
 """
 from __future__ import annotations
 

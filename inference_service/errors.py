@@ -37,3 +37,9 @@ class EngineFatal(EngineError):
 
 class RequestCancelled(EngineError):
     """The caller cancelled the request, or its deadline passed, before it produced anything (CANCELLED)."""
+
+
+def is_device_fatal(error: BaseException) -> bool:
+    """A CUDA error poisons the context: nothing on the device can be trusted until the process restarts."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("CUDA error" in text or "device-side assert" in text)

@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 # A request whose prompt chunks this process is still writing back waits (at most this long) for them to land
 # instead of recomputing them: a follow-up sent right after a long first question finds its document.
 HOLD_FOR_WRITE_BACK_S = 10.0
+# Requests that arrive while a step admits and places others join that step (a second round): two prompts cached to
+# their last token, sent together, then share one forward instead of the second waiting a whole step.
+ADMISSION_ROUNDS = 2
 
 
 class EngineCore:
@@ -160,14 +163,17 @@ class EngineCore:
 
     @torch.inference_mode()
     def step(self) -> None:
-        with self._wake:
-            arrived, self._inbox = list(self._inbox), deque()
-        for seq in self._release_held(arrived):
-            self.executor.sequences[seq.seq_id] = seq
-            self.scheduler.add(seq.state)
-        self.owner.collect()
-        for state in self.scheduler.admit():
-            self.executor.start(self.executor.sequences[state.seq_id])
+        for round_ in range(ADMISSION_ROUNDS):
+            with self._wake:
+                arrived, self._inbox = list(self._inbox), deque()
+            if round_ and not arrived:
+                break
+            for seq in self._release_held(arrived):
+                self.executor.sequences[seq.seq_id] = seq
+                self.scheduler.add(seq.state)
+            self.owner.collect()
+            for state in self.scheduler.admit():
+                self.executor.start(self.executor.sequences[state.seq_id])
         self.executor.run(self.scheduler.plan())
         self.num_steps += 1
 

@@ -7,18 +7,19 @@ through its own on_done.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from inference_service.engine import prefill
-from inference_service.engine_parts.generation import RowDecoder, SamplingSettings, step_hints
+from inference_service.engine_parts.generation import RowDecoder, SamplingSettings, step_hints, takes_hint
 from inference_service.engine_parts.planning import answer_chunks
 from inference_service.engine.request import Row, EngineRequest
 from inference_service.engine_parts.types import TokenEvent
 from inference_service.reuse.assembler import AssembledContext
-from inference_service.errors import EngineError, EngineFatal
+from inference_service.errors import EngineError, EngineFatal, is_device_fatal
 from inference_service.model.detokenizer import IncrementalDetokenizer
 from inference_service.model.batch_forward import BatchWorkspace
 from inference_service.model.forward import decode_alone
@@ -65,11 +66,16 @@ class Executor:
             seq = self.sequences.get(seq_id)
             if seq is not None:
                 self._guard(seq, lambda seq=seq, num_tokens=num_tokens: self._run_piece(seq, num_tokens))
+        starting: list[EngineRequest] = []  # prompts cached to their last token: it runs in the decode forward
         for group in plan.groups:
-            self._run_group([self.sequences[seq_id] for seq_id in group if seq_id in self.sequences])
+            seqs = [self.sequences[seq_id] for seq_id in group if seq_id in self.sequences]
+            if self.batched:
+                starting += [seq for seq in seqs if prefill.runs_in_decode_step(seq)]
+                seqs = [seq for seq in seqs if seq not in starting]
+            self._run_group(seqs)
         decoding = [self.sequences[seq_id] for seq_id in plan.decode if seq_id in self.sequences]
-        if decoding:
-            self._decode(decoding)
+        if decoding or starting:
+            self._decode(decoding, starting)
 
     def _place(self, seq: EngineRequest) -> None:
         source = seq.source
@@ -135,7 +141,7 @@ class Executor:
             decoder = RowDecoder(
                 IncrementalDetokenizer(parts.tokenizer, prompt.token_ids, params.stop),
                 SamplingSettings.of(params, choice=index), parts.eos_ids, seq.max_new_tokens, seq.on_token,
-                seq.should_stop, after_first_token=(lambda: self._write_back(seq)) if index == 0 else _nothing,
+                seq.should_stop, after_first_token=(lambda: self._write_back(seq)) if index == 0 else (lambda: None),
                 tokenizer=parts.tokenizer, device=parts.device, index=index,
                 approximate_tokens=seq.context.num_approximate_tokens if seq.approximate else None)
             cache = None
@@ -151,27 +157,40 @@ class Executor:
             if row.decoder.reason:
                 self._finish_row(seq, row)
 
-    def _decode(self, seqs: list[EngineRequest]) -> None:
+    def _decode(self, seqs: list[EngineRequest], starting: list[EngineRequest] = ()) -> None:
+        """A token for every row of `seqs`; in the same forward each of `starting` runs its last prompt token."""
         rows = [(seq, row) for seq in seqs for row in seq.rows]
         try:  # one forward for every row: its failure is each request's
-            logits = self._forward_rows(rows)
+            logits = self._forward_rows(rows, starting)
         except Exception as error:
-            for seq in seqs:
+            for seq in [*seqs, *starting]:
                 self._fail(seq, error)
             return
         # One check for every row: a row whose logits are NaN or +inf fails alone (in its guard, below).
-        hints = step_hints(torch.stack(logits) if isinstance(logits, list) else logits)  # one device -> host copy
+        hints = step_hints(torch.stack(logits) if isinstance(logits, list) else logits[: len(rows)])  # one copy
         for (seq, row), row_logits, hint in zip(rows, logits, hints):
             self._guard(seq, lambda seq=seq, row=row, row_logits=row_logits, hint=hint:
                         self._take(seq, row, row_logits, hint))
+        for seq, first_logits in zip(starting, logits[len(rows):]):  # (a clone: CUDA graphs reuse their output)
+            self._guard(seq, functools.partial(self._prefilled_in_step, seq, first_logits.clone()))
+
+    def _prefilled_in_step(self, seq: EngineRequest, first_logits: torch.Tensor) -> None:
+        prefill.finish(seq, self.owner.views(seq.state.slots[0]), first_logits)
+        self._maybe_prefilled(seq)
 
     @torch.inference_mode()
-    def _forward_rows(self, rows: list[tuple[EngineRequest, Row]]) -> torch.Tensor | list[torch.Tensor]:
+    def _forward_rows(self, rows: list[tuple[EngineRequest, Row]],
+                      starting: list[EngineRequest] = ()) -> torch.Tensor | list[torch.Tensor]:
         if self.batched:
+            buffers = self.owner.buffers
             for _, row in rows:
-                self.owner.buffers.finite_until[row.slot] = max(self.owner.buffers.finite_until[row.slot],
-                                                                row.next_position)
-            return self.runner.decode({row.slot: (row.next_token_id, row.next_position) for _, row in rows})
+                buffers.finite_until[row.slot] = max(buffers.finite_until[row.slot], row.next_position)
+            step = {row.slot: (row.next_token_id, row.next_position) for _, row in rows}
+            for seq in starting:  # its prompt but the last token is in place (placed, copied or prefilled)
+                last = seq.prompt.num_tokens - 1
+                buffers.written(seq.state.slots[0], last)
+                step[seq.state.slots[0]] = (seq.prompt.token_ids[last], last)
+            return self.runner.decode(step)
         return [decode_alone(self.model, row.cache, torch.tensor(row.next_token_id, device=self.model.device),
                              row.next_position) for _, row in rows]
 
@@ -278,19 +297,3 @@ class Executor:
         """Ends every sequence with `error` (after a failure outside any request's work)."""
         for seq in list(self.sequences.values()):
             self._fail(seq, error)
-
-
-def is_device_fatal(error: BaseException) -> bool:
-    """A CUDA error poisons the context: nothing on the device can be trusted until the process restarts."""
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("CUDA error" in text or "device-side assert" in text)
-
-
-def _nothing() -> None:
-    pass
-
-
-def takes_hint(params) -> bool:
-    """Whether a request's first token is the greedy one step_hints finds (RowDecoder.take then uses the hint): a
-    temperature of 0 and no EOS held off before it."""
-    return params.temperature <= 0 and params.min_tokens <= 0

@@ -131,6 +131,15 @@ def run_together(seqs: Seq[EngineRequest], buffers: Seq[Buffers], pad_token_id: 
         finish(seq, slot, row_logits)
 
 
+def runs_in_decode_step(seq: EngineRequest) -> bool:
+    """Whether the prompt's one token left (a prompt cached to its last token) runs as a row of the step's decode
+    forward, beside the decoding rows, instead of a prefill forward of its own: the same one-token forward over the
+    slot (the decode step is bitwise the model's forward, its start-up probe checks it), with no forward of its
+    own. Not for invariant prefill (its pieces are whole chunks), a whole prefill, or a warm-up (no logits)."""
+    return (seq.state.num_computed is not None and seq.state.num_remaining == 1 and not seq.whole
+            and seq.warm is None and not seq.parts.config.invariant_prefill)
+
+
 def finish(seq: EngineRequest, buffers: Buffers, first_logits: torch.Tensor | None) -> None:
     """The whole prompt is in the slot: keeps the first token's logits and names the chunks to store."""
     parts, prompt = seq.parts, seq.prompt

@@ -149,6 +149,12 @@ def step_hints(logits: torch.Tensor) -> list[tuple[bool, int]]:
     return [(not flag, token) for flag, token in zip(flags, best)]
 
 
+def takes_hint(params) -> bool:
+    """Whether a request's first token is the greedy one step_hints finds (RowDecoder.take then uses the hint): a
+    temperature of 0 and no EOS held off before it."""
+    return params.temperature <= 0 and params.min_tokens <= 0
+
+
 def finish_reason(token_id: int, detokenizer: IncrementalDetokenizer, eos_ids: frozenset[int],
                   num_generated: int, max_new_tokens: int, should_stop: Callable[[], bool],
                   stop_token_ids: frozenset[int] = frozenset()) -> str:

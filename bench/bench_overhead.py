@@ -12,6 +12,7 @@ replayed alone: template + tokenize, keys, Lookup, placement; "rest" the TTFT th
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import sys
 import tempfile
@@ -44,6 +45,11 @@ def document(tokenizer, num_tokens: int, seed: int = 0) -> str:
     text = " ".join(sentences)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer.decode(ids[:num_tokens])
+
+
+def questions(again: bool):
+    """Each request's question: a new one (the chat's new turn) or, with --again, the warmed chat itself."""
+    return itertools.repeat(0) if again else itertools.count(1)
 
 
 def messages(doc: str, question: int) -> list[tuple[str, str]]:
@@ -84,7 +90,7 @@ def in_process_worker(args) -> None:
     config = parse_config(flags)
     engine = load_engine(config, make_store(config))
     docs = {length: document(engine.tokenizer, length, seed=length) for length in args.lengths}
-    question = iter(range(1, 1 << 30))
+    question = questions(args.again)
     for length in args.lengths:  # asked once before: its chunks are stored (and in L0 when L0 is on)
         engine.generate(GenerationParams(messages=tuple(messages(docs[length], 0)), max_new_tokens=1))
         engine.flush_writes(60)
@@ -223,7 +229,7 @@ def run_in_process(stack: ExitStack, trees: dict, model: str, work: Path, args) 
             daemon = harness.start_daemon(stack, work, name=f"lmdb-ip-{label}-{l0}", tree=tree)
             worker = harness.TreeWorker(Path(__file__).resolve(), tree, [
                 "--model", model, "--daemon", daemon.address, "--device", args.device, "--l0", l0,
-                "--lengths", *map(str, args.lengths)], work / f"worker-{label}.log")
+                "--lengths", *map(str, args.lengths), *(["--again"] if args.again else [])], work / f"worker-{label}.log")
             stack.callback(worker.close)
             workers[label] = worker
         for length in args.lengths:
@@ -282,7 +288,7 @@ def run_served(stack: ExitStack, trees: dict, model: str, work: Path, tokenizer,
             http_ttft(client, base, messages(docs[length], 0))
     for stub in stubs.values():  # the first answers' write-backs land before any timed request
         wait_for_write_backs(stub)
-    question = iter(range(1, 1 << 30))
+    question = questions(args.again)
     samples: dict[tuple, list[float]] = {}
     for length in args.lengths:
         for turn in range(args.rounds):
@@ -356,6 +362,8 @@ def main(argv=None) -> None:
     parser.add_argument("--l0", nargs="+", default=["auto", "off"], choices=["auto", "off"],
                         help="in process: L0 at its default (auto) and off (every chunk from the daemon)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--again", action="store_true",
+                        help="ask the warmed chat itself again (cached to its last token), not a new question")
     parser.add_argument("--model-dir", type=Path, help="where to keep the negligible model (default: a temp folder)")
     parser.add_argument("--work-dir", type=Path, help="keep the daemons' data and the logs here (default: a temp folder)")
     harness.add_arguments(parser, rounds=None, baseline=True)

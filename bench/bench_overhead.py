@@ -209,7 +209,9 @@ def run(args) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as folder, ExitStack() as stack:
         work = Path(folder) if args.work_dir is None else args.work_dir
         work.mkdir(parents=True, exist_ok=True)
-        model = str(negligible_model(args.model_dir or work / "negligible"))
+        from inference_service.model.weights import prepare_default_model
+
+        model = str(prepare_default_model() if args.smollm2 else negligible_model(args.model_dir or work / "negligible"))
         tokenizer = AutoTokenizer.from_pretrained(model)
         if "tokenizer" in args.parts:
             print_tokenizer(tokenizer, args)
@@ -340,8 +342,9 @@ def print_rows(rows: list[dict], args) -> None:
         return
     shown = [{**row, "tokens": row.get("prompt_tokens", row["length"]),
               **({"rest": row["ttft_ms"] - row["host"]} if "host" in row else {})} for row in rows]
-    harness.print_table(f"bench_overhead: negligible model (random, hidden 64, 2 layers, SmolLM2 tokenizer + "
-                        f"template), {args.rounds} rounds, medians, device {args.device}", shown,
+    model = "SmolLM2-135M-Instruct" if args.smollm2 else "negligible model (random, hidden 64, 2 layers, SmolLM2 tokenizer + template)"
+    harness.print_table(f"bench_overhead: {model}, {'the same chat again' if args.again else 'a new question'}, "
+                        f"{args.rounds} rounds, medians, device {args.device}", shown,
                         ["part", "tree", "source", "tokens", ("cached_tokens", "cached"), ("ttft_ms", "TTFT ms"),
                          *STAGES, "host", "rest"])
     harness.print_ratios(rows, "ttft_ms", ("part", "source", "length"))
@@ -362,6 +365,7 @@ def main(argv=None) -> None:
     parser.add_argument("--l0", nargs="+", default=["auto", "off"], choices=["auto", "off"],
                         help="in process: L0 at its default (auto) and off (every chunk from the daemon)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--smollm2", action="store_true", help="the embedded SmolLM2 instead of the negligible model")
     parser.add_argument("--again", action="store_true",
                         help="ask the warmed chat itself again (cached to its last token), not a new question")
     parser.add_argument("--model-dir", type=Path, help="where to keep the negligible model (default: a temp folder)")

@@ -8,6 +8,7 @@ import uvicorn
 
 from http_gateway.app import build_app
 from http_gateway.config import parse_config
+from kvboost_common.heap import freeze_startup_heap
 
 logger = logging.getLogger("http_gateway")
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logger.info("KVBoost HTTP gateway on %s://%s, inference service %s\n%s", "https" if config.https_cert else "http",
                 config.listen, config.service_addr, config.describe())
+    freeze_startup_heap()
     # uvicorn's access log is off: the gateway logs each request once, with its request id.
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
                 timeout_graceful_shutdown=10, ssl_certfile=config.https_cert or None,

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 from inference_service.serving.config import ServiceConfig, parse_config
 from inference_service.errors import UnsupportedArchitecture
 from kvboost_common.catalogue import CatalogueError
+from kvboost_common.heap import freeze_startup_heap
 from inference_service.serving.kv_events import start_kv_events
 from inference_service.serving.server import build_server
 from inference_service.serving.startup import SHUTDOWN_GRACE_S, WRITE_BACK_FLUSH_S, load_engine, make_store
@@ -72,6 +73,7 @@ async def serve(config: ServiceConfig) -> int:
             engine, status = None, 2
     if engine is not None:
         await server.set_engine(engine)
+        freeze_startup_heap()
         logger.info("model %s loaded: SERVING", config.model)
         await stopping
     logger.info("shutting down")

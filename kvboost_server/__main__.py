@@ -42,6 +42,7 @@ import uvicorn  # noqa: E402
 from http_gateway.app import build_app  # noqa: E402
 from http_gateway.config import GatewayConfig, parse_config as parse_gateway_config  # noqa: E402
 from inference_service.model.threads import confine_to_this_thread  # noqa: E402
+from kvboost_common.heap import freeze_startup_heap  # noqa: E402
 from inference_service.serving.config import ServiceConfig, parse_config as parse_service_config  # noqa: E402
 from inference_service.serving.server import build_server  # noqa: E402
 from inference_service.serving.kv_events import start_kv_events  # noqa: E402
@@ -85,6 +86,7 @@ async def serve(service: ServiceConfig, gateway: GatewayConfig) -> int:
         getattr(store, "close", lambda: None)()
         return 2
     await server.set_engine(engine)
+    freeze_startup_heap()
     app = build_app(gateway, upstream_factory=lambda config: InProcessUpstream(server.servicer, server.health,
                                                                                config.timeout_s))
     http = _HttpServer(uvicorn.Config(app, host=gateway.host, port=gateway.port, log_level=gateway.log_level.lower(),

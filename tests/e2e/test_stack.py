@@ -74,6 +74,8 @@ def test_separate_gateway_runs_three_processes(tmp_path, tiny_model_dir) -> None
     run_dir = tmp_path / "run"
     with running_stack(run_dir, tiny_model_dir, "--separate-gateway") as paths:
         assert {path.name for path in run_dir.iterdir()} >= {"daemon.pid", "service.pid", "gateway.pid"}
+        for name in ("daemon", "service", "gateway"):  # each set its startup heap aside from the collector
+            assert "startup heap frozen" in (run_dir / f"{name}.log").read_text(), name
         assert not (run_dir / "server.pid").exists()
         assert stack_command(paths, "status").returncode == 0
         with KVBoostClient(paths.address, timeout=120) as client:

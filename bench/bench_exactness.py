@@ -87,16 +87,23 @@ def pieces_of(engine: Engine) -> list[int]:
 
 @contextmanager
 def perturbed(model, on: bool):
-    """Doubles layer 0's values in every prefill forward while on (the decode step reads the weights, not the module):
-    a path that must then be reported MISMATCH, its tokens diverging (the check that the comparison can fail)."""
+    """Doubles layer 0's values while on, in every forward of the path (its weights in place, which the decode step
+    reads too, so a prompt cached to its last token is perturbed as well): a path that must then be reported
+    MISMATCH (the check that the comparison can fail). Halved back after: doubling and halving are exact."""
     if not on:
         yield
         return
-    handle = model.model.layers[0].self_attn.v_proj.register_forward_hook(lambda module, inputs, output: output * 2)
+    v_proj = model.model.layers[0].self_attn.v_proj
+    held = [v_proj.weight] + ([v_proj.bias] if v_proj.bias is not None else [])
+    with torch.inference_mode():
+        for tensor in held:
+            tensor.data.mul_(2)
     try:
         yield
     finally:
-        handle.remove()
+        with torch.inference_mode():
+            for tensor in held:
+                tensor.data.div_(2)
 
 
 def ask(engine: Engine, prompt: str, length: int, path: str, piece: int, tokens: int, salt: str,

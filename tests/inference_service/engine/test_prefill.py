@@ -1,6 +1,8 @@
 """A prompt prefilled in budgeted pieces, or beside others in one forward, decodes exactly as plain generate."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from inference_service.engine.engine import Engine, EngineConfig, GenerationParams
@@ -71,14 +73,17 @@ def test_a_prompt_cached_to_its_last_token_runs_it_beside_the_decoding_rows(tiny
         first = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=8))
         engine.flush_writes(30)
         spy = ForwardSpy(engine, monkeypatch)
-        busy: list = []
-        engine.submit(GenerationParams(prompt="keeps a row decoding", max_new_tokens=60), None, lambda: False,
-                      lambda result, error: busy.append(error or result))
+        busy, stop_busy = [], threading.Event()  # a row that decodes (no EOS) until the test stops it
+        engine.submit(GenerationParams(prompt="keeps a row decoding", max_new_tokens=4000, min_tokens=4000), None,
+                      stop_busy.is_set, lambda result, error: busy.append(error or result))
         wait_for(lambda: spy.steps, "the busy request to decode")
         num_prefills = spy.prefills
         again = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=8))
+        assert not busy, "the busy row ended before the cached prompt ran"
+        stop_busy.set()
         wait_for(lambda: busy, "the busy request to end")
     finally:
+        stop_busy.set()
         engine.stop()
     expected = reference_ids(model, tokenize_prompt(tokenizer, prompt)[0], 8)
     assert first.output_token_ids == again.output_token_ids == expected

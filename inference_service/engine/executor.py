@@ -108,8 +108,9 @@ class Executor:
         for seq in seqs:
             self._guard(seq, lambda seq=seq: self._maybe_prefilled(seq))
 
-    def _maybe_prefilled(self, seq: EngineRequest) -> None:
-        """After the last prompt token: the followers take the shared K/V, then the sequence picks its first token."""
+    def _maybe_prefilled(self, seq: EngineRequest, hint: tuple[bool, int] | None = None) -> None:
+        """After the last prompt token: the followers take the shared K/V, then the sequence picks its first token
+        (hint: its first logits' step_hints, when the step that computed them took them already)."""
         if seq.state.num_computed < seq.prompt.num_tokens or seq.ended:
             return
         self.owner.buffers.written(seq.state.slots[0], seq.prompt.num_tokens)
@@ -118,7 +119,7 @@ class Executor:
             self._store_warm(seq)
             return
         self.scheduler.prefilled(seq.seq_id)
-        self._join(seq)
+        self._join(seq, hint)
 
     def _hand_over(self, source: EngineRequest) -> None:
         for follower in source.followers:
@@ -128,7 +129,7 @@ class Executor:
 
     # ---- the first token and decoding ----------------------------------------------------------------
 
-    def _join(self, seq: EngineRequest) -> None:
+    def _join(self, seq: EngineRequest, hint: tuple[bool, int] | None = None) -> None:
         """The sequence picks its first token(s); each of its n completions decodes as a row in its own slot."""
         parts, params, prompt = seq.parts, seq.params, seq.prompt
         if seq.prompt_logprobs and seq.on_token is not None:
@@ -151,7 +152,7 @@ class Executor:
             seq.rows.append(Row(slot, index, decoder, next_position=prompt.num_tokens, cache=cache))
         # One device -> host copy for the first token (its NaN check and greedy choice), as for a decode step's; a
         # sampled first token (or one whose EOS is held off) reads the logits itself, so nothing is computed for it.
-        hint = step_hints(seq.first_logits.view(1, -1))[0] if takes_hint(params) else None
+        hint = (hint or step_hints(seq.first_logits.view(1, -1))[0]) if takes_hint(params) else None
         for row in list(seq.rows):
             row.next_token_id = int(row.decoder.take(seq.first_logits, hint))
             if row.decoder.reason:
@@ -166,17 +167,17 @@ class Executor:
             for seq in [*seqs, *starting]:
                 self._fail(seq, error)
             return
-        # One check for every row: a row whose logits are NaN or +inf fails alone (in its guard, below).
-        hints = step_hints(torch.stack(logits) if isinstance(logits, list) else logits[: len(rows)])  # one copy
+        # One check for every row and first token: a row whose logits are NaN or +inf fails alone (in its guard).
+        hints = step_hints(torch.stack(logits) if isinstance(logits, list) else logits)  # one device -> host copy
         for (seq, row), row_logits, hint in zip(rows, logits, hints):
             self._guard(seq, lambda seq=seq, row=row, row_logits=row_logits, hint=hint:
                         self._take(seq, row, row_logits, hint))
-        for seq, first_logits in zip(starting, logits[len(rows):]):  # (a clone: CUDA graphs reuse their output)
-            self._guard(seq, functools.partial(self._prefilled_in_step, seq, first_logits.clone()))
+        for seq, first_logits, hint in zip(starting, logits[len(rows):], hints[len(rows):]):
+            self._guard(seq, functools.partial(self._prefilled_in_step, seq, first_logits, hint))
 
-    def _prefilled_in_step(self, seq: EngineRequest, first_logits: torch.Tensor) -> None:
-        prefill.finish(seq, self.owner.views(seq.state.slots[0]), first_logits)
-        self._maybe_prefilled(seq)
+    def _prefilled_in_step(self, seq: EngineRequest, first_logits: torch.Tensor, hint: tuple[bool, int]) -> None:
+        prefill.finish(seq, self.owner.views(seq.state.slots[0]), first_logits.clone())  # graphs reuse their output
+        self._maybe_prefilled(seq, hint)
 
     @torch.inference_mode()
     def _forward_rows(self, rows: list[tuple[EngineRequest, Row]],

@@ -255,7 +255,8 @@ def run_in_process(stack: ExitStack, trees: dict, model: str, work: Path, args) 
 
 
 def wait_for_write_backs(stub, timeout_s: float = 120.0) -> None:
-    """Until the service's stored-chunk count is non-zero and unchanged over 0.3 s (its write-backs have landed)."""
+    """Until the service reports no write-back in flight and its stored-chunk count is non-zero and unchanged over
+    0.3 s: a tree older than the `writebacks_in_flight` field reads 0 for it, and the count still tells."""
     from kvboost.v1 import inference_pb2 as pb
 
     from tests.conftest import wait_for
@@ -263,8 +264,9 @@ def wait_for_write_backs(stub, timeout_s: float = 120.0) -> None:
     seen = [-1]
 
     def settled() -> bool:
-        stored = stub.Stats(pb.ServiceStatsRequest(), timeout=30).chunks_stored
-        done, seen[0] = stored > 0 and stored == seen[0], stored
+        stats = stub.Stats(pb.ServiceStatsRequest(), timeout=30)
+        stored = stats.chunks_stored
+        done, seen[0] = stored > 0 and stored == seen[0] and stats.writebacks_in_flight == 0, stored
         return done
 
     wait_for(settled, "the first answers' write-backs", timeout_s=timeout_s, interval_s=0.3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import secrets
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -52,6 +53,11 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self._refusals = refusals
         self._store_limits = store_limits or StoreLimits()
         self._executors = executors or DaemonExecutors()
+        # The delete epoch every Lookup reply carries (LookupReply.delete_epoch_id / delete_count): Delete calls
+        # completed since this start. Read before a Lookup looks anything up, counted after a Delete has removed
+        # its chunks, so a reply's hits were held after every Delete its epoch counts.
+        self._delete_epoch_id = secrets.token_hex(8)
+        self._delete_count = 0
 
     def _caller(self) -> Tenant | None:
         """The calling tenant; None without tenancy (one trusted caller). Fails closed."""
@@ -82,6 +88,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         check_continuation(request.continue_parent, request.continue_tokens, "LookupRequest continue_parent/tokens")
         check_continue_after_run(request.continue_after_run, len(prefix_keys), bool(request.continue_parent))
         space = self._space()
+        deletes_before = self._delete_count
         arguments = (space.scope(request.namespace), space.scope_all(prefix_keys),
                      [space.scope_optional(key) for key in content_keys], space.scope_all(partial_keys))
         result = await self._lookup(arguments)
@@ -90,7 +97,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             prefix_run=result.prefix_run, prefix_hit=result.prefix_hit,
             content_hits=[cache_pb2.ContentHit(index=index, stored_key=space.unscope(key))
                           for index, key in result.content_hits],
-            partial_index=result.partial_index)
+            partial_index=result.partial_index, delete_epoch_id=self._delete_epoch_id, delete_count=deletes_before)
         if request.continue_after_run:  # the second Lookup's question, asked of the run just found
             reply.continued = True
             run = result.prefix_run
@@ -249,13 +256,16 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         space = self._space()
         if request.namespace:
             check_digest(request.namespace, "DeleteRequest.namespace")
-            result: DeleteResult = await self._executors.run(self._executors.store, self._cache.delete_namespace,
-                                                             space.scope(request.namespace))
+            remove = functools.partial(self._cache.delete_namespace, space.scope(request.namespace))
         elif request.keys:
             keys = [ChunkKey(key) for key in space.scope_all(checked_keys(request.keys, "DeleteRequest.keys"))]
-            result = await self._executors.run(self._executors.store, self._cache.delete_keys, keys, request.corrupted)
+            remove = functools.partial(self._cache.delete_keys, keys, request.corrupted)
         else:
             raise InvalidCacheRequest("DeleteRequest needs keys or a namespace")
+        try:
+            result: DeleteResult = await self._executors.run(self._executors.store, remove)
+        finally:  # found or not (NOT_FOUND included): a client tier may still hold what it names
+            self._delete_count += 1
         return cache_pb2.DeleteReply(deleted=result.deleted, bytes_freed=result.bytes_freed)
 
     async def Describe(self, request: cache_pb2.DescribeRequest, context) -> cache_pb2.DescribeReply:

@@ -191,14 +191,15 @@ class EngineConfig:
         None, "L0, the service's own tier: K/V of the chunks this process wrote back (kept before the daemon has "
         "them) or fetched, in its own memory (the GPU's on CUDA). A prefix it holds is copied into the slot in a few "
         "batched copies, without a daemon read, checksum or decoding, and a prompt asked again while its write-back "
-        "is in flight does not wait for it. Evicted leaf first: a chunk leaves after every held chunk that continues "
+        "is in flight does not wait for it. It also answers for chunks the daemon evicted for its budget, as long as "
+        "no Delete reached the daemon since it last confirmed them (the Lookup's delete epoch). Evicted leaf first: a chunk leaves after every held chunk that continues "
         "it, so a prefix is never stranded and a prompt longer than L0 keeps its head (placed from its first chunk as "
         "far as L0 holds it); among leaves, hit frequency decayed with a one-hour half-life, as the daemon's LFU. "
         "`auto`: on CUDA what the device has free after the weights, the reserve and the K/V slots (half of it when "
         "both are auto); on a CPU a quarter of the RAM available at start (six 2k-token SmolLM2 documents, ~566 MB "
         "in fp32, fit on a machine with 3 GiB available). Exact: 16-bit storage only (off at `--kv-cache-bits` 8 and "
         "4, and without `--cache-addr`). Stats and `/metrics`: `l0_chunks_hit`, `l0_bytes_placed`, `l0_bytes_held`; "
-        "`/metrics` also `kvboost_engine_l0_chunks_rejected` and per tier "
+        "`/metrics` also `kvboost_engine_l0_chunks_rejected`, `kvboost_engine_l0_chunks_alone` and per tier "
         "`kvboost_engine_tier_{chunks,bytes,seconds,loads}{tier=\"l0\"|\"daemon_map\"|\"daemon_fetch\"}`. 0 = off",
         _bytes_or_auto, ">= 0 (0 = off) or auto", resolved=AUTO)
     host_tier_bytes: int | None = knob(

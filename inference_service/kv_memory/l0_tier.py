@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_service.kv_memory.l0_eviction import DEFAULT_HALF_LIFE_S, L0Entry, plan_admission, record_hit
-from inference_service.store.protocol import ChunkStore, NullStore
+from inference_service.store.protocol import ChunkStore, DeleteEpoch, NullStore
 from kvboost_common.kv_events.sink import KvEventSink
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ class L0TierStats:
     chunks_added: int = 0
     chunks_evicted: int = 0
     chunks_rejected: int = 0  # not kept: only their own ancestors could have made room (see l0_eviction)
+    chunks_alone: int = 0  # runs extended through chunks the daemon no longer held (see extend_run)
 
 
 class L0Tier:
@@ -35,8 +36,11 @@ class L0Tier:
 
     Exact by construction: an entry holds the K/V the service computed (or decoded) for exactly that key (a prefix
     key commits to every token before it), the values a hit on the daemon's 16-bit blob decodes to; the engine keeps
-    none for quantized storage. The daemon's Lookup decides what hits; a chunk whose write-back is still in flight
-    (pending) may hit on L0 alone. Thread-safe: the write-back threads add and settle, the step loop reads.
+    none for quantized storage. A chunk the daemon's Lookup confirms hits. L0 alone answers for a chunk whose
+    write-back is still in flight (pending), and for one the daemon evicted for its budget but confirmed (or that was
+    added) at the delete epoch the request's Lookup carries: no Delete has reached the daemon since, so a Delete (by
+    keys or namespace) still reaches every request. Thread-safe: the write-back threads add and settle, the step loop
+    reads and confirms.
     """
 
     def __init__(self, max_bytes: int, half_life: float = DEFAULT_HALF_LIFE_S,
@@ -51,6 +55,10 @@ class L0Tier:
         self._kv: dict[bytes, KV] = {}
         self._entries: dict[bytes, L0Entry] = {}  # what eviction weighs, by the same keys as _kv
         self._pending: set[bytes] = set()  # added by a write-back the daemon has not confirmed yet
+        # The newest delete epoch a Lookup carried (None: none seen), and the epoch at which each held chunk was last
+        # confirmed by the daemon or added: the chunks L0 may answer for alone while that epoch is current.
+        self._epoch: DeleteEpoch | None = None
+        self._confirmed: dict[bytes, DeleteEpoch] = {}
         self._lock = threading.Lock()
         # The host tier, when there is one: L0's evicted chunks go there. L0 still counts only its own chunks as held
         # (a chunk whose parent is only in the host tier is an orphan here), so L0 keeps a prefix's head.
@@ -74,6 +82,42 @@ class L0Tier:
         """Held, and its write-back to the daemon has not ended: L0 alone may serve it (the daemon's Lookup
         decides for every other key, so a Delete at the daemon reaches this process too)."""
         return key in self._pending and key in self._kv
+
+    def confirm(self, epoch: DeleteEpoch | None, keys: Sequence[bytes]) -> bool:
+        """A Lookup answered at `epoch` found `keys` at the daemon: L0 may answer for those it holds alone until a
+        Delete moves the epoch on. An epoch older than one seen confirms nothing; one of another daemon start makes
+        every earlier confirmation void. Returns whether `epoch` is the current one (runs may extend at it)."""
+        if epoch is None:
+            return False
+        with self._lock:
+            current = self._epoch
+            if current is None or epoch.id != current.id or epoch.count > current.count:
+                self._epoch = epoch
+            elif epoch.count < current.count:
+                return False
+            for key in keys:
+                if key in self._kv:
+                    self._confirmed[key] = epoch
+        return True
+
+    def serves_alone(self, key: bytes, epoch: DeleteEpoch | None) -> bool:
+        """Whether L0 may place the chunk without the daemon holding it, for a Lookup answered at `epoch`: its
+        write-back is in flight, or it was confirmed (or added) at that epoch and the epoch is still current."""
+        if key not in self._kv:
+            return False
+        return key in self._pending or (epoch is not None and epoch == self._epoch
+                                        and self._confirmed.get(key) == epoch)
+
+    def extend_run(self, keys: Sequence[bytes], run: int, epoch: DeleteEpoch | None) -> int:
+        """The run of `run` leading keys the daemon confirmed, extended through the keys after it L0 serves alone;
+        counts those it serves only by the epoch (the daemon evicted them)."""
+        with self._lock:
+            alone = 0
+            while run < len(keys) and self.serves_alone(keys[run], epoch):
+                alone += keys[run] not in self._pending
+                run += 1
+            self.stats.chunks_alone += alone
+        return run
 
     def settle(self, keys) -> None:
         """Their write-back ended (stored or failed): from now on the daemon's Lookup decides whether they hit."""
@@ -127,6 +171,8 @@ class L0Tier:
                 return False
             evicted = [self._drop(victim) for victim in victims]
             self._kv[key], self._entries[key] = kv, incoming
+            if pending and self._epoch is not None:  # computed here, and stored at the daemon after any Delete so far
+                self._confirmed[key] = self._epoch  # (a fetched chunk waits for a Lookup to confirm it)
             self.bytes_held += size
             self.stats.chunks_added += 1
             if self.listener is not None:
@@ -141,6 +187,7 @@ class L0Tier:
         entry = self._entries.pop(key)
         self.bytes_held -= entry.size_bytes
         self._pending.discard(key)
+        self._confirmed.pop(key, None)
         self.stats.chunks_evicted += 1
         if self.listener is not None:
             self.listener.chunk_removed(key)
@@ -162,7 +209,8 @@ class L0Tier:
         with self._lock:
             return {"l0_chunks_hit": self.stats.chunks_hit, "l0_bytes_placed": self.stats.bytes_placed,
                     "l0_bytes_held": self.bytes_held, "l0_chunks_held": len(self._kv),
-                    "l0_chunks_evicted": self.stats.chunks_evicted, "l0_chunks_rejected": self.stats.chunks_rejected}
+                    "l0_chunks_evicted": self.stats.chunks_evicted, "l0_chunks_rejected": self.stats.chunks_rejected,
+                    "l0_chunks_alone": self.stats.chunks_alone}
 
 
 def l0_tier_for(max_bytes: int, kv_cache_bits: int, store: ChunkStore | None = None) -> L0Tier | None:

@@ -8,8 +8,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from inference_service.store.protocol import (AfterRun, ChunkStore, ContinuationQuery, StoreLookup, StoreTimeout,
-                                             StoreUnavailable)
+from inference_service.store.protocol import (AfterRun, ChunkStore, ContinuationQuery, DeleteEpoch, StoreLookup,
+                                             StoreTimeout, StoreUnavailable)
 from inference_service.kv.blobs import decode_hit, place_hit_
 from inference_service.kv.codec import BlobError, BlobHeader, read_header
 from inference_service.kv.loader import RunLoad, copies_raw, staging_ring
@@ -112,10 +112,12 @@ def assemble_context(
     num_lookups = int(early is None)  # Lookups asked here, on the step loop
     try:
         lookup = early if early is not None else look_up(store, namespace, prompt, with_content_hits)
-        # The run goes on through the chunks L0 holds whose write-back is still in flight (a prefix key names exactly
-        # one K/V, so this is exact); for every other key the daemon's Lookup decides (a Delete there reaches L0).
-        run = _run_with_pending(l0, prompt, lookup.prefix_run)
-        partial, asked_again = _find_partial(store, namespace, prompt, run, l0, lookup)
+        # The run goes on through the chunks L0 serves alone (a prefix key names exactly one K/V, so this is exact):
+        # those whose write-back is still in flight, and those the daemon evicted with no Delete since it last
+        # confirmed them (the delete epoch: a Delete there still reaches L0).
+        epoch = _confirmed_epoch(l0, prompt, lookup)
+        run = lookup.prefix_run if l0 is None else l0.extend_run(prompt.prefix_keys, lookup.prefix_run, epoch)
+        partial, asked_again = _find_partial(store, namespace, prompt, run, l0, lookup, epoch)
         num_lookups += asked_again
     except StoreUnavailable as error:
         logger.warning("cache unavailable, serving without it: %s", error)
@@ -160,17 +162,23 @@ def early_lookup(store: ChunkStore, namespace: bytes, prompt: PromptPlan,
         return LookupFailed(str(error))
 
 
-def _run_with_pending(l0: L0Tier | None, prompt: PromptPlan, run: int) -> int:
-    """The prefix run, extended through the whole chunks right after it whose write-back L0 holds in flight."""
-    while l0 is not None and run < len(prompt.prefix_keys) and l0.is_pending(prompt.prefix_keys[run]):
-        run += 1
-    return run
+def _confirmed_epoch(l0: L0Tier | None, prompt: PromptPlan, lookup: StoreLookup) -> DeleteEpoch | None:
+    """Tells L0 what the Lookup found; the Lookup's delete epoch when it is L0's current one (L0 may then answer
+    alone for what the daemon confirmed at it), else None (an older answer, or a store that keeps no epoch)."""
+    if l0 is None or lookup.delete_epoch is None:
+        return None
+    found = list(prompt.prefix_keys[: lookup.prefix_run])
+    if lookup.partial_key is not None:
+        found.append(lookup.partial_key)
+    return lookup.delete_epoch if l0.confirm(lookup.delete_epoch, found) else None
 
 
 def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: int,
-                  l0: L0Tier | None = None, first: StoreLookup | None = None) -> tuple[PartialHit | None, bool]:
+                  l0: L0Tier | None = None, first: StoreLookup | None = None,
+                  epoch: DeleteEpoch | None = None) -> tuple[PartialHit | None, bool]:
     """The stored chunk that continues a run of `run` whole chunks; first: the run's Lookup, which answered this
-    when it was asked with AfterRun and its run is `run` (else a second Lookup asks); and whether it asked one."""
+    when it was asked with AfterRun and its run is `run` (else a second Lookup asks); and whether it asked one.
+    epoch: the Lookup's delete epoch when L0 may answer alone at it (L0Tier.serves_alone)."""
     start, length = prompt.partial_span(run)
     if length <= 0:
         return None, False
@@ -178,8 +186,9 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
     answered = first is not None and first.continued and first.prefix_run == run
     # The keys of the first n tokens, longest first: only L0 (or a second Lookup) needs them.
     candidates = prompt.partial_candidates(run)[1] if l0 is not None or not answered else []
-    # The longest candidate whose write-back L0 holds in flight (candidates run longest first).
-    in_l0 = next((length - rank for rank, key in enumerate(candidates) if l0 is not None and l0.is_pending(key)), 0)
+    # The longest candidate L0 serves alone (candidates run longest first).
+    in_l0 = next((length - rank for rank, key in enumerate(candidates)
+                  if l0 is not None and l0.serves_alone(key, epoch)), 0)
     if answered:
         exact, exact_key = first.partial_tokens, first.partial_key
         continuation_key, continuation_tokens = first.continuation_key, first.continuation_tokens

@@ -10,7 +10,7 @@ import grpc
 
 from inference_service.store.chunk_frames import iter_store_frames, reassemble_chunks
 from inference_service.store.protocol import (
-    AfterRun, ContinuationQuery, StoreItem, StoreLookup, StoreTimeout, StoreUnavailable,
+    AfterRun, ContinuationQuery, DeleteEpoch, StoreItem, StoreLookup, StoreTimeout, StoreUnavailable,
 )
 from kvboost_common.frames import MAX_FRAME_BYTES
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
@@ -104,7 +104,9 @@ class GrpcChunkStore:
         return StoreLookup(reply.prefix_run, {hit.index: hit.stored_key for hit in reply.content_hits}, partial,
                            reply.continuation_key if found else None, reply.continuation_tokens if found else 0,
                            continued=reply.continued, partial_key=reply.partial_key if partial_found else None,
-                           partial_tokens=reply.partial_tokens if partial_found else 0)
+                           partial_tokens=reply.partial_tokens if partial_found else 0,
+                           delete_epoch=DeleteEpoch(reply.delete_epoch_id, reply.delete_count)
+                           if reply.delete_epoch_id else None)
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
         keys = list(keys)

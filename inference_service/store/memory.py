@@ -5,11 +5,13 @@ row of the TTFT benchmark; the served product uses the daemon (store/grpc_store.
 """
 from __future__ import annotations
 
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from inference_service.store.protocol import AfterRun, ContinuationQuery, StoreItem, StoreLookup, common_prefix
+from inference_service.store.protocol import (AfterRun, ContinuationQuery, DeleteEpoch, StoreItem, StoreLookup,
+                                              common_prefix)
 from kvboost_keys.chunk_keys import partial_prefix_keys
 
 
@@ -32,6 +34,8 @@ class InMemoryStore:
         self._content_index: dict[bytes, bytes] = {}  # content key -> newest prefix key stored with it
         self._children: dict[bytes, dict[bytes, None]] = {}  # parent key -> child keys, in storing order
         self._lock = threading.Lock()
+        self._epoch_id = secrets.token_hex(8)  # the daemon's delete epoch, kept alike (DeleteEpoch)
+        self._deletes = 0
 
     def __len__(self) -> int:
         with self._lock:
@@ -41,6 +45,7 @@ class InMemoryStore:
                partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None,
                after_run: AfterRun | None = None) -> StoreLookup:
         with self._lock:
+            epoch = DeleteEpoch(self._epoch_id, self._deletes)
             run = 0
             while run < len(prefix_keys) and self._holds(namespace, prefix_keys[run]):
                 run += 1
@@ -60,7 +65,7 @@ class InMemoryStore:
                         shared = common_prefix(continuation.token_ids, self._entries[child].token_ids)
                         if shared > best_shared:
                             best_key, best_shared = child, shared
-        return StoreLookup(run, content_hits, partial, best_key, best_shared)
+        return StoreLookup(run, content_hits, partial, best_key, best_shared, delete_epoch=epoch)
 
     def _after_run(self, namespace: bytes, prefix_keys: list[bytes], content_keys: list[bytes] | None, run: int,
                    after_run: AfterRun) -> StoreLookup:
@@ -75,7 +80,8 @@ class InMemoryStore:
         return StoreLookup(found.prefix_run, found.content_hits, None, found.continuation_key,
                            found.continuation_tokens, continued=True,
                            partial_key=None if index is None else candidates[index],
-                           partial_tokens=0 if index is None else len(candidates) - index)
+                           partial_tokens=0 if index is None else len(candidates) - index,
+                           delete_epoch=found.delete_epoch)
 
     def copy(self) -> InMemoryStore:
         """An independent store holding the same entries now (blobs are shared: none is written after store)."""
@@ -121,7 +127,14 @@ class InMemoryStore:
             return entry is not None and entry.pin
 
     def delete(self, keys: list[bytes]) -> None:
-        """Drops entries (tests use it to simulate eviction)."""
+        """Drops entries as the daemon's Delete does: the delete epoch moves on."""
+        with self._lock:
+            for key in keys:
+                self._entries.pop(key, None)
+            self._deletes += 1
+
+    def evict(self, keys: list[bytes]) -> None:
+        """Drops entries as the daemon's budget does: the delete epoch stays."""
         with self._lock:
             for key in keys:
                 self._entries.pop(key, None)

@@ -19,6 +19,15 @@ class StoreTimeout(StoreUnavailable):
     transfer gave before stays good, the rest is computed (the request is not degraded)."""
 
 
+@dataclass(slots=True, frozen=True, order=True)
+class DeleteEpoch:
+    """Delete calls a store had completed when it answered a Lookup (count), within one start of that store (id):
+    while the epoch is unchanged, nothing a Lookup confirmed then has been deleted since (eviction does not count)."""
+
+    id: str
+    count: int
+
+
 @dataclass(slots=True, frozen=True)
 class StoreLookup:
     prefix_run: int  # how many leading prefix keys hit, in order
@@ -33,6 +42,7 @@ class StoreLookup:
     continued: bool = False
     partial_key: bytes | None = None
     partial_tokens: int = 0
+    delete_epoch: DeleteEpoch | None = None  # None: a store that keeps none (an older daemon)
 
     def __post_init__(self) -> None:
         assert self.prefix_run >= 0, f"prefix_run must be >= 0, got {self.prefix_run}"

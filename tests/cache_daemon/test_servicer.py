@@ -129,6 +129,24 @@ def test_delete_by_keys_and_namespace(stub) -> None:
     assert rpc_error(stub.Delete, both).code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_every_delete_moves_the_lookups_delete_epoch_on_and_eviction_does_not(stub) -> None:
+    def epoch() -> tuple[str, int]:
+        reply = stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=[digest("any")]))
+        return reply.delete_epoch_id, reply.delete_count
+
+    start_id, start = epoch()
+    assert len(start_id) == 16
+    evicting = [make_chunk(f"epoch {i}", MAX_BYTES // 3) for i in range(4)]  # more than the budget holds
+    assert sum(store_chunks(stub, [chunk]).evicted for chunk in evicting) > 0
+    assert epoch() == (start_id, start)  # the budget's evictions are not Deletes
+    stub.Delete(cache_pb2.DeleteRequest(keys=[digest("never stored")]))  # found nothing: still a Delete
+    assert epoch() == (start_id, start + 1)
+    rpc_error(stub.Delete, cache_pb2.DeleteRequest(namespace=digest("an empty namespace")))  # NOT_FOUND: too
+    assert epoch() == (start_id, start + 2)
+    rpc_error(stub.Delete, cache_pb2.DeleteRequest())  # refused before it named anything: not counted
+    assert epoch() == (start_id, start + 2)
+
+
 def test_pin_and_unpin(stub) -> None:
     chunk = make_chunk("pin me")
     store_chunks(stub, [chunk])

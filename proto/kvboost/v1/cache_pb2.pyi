@@ -100,7 +100,7 @@ class ContentHit(_message.Message):
     def __init__(self, index: _Optional[int] = ..., stored_key: _Optional[bytes] = ...) -> None: ...
 
 class LookupReply(_message.Message):
-    __slots__ = ("prefix_run", "prefix_hit", "content_hits", "partial_index", "continuation_key", "continuation_tokens", "continued", "partial_key", "partial_tokens")
+    __slots__ = ("prefix_run", "prefix_hit", "content_hits", "partial_index", "continuation_key", "continuation_tokens", "continued", "partial_key", "partial_tokens", "delete_epoch_id", "delete_count")
     PREFIX_RUN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HITS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,8 @@ class LookupReply(_message.Message):
     CONTINUED_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_KEY_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELETE_EPOCH_ID_FIELD_NUMBER: _ClassVar[int]
+    DELETE_COUNT_FIELD_NUMBER: _ClassVar[int]
     prefix_run: int
     prefix_hit: _containers.RepeatedScalarFieldContainer[bool]
     content_hits: _containers.RepeatedCompositeFieldContainer[ContentHit]
@@ -119,7 +121,9 @@ class LookupReply(_message.Message):
     continued: bool
     partial_key: bytes
     partial_tokens: int
-    def __init__(self, prefix_run: _Optional[int] = ..., prefix_hit: _Optional[_Iterable[bool]] = ..., content_hits: _Optional[_Iterable[_Union[ContentHit, _Mapping]]] = ..., partial_index: _Optional[int] = ..., continuation_key: _Optional[bytes] = ..., continuation_tokens: _Optional[int] = ..., continued: _Optional[bool] = ..., partial_key: _Optional[bytes] = ..., partial_tokens: _Optional[int] = ...) -> None: ...
+    delete_epoch_id: str
+    delete_count: int
+    def __init__(self, prefix_run: _Optional[int] = ..., prefix_hit: _Optional[_Iterable[bool]] = ..., content_hits: _Optional[_Iterable[_Union[ContentHit, _Mapping]]] = ..., partial_index: _Optional[int] = ..., continuation_key: _Optional[bytes] = ..., continuation_tokens: _Optional[int] = ..., continued: _Optional[bool] = ..., partial_key: _Optional[bytes] = ..., partial_tokens: _Optional[int] = ..., delete_epoch_id: _Optional[str] = ..., delete_count: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("keys", "reader_verifies")

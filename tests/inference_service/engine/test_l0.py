@@ -48,6 +48,31 @@ def test_chunks_fetched_from_the_store_join_l0_after_the_first_token(tiny_llama)
         reader.close()
 
 
+def test_chunks_the_daemon_evicted_are_placed_from_l0_until_a_delete_reaches_it(tiny_llama):
+    """The daemon's budget evicting a prompt's chunks does not make L0 recompute what it holds; a Delete at the
+    daemon (of anything: L0 cannot tell what) does, until the daemon confirms a chunk again."""
+    store = InMemoryStore()
+    engine = make_engine(tiny_llama, cache=store)
+    try:
+        prompt = text_of_length(64)
+        expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
+        run(engine, prompt=prompt)
+        assert run(engine, prompt=prompt).cached_tokens == 63  # the daemon's Lookup confirmed all 8 chunks
+        keys = list(engine.plan_request(GenerationParams(prompt=prompt))[1].prefix_keys)
+        store.evict(keys)  # the daemon's budget: no Delete
+        fetched = engine.stats()["chunks_fetched"]
+        evicted = run(engine, prompt=prompt)
+        stats = engine.stats()
+        assert evicted.output_token_ids == expected and evicted.cached_tokens == 63
+        assert stats["l0_chunks_alone"] == 8 and stats["chunks_fetched"] == fetched
+        store.delete([b"\0" * 32])  # a Delete of another key: L0 no longer answers alone
+        deleted = run(engine, prompt=prompt)
+        assert deleted.output_token_ids == expected and deleted.cached_tokens < 8
+        assert engine.stats()["l0_chunks_alone"] == 8
+    finally:
+        engine.close()
+
+
 def test_a_small_l0_evicts_and_answers_stay_exact(tiny_llama):
     engine = make_engine(tiny_llama, chunk_size=8, l0_bytes=3 * 8 * 512)  # three 8-token chunks of 512 B/token
     try:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from inference_service.kv_memory.l0_tier import L0Tier
+from inference_service.store.protocol import DeleteEpoch
 
 CHUNK_BYTES = 2 * 2 * 3 * 4 * 5 * 4  # keys and values [2 layers, 3 heads, 4 tokens, 5 dims] in float32
 
@@ -45,7 +46,8 @@ def test_a_chunk_comes_back_as_it_was_added_even_when_its_source_changes():
     assert torch.equal(taken[0], torch.full((2, 3, 4, 5), 1.0)) and torch.equal(taken[1], torch.full((2, 3, 4, 5), -1.0))
     assert l0.take(b"b") is None
     assert l0.snapshot() == {"l0_chunks_hit": 1, "l0_bytes_placed": CHUNK_BYTES, "l0_bytes_held": CHUNK_BYTES,
-                              "l0_chunks_held": 1, "l0_chunks_evicted": 0, "l0_chunks_rejected": 0}
+                              "l0_chunks_held": 1, "l0_chunks_evicted": 0, "l0_chunks_rejected": 0,
+                              "l0_chunks_alone": 0}
 
 
 def test_the_least_recently_used_leaf_goes_first_when_room_is_needed():
@@ -91,6 +93,49 @@ def test_a_pending_chunk_that_is_not_kept_is_not_pending():
     add_chain(l0, b"a")
     assert not l0.add(b"b", *chunk(1.0), pending=True, parent=b"a")  # only its own parent could make room
     assert not l0.is_pending(b"b") and b"a" in l0
+
+
+EPOCH = DeleteEpoch("start-1", 0)
+
+
+def test_a_chunk_the_daemon_confirmed_is_served_alone_until_a_delete_moves_the_epoch_on():
+    l0 = L0Tier(10 * CHUNK_BYTES)
+    add_chain(l0, b"a", b"b", b"c")
+    assert l0.extend_run([b"a", b"b", b"c"], 0, EPOCH) == 0  # held, never confirmed: the daemon decides
+    assert l0.confirm(EPOCH, [b"a", b"b", b"x"])  # x: not held, nothing to confirm
+    # The daemon evicted a and b for its budget (its run is 0 now), and no Delete came: L0 answers for them.
+    assert l0.extend_run([b"a", b"b", b"c"], 0, EPOCH) == 2
+    assert l0.snapshot()["l0_chunks_alone"] == 2
+    moved = DeleteEpoch("start-1", 1)  # a Delete at the daemon (of anything: L0 does not know what)
+    assert l0.confirm(moved, [b"a"])  # a later Lookup still found a
+    assert l0.extend_run([b"a", b"b", b"c"], 0, moved) == 1  # b was confirmed before the Delete: the daemon decides
+    assert not l0.confirm(EPOCH, [b"b"])  # an answer from before the Delete, read late: it confirms nothing ...
+    assert l0.extend_run([b"a", b"b"], 0, EPOCH) == 0  # ... and runs at it are not extended
+    assert l0.snapshot()["l0_chunks_alone"] == 3
+
+
+def test_another_daemon_start_voids_every_confirmation_and_a_dropped_chunk_forgets_its_own():
+    l0 = L0Tier(2 * CHUNK_BYTES, clock=Clock())
+    add_chain(l0, b"a", b"b")
+    l0.confirm(EPOCH, [b"a", b"b"])
+    restarted = DeleteEpoch("start-2", 0)
+    assert l0.confirm(restarted, [])
+    assert not l0.serves_alone(b"a", restarted) and not l0.serves_alone(b"a", EPOCH)
+    l0.confirm(restarted, [b"a", b"b"])
+    add_chain(l0, b"c")  # evicts b (the leaf)
+    assert b"b" not in l0 and not l0.serves_alone(b"b", restarted) and l0.serves_alone(b"a", restarted)
+    assert not l0.serves_alone(b"a", None)  # a store that keeps no epoch: the daemon alone decides
+
+
+def test_a_written_back_chunk_is_served_alone_at_the_epoch_it_was_added_at_and_a_fetched_one_once_confirmed():
+    l0 = L0Tier(10 * CHUNK_BYTES)
+    l0.confirm(EPOCH, [])
+    l0.add(b"w", *chunk(1.0), pending=True)  # a write-back: computed here, stored at the daemon after it
+    l0.add(b"f", *chunk(1.0))  # fetched: the Lookup that found it may predate a Delete L0 has not heard of
+    l0.settle([b"w"])
+    assert l0.serves_alone(b"w", EPOCH) and not l0.serves_alone(b"f", EPOCH)
+    l0.confirm(EPOCH, [b"f"])
+    assert l0.serves_alone(b"f", EPOCH)
 
 
 MEASURE_RESIDENT = """

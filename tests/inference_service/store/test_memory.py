@@ -19,11 +19,26 @@ def keys(*indices: int) -> list[bytes]:
     return [bytes([i]) * 32 for i in indices]
 
 
+def epoch_of(cache: InMemoryStore):
+    return cache.lookup(NAMESPACE, []).delete_epoch
+
+
+def test_a_delete_moves_the_delete_epoch_on_and_an_eviction_does_not():
+    cache = InMemoryStore()
+    cache.store([make_item(0), make_item(1)])
+    first = epoch_of(cache)
+    cache.evict(keys(0))  # as the daemon's budget would
+    assert epoch_of(cache) == first and cache.lookup(NAMESPACE, keys(0)).prefix_run == 0
+    cache.delete(keys(1))  # as the daemon's Delete would
+    assert epoch_of(cache).count == first.count + 1 and epoch_of(cache).id == first.id
+    assert epoch_of(InMemoryStore()).id != first.id  # another store (a daemon's other start): another id
+
+
 def test_lookup_counts_the_leading_run_only():
     cache = InMemoryStore()
     cache.store([make_item(0), make_item(1), make_item(3)])
     # 0 and 1 hit, 2 misses: the run stops there even though 3 is stored.
-    assert cache.lookup(NAMESPACE, keys(0, 1, 2, 3)) == StoreLookup(2, {})
+    assert cache.lookup(NAMESPACE, keys(0, 1, 2, 3)) == StoreLookup(2, {}, delete_epoch=epoch_of(cache))
     assert cache.lookup(NAMESPACE, keys(2, 0)).prefix_run == 0
     assert cache.lookup(NAMESPACE, []).prefix_run == 0
 
@@ -40,7 +55,7 @@ def test_content_hits_after_the_prefix_run_name_the_stored_prefix_key():
     content_keys = [bytes([100]) * 32, bytes([105]) * 32, bytes([106]) * 32]
     # Chunk 0 is a prefix hit (not reported again), chunk 1's content matches item 5, chunk 2 nothing.
     result = cache.lookup(NAMESPACE, keys(0, 9, 10), content_keys)
-    assert result == StoreLookup(1, {1: keys(5)[0]})
+    assert result == StoreLookup(1, {1: keys(5)[0]}, delete_epoch=epoch_of(cache))
 
 
 def test_fetch_keeps_the_order_and_reports_misses():

@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of both servers (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=11, help="documents and orders (default: %(default)s)")
     parser.add_argument("--no-peer", action="store_true", help="our side only")
+    parser.add_argument("--daemon-bytes", default="48GB",
+                        help="our daemon's --max-bytes (default: %(default)s, never reached; 1GiB: make run's)")
     parser.add_argument("--approx-kinds", default="words",
                         help="kinds that also run ours-approx (chunk_kv_reuse asked for), comma-separated; empty: none")
     parser.add_argument("--other-runs", type=int, default=0,
@@ -208,13 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     count_tokens = lambda text: len(names(text)["input_ids"])  # noqa: E731
     date = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     results: dict = {"date": date, "shape": f"{args.documents} documents x ~{args.tokens} tokens, {args.repeats} "
-                     f"repeats, {args.in_flight} in flight, 16 new tokens"}
+                     f"repeats, {args.in_flight} in flight, 16 new tokens, our daemon's budget {args.daemon_bytes}"}
     with ExitStack() as stack:
         work_dir = Path(tempfile.mkdtemp(prefix="kvboost-long-doc-"))
         print(f"logs in {work_dir}", flush=True)
         stack.callback(shutil.rmtree, work_dir / "lmdb", ignore_errors=True)
-        # A budget no run comes near (~1.2 GB of K/V a run and server): the daemon's eviction is not what is measured.
-        ours_stack = OurStack(work_dir, args.threads, max_bytes="48GB").start()
+        # By default a budget no run comes near (~1.2 GB of K/V a run and server): the daemon's eviction is not what
+        # is measured; --daemon-bytes 1GiB is `make run`'s (L0 then answers for what the daemon evicts).
+        ours_stack = OurStack(work_dir, args.threads, max_bytes=args.daemon_bytes).start()
         stack.callback(ours_stack.stop)
         ours = Server("ours", ours_stack.base_url, "SmolLM2-135M-Instruct")
         context = args.tokens + 256

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import secrets
@@ -54,10 +55,14 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self._store_limits = store_limits or StoreLimits()
         self._executors = executors or DaemonExecutors()
         # The delete epoch every Lookup reply carries (LookupReply.delete_epoch_id / delete_count): Delete calls
-        # completed since this start. Read before a Lookup looks anything up, counted after a Delete has removed
-        # its chunks, so a reply's hits were held after every Delete its epoch counts.
+        # completed since this start that could have named the caller's chunks (a tenant: its own and the admins';
+        # without tenancy or as an admin: every one), so no tenant learns of another's. Read before a Lookup looks
+        # anything up, counted after a Delete has removed its chunks: a reply's hits were held after every Delete
+        # its epoch counts.
         self._delete_epoch_id = secrets.token_hex(8)
-        self._delete_count = 0
+        self._deletes = 0  # every Delete
+        self._shared_deletes = 0  # without tenancy, or by an admin
+        self._own_deletes: collections.Counter[str] = collections.Counter()  # by each tenant
 
     def _caller(self) -> Tenant | None:
         """The calling tenant; None without tenancy (one trusted caller). Fails closed."""
@@ -88,7 +93,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         check_continuation(request.continue_parent, request.continue_tokens, "LookupRequest continue_parent/tokens")
         check_continue_after_run(request.continue_after_run, len(prefix_keys), bool(request.continue_parent))
         space = self._space()
-        deletes_before = self._delete_count
+        deletes_before = self._deletes_seen_by(self._caller())
         arguments = (space.scope(request.namespace), space.scope_all(prefix_keys),
                      [space.scope_optional(key) for key in content_keys], space.scope_all(partial_keys))
         result = await self._lookup(arguments)
@@ -115,6 +120,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             if continuation is not None:
                 reply.continuation_key, reply.continuation_tokens = space.unscope(continuation[0]), continuation[1]
         return reply
+
+    def _deletes_seen_by(self, tenant: Tenant | None) -> int:
+        """LookupReply.delete_count for this caller: the Deletes that could have named its chunks."""
+        if tenant is None or tenant.admin:
+            return self._deletes
+        return self._shared_deletes + self._own_deletes[tenant.name]
 
     async def _lookup(self, arguments: tuple):
         if isinstance(self._cache, TieredCache):  # L2 behind LMDB: a round trip only for what LMDB misses
@@ -262,10 +273,15 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             remove = functools.partial(self._cache.delete_keys, keys, request.corrupted)
         else:
             raise InvalidCacheRequest("DeleteRequest needs keys or a namespace")
+        tenant = self._caller()
         try:
             result: DeleteResult = await self._executors.run(self._executors.store, remove)
         finally:  # found or not (NOT_FOUND included): a client tier may still hold what it names
-            self._delete_count += 1
+            self._deletes += 1
+            if tenant is None or tenant.admin:
+                self._shared_deletes += 1
+            else:
+                self._own_deletes[tenant.name] += 1
         return cache_pb2.DeleteReply(deleted=result.deleted, bytes_freed=result.bytes_freed)
 
     async def Describe(self, request: cache_pb2.DescribeRequest, context) -> cache_pb2.DescribeReply:

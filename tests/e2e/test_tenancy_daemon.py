@@ -69,12 +69,15 @@ def test_bob_cannot_read_poison_delete_or_pin_alices_chunks(tmp_path) -> None:
             assert not any(chunk.found for chunk in fetch_chunks(stub, unknown, metadata=BOB))
 
             # Deleting: by keys and by namespace, bob removes his own chunks only, then finds nothing.
+            alice_epoch, bob_epoch = lookup(stub, ALICE).delete_count, lookup(stub, BOB).delete_count
             assert stub.Delete(cache_pb2.DeleteRequest(keys=KEYS), metadata=BOB, timeout=5).deleted == 2
             assert stub.Delete(cache_pb2.DeleteRequest(namespace=NAMESPACE), metadata=BOB, timeout=5).deleted == 1
             assert rpc_error(stub.Delete, cache_pb2.DeleteRequest(namespace=NAMESPACE), metadata=BOB,
                              timeout=5).code() == grpc.StatusCode.NOT_FOUND
             assert stub.Delete(cache_pb2.DeleteRequest(keys=KEYS, corrupted=True), metadata=BOB,
                                timeout=5).deleted == 0
+            # His four Deletes move his delete epoch on, not hers: she learns nothing of them.
+            assert (lookup(stub, ALICE).delete_count, lookup(stub, BOB).delete_count) == (alice_epoch, bob_epoch + 4)
             # Now bob holds nothing: alice's keys are plain misses for him, as never-stored keys are.
             assert lookup(stub, BOB).prefix_run == 0 and not lookup(stub, BOB).content_hits
             assert not any(chunk.found for chunk in fetch_chunks(stub, KEYS, metadata=BOB))

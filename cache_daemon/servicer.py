@@ -6,8 +6,9 @@ import collections
 import dataclasses
 import functools
 import secrets
+import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import grpc
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
@@ -60,6 +61,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         # anything up, counted after a Delete has removed its chunks: a reply's hits were held after every Delete
         # its epoch counts.
         self._delete_epoch_id = secrets.token_hex(8)
+        self._deletes_lock = threading.Lock()  # counted on the store executor's threads, read on the loop
         self._deletes = 0  # every Delete
         self._shared_deletes = 0  # without tenancy, or by an admin
         self._own_deletes: collections.Counter[str] = collections.Counter()  # by each tenant
@@ -123,9 +125,24 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def _deletes_seen_by(self, tenant: Tenant | None) -> int:
         """LookupReply.delete_count for this caller: the Deletes that could have named its chunks."""
-        if tenant is None or tenant.admin:
-            return self._deletes
-        return self._shared_deletes + self._own_deletes[tenant.name]
+        with self._deletes_lock:
+            if tenant is None or tenant.admin:
+                return self._deletes
+            return self._shared_deletes + self._own_deletes[tenant.name]
+
+    def _counted(self, remove: Callable[[], DeleteResult], tenant: Tenant | None) -> DeleteResult:
+        """remove() on the store executor's thread, then the Delete counted on the same thread, found or not
+        (NOT_FOUND included: a client tier may still hold what it names): once its chunks are gone, whether or not
+        the caller is still waiting (a Delete past its deadline goes on removing)."""
+        try:
+            return remove()
+        finally:
+            with self._deletes_lock:
+                self._deletes += 1
+                if tenant is None or tenant.admin:
+                    self._shared_deletes += 1
+                else:
+                    self._own_deletes[tenant.name] += 1
 
     async def _lookup(self, arguments: tuple):
         if isinstance(self._cache, TieredCache):  # L2 behind LMDB: a round trip only for what LMDB misses
@@ -273,15 +290,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             remove = functools.partial(self._cache.delete_keys, keys, request.corrupted)
         else:
             raise InvalidCacheRequest("DeleteRequest needs keys or a namespace")
-        tenant = self._caller()
-        try:
-            result: DeleteResult = await self._executors.run(self._executors.store, remove)
-        finally:  # found or not (NOT_FOUND included): a client tier may still hold what it names
-            self._deletes += 1
-            if tenant is None or tenant.admin:
-                self._shared_deletes += 1
-            else:
-                self._own_deletes[tenant.name] += 1
+        result: DeleteResult = await self._executors.run(self._executors.store, self._counted, remove, self._caller())
         return cache_pb2.DeleteReply(deleted=result.deleted, bytes_freed=result.bytes_freed)
 
     async def Describe(self, request: cache_pb2.DescribeRequest, context) -> cache_pb2.DescribeReply:

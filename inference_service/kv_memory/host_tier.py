@@ -67,8 +67,9 @@ class HostTier:
     as L0 is; a chunk whose parent L0 holds (held_elsewhere) is no orphan.
 
     Exact: a slab holds the bytes of exactly the K/V its key names (computed here, or fetched and checked when they
-    entered the process), so a placement is bitwise the daemon path's. Which keys may hit is decided by the daemon's
-    Lookup, as for L0: a Delete or a namespace drop there reaches this tier. Stream ordering on CUDA: a slab is filled
+    entered the process), so a placement is bitwise the daemon path's. Which keys may hit is decided by the run the
+    daemon's Lookup confirmed (extended by what L0 answers for alone, by the delete epoch): a Delete or a namespace
+    drop there reaches this tier. Stream ordering on CUDA: a slab is filled
     on a side stream that first waits for the event recorded after the last copy out of it, so it is never
     overwritten while the copy engine still reads it; a fill is complete (its entry visible) before add returns.
     Thread-safe: the write-back threads add, the step loop places.

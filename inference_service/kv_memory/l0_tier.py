@@ -28,7 +28,7 @@ class L0TierStats:
     chunks_added: int = 0
     chunks_evicted: int = 0
     chunks_rejected: int = 0  # not kept: only their own ancestors could have made room (see l0_eviction)
-    chunks_alone: int = 0  # runs extended through chunks the daemon no longer held (see extend_run)
+    chunks_alone: int = 0  # whole chunks the daemon no longer held that runs were extended through (extend_run)
 
 
 class L0Tier:
@@ -59,6 +59,7 @@ class L0Tier:
         # confirmed by the daemon or added: the chunks L0 may answer for alone while that epoch is current.
         self._epoch: DeleteEpoch | None = None
         self._confirmed: dict[bytes, DeleteEpoch] = {}
+        self._left_ids: set[str] = set()  # daemon starts L0 has moved past (a few a lifetime)
         self._lock = threading.Lock()
         # The host tier, when there is one: L0's evicted chunks go there. L0 still counts only its own chunks as held
         # (a chunk whose parent is only in the host tier is an orphan here), so L0 keeps a prefix's head.
@@ -79,19 +80,24 @@ class L0Tier:
         return entry is not None and entry[0].shape[2] == num_tokens
 
     def is_pending(self, key: bytes) -> bool:
-        """Held, and its write-back to the daemon has not ended: L0 alone may serve it (the daemon's Lookup
-        decides for every other key, so a Delete at the daemon reaches this process too)."""
+        """Held, and its write-back to the daemon has not ended: L0 alone may serve it whatever the epoch (for
+        every other key, serves_alone asks the delete epoch)."""
         return key in self._pending and key in self._kv
 
     def confirm(self, epoch: DeleteEpoch | None, keys: Sequence[bytes]) -> bool:
         """A Lookup answered at `epoch` found `keys` at the daemon: L0 may answer for those it holds alone until a
-        Delete moves the epoch on. An epoch older than one seen confirms nothing; one of another daemon start makes
-        every earlier confirmation void. Returns whether `epoch` is the current one (runs may extend at it)."""
+        Delete moves the epoch on. An epoch older than one seen confirms nothing, nor does one of a daemon start L0
+        has left; a new start's voids every earlier confirmation. Returns whether `epoch` is the current one (runs may
+        extend at it)."""
         if epoch is None:
             return False
         with self._lock:
             current = self._epoch
+            if epoch.id in self._left_ids:  # a late reply from before the daemon restarted
+                return False
             if current is None or epoch.id != current.id or epoch.count > current.count:
+                if current is not None and epoch.id != current.id:
+                    self._left_ids.add(current.id)
                 self._epoch = epoch
             elif epoch.count < current.count:
                 return False
@@ -120,7 +126,8 @@ class L0Tier:
         return run
 
     def settle(self, keys) -> None:
-        """Their write-back ended (stored or failed): from now on the daemon's Lookup decides whether they hit."""
+        """Their write-back ended (stored or failed): from now on they hit when the daemon's Lookup confirms them,
+        or alone while the delete epoch they were added at is current (serves_alone)."""
         with self._lock:
             self._pending.difference_update(keys)
 

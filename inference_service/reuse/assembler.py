@@ -189,6 +189,8 @@ def _find_partial(store: ChunkStore, namespace: bytes, prompt: PromptPlan, run: 
     # The longest candidate L0 serves alone (candidates run longest first).
     in_l0 = next((length - rank for rank, key in enumerate(candidates)
                   if l0 is not None and l0.serves_alone(key, epoch)), 0)
+    if in_l0 == length:  # L0 holds every token a partial chunk could cover here: no answer can beat it, ask none
+        return PartialHit(candidates[0], Chunk(tokens, start, 0), in_l0=True), False
     if answered:
         exact, exact_key = first.partial_tokens, first.partial_key
         continuation_key, continuation_tokens = first.continuation_key, first.continuation_tokens

@@ -19,7 +19,7 @@ class StoreTimeout(StoreUnavailable):
     transfer gave before stays good, the rest is computed (the request is not degraded)."""
 
 
-@dataclass(slots=True, frozen=True, order=True)
+@dataclass(slots=True, frozen=True)
 class DeleteEpoch:
     """Delete calls a store had completed when it answered a Lookup (count), within one start of that store (id):
     while the epoch is unchanged, nothing a Lookup confirmed then has been deleted since (eviction does not count)."""

@@ -147,6 +147,37 @@ def test_every_delete_moves_the_lookups_delete_epoch_on_and_eviction_does_not(st
     assert epoch() == (start_id, start + 2)
 
 
+def test_a_delete_past_its_deadline_counts_once_its_chunks_are_gone(tmp_path: Path) -> None:
+    """gRPC cancels the handler at the deadline, but the removal goes on in its thread: the epoch must not move
+    before it ends, or a Lookup in between would confirm a chunk at the epoch that outlives its removal."""
+    with running_daemon(tmp_path / "lmdb", max_bytes=MAX_BYTES) as daemon, cache_stub(daemon.address) as stub:
+        chunk = make_chunk("deleted slowly")
+        store_chunks(stub, [chunk])
+
+        def look() -> tuple[int, int]:
+            reply = stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=[chunk.key]))
+            return reply.delete_count, reply.prefix_run
+
+        removing, finish = threading.Event(), threading.Event()
+        delete_keys = daemon.cache.delete_keys
+
+        def held_delete(*args):
+            removing.set()
+            finish.wait(10)
+            return delete_keys(*args)
+
+        daemon.cache.delete_keys = held_delete
+        start, _ = look()
+        error = rpc_error(stub.Delete, cache_pb2.DeleteRequest(keys=[chunk.key]), timeout=0.3)
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and removing.is_set()
+        assert look() == (start, 1)  # still held, still the old epoch
+        finish.set()
+        deadline = time.monotonic() + 10
+        while look()[1] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert look() == (start + 1, 0)  # gone, and counted
+
+
 def test_pin_and_unpin(stub) -> None:
     chunk = make_chunk("pin me")
     store_chunks(stub, [chunk])

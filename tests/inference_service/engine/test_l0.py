@@ -48,23 +48,26 @@ def test_chunks_fetched_from_the_store_join_l0_after_the_first_token(tiny_llama)
         reader.close()
 
 
-def test_chunks_the_daemon_evicted_are_placed_from_l0_until_a_delete_reaches_it(tiny_llama):
-    """The daemon's budget evicting a prompt's chunks does not make L0 recompute what it holds; a Delete at the
-    daemon (of anything: L0 cannot tell what) does, until the daemon confirms a chunk again."""
+@pytest.mark.parametrize("num_tokens", [64, 70])  # 70: a tail after the whole chunks, placed from L0 too
+def test_chunks_the_daemon_evicted_are_placed_from_l0_until_a_delete_reaches_it(tiny_llama, num_tokens):
+    """The daemon's budget evicting a prompt's chunks does not make L0 recompute what it holds, nor ask the daemon
+    again on the step loop; a Delete at the daemon (of anything: L0 cannot tell what) does recompute, until the
+    daemon confirms a chunk again."""
     store = InMemoryStore()
     engine = make_engine(tiny_llama, cache=store)
     try:
-        prompt = text_of_length(64)
+        prompt = text_of_length(num_tokens)
         expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
         run(engine, prompt=prompt)
-        assert run(engine, prompt=prompt).cached_tokens == 63  # the daemon's Lookup confirmed all 8 chunks
-        keys = list(engine.plan_request(GenerationParams(prompt=prompt))[1].prefix_keys)
-        store.evict(keys)  # the daemon's budget: no Delete
-        fetched = engine.stats()["chunks_fetched"]
+        assert run(engine, prompt=prompt).cached_tokens == num_tokens - 1  # the daemon's Lookup confirmed them all
+        plan = engine.plan_request(GenerationParams(prompt=prompt))[1]
+        store.evict([*plan.prefix_keys, *([plan.tail_key] if plan.tail_key else [])])  # the budget: no Delete
+        before = engine.stats()
         evicted = run(engine, prompt=prompt)
         stats = engine.stats()
-        assert evicted.output_token_ids == expected and evicted.cached_tokens == 63
-        assert stats["l0_chunks_alone"] == 8 and stats["chunks_fetched"] == fetched
+        assert evicted.output_token_ids == expected and evicted.cached_tokens == num_tokens - 1
+        assert stats["l0_chunks_alone"] == 8 and stats["chunks_fetched"] == before["chunks_fetched"]
+        assert stats["step_loop_lookups"] == before["step_loop_lookups"]
         store.delete([b"\0" * 32])  # a Delete of another key: L0 no longer answers alone
         deleted = run(engine, prompt=prompt)
         assert deleted.output_token_ids == expected and deleted.cached_tokens < 8

@@ -121,6 +121,8 @@ def test_another_daemon_start_voids_every_confirmation_and_a_dropped_chunk_forge
     restarted = DeleteEpoch("start-2", 0)
     assert l0.confirm(restarted, [])
     assert not l0.serves_alone(b"a", restarted) and not l0.serves_alone(b"a", EPOCH)
+    assert not l0.confirm(DeleteEpoch("start-1", 5), [b"a"])  # a late reply from before the restart: refused
+    assert l0.confirm(restarted, [])  # ... and the current start stays current
     l0.confirm(restarted, [b"a", b"b"])
     add_chain(l0, b"c")  # evicts b (the leaf)
     assert b"b" not in l0 and not l0.serves_alone(b"b", restarted) and l0.serves_alone(b"a", restarted)

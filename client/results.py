@@ -183,7 +183,7 @@ class ServiceStats(_FromProto):
     tokenizer_cache_bytes: int = 0
     step_loop_lookups: int = 0  # Lookups the step loop asked itself (none at submission, or out of date)
     writebacks_in_flight: int = 0  # write-backs queued or running now (0: everything answered so far is kept)
-    l0_chunks_alone: int = 0  # whole chunks placed from L0 that the daemon no longer held (no Delete since)
+    l0_chunks_alone: int = 0  # whole chunks L0 answered for alone: the daemon no longer held them (no Delete since)
 
 
 @dataclass(slots=True, frozen=True)

@@ -49,7 +49,7 @@ COUNTERS = {
     "load_probes": ("kvboost_engine_load_probes",
                     "requests that loaded a tier predicted slower than prefill, to measure it again"),
     "l0_chunks_alone": ("kvboost_engine_l0_chunks_alone",
-                        "whole chunks placed from L0 that the daemon no longer held (evicted there; no Delete since)"),
+                        "whole chunks L0 answered for alone: the daemon no longer held them (evicted; no Delete since)"),
     "l0_chunks_rejected": ("kvboost_engine_l0_chunks_rejected",
                            "chunks L0 did not keep: only their own prefix could have made room (it keeps a prompt's head)"),
     "tokenizer_cache_hits": ("kvboost_engine_tokenizer_cache_hits",

@@ -127,10 +127,9 @@ class InMemoryStore:
             return entry is not None and entry.pin
 
     def delete(self, keys: list[bytes]) -> None:
-        """Drops entries as the daemon's Delete does: the delete epoch moves on."""
+        """Drops entries as the daemon's Delete does: the delete epoch moves on once they are gone."""
+        self.evict(keys)
         with self._lock:
-            for key in keys:
-                self._entries.pop(key, None)
             self._deletes += 1
 
     def evict(self, keys: list[bytes]) -> None:

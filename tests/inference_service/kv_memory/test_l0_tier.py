@@ -144,13 +144,14 @@ MEASURE_RESIDENT = """
 import os, sys, torch
 from inference_service.kv_memory.l0_tier import L0Tier
 
-def resident_bytes():
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def resident_bytes():  # anonymous memory only: library code paged in by the first copy is not L0's
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) << 10 for line in status if line.startswith("RssAnon:"))
 
 budget = 64 << 20
 l0 = L0Tier(budget, clock=iter(range(1, 1 << 20)).__next__)
 source = torch.ones(2, 8, 128, 128)  # 1 MiB of keys and 1 MiB of values a chunk, written into fresh copies
+source.clone()  # the first copy sets up what every later one reuses (the copy kernel's state, a thread pool)
 before = resident_bytes()
 for index in range(256):  # 512 MiB offered, one prompt after another (each its own first chunk)
     l0.add(index.to_bytes(2, "big"), source, source)
@@ -158,7 +159,7 @@ print(resident_bytes() - before, l0.bytes_held, len(l0))
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
 def test_the_memory_l0_takes_is_its_budget_however_much_is_offered():
     # In a process of its own: in the test process, what earlier tests left to the allocator (or threads they left
     # running) moved the resident size, so the verdict depended on the order tests ran in.

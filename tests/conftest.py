@@ -38,7 +38,13 @@ def pytest_configure(config):
     if workers > 1:  # each worker's torch gets its share of the cores, so two workers' forwards do not fight
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        share = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(share)
+        # ... and so do the processes tests start (services, gateways, the compose stack's replicas, through
+        # KVBOOST_THREADS in ComposeProject): an OpenMP team per process, each as wide as the machine, on cores the
+        # other worker also uses, waits on its descheduled threads. In CI a compose test beside the 200-prompt
+        # sweep ran 4.8x its time alone, and a Lookup ran past its deadline.
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -41,6 +41,8 @@ class ComposeProject:
         # Free host ports, so a stack already running on the defaults (make up, a user's compose) is left alone.
         self.ports = {name: pick_free_port() for name in PUBLISHED}
         self.environment.update({f"KVBOOST_PUBLISH_{name}": str(port) for name, port in self.ports.items()})
+        if "OMP_NUM_THREADS" in os.environ:  # the test run's share of the cores (tests/conftest.py), per replica
+            self.environment.setdefault("KVBOOST_THREADS", os.environ["OMP_NUM_THREADS"])
         self._health_override: Path | None = None
 
     def address(self, name: str) -> str:

@@ -154,17 +154,22 @@ class TieredCache:
     def drain_writes(self, timeout_s: float | None = None) -> bool:
         return self._writer.drain(timeout_s)
 
+    # A Delete removes from L2 first, then voids the promotions in flight, then removes from LMDB: a promotion that
+    # read a deleted key from L2 before it cannot store it after the LMDB delete, and no Lookup after the Delete
+    # answers it as arriving (the inference service's L0 trusts a Lookup's answer at its delete count).
     def delete_keys(self, keys: Sequence[ChunkKey], corrupted: bool = False) -> DeleteResult:
-        result = self.l1.delete_keys(keys, corrupted)
         num_deleted_l2 = self._maybe_on_l2(lambda: self.l2.delete(list(dict.fromkeys(keys))), 0)
+        self.promoter.void_in_flight()
+        result = self.l1.delete_keys(keys, corrupted)
         return DeleteResult(deleted=max(result.deleted, num_deleted_l2), bytes_freed=result.bytes_freed)
 
     def delete_namespace(self, namespace: bytes) -> DeleteResult:
+        num_deleted_l2 = self._maybe_on_l2(lambda: self.l2.delete_namespace(namespace), 0)
+        self.promoter.void_in_flight()
         try:
             result = self.l1.delete_namespace(namespace)
         except NotFound:
             result = None
-        num_deleted_l2 = self._maybe_on_l2(lambda: self.l2.delete_namespace(namespace), 0)
         if result is None and not num_deleted_l2:
             raise NotFound(f"namespace {namespace.hex()[:16]} has no entries in either tier")
         if result is None:

@@ -58,6 +58,10 @@ class L2Promoter:
         self._clock = clock
         self._lock = threading.Lock()
         self._closing = False
+        # Deletes void what promotions read from L2 before them (void_in_flight): a batch is stored only under
+        # this lock, and only if no Delete has moved the generation since the batch was read.
+        self._put_guard = threading.Lock()
+        self._generation = 0
         self._pool = ThreadPoolExecutor(PROMOTION_THREADS, thread_name_prefix="l2-promote")
         self._jobs: set[Future] = set()
 
@@ -107,6 +111,16 @@ class L2Promoter:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.arriving.release(self.arriving.snapshot())
 
+    def void_in_flight(self) -> None:
+        """For a Delete, after it removed its keys from L2 and before it removes them from LMDB: what promotions
+        read from L2 before now is not stored (it may be what the Delete removes: stored after the LMDB delete, it
+        would come back), and no key is answered as arriving any more (a Lookup after the Delete would report a
+        deleted chunk as a hit). Batches read from now on see L2 without the deleted keys and are stored as usual;
+        the keys this voids are misses until a Lookup finds them in L2 again."""
+        with self._put_guard:
+            self._generation += 1
+        self.arriving.release(self.arriving.snapshot())
+
     def _job_done(self, job: Future) -> None:
         with self._lock:
             self._jobs.discard(job)
@@ -123,7 +137,8 @@ class L2Promoter:
                                    "closing" if self._closing else "past its deadline")
                     break
                 try:
-                    self._promote(namespace, self.l2.get(batch), promoted)
+                    generation = self._generation  # before the read: a Delete after it voids what it read
+                    self._promote(namespace, self.l2.get(batch), promoted, generation)
                 finally:
                     self.arriving.release(batch)
                     remaining = remaining[len(batch):]
@@ -139,18 +154,23 @@ class L2Promoter:
                 self.counters.promoted_bytes += promoted.num_bytes
                 self.counters.not_arrived += sum(1 for key, _ in sized if key not in promoted.keys)
 
-    def _promote(self, namespace: bytes, hits: Sequence[L2Hit | None], promoted: _Promoted) -> None:
+    def _promote(self, namespace: bytes, hits: Sequence[L2Hit | None], promoted: _Promoted, generation: int) -> None:
+        """Stores the hits read from L2 at `generation` (void_in_flight), unless a Delete has run since."""
         found = [hit for hit in hits if hit is not None and hit.entry.namespace == namespace
                  and hit.key not in promoted.keys]
         if not found:
             return
-        with self._lock:
-            self.counters.batches += 1
-        try:
-            result = self.l1.put_many([_incoming(hit) for hit in found], EventKind.PROMOTED)
-        except BudgetExceeded as error:
-            logger.warning("L2 hits not promoted into LMDB: %s", error)
-            return
+        with self._put_guard:
+            if generation != self._generation:
+                logger.info("%d L2 chunks read before a Delete are not promoted: they are misses", len(found))
+                return
+            with self._lock:
+                self.counters.batches += 1
+            try:
+                result = self.l1.put_many([_incoming(hit) for hit in found], EventKind.PROMOTED)
+            except BudgetExceeded as error:
+                logger.warning("L2 hits not promoted into LMDB: %s", error)
+                return
         promoted.keys.update(hit.key for hit in found)
         promoted.num_stored += result.stored
         promoted.num_bytes += sum(len(hit.blob) for hit in found)
@@ -166,6 +186,7 @@ class L2Promoter:
                                         if key not in promoted.keys))
             if not wanted:
                 continue
+            generation = self._generation
             chunks = dict(zip(wanted, self.l2.get(wanted)))
             chosen = []
             for content_key, keys in group:
@@ -174,7 +195,7 @@ class L2Promoter:
                             and hit.entry.content_key == content_key), None)
                 if hit is not None and all(hit.key != other.key for other in chosen):
                     chosen.append(hit)
-            self._promote(namespace, chosen, promoted)
+            self._promote(namespace, chosen, promoted, generation)
 
 
 def _incoming(hit: L2Hit) -> IncomingChunk:

@@ -133,3 +133,44 @@ def test_redis_restarting_mid_promotion_loses_nothing_stored(two_hosts, redis):
     with cache_stub(host_a.address) as stub_a:  # A's LMDB never depended on Redis
         assert [chunk.blob for chunk in fetch_chunks(stub_a, keys)] == [chunk.blob for chunk in chunks]
     assert ChunkKey(keys[0]) not in host_b.cache.promoter.arriving.snapshot()
+
+
+class ReadThenHold:
+    """Lets the daemon's L2 value reads (promotions) read, then holds what they read until `open` is set."""
+
+    def __init__(self, tier) -> None:
+        self.opened = threading.Event()
+        self.read = threading.Semaphore(0)
+        self._get = tier.get
+        tier.get = self
+
+    def __call__(self, keys):
+        found = self._get(keys)
+        self.read.release()
+        assert self.opened.wait(30), "the test never opened the gate"
+        return found
+
+
+def test_a_delete_voids_the_promotions_in_flight_so_no_later_lookup_finds_what_it_deleted(two_hosts, redis):
+    host_a, host_b = two_hosts
+    chunks = [make_chunk(f"deleted mid-promotion {index}", 3000) for index in range(3)]
+    warm_on_a(host_a, chunks)
+    keys = [chunk.key for chunk in chunks]
+    gate = ReadThenHold(host_b.cache.l2)
+    with cache_stub(host_b.address) as stub_b:
+        before = lookup(stub_b, keys)
+        assert before.prefix_run == 3 and gate.read.acquire(timeout=10)  # B's promotion holds all three, read
+        stub_b.Delete(cache_pb2.DeleteRequest(keys=[keys[1]]), timeout=10)
+        # The Delete has returned: a Lookup that starts now must not answer keys[1] (an inference service's L0
+        # would take the answer, at the Delete's count, for this very chunk). The promotion's batch read before
+        # the Delete, so none of it is stored: keys[0] and keys[2] are misses until a Lookup finds them in L2 again.
+        after = lookup(stub_b, keys)
+        assert list(after.prefix_hit)[1] is False and after.delete_count == before.delete_count + 1
+        gate.opened.set()
+        assert host_b.cache.wait_for_promotions(30)
+        assert list(lookup(stub_b, keys).prefix_hit)[1] is False  # not stored after the Delete either
+        again = lookup(stub_b, keys)  # the others come back from L2 through a promotion read after the Delete
+        assert host_b.cache.wait_for_promotions(30)
+        assert [chunk.found for chunk in fetch_chunks(stub_b, [keys[0]])] == [True]
+        assert list(again.prefix_hit) == [True, False, True]
+    assert host_b.cache.l1.probe(NAMESPACE, [keys[1]], []).prefix_hit == [False]

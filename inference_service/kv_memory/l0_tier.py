@@ -59,7 +59,7 @@ class L0Tier:
         # confirmed by the daemon or added: the chunks L0 may answer for alone while that epoch is current.
         self._epoch: DeleteEpoch | None = None
         self._confirmed: dict[bytes, DeleteEpoch] = {}
-        self._left_ids: set[str] = set()  # daemon starts L0 has moved past (a few a lifetime)
+        self._asked = 0  # the latest-asked Lookup that answered at the current epoch (DeleteEpoch.asked)
         self._lock = threading.Lock()
         # The host tier, when there is one: L0's evicted chunks go there. L0 still counts only its own chunks as held
         # (a chunk whose parent is only in the host tier is an orphan here), so L0 keeps a prefix's head.
@@ -80,46 +80,52 @@ class L0Tier:
         return entry is not None and entry[0].shape[2] == num_tokens
 
     def is_pending(self, key: bytes) -> bool:
-        """Held, and its write-back to the daemon has not ended: L0 alone may serve it whatever the epoch (for
-        every other key, serves_alone asks the delete epoch)."""
+        """Held, and its write-back to the daemon has not ended."""
         return key in self._pending and key in self._kv
 
     def confirm(self, epoch: DeleteEpoch | None, keys: Sequence[bytes]) -> bool:
         """A Lookup answered at `epoch` found `keys` at the daemon: L0 may answer for those it holds alone until a
-        Delete moves the epoch on. An epoch older than one seen confirms nothing, nor does one of a daemon start L0
-        has left; a new start's voids every earlier confirmation. Returns whether `epoch` is the current one (runs may
-        extend at it)."""
+        Delete moves the epoch on. Within one daemon start the count orders answers; between starts, the order the
+        Lookups were asked in (a late answer from before a restart confirms nothing, and one asked after the current
+        epoch's Lookup moves L0 to its start, however often starts alternate). A new epoch voids every earlier
+        confirmation. Returns whether `epoch` is the current one (runs may extend at it)."""
         if epoch is None:
             return False
         with self._lock:
             current = self._epoch
-            if epoch.id in self._left_ids:  # a late reply from before the daemon restarted
-                return False
-            if current is None or epoch.id != current.id or epoch.count > current.count:
-                if current is not None and epoch.id != current.id:
-                    self._left_ids.add(current.id)
+            newer = current is None or (epoch.count > current.count if epoch.id == current.id
+                                        else epoch.asked > self._asked)
+            if newer:
                 self._epoch = epoch
-            elif epoch.count < current.count:
+            elif epoch.id != current.id or epoch.count < current.count:
                 return False
+            self._asked = max(self._asked, epoch.asked)
             for key in keys:
                 if key in self._kv:
                     self._confirmed[key] = epoch
         return True
 
     def serves_alone(self, key: bytes, epoch: DeleteEpoch | None) -> bool:
-        """Whether L0 may place the chunk without the daemon holding it, for a Lookup answered at `epoch`: its
-        write-back is in flight, or it was confirmed (or added) at that epoch and the epoch is still current."""
+        """Whether L0 may place the chunk without the daemon holding it, for a Lookup answered at `epoch`: it was
+        confirmed, or added by its own write-back, at that epoch, and the epoch is still current; with a store that
+        keeps no epoch (None), only while its write-back is in flight."""
+        with self._lock:
+            return self._serves_alone(key, epoch)
+
+    def _serves_alone(self, key: bytes, epoch: DeleteEpoch | None) -> bool:
         if key not in self._kv:
             return False
-        return key in self._pending or (epoch is not None and epoch == self._epoch
-                                        and self._confirmed.get(key) == epoch)
+        if epoch is None:
+            return key in self._pending
+        # A write-back's chunk too: after a Delete (of it, perhaps) the daemon decides again, as for any other.
+        return epoch == self._epoch and self._confirmed.get(key) == epoch
 
     def extend_run(self, keys: Sequence[bytes], run: int, epoch: DeleteEpoch | None) -> int:
         """The run of `run` leading keys the daemon confirmed, extended through the keys after it L0 serves alone;
         counts those it serves only by the epoch (the daemon evicted them)."""
         with self._lock:
             alone = 0
-            while run < len(keys) and self.serves_alone(keys[run], epoch):
+            while run < len(keys) and self._serves_alone(keys[run], epoch):
                 alone += keys[run] not in self._pending
                 run += 1
             self.stats.chunks_alone += alone

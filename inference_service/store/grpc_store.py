@@ -10,7 +10,7 @@ import grpc
 
 from inference_service.store.chunk_frames import iter_store_frames, reassemble_chunks
 from inference_service.store.protocol import (
-    AfterRun, ContinuationQuery, DeleteEpoch, StoreItem, StoreLookup, StoreTimeout, StoreUnavailable,
+    AfterRun, ContinuationQuery, DeleteEpoch, StoreItem, StoreLookup, StoreTimeout, StoreUnavailable, lookup_order,
 )
 from kvboost_common.frames import MAX_FRAME_BYTES
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
@@ -93,6 +93,7 @@ class GrpcChunkStore:
         if continuation is not None and continuation.token_ids:
             request.continue_parent, request.continue_tokens = continuation.parent, continuation.packed()
         stub = self._available_stub()
+        asked = lookup_order()
         try:
             reply = stub.Lookup(request, timeout=self.options.rpc_timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
@@ -105,7 +106,7 @@ class GrpcChunkStore:
                            reply.continuation_key if found else None, reply.continuation_tokens if found else 0,
                            continued=reply.continued, partial_key=reply.partial_key if partial_found else None,
                            partial_tokens=reply.partial_tokens if partial_found else 0,
-                           delete_epoch=DeleteEpoch(reply.delete_epoch_id, reply.delete_count)
+                           delete_epoch=DeleteEpoch(reply.delete_epoch_id, reply.delete_count, asked)
                            if reply.delete_epoch_id else None)
 
     def fetch(self, keys: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from inference_service.store.protocol import (AfterRun, ContinuationQuery, DeleteEpoch, StoreItem, StoreLookup,
-                                              common_prefix)
+                                              common_prefix, lookup_order)
 from kvboost_keys.chunk_keys import partial_prefix_keys
 
 
@@ -45,7 +45,7 @@ class InMemoryStore:
                partial_keys: list[bytes] | None = None, continuation: ContinuationQuery | None = None,
                after_run: AfterRun | None = None) -> StoreLookup:
         with self._lock:
-            epoch = DeleteEpoch(self._epoch_id, self._deletes)
+            epoch = DeleteEpoch(self._epoch_id, self._deletes, lookup_order())
             run = 0
             while run < len(prefix_keys) and self._holds(namespace, prefix_keys[run]):
                 run += 1

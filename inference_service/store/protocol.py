@@ -1,6 +1,7 @@
 """The engine's view of a chunk store (lookup, fetch, store) and the always-miss store."""
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
@@ -22,10 +23,21 @@ class StoreTimeout(StoreUnavailable):
 @dataclass(slots=True, frozen=True)
 class DeleteEpoch:
     """Delete calls a store had completed when it answered a Lookup (count), within one start of that store (id):
-    while the epoch is unchanged, nothing a Lookup confirmed then has been deleted since (eviction does not count)."""
+    while the epoch is unchanged, nothing a Lookup confirmed then has been deleted since (eviction does not count).
+    asked: the Lookup's place in the order this process asked them in (lookup_order): of two answers from different
+    starts, the one asked later is the current start's. Not part of the epoch's identity."""
 
     id: str
     count: int
+    asked: int = field(default=0, compare=False)
+
+
+_lookups = itertools.count(1)
+
+
+def lookup_order() -> int:
+    """The next number in the order this process asks Lookups in (DeleteEpoch.asked); taken before the Lookup is sent."""
+    return next(_lookups)  # itertools.count's next is atomic under the GIL
 
 
 @dataclass(slots=True, frozen=True)

@@ -41,6 +41,7 @@ def test_a_slot_is_freed_when_its_row_and_its_write_back_are_both_done():
 
 def test_views_write_into_the_slot():
     owner = make_owner()
+    owner.buffers.keys.zero_()  # the slots are allocated uninitialised: what memory held before could read 7.0
     keys, values = owner.views(1)
     assert keys.shape == (2, 2, 33, 4)
     keys[:, :, 5].fill_(7.0)

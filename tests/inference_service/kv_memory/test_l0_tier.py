@@ -95,7 +95,7 @@ def test_a_pending_chunk_that_is_not_kept_is_not_pending():
     assert not l0.is_pending(b"b") and b"a" in l0
 
 
-EPOCH = DeleteEpoch("start-1", 0)
+EPOCH = DeleteEpoch("start-1", 0, asked=1)
 
 
 def test_a_chunk_the_daemon_confirmed_is_served_alone_until_a_delete_moves_the_epoch_on():
@@ -106,7 +106,7 @@ def test_a_chunk_the_daemon_confirmed_is_served_alone_until_a_delete_moves_the_e
     # The daemon evicted a and b for its budget (its run is 0 now), and no Delete came: L0 answers for them.
     assert l0.extend_run([b"a", b"b", b"c"], 0, EPOCH) == 2
     assert l0.snapshot()["l0_chunks_alone"] == 2
-    moved = DeleteEpoch("start-1", 1)  # a Delete at the daemon (of anything: L0 does not know what)
+    moved = DeleteEpoch("start-1", 1, asked=2)  # a Delete at the daemon (of anything: L0 does not know what)
     assert l0.confirm(moved, [b"a"])  # a later Lookup still found a
     assert l0.extend_run([b"a", b"b", b"c"], 0, moved) == 1  # b was confirmed before the Delete: the daemon decides
     assert not l0.confirm(EPOCH, [b"b"])  # an answer from before the Delete, read late: it confirms nothing ...
@@ -118,15 +118,41 @@ def test_another_daemon_start_voids_every_confirmation_and_a_dropped_chunk_forge
     l0 = L0Tier(2 * CHUNK_BYTES, clock=Clock())
     add_chain(l0, b"a", b"b")
     l0.confirm(EPOCH, [b"a", b"b"])
-    restarted = DeleteEpoch("start-2", 0)
+    restarted = DeleteEpoch("start-2", 0, asked=5)
     assert l0.confirm(restarted, [])
     assert not l0.serves_alone(b"a", restarted) and not l0.serves_alone(b"a", EPOCH)
-    assert not l0.confirm(DeleteEpoch("start-1", 5), [b"a"])  # a late reply from before the restart: refused
-    assert l0.confirm(restarted, [])  # ... and the current start stays current
+    # A late reply from before the restart (asked before the restarted start's answer, read after it): refused
+    assert not l0.confirm(DeleteEpoch("start-1", 5, asked=4), [b"a"])
+    assert l0.confirm(DeleteEpoch("start-2", 0, asked=6), [])  # ... and the current start stays current
     l0.confirm(restarted, [b"a", b"b"])
     add_chain(l0, b"c")  # evicts b (the leaf)
     assert b"b" not in l0 and not l0.serves_alone(b"b", restarted) and l0.serves_alone(b"a", restarted)
     assert not l0.serves_alone(b"a", None)  # a store that keeps no epoch: the daemon alone decides
+
+
+def test_answers_from_two_starts_read_out_of_order_leave_l0_at_the_start_asked_last():
+    # Around a restart, two requests' Lookups (asked 7 and 8) are answered by the old and the new start and read
+    # in the other order: the old start's answer must not take L0 back to it for good.
+    l0 = L0Tier(2 * CHUNK_BYTES, clock=Clock())
+    add_chain(l0, b"a")
+    old, new = DeleteEpoch("start-1", 3, asked=7), DeleteEpoch("start-2", 0, asked=8)
+    assert l0.confirm(new, [b"a"]) and not l0.confirm(old, [b"a"])
+    assert l0.extend_run([b"a"], 0, new) == 1 and l0.extend_run([b"a"], 0, old) == 0
+    assert l0.confirm(DeleteEpoch("start-2", 0, asked=9), [])  # later answers of the new start stay current
+    # Starts alternating (two daemons behind one address): each answer asked later moves L0, voiding the other's.
+    assert l0.confirm(DeleteEpoch("start-1", 3, asked=10), [])
+    assert l0.extend_run([b"a"], 0, DeleteEpoch("start-1", 3, asked=10)) == 0
+
+
+def test_a_written_back_chunk_is_not_served_alone_after_a_delete_while_its_store_is_in_flight():
+    l0 = L0Tier(10 * CHUNK_BYTES)
+    l0.confirm(EPOCH, [])
+    l0.add(b"w", *chunk(1.0), pending=True)  # its write-back started; the Store has not reached the daemon
+    assert l0.extend_run([b"w"], 0, EPOCH) == 1
+    moved = DeleteEpoch("start-1", 1, asked=2)  # a Delete (of w, perhaps) returned before the Store arrived
+    assert l0.confirm(moved, [])
+    assert l0.is_pending(b"w") and l0.extend_run([b"w"], 0, moved) == 0  # the daemon decides again
+    assert l0.serves_alone(b"w", None)  # a store that keeps no epoch: in flight, as before epochs
 
 
 def test_a_written_back_chunk_is_served_alone_at_the_epoch_it_was_added_at_and_a_fetched_one_once_confirmed():

@@ -78,6 +78,11 @@ def test_bob_cannot_read_poison_delete_or_pin_alices_chunks(tmp_path) -> None:
                                timeout=5).deleted == 0
             # His four Deletes move his delete epoch on, not hers: she learns nothing of them.
             assert (lookup(stub, ALICE).delete_count, lookup(stub, BOB).delete_count) == (alice_epoch, bob_epoch + 4)
+            # The admin's Delete could name anyone's chunks: it moves every tenant's epoch (found or not).
+            assert stub.Delete(cache_pb2.DeleteRequest(keys=[digest("never stored")]), metadata=OPS,
+                               timeout=5).deleted == 0
+            assert (lookup(stub, ALICE).delete_count, lookup(stub, BOB).delete_count) == (alice_epoch + 1,
+                                                                                          bob_epoch + 5)
             # Now bob holds nothing: alice's keys are plain misses for him, as never-stored keys are.
             assert lookup(stub, BOB).prefix_run == 0 and not lookup(stub, BOB).content_hits
             assert not any(chunk.found for chunk in fetch_chunks(stub, KEYS, metadata=BOB))

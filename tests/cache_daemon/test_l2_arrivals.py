@@ -24,27 +24,32 @@ def lookup(stub, keys) -> cache_pb2.LookupReply:
     return stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=keys), timeout=10)
 
 
-def warm_on_a(host_a, chunks) -> None:
+def warm_on_a(host_a, chunks) -> list[bytes]:
+    """Stores the chunks on host A and waits until they are in L2; their keys."""
     with cache_stub(host_a.address) as stub_a:
         assert store_chunks(stub_a, chunks).stored == len(chunks)
     assert host_a.cache.drain_writes(20)
+    return [chunk.key for chunk in chunks]
 
 
 class GatedReads:
-    """Holds the daemon's L2 value reads (promotions) until `open` is set; counts them."""
+    """Holds the daemon's L2 value reads (promotions) until `opened` is set; counts them. read_first: each reads
+    first and holds what it read (else it reads once the gate opens). `waiting` is released as each one holds."""
 
-    def __init__(self, tier) -> None:
+    def __init__(self, tier, read_first: bool = False) -> None:
         self.opened = threading.Event()
         self.waiting = threading.Semaphore(0)
         self.num_reads = 0
+        self.read_first = read_first
         self._get = tier.get
         tier.get = self
 
     def __call__(self, keys):
         self.num_reads += 1
+        found = self._get(keys) if self.read_first else None
         self.waiting.release()
         assert self.opened.wait(30), "the test never opened the gate"
-        return self._get(keys)
+        return found if self.read_first else self._get(keys)
 
 
 def test_a_lookup_of_l2_only_chunks_reads_no_value_and_fetch_waits_for_them(tmp_path, redis):
@@ -56,8 +61,7 @@ def test_a_lookup_of_l2_only_chunks_reads_no_value_and_fetch_waits_for_them(tmp_
 
 def check_lookup_then_arrival(host_a, host_b, metrics_port: int) -> None:
     chunks = [make_chunk(f"big {index}", 1 << 20) for index in range(64)]  # 64 MiB only in L2
-    warm_on_a(host_a, chunks)
-    keys = [chunk.key for chunk in chunks]
+    keys = warm_on_a(host_a, chunks)
     gate = GatedReads(host_b.cache.l2)
     with cache_stub(host_b.address) as stub_b:
         started = time.perf_counter()
@@ -88,8 +92,7 @@ def check_lookup_then_arrival(host_a, host_b, metrics_port: int) -> None:
 def test_a_chunk_failing_its_mac_or_gone_mid_run_is_a_miss_where_the_run_ends(two_hosts, redis):
     host_a, host_b = two_hosts
     chunks = [make_chunk(f"run {index}", 3000) for index in range(8)]
-    warm_on_a(host_a, chunks)
-    keys = [chunk.key for chunk in chunks]
+    keys = warm_on_a(host_a, chunks)
     client = host_a.cache.l2._client
     gate = GatedReads(host_b.cache.l2)
     with cache_stub(host_b.address) as stub_b:
@@ -112,8 +115,7 @@ def test_a_chunk_failing_its_mac_or_gone_mid_run_is_a_miss_where_the_run_ends(tw
 def test_redis_restarting_mid_promotion_loses_nothing_stored(two_hosts, redis):
     host_a, host_b = two_hosts
     chunks = [make_chunk(f"restart {index}", 50_000) for index in range(6)]
-    warm_on_a(host_a, chunks)
-    keys = [chunk.key for chunk in chunks]
+    keys = warm_on_a(host_a, chunks)
     gate = GatedReads(host_b.cache.l2)
     with cache_stub(host_b.address) as stub_b:
         assert lookup(stub_b, keys).prefix_run == 6
@@ -135,31 +137,14 @@ def test_redis_restarting_mid_promotion_loses_nothing_stored(two_hosts, redis):
     assert ChunkKey(keys[0]) not in host_b.cache.promoter.arriving.snapshot()
 
 
-class ReadThenHold:
-    """Lets the daemon's L2 value reads (promotions) read, then holds what they read until `open` is set."""
-
-    def __init__(self, tier) -> None:
-        self.opened = threading.Event()
-        self.read = threading.Semaphore(0)
-        self._get = tier.get
-        tier.get = self
-
-    def __call__(self, keys):
-        found = self._get(keys)
-        self.read.release()
-        assert self.opened.wait(30), "the test never opened the gate"
-        return found
-
-
 def test_a_delete_voids_the_promotions_in_flight_so_no_later_lookup_finds_what_it_deleted(two_hosts, redis):
     host_a, host_b = two_hosts
     chunks = [make_chunk(f"deleted mid-promotion {index}", 3000) for index in range(3)]
-    warm_on_a(host_a, chunks)
-    keys = [chunk.key for chunk in chunks]
-    gate = ReadThenHold(host_b.cache.l2)
+    keys = warm_on_a(host_a, chunks)
+    gate = GatedReads(host_b.cache.l2, read_first=True)
     with cache_stub(host_b.address) as stub_b:
         before = lookup(stub_b, keys)
-        assert before.prefix_run == 3 and gate.read.acquire(timeout=10)  # B's promotion holds all three, read
+        assert before.prefix_run == 3 and gate.waiting.acquire(timeout=10)  # B's promotion holds all three, read
         stub_b.Delete(cache_pb2.DeleteRequest(keys=[keys[1]]), timeout=10)
         # The Delete has returned: a Lookup that starts now must not answer keys[1] (an inference service's L0
         # would take the answer, at the Delete's count, for this very chunk). The promotion's batch read before

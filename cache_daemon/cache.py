@@ -15,6 +15,7 @@ import numpy as np
 
 from cache_daemon import eviction
 from kvboost_common.checksum import crc32
+from cache_daemon.deletes import DeleteLog
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
 from cache_daemon.errors import BudgetExceeded, NotFound, check_blob_fits
 from cache_daemon.events import DEFAULT_HISTORY, ChunkEvent, EventJournal, EventKind
@@ -45,6 +46,7 @@ class PutResult:
     already_present: int
     evicted: int  # stored chunks evicted, plus incoming chunks that did not fit beside pinned ones
     bytes_stored: int
+    superseded: int = 0  # incoming chunks a Delete their writer had not seen names (DeleteLog.supersedes)
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,6 +119,7 @@ class ChunkCache:
         self._pending_hits: Counter[ChunkKey] = Counter()
         self._counters = Counters()
         self.events = events if events is not None else EventJournal()
+        self.deletes = DeleteLog()  # the delete epoch, and the Deletes a Store is checked against (in _write_lock)
         if load_in_background:
             threading.Thread(target=self._load, name="index-loader", daemon=True).start()
         else:
@@ -278,7 +281,10 @@ class ChunkCache:
         for chunk in chunks:
             check_blob_fits(chunk.key, len(chunk.blob), self.max_bytes)
         with self._writing():
-            unique = _first_of_each_key(chunks)
+            # Checked in the write lock, which every Delete's removal takes after it began in the DeleteLog.
+            wanted = [chunk for chunk in chunks if not self.deletes.supersedes(chunk.writer, chunk.namespace, chunk.key)]
+            num_superseded = len(chunks) - len(wanted)
+            unique = _first_of_each_key(wanted)
             stored = self.store.get_entries([chunk.key for chunk in unique])
             new_chunks = [chunk for chunk, entry in zip(unique, stored) if entry is None]
             index = self._index
@@ -309,8 +315,10 @@ class ChunkCache:
         if num_evicted:
             logger.debug("evicted %d chunks (%d bytes) and dropped %d incoming ones to stay inside %d bytes",
                          len(plan.victims), plan.bytes_freed, len(plan.rejected), self.max_bytes)
-        return PutResult(stored=len(puts), already_present=len(chunks) - len(new_chunks), evicted=num_evicted,
-                         bytes_stored=bytes_stored)
+        if num_superseded:
+            logger.info("left out %d incoming chunks: a Delete their writer had not seen named them", num_superseded)
+        return PutResult(stored=len(puts), already_present=len(wanted) - len(new_chunks), evicted=num_evicted,
+                         bytes_stored=bytes_stored, superseded=num_superseded)
 
     def _plan_continuations(self, admitted: Sequence[IncomingChunk],
                             leaving: set[ChunkKey]) -> tuple[list[Continuation], list[ChunkKey]]:

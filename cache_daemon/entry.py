@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NewType
 
+from cache_daemon.deletes import WriterEpoch
+
 # A stored chunk's prefix key: the LMDB key of its blob and metadata (32 raw bytes).
 ChunkKey = NewType("ChunkKey", bytes)
 
@@ -52,6 +54,9 @@ class IncomingChunk:
     # that parent when both are given (see ChunkCache.continuation).
     parent_key: bytes = b""
     token_ids: bytes = b""
+    # The delete epoch its writer computed it after (Store's ChunkMeta.delete_epoch_id / delete_count): a Delete the
+    # writer had not seen that names it keeps it out (DeleteLog.supersedes). None: stored as always.
+    writer: WriterEpoch | None = None
 
     def __post_init__(self) -> None:
         assert len(self.key) == DIGEST_SIZE, f"key must be {DIGEST_SIZE} bytes, got {len(self.key)}"

@@ -8,6 +8,7 @@ from kvboost.v1 import cache_pb2
 
 from kvboost_common.checksum import crc32
 from kvboost_common.frames import MAX_FRAME_BYTES
+from cache_daemon.deletes import WriterEpoch
 from cache_daemon.entry import DIGEST_SIZE, ChunkKey, Entry, IncomingChunk
 from cache_daemon.errors import InvalidCacheRequest, StoreStreamOverLimit, check_blob_fits
 
@@ -135,6 +136,9 @@ class StoreStreamAssembler:
         if meta.content_key:
             check_digest(meta.content_key, "ChunkMeta.content_key")
         check_continuation(meta.parent_key, meta.token_ids, "ChunkMeta")
+        if meta.delete_count and not meta.delete_epoch_id:
+            raise InvalidCacheRequest(f"chunk {meta.key.hex()[:16]}: ChunkMeta.delete_count needs the "
+                                      f"delete_epoch_id of the same Lookup reply")
         check_blob_fits(meta.key, meta.size_bytes, self.max_blob_bytes)
         self._check_stream_bounds(meta.size_bytes)
         self._meta, self._pieces, self._num_received, self._crc = meta, [], 0, 0
@@ -174,6 +178,7 @@ class StoreStreamAssembler:
             key=ChunkKey(meta.key), namespace=meta.namespace, content_key=meta.content_key,
             num_tokens=meta.num_tokens, checksum=meta.checksum, pinned=meta.pinned, blob=b"".join(self._pieces),
             parent_key=meta.parent_key, token_ids=meta.token_ids,
+            writer=WriterEpoch(meta.delete_epoch_id, meta.delete_count) if meta.delete_epoch_id else None,
         ))
         self._meta, self._pieces = None, []
 

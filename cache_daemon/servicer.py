@@ -2,11 +2,8 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import functools
-import secrets
-import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
@@ -14,6 +11,7 @@ import grpc
 from kvboost.v1 import cache_pb2, cache_pb2_grpc
 
 from cache_daemon.cache import CacheStats, ChunkCache, DeleteResult, PinResult
+from cache_daemon.deletes import DeleteLog
 from cache_daemon.entry import ChunkKey, Entry, IncomingChunk
 from cache_daemon.errors import InvalidCacheRequest, PermissionDenied, StoreStreamOverLimit
 from cache_daemon.executors import DaemonExecutors
@@ -55,17 +53,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self._refusals = refusals
         self._store_limits = store_limits or StoreLimits()
         self._executors = executors or DaemonExecutors()
-        # The delete epoch every Lookup reply carries (LookupReply.delete_epoch_id / delete_count): Delete calls
-        # completed since this start that could have named the caller's chunks (a tenant: its own and the admins';
-        # without tenancy or as an admin: every one), so no tenant learns of another's. Read before a Lookup looks
-        # anything up, counted after a Delete has removed its chunks: a reply's hits were held after every Delete
-        # its epoch counts.
-        self._delete_epoch_id = secrets.token_hex(8)
-        self._deletes_lock = threading.Lock()  # counted on the store executor's threads, read on the loop
-        self._deletes = 0  # every Delete
-        self._shared_deletes = 0  # without tenancy, or by an admin
-        self._own_deletes: collections.Counter[str] = collections.Counter()  # by each tenant
-
     def _caller(self) -> Tenant | None:
         """The calling tenant; None without tenancy (one trusted caller). Fails closed."""
         if self._tenancy is None:
@@ -95,7 +82,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         check_continuation(request.continue_parent, request.continue_tokens, "LookupRequest continue_parent/tokens")
         check_continue_after_run(request.continue_after_run, len(prefix_keys), bool(request.continue_parent))
         space = self._space()
-        deletes_before = self._deletes_seen_by(self._caller())
+        deletes_before = self._deletes.count_seen_by(self._viewer())
         arguments = (space.scope(request.namespace), space.scope_all(prefix_keys),
                      [space.scope_optional(key) for key in content_keys], space.scope_all(partial_keys))
         result = await self._lookup(arguments)
@@ -104,7 +91,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             prefix_run=result.prefix_run, prefix_hit=result.prefix_hit,
             content_hits=[cache_pb2.ContentHit(index=index, stored_key=space.unscope(key))
                           for index, key in result.content_hits],
-            partial_index=result.partial_index, delete_epoch_id=self._delete_epoch_id, delete_count=deletes_before)
+            partial_index=result.partial_index, delete_epoch_id=self._deletes.epoch_id, delete_count=deletes_before)
         if request.continue_after_run:  # the second Lookup's question, asked of the run just found
             reply.continued = True
             run = result.prefix_run
@@ -123,26 +110,31 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 reply.continuation_key, reply.continuation_tokens = space.unscope(continuation[0]), continuation[1]
         return reply
 
-    def _deletes_seen_by(self, tenant: Tenant | None) -> int:
-        """LookupReply.delete_count for this caller: the Deletes that could have named its chunks."""
-        with self._deletes_lock:
-            if tenant is None or tenant.admin:
-                return self._deletes
-            return self._shared_deletes + self._own_deletes[tenant.name]
+    @property
+    def _deletes(self) -> DeleteLog:
+        """The delete epoch every Lookup reply carries (LookupReply.delete_epoch_id / delete_count): Delete calls
+        completed since this start that could have named the caller's chunks (a tenant: its own and the admins';
+        without tenancy or as an admin: every one), so no tenant learns of another's. Read before a Lookup looks
+        anything up, counted after a Delete has removed its chunks: a reply's hits were held after every Delete its
+        epoch counts. A Store is checked against it too (DeleteLog.supersedes)."""
+        return self._cache.deletes
 
-    def _counted(self, remove: Callable[[], DeleteResult], tenant: Tenant | None) -> DeleteResult:
-        """remove() on the store executor's thread, then the Delete counted on the same thread, found or not
-        (NOT_FOUND included: a client tier may still hold what it names): once its chunks are gone, whether or not
-        the caller is still waiting (a Delete past its deadline goes on removing)."""
+    def _viewer(self) -> str | None:
+        """Whose delete count the caller sees (WriterEpoch.viewer): a tenant's name, None for every Delete."""
+        tenant = self._caller()
+        return None if tenant is None or tenant.admin else tenant.name
+
+    def _counted(self, remove: Callable[[], DeleteResult], owner: str | None, namespace: bytes | None,
+                 keys: Sequence[bytes]) -> DeleteResult:
+        """remove() on the store executor's thread, begun in the DeleteLog first (a Store checked from then on leaves
+        out what it names), then counted on the same thread, found or not (NOT_FOUND included: a client tier may
+        still hold what it names): once its chunks are gone, whether or not the caller is still waiting (a Delete
+        past its deadline goes on removing)."""
+        stone = self._deletes.begin(owner, namespace, keys)
         try:
             return remove()
         finally:
-            with self._deletes_lock:
-                self._deletes += 1
-                if tenant is None or tenant.admin:
-                    self._shared_deletes += 1
-                else:
-                    self._own_deletes[tenant.name] += 1
+            self._deletes.end(stone)
 
     async def _lookup(self, arguments: tuple):
         if isinstance(self._cache, TieredCache):  # L2 behind LMDB: a round trip only for what LMDB misses
@@ -198,7 +190,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             chunks = await self._executors.run(store, self._scoped_chunks, tenant, chunks)
         result = await self._executors.run(store, self._cache.put_many, chunks)
         return cache_pb2.StoreReply(stored=result.stored, already_present=result.already_present,
-                                    evicted=result.evicted, bytes_stored=result.bytes_stored)
+                                    evicted=result.evicted, bytes_stored=result.bytes_stored,
+                                    superseded=result.superseded)
 
     async def _received_chunks(self, request_iterator: AsyncIterator[cache_pb2.ChunkFrame]) -> list[IncomingChunk]:
         """The stream's chunks, within --max-store-chunks, --max-store-bytes and --store-deadline."""
@@ -225,7 +218,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         space = self._tenancy.space_of(tenant)
         scoped = [dataclasses.replace(chunk, key=ChunkKey(space.scope(chunk.key)), namespace=space.scope(chunk.namespace),
                                       content_key=space.scope_optional(chunk.content_key),
-                                      parent_key=space.scope(chunk.parent_key) if chunk.parent_key else b"")
+                                      parent_key=space.scope(chunk.parent_key) if chunk.parent_key else b"",
+                                      writer=chunk.writer and (chunk.writer if tenant.admin else
+                                                               dataclasses.replace(chunk.writer, viewer=tenant.name)))
                   for chunk in chunks]
         new_owners = self._tenancy.new_namespaces(tenant, (chunk.namespace for chunk in scoped))
         if new_owners:
@@ -282,15 +277,19 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         if request.corrupted and request.namespace:
             raise InvalidCacheRequest("DeleteRequest.corrupted names keys, not a namespace")
         space = self._space()
+        named_namespace, named_keys = None, []  # what a Store checked against it leaves out
         if request.namespace:
             check_digest(request.namespace, "DeleteRequest.namespace")
-            remove = functools.partial(self._cache.delete_namespace, space.scope(request.namespace))
+            named_namespace = space.scope(request.namespace)
+            remove = functools.partial(self._cache.delete_namespace, named_namespace)
         elif request.keys:
             keys = [ChunkKey(key) for key in space.scope_all(checked_keys(request.keys, "DeleteRequest.keys"))]
             remove = functools.partial(self._cache.delete_keys, keys, request.corrupted)
+            named_keys = [] if request.corrupted else keys  # a corrupted blob's good copy may be stored again
         else:
             raise InvalidCacheRequest("DeleteRequest needs keys or a namespace")
-        result: DeleteResult = await self._executors.run(self._executors.store, self._counted, remove, self._caller())
+        result: DeleteResult = await self._executors.run(self._executors.store, self._counted, remove, self._viewer(),
+                                                         named_namespace, named_keys)
         return cache_pb2.DeleteReply(deleted=result.deleted, bytes_freed=result.bytes_freed)
 
     async def Describe(self, request: cache_pb2.DescribeRequest, context) -> cache_pb2.DescribeReply:

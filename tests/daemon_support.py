@@ -50,10 +50,12 @@ def header_frame(chunk: SampleChunk, **overrides) -> cache_pb2.ChunkFrame:
     return cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=cache_pb2.ChunkMeta(**fields)))
 
 
-def store_frames(chunks: Sequence[SampleChunk], frame_bytes: int = FRAME_BYTES) -> list[cache_pb2.ChunkFrame]:
+def store_frames(chunks: Sequence[SampleChunk], frame_bytes: int = FRAME_BYTES,
+                 **meta) -> list[cache_pb2.ChunkFrame]:
+    """Each chunk's header (with `meta`'s ChunkMeta fields, e.g. a delete epoch), then its data frames."""
     frames = []
     for chunk in chunks:
-        frames.append(header_frame(chunk))
+        frames.append(header_frame(chunk, **meta))
         frames.extend(cache_pb2.ChunkFrame(data=chunk.blob[start:start + frame_bytes])
                       for start in range(0, len(chunk.blob), frame_bytes))
     return frames

@@ -247,7 +247,7 @@ class Executor:
                 or seq.context.degraded or seq.params.segments):
             return
         pending = answer_chunks(seq.prompt, answer, seq.parts.config.chunk_size, self.owner.views(row.slot),
-                                seq.request_id)
+                                seq.request_id, seq.context.delete_epoch)
         if pending is None:
             return
         self.owner.hold(row.slot)  # the write-back reads the slot's K/V on its own thread

@@ -24,7 +24,7 @@ from kvboost_keys.token_cache import TokenCache
 from inference_service.kv.repair import RepairOptions
 from inference_service.kv.rope import RopeParams
 from inference_service.kv_memory.kv_buffers import KVGeometry
-from inference_service.store.protocol import ChunkStore
+from inference_service.store.protocol import ChunkStore, DeleteEpoch
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +201,13 @@ def new_chunks(parts: EngineParts, prompt: PromptPlan, context: AssembledContext
         content_keys.append(None)
         parent_keys.append(prompt.parent_key(len(prompt.chunks.chunks)))
     return PendingChunks(parts.namespace, tuple(chunks), tuple(prefix_keys), tuple(content_keys), new_kv, num_cached,
-                         request_id=request_id, head_kv=buffers, parent_keys=tuple(parent_keys))
+                         request_id=request_id, head_kv=buffers, parent_keys=tuple(parent_keys),
+                         delete_epoch=context.delete_epoch)
 
 
 def answer_chunks(prompt: PromptPlan, answer_ids: Sequence[int], chunk_size: int,
-                  buffers: tuple[torch.Tensor, torch.Tensor], request_id: str) -> PendingChunks | None:
+                  buffers: tuple[torch.Tensor, torch.Tensor], request_id: str,
+                  delete_epoch: DeleteEpoch | None = None) -> PendingChunks | None:
     """The chunks of the prompt's tail and its answer, keyed as a prompt that continues this one would key them:
     the next turn of a conversation then finds the whole previous turn. answer_ids: the generated tokens whose
     K/V are in `buffers` (every one but the last, which was never fed back). Single-segment prompts only."""
@@ -225,7 +227,7 @@ def answer_chunks(prompt: PromptPlan, answer_ids: Sequence[int], chunk_size: int
     new_kv = [(keys[layer : layer + 1, :, start:end], values[layer : layer + 1, :, start:end])
               for layer in range(keys.shape[0])]
     return PendingChunks(prompt.namespace, tuple(chunks), tuple(prefix_keys), (None,) * len(chunks), new_kv, start,
-                         request_id=request_id, parent_keys=tuple(parent_keys))
+                         request_id=request_id, parent_keys=tuple(parent_keys), delete_epoch=delete_epoch)
 
 
 def submit_write_back(parts: EngineParts, pending: PendingChunks | None) -> None:

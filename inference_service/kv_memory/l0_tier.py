@@ -159,12 +159,15 @@ class L0Tier:
         return taken
 
     def add(self, key: bytes, keys: torch.Tensor, values: torch.Tensor, pending: bool = False,
-            parent: bytes | None = None) -> bool:
+            parent: bytes | None = None, epoch: DeleteEpoch | None = None) -> bool:
         """Keeps copies of a chunk's K/V (keys, values: [layers, kv_heads, n, head_dim]); returns whether L0 holds it.
 
         parent: the prefix key the chunk chains from (None: a prompt's first chunk). A chunk is
         not kept when it is larger than the whole tier or only its ancestors could make room (l0_eviction).
-        pending: its write-back is starting (see is_pending; settle ends it).
+        pending: its write-back is starting (see is_pending; settle ends it). epoch: the delete epoch of the Lookup
+        its K/V were computed after (None: none answered); the daemon leaves the chunk out if a Delete since named it,
+        so L0 counts it as confirmed only while that epoch is current (with None: at L0's current epoch, as a store
+        without an epoch on the Store stores it whatever was deleted).
         """
         size = _nbytes((keys, values))
         with self._lock:
@@ -184,8 +187,9 @@ class L0Tier:
                 return False
             evicted = [self._drop(victim) for victim in victims]
             self._kv[key], self._entries[key] = kv, incoming
-            if pending and self._epoch is not None:  # computed here, and stored at the daemon after any Delete so far
-                self._confirmed[key] = self._epoch  # (a fetched chunk waits for a Lookup to confirm it)
+            if pending and self._epoch is not None and (epoch is None or epoch == self._epoch):
+                self._confirmed[key] = self._epoch  # computed here after every Delete so far: the daemon will hold it
+                # (a fetched chunk waits for a Lookup to confirm it)
             self.bytes_held += size
             self.stats.chunks_added += 1
             if self.listener is not None:

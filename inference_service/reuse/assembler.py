@@ -55,6 +55,9 @@ class AssembledContext:
     num_load_skipped_tokens: int = 0  # cached tokens recomputed instead: predicted faster (ChooseLoad)
     tier_loads: list[TierLoad] = field(default_factory=list)  # what each tier placed, and how long it took
     num_lookups: int = 0  # Lookups assemble_context asked (on the step loop): 0 when the early one held
+    # The delete epoch of the Lookup the prompt was placed after (None: none answered, or a store that keeps none):
+    # the new chunks' write-back carries it, so a Delete after it keeps them out of the store (StoreItem.delete_epoch).
+    delete_epoch: DeleteEpoch | None = None
 
     @property
     def num_fetched_blobs(self) -> int:
@@ -125,10 +128,12 @@ def assemble_context(
         context.num_lookups = num_lookups
         return context
     if run == 0 and partial is None:
-        return AssembledContext(None, None, content_hits=lookup.content_hits, num_lookups=num_lookups)
+        return AssembledContext(None, None, content_hits=lookup.content_hits, num_lookups=num_lookups,
+                                delete_epoch=lookup.delete_epoch)
     context = fetch_prefix_run(store, prompt, run, buffers, rope, partial, l0, choose_load, host)
     context.content_hits = lookup.content_hits
     context.num_lookups = num_lookups
+    context.delete_epoch = lookup.delete_epoch
     return context
 
 

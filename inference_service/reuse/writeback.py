@@ -11,7 +11,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from inference_service.store.protocol import DEFAULT_MAX_STREAM_BYTES, StoreUnavailable, ChunkStore, StoreItem
+from inference_service.store.protocol import (DEFAULT_MAX_STREAM_BYTES, ChunkStore, DeleteEpoch, StoreItem,
+                                             StoreUnavailable)
 from kvboost_keys.chunking import Chunk
 from inference_service.kv.blobs import DEFAULT_GROUP_SIZE, encode_chunk_kv
 from inference_service.kv.rope import RopeParams
@@ -48,6 +49,9 @@ class PendingChunks:
     head_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     # The prefix key each chunk chains from (reuse inside a chunk indexes chunks under it); () : not indexed.
     parent_keys: tuple[bytes, ...] = ()
+    # The delete epoch of the Lookup the K/V were computed after (AssembledContext.delete_epoch; None: none): the
+    # store leaves out a chunk a later Delete named, and L0 counts the chunks as confirmed at it only.
+    delete_epoch: DeleteEpoch | None = None
 
     def __post_init__(self) -> None:
         assert len(self.chunks) == len(self.prefix_keys) == len(self.content_keys), "one key of each kind per chunk"
@@ -92,7 +96,7 @@ def iter_encoded(pending: PendingChunks, bits: int, group_size: int = DEFAULT_GR
         keys, values = pending.chunk_kv(chunk)
         blob = encode_chunk_kv(keys, values, chunk.start, bits, group_size, rope)
         yield StoreItem(key, pending.namespace, content, len(chunk.token_ids), blob, pending.pin,
-                        parent, tuple(chunk.token_ids) if parent else ())
+                        parent, tuple(chunk.token_ids) if parent else (), pending.delete_epoch)
 
 
 def bounded_batches(items: Iterable[StoreItem], max_bytes: int) -> Iterator[list[StoreItem]]:
@@ -191,15 +195,16 @@ class WriteBack:
         try:
             parents = pending.parent_keys or (None,) * len(pending.chunks)  # L0 evicts a chunk after its successors
             for chunk, key, parent in zip(pending.chunks, pending.prefix_keys, parents):
-                self._keep(key, *pending.chunk_kv(chunk), parent if chunk.start else None, pending=True)
+                self._keep(key, *pending.chunk_kv(chunk), parent if chunk.start else None, pending=True,
+                           epoch=pending.delete_epoch)
         except Exception:
             logger.exception("[%s] keeping chunks in L0 failed", pending.request_id)
 
     def _keep(self, key: bytes, keys: torch.Tensor, values: torch.Tensor, parent: bytes | None,
-              pending: bool = False) -> None:
+              pending: bool = False, epoch: DeleteEpoch | None = None) -> None:
         """L0 keeps the chunk; the host tier takes it when L0 does not (off, or no room it may make). Its bytes were
         computed here, or checked when they were fetched: no checksum again."""
-        if self.l0 is not None and self.l0.add(key, keys, values, pending=pending, parent=parent):
+        if self.l0 is not None and self.l0.add(key, keys, values, pending=pending, parent=parent, epoch=epoch):
             return
         if self.host is not None:
             self.host.add(key, keys, values, parent)

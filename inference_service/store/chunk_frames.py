@@ -21,6 +21,8 @@ def iter_store_frames(items: Iterable[StoreItem]) -> Iterator[cache_pb2.ChunkFra
         )
         if item.parent_key and item.token_ids:
             meta.parent_key, meta.token_ids = item.parent_key, pack_token_ids(item.token_ids)
+        if item.delete_epoch is not None:
+            meta.delete_epoch_id, meta.delete_count = item.delete_epoch.id, item.delete_epoch.count
         yield cache_pb2.ChunkFrame(header=cache_pb2.ChunkHeader(meta=meta))
         view = memoryview(item.blob)
         for start in range(0, len(view), MAX_FRAME_BYTES):

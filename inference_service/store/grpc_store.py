@@ -143,6 +143,9 @@ class GrpcChunkStore:
             reply = stub.Store(iter_store_frames(items), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise self._failure("Store", error) from error
+        if reply.superseded:
+            logger.info("the daemon left out %d of %d chunks: a Delete after the Lookup they were computed after "
+                        "named them", reply.superseded, len(items))
         return reply.stored + reply.already_present
 
     def unpin(self, keys: list[bytes]) -> int:

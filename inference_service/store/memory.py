@@ -36,6 +36,7 @@ class InMemoryStore:
         self._lock = threading.Lock()
         self._epoch_id = secrets.token_hex(8)  # the daemon's delete epoch, kept alike (DeleteEpoch)
         self._deletes = 0
+        self._deleted: list[tuple[int, frozenset[bytes]]] = []  # each Delete: the count it made, the keys it named
 
     def __len__(self) -> int:
         with self._lock:
@@ -104,6 +105,7 @@ class InMemoryStore:
 
     def store(self, items: list[StoreItem]) -> int:
         with self._lock:
+            items = [item for item in items if not self._superseded(item)]
             for item in items:
                 self._entries[item.key] = _Entry(
                     item.namespace, item.content_key, item.num_tokens, bytearray(item.blob), item.pin,
@@ -127,10 +129,22 @@ class InMemoryStore:
             return entry is not None and entry.pin
 
     def delete(self, keys: list[bytes]) -> None:
-        """Drops entries as the daemon's Delete does: the delete epoch moves on once they are gone."""
+        """Drops entries as the daemon's Delete does: the delete epoch moves on once they are gone, and a Store whose
+        epoch is older leaves them out."""
         self.evict(keys)
         with self._lock:
             self._deletes += 1
+            self._deleted.append((self._deletes, frozenset(keys)))
+
+    def _superseded(self, item: StoreItem) -> bool:
+        """As the daemon's DeleteLog.supersedes: a Delete the item's epoch does not count names it. The caller holds
+        _lock."""
+        epoch = item.delete_epoch
+        if epoch is None:
+            return False
+        if epoch.id != self._epoch_id or epoch.count > self._deletes:
+            return True
+        return any(count > epoch.count and item.key in keys for count, keys in self._deleted)
 
     def evict(self, keys: list[bytes]) -> None:
         """Drops entries as the daemon's budget does: the delete epoch stays."""

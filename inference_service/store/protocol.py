@@ -108,6 +108,9 @@ class StoreItem:
     # of that parent (reuse inside a chunk). Empty: not indexed.
     parent_key: bytes = b""
     token_ids: tuple[int, ...] = ()
+    # The delete epoch of the Lookup its K/V were computed after: the daemon leaves the chunk out when a Delete that
+    # epoch does not count names it (StoreReply.superseded). None: stored whatever was deleted (a warm-up).
+    delete_epoch: DeleteEpoch | None = None
 
     def __post_init__(self) -> None:
         assert self.num_tokens > 0, f"a stored chunk holds tokens, got {self.num_tokens}"

@@ -1,6 +1,7 @@
 """Two daemons, each with its own LMDB, sharing one real redis-server as L2 (in-process gRPC servers)."""
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 from contextlib import ExitStack
@@ -10,7 +11,7 @@ from kvboost.v1 import cache_pb2
 
 from tests.conftest import pick_free_port
 from tests.daemon_support import (NAMESPACE, cache_stub, digest, fetch_chunks, make_chunk, rpc_error,
-                                  running_daemon, store_chunks)
+                                  running_daemon, store_chunks, store_frames)
 from tests.redis_support import RedisNode, redis_node, requires_redis
 
 pytestmark = requires_redis
@@ -111,6 +112,26 @@ def test_delete_by_namespace_and_by_key_reach_l2(two_hosts):
         assert list(lookup(stub_b, [chunk.key for chunk in chunks]).prefix_hit) == [False] * 4
         error = rpc_error(stub_b.Delete, cache_pb2.DeleteRequest(namespace=NAMESPACE))
         assert error.code().name == "NOT_FOUND"
+
+
+def test_a_write_behind_still_queued_when_a_delete_ends_does_not_put_its_chunk_back_in_l2(two_hosts):
+    """LMDB took the chunk, the Delete removed it from both tiers, then the write-behind reached Redis: the writer's
+    epoch (before the Delete) keeps it out of L2, so no host finds it there."""
+    host_a, host_b = two_hosts
+    chunk = make_chunk("written behind a delete", 2000)
+    queue = host_a.cache._writer
+    write, release = queue._write, threading.Event()
+    queue._write = lambda chunks: (release.wait(10), write(chunks))
+    with cache_stub(host_a.address) as stub_a, cache_stub(host_b.address) as stub_b:
+        epoch = lookup(stub_a, [chunk.key])
+        stored = stub_a.Store(iter(store_frames([chunk], delete_epoch_id=epoch.delete_epoch_id,
+                                                delete_count=epoch.delete_count)))
+        assert stored.stored == 1  # in LMDB; its L2 write waits
+        stub_a.Delete(cache_pb2.DeleteRequest(keys=[chunk.key]))
+        release.set()
+        assert host_a.cache.drain_writes(10)
+        assert list(lookup(stub_b, [chunk.key]).prefix_hit) == [False]
+        assert list(lookup(stub_a, [chunk.key]).prefix_hit) == [False]
 
 
 def test_sync_writes_are_in_l2_when_store_replies_and_survive_a_redis_restart_with_aof(tmp_path, redis):

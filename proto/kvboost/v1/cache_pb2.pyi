@@ -32,7 +32,7 @@ KV_TIER_L1: KvTier
 KV_TIER_L2: KvTier
 
 class ChunkMeta(_message.Message):
-    __slots__ = ("key", "namespace", "content_key", "num_tokens", "size_bytes", "checksum", "frequency", "last_access_unix", "pinned", "parent_key", "token_ids")
+    __slots__ = ("key", "namespace", "content_key", "num_tokens", "size_bytes", "checksum", "frequency", "last_access_unix", "pinned", "parent_key", "token_ids", "delete_epoch_id", "delete_count")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,8 @@ class ChunkMeta(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DELETE_EPOCH_ID_FIELD_NUMBER: _ClassVar[int]
+    DELETE_COUNT_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     namespace: bytes
     content_key: bytes
@@ -55,7 +57,9 @@ class ChunkMeta(_message.Message):
     pinned: bool
     parent_key: bytes
     token_ids: bytes
-    def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., content_key: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., frequency: _Optional[float] = ..., last_access_unix: _Optional[float] = ..., pinned: _Optional[bool] = ..., parent_key: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+    delete_epoch_id: str
+    delete_count: int
+    def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., content_key: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., frequency: _Optional[float] = ..., last_access_unix: _Optional[float] = ..., pinned: _Optional[bool] = ..., parent_key: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., delete_epoch_id: _Optional[str] = ..., delete_count: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
     __slots__ = ("meta", "found")
@@ -134,16 +138,18 @@ class FetchRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., reader_verifies: _Optional[bool] = ...) -> None: ...
 
 class StoreReply(_message.Message):
-    __slots__ = ("stored", "already_present", "evicted", "bytes_stored")
+    __slots__ = ("stored", "already_present", "evicted", "bytes_stored", "superseded")
     STORED_FIELD_NUMBER: _ClassVar[int]
     ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     stored: int
     already_present: int
     evicted: int
     bytes_stored: int
-    def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., evicted: _Optional[int] = ..., bytes_stored: _Optional[int] = ...) -> None: ...
+    superseded: int
+    def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., evicted: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., superseded: _Optional[int] = ...) -> None: ...
 
 class CacheStatsRequest(_message.Message):
     __slots__ = ("namespace",)

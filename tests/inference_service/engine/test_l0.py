@@ -96,6 +96,10 @@ def test_quantized_storage_keeps_no_l0(tiny_llama):
         engine.close()
 
 
+def held(store: InMemoryStore, keys: list[bytes]) -> list[bool]:
+    return [blob is not None for _, blob in store.fetch(keys)]
+
+
 @pytest.fixture(params=["tiny_llama", "tiny_qwen2"])
 def tiny_model(request):
     return request.getfixturevalue(request.param)
@@ -113,6 +117,31 @@ def test_a_prompt_asked_again_while_its_write_back_is_in_flight_is_placed_from_l
         assert again.cached_tokens == 44 and len(store) == 0
         assert first.output_token_ids == again.output_token_ids == expected
         assert engine.stats()["l0_chunks_hit"] == 6 and engine.stats()["chunks_fetched"] == 0  # 5 whole + the tail
+    finally:
+        store.gate.set()
+        engine.close()
+
+
+def test_a_delete_while_a_write_back_is_in_flight_keeps_its_chunks_out_of_the_store_and_of_l0(tiny_llama):
+    """The write-back carries its Lookup's delete epoch: a Delete of its chunks that ends before its Store arrives
+    keeps them out of the store, and L0, which added them at that epoch, stops answering for them alone."""
+    store = GatedStore()
+    engine = make_engine(tiny_llama, cache=store)
+    try:
+        prompt = text_of_length(45)  # 5 whole chunks and a 5-token tail
+        expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
+        first = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=12))
+        plan = engine.plan_request(GenerationParams(prompt=prompt))[1]
+        keys = [*plan.prefix_keys, plan.tail_key]
+        store.delete(keys)  # the user deletes the prompt's chunks while its write-back waits on the daemon
+        store.gate.set()
+        engine.flush_writes()
+        assert held(store, keys) == [False] * 6  # not stored again after the Delete
+        again = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=12))
+        assert first.output_token_ids == again.output_token_ids == expected
+        assert again.cached_tokens == 0 and engine.stats()["l0_chunks_alone"] == 0
+        engine.flush_writes()
+        assert held(store, keys) == [True] * 6  # the new write-back saw the Delete: stored
     finally:
         store.gate.set()
         engine.close()

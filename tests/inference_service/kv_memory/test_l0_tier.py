@@ -166,6 +166,19 @@ def test_a_written_back_chunk_is_served_alone_at_the_epoch_it_was_added_at_and_a
     assert l0.serves_alone(b"f", EPOCH)
 
 
+
+def test_a_write_back_computed_before_the_current_epoch_is_not_served_alone_at_it():
+    """Its Lookup answered at EPOCH; another request's Lookup has since brought L0 the next epoch (a Delete, of this
+    chunk perhaps): the daemon leaves the chunk out of the Store, so L0 must not count it as confirmed at the new one."""
+    l0 = L0Tier(10 * CHUNK_BYTES)
+    moved = DeleteEpoch("start-1", 1, asked=2)
+    l0.confirm(moved, [])
+    l0.add(b"old", *chunk(1.0), pending=True, epoch=EPOCH)
+    l0.add(b"new", *chunk(2.0), pending=True, epoch=moved)
+    l0.add(b"unknown", *chunk(3.0), pending=True)  # no Lookup answered it: its Store carries no epoch, is stored
+    l0.settle([b"old", b"new", b"unknown"])
+    assert [l0.serves_alone(key, moved) for key in (b"old", b"new", b"unknown")] == [False, True, True]
+
 MEASURE_RESIDENT = """
 import os, sys, torch
 from inference_service.kv_memory.l0_tier import L0Tier

@@ -282,7 +282,7 @@ class ChunkCache:
             check_blob_fits(chunk.key, len(chunk.blob), self.max_bytes)
         with self._writing():
             # Checked in the write lock, which every Delete's removal takes after it began in the DeleteLog.
-            wanted = [chunk for chunk in chunks if not self.deletes.supersedes(chunk.writer, chunk.namespace, chunk.key)]
+            wanted = self.deletes.not_superseded(chunks)
             num_superseded = len(chunks) - len(wanted)
             unique = _first_of_each_key(wanted)
             stored = self.store.get_entries([chunk.key for chunk in unique])

@@ -5,19 +5,24 @@ A writer names the epoch of the Lookup it computed after (ChunkMeta.delete_epoch
 Deletes it had not seen are those this start completed after that count, and those still running; a chunk one of
 them names (by key, or by namespace) is superseded: not stored. The check runs inside LMDB's write lock (ChunkCache
 .put_many) and each Delete is begun here before it removes anything, so a Store either commits before the Delete's
-removal (which then removes it) or sees the Delete. A writer without an epoch (a warm-up, an older client) stores as
-before."""
+removal (which then removes it) or sees the Delete; L2's writes are checked before and after they reach Redis
+(TieredCache._put_in_l2). A writer without an epoch (a warm-up, an older client) stores as before."""
 from __future__ import annotations
 
 import collections
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
-# Completed Deletes remembered. A writer whose epoch is older than all of them cannot be checked: its chunks are
-# superseded (a cache loses a write, never stores what a Delete removed).
+if TYPE_CHECKING:  # annotations only: entry.py imports WriterEpoch from here
+    from cache_daemon.entry import IncomingChunk
+
+# Completed Deletes remembered, and the keys they name together (a Delete by keys names up to 65,536): a writer
+# whose epoch is older than every Delete remembered cannot be checked, so its chunks are superseded (a cache loses a
+# write, never stores what a Delete removed).
 MAX_REMEMBERED = 4096
+MAX_REMEMBERED_KEYS = 1 << 18
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,10 +53,26 @@ class Tombstone:
         return viewer is None or self.owner is None or self.owner == viewer
 
 
+@dataclass(slots=True, frozen=True)
+class Unseen:
+    """What the Deletes a writer had not seen name, gathered once for all its chunks (everything: its epoch cannot
+    be checked)."""
+
+    everything: bool = False
+    namespaces: frozenset[bytes] = frozenset()
+    keys: frozenset[bytes] = frozenset()
+
+    def names(self, namespace: bytes, key: bytes) -> bool:
+        return self.everything or namespace in self.namespaces or key in self.keys
+
+
+NOTHING_UNSEEN = Unseen()
+
+
 class DeleteLog:
     """The delete counts (per caller), and the Deletes running and recently completed."""
 
-    def __init__(self, max_remembered: int = MAX_REMEMBERED) -> None:
+    def __init__(self, max_remembered: int = MAX_REMEMBERED, max_keys: int = MAX_REMEMBERED_KEYS) -> None:
         self.epoch_id = secrets.token_hex(8)  # a new one each start: counts of another start say nothing here
         self._lock = threading.Lock()  # Deletes begin and end on store threads; Lookups read counts on the loop
         self._all = 0  # every Delete completed
@@ -60,6 +81,8 @@ class DeleteLog:
         self._running: list[Tombstone] = []
         self._done: collections.deque[Tombstone] = collections.deque()  # completion order, newest last
         self._max_remembered = max_remembered
+        self._max_keys = max_keys
+        self._keys_remembered = 0
 
     def count_seen_by(self, viewer: str | None) -> int:
         """LookupReply.delete_count for a caller: the Deletes completed that could have named its chunks (a tenant:
@@ -85,28 +108,47 @@ class DeleteLog:
             else:
                 self._own[stone.owner] += 1
             self._done.append(stone)
-            if len(self._done) > self._max_remembered:
-                self._done.popleft()
+            self._keys_remembered += len(stone.keys)
+            while self._done and (len(self._done) > self._max_remembered or self._keys_remembered > self._max_keys):
+                self._keys_remembered -= len(self._done.popleft().keys)
 
     def supersedes(self, writer: WriterEpoch | None, namespace: bytes, key: bytes) -> bool:
         """Whether a Delete the writer had not seen names the chunk (True too when that cannot be told: an epoch of
         another start, or older than the Deletes remembered). A writer without an epoch: False."""
+        return self.unseen_by(writer).names(namespace, key)
+
+    def not_superseded(self, chunks: Sequence[IncomingChunk]) -> list[IncomingChunk]:
+        """The chunks no Delete their writer had not seen names (each writer's Deletes gathered once)."""
+        unseen: dict[WriterEpoch | None, Unseen] = {}
+        kept = []
+        for chunk in chunks:
+            if chunk.writer not in unseen:
+                unseen[chunk.writer] = self.unseen_by(chunk.writer)
+            if not unseen[chunk.writer].names(chunk.namespace, chunk.key):
+                kept.append(chunk)
+        return kept
+
+    def unseen_by(self, writer: WriterEpoch | None) -> Unseen:
+        """What the Deletes the writer had not seen name: those still running, and those completed after its count
+        (the newest that many of the Deletes its viewer's count holds)."""
         if writer is None:
-            return False
+            return NOTHING_UNSEEN
         with self._lock:
             if writer.epoch_id != self.epoch_id:
-                return True
-            unseen = (self._all if writer.viewer is None else self._shared + self._own[writer.viewer]) - writer.count
-            if unseen < 0:
-                return True  # a count this start never reached
-            if any(stone.names(namespace, key) for stone in self._running):
-                return True
+                return Unseen(everything=True)
+            missing = (self._all if writer.viewer is None else self._shared + self._own[writer.viewer]) - writer.count
+            if missing < 0:  # a count this start never reached
+                return Unseen(everything=True)
+            unseen = list(self._running)
             for stone in reversed(self._done):
-                if unseen == 0:
-                    return False
-                if stone.counts_for(writer.viewer):
-                    unseen -= 1
-                    if stone.names(namespace, key):
-                        return True
-                # another tenant's Delete: in its own key space, it names none of this writer's chunks
-            return unseen > 0  # older than every Delete remembered
+                if missing == 0:
+                    break
+                if stone.counts_for(writer.viewer):  # another tenant's Delete names nothing in this writer's key space
+                    missing -= 1
+                    unseen.append(stone)
+            if missing > 0:  # older than every Delete remembered
+                return Unseen(everything=True)
+        if not unseen:
+            return NOTHING_UNSEEN
+        return Unseen(namespaces=frozenset(stone.namespace for stone in unseen if stone.namespace is not None),
+                      keys=frozenset().union(*(stone.keys for stone in unseen)))

@@ -64,9 +64,6 @@ class TieredCache:
         self._sync_deadline_s = sync_deadline_s
         self._writer = WriteBehindQueue(self._write_behind, queue_bytes)
         self._lock = threading.Lock()
-        # Held while L2 is written for a Store and while a Delete removes from L2: a write either lands before the
-        # removal or is checked after the Delete began (DeleteLog), so it does not put back what the Delete removed.
-        self._l2_guard = threading.Lock()
         self._num_hits = 0
         self._num_misses = 0
         self._num_sync_writes = 0
@@ -149,8 +146,7 @@ class TieredCache:
             self._writer.submit(chunks)
             return result
         try:
-            with self._l2_guard:
-                self.l2.put(self._not_superseded(chunks), wait=True, deadline_s=self._sync_deadline_s)
+            self._put_in_l2(chunks, wait=True, deadline_s=self._sync_deadline_s)
         except L2Unavailable as error:
             raise L2NotAcknowledged(f"stored in this host's LMDB, not acknowledged by L2: {error}") from error
         with self._lock:
@@ -158,14 +154,18 @@ class TieredCache:
         return result
 
     def _write_behind(self, chunks: Sequence[IncomingChunk]) -> None:
-        with self._l2_guard:
-            self.l2.put(self._not_superseded(chunks))
+        self._put_in_l2(chunks)
 
-    def _not_superseded(self, chunks: Sequence[IncomingChunk]) -> list[IncomingChunk]:
-        """The chunks no Delete their writer had not seen names, checked now (a Delete may have begun since LMDB
-        took them). The caller holds _l2_guard."""
-        deletes = self.deletes
-        return [chunk for chunk in chunks if not deletes.supersedes(chunk.writer, chunk.namespace, chunk.key)]
+    def _put_in_l2(self, chunks: Sequence[IncomingChunk], **put_options) -> None:
+        """Writes to L2 the chunks no Delete their writer had not seen names, then checks again and removes those
+        one names now: a Delete begun before that check is caught by it, one begun after it removes from L2 after
+        this write. So a write-back does not put back into L2 what a Delete removed (LMDB checked it on its own)."""
+        wanted = self.deletes.not_superseded(chunks)
+        self.l2.put(wanted, **put_options)
+        kept = {id(chunk) for chunk in self.deletes.not_superseded(wanted)}
+        late = list(dict.fromkeys(chunk.key for chunk in wanted if id(chunk) not in kept))
+        if late:
+            self._maybe_on_l2(lambda: self.l2.delete(late), 0)
 
     def drain_writes(self, timeout_s: float | None = None) -> bool:
         return self._writer.drain(timeout_s)
@@ -174,15 +174,13 @@ class TieredCache:
     # read a deleted key from L2 before it cannot store it after the LMDB delete, and no Lookup after the Delete
     # answers it as arriving (the inference service's L0 trusts a Lookup's answer at its delete count).
     def delete_keys(self, keys: Sequence[ChunkKey], corrupted: bool = False) -> DeleteResult:
-        with self._l2_guard:
-            num_deleted_l2 = self._maybe_on_l2(lambda: self.l2.delete(list(dict.fromkeys(keys))), 0)
+        num_deleted_l2 = self._maybe_on_l2(lambda: self.l2.delete(list(dict.fromkeys(keys))), 0)
         self.promoter.void_in_flight()
         result = self.l1.delete_keys(keys, corrupted)
         return DeleteResult(deleted=max(result.deleted, num_deleted_l2), bytes_freed=result.bytes_freed)
 
     def delete_namespace(self, namespace: bytes) -> DeleteResult:
-        with self._l2_guard:
-            num_deleted_l2 = self._maybe_on_l2(lambda: self.l2.delete_namespace(namespace), 0)
+        num_deleted_l2 = self._maybe_on_l2(lambda: self.l2.delete_namespace(namespace), 0)
         self.promoter.void_in_flight()
         try:
             result = self.l1.delete_namespace(namespace)

@@ -166,8 +166,8 @@ class L0Tier:
         not kept when it is larger than the whole tier or only its ancestors could make room (l0_eviction).
         pending: its write-back is starting (see is_pending; settle ends it). epoch: the delete epoch of the Lookup
         its K/V were computed after (None: none answered); the daemon leaves the chunk out if a Delete since named it,
-        so L0 counts it as confirmed only while that epoch is current (with None: at L0's current epoch, as a store
-        without an epoch on the Store stores it whatever was deleted).
+        so L0 counts it as confirmed only if that epoch is the current one (None: at the current one, as the daemon
+        stores a chunk without an epoch whatever was deleted).
         """
         size = _nbytes((keys, values))
         with self._lock:
@@ -188,8 +188,9 @@ class L0Tier:
             evicted = [self._drop(victim) for victim in victims]
             self._kv[key], self._entries[key] = kv, incoming
             if pending and self._epoch is not None and (epoch is None or epoch == self._epoch):
-                self._confirmed[key] = self._epoch  # computed here after every Delete so far: the daemon will hold it
-                # (a fetched chunk waits for a Lookup to confirm it)
+                # Computed after every Delete so far, or stored without an epoch (then whatever was deleted): the
+                # daemon will hold it. A fetched chunk waits for a Lookup to confirm it.
+                self._confirmed[key] = self._epoch
             self.bytes_held += size
             self.stats.chunks_added += 1
             if self.listener is not None:

@@ -54,6 +54,16 @@ def test_an_epoch_that_cannot_be_checked_supersedes() -> None:
     assert not log.supersedes(WriterEpoch(log.epoch_id, 1), NAMESPACE, b"k")  # the last two are remembered
 
 
+def test_the_deletes_remembered_are_bounded_by_their_keys_too() -> None:
+    log = DeleteLog(max_keys=3)
+    oldest = WriterEpoch(log.epoch_id, 0)
+    finished(log, keys=[b"a", b"b"])
+    after_first = WriterEpoch(log.epoch_id, 1)
+    finished(log, keys=[b"c", b"d"])  # 4 keys remembered: the first Delete goes
+    assert log.supersedes(oldest, NAMESPACE, b"unnamed")  # its epoch can no longer be checked
+    assert log.supersedes(after_first, NAMESPACE, b"c") and not log.supersedes(after_first, NAMESPACE, b"a")
+
+
 def test_a_tenants_count_holds_its_own_and_the_admins_deletes_only() -> None:
     log = DeleteLog()
     alice = WriterEpoch(log.epoch_id, log.count_seen_by("alice"), "alice")

@@ -134,6 +134,30 @@ def test_a_write_behind_still_queued_when_a_delete_ends_does_not_put_its_chunk_b
         assert list(lookup(stub_a, [chunk.key]).prefix_hit) == [False]
 
 
+def test_a_delete_that_begins_while_a_sync_write_reaches_redis_is_not_undone_by_it(tmp_path, redis):
+    """The Delete begins while the Store's write is on its way to Redis (after its check before the write): the
+    check after the write removes the chunk from L2 again, whatever order the Delete's own L2 removal takes."""
+    chunk = make_chunk("deleted during its sync write", 2000)
+    with ExitStack() as stack:
+        host_a = stack.enter_context(running_daemon(tmp_path / "a", l2=redis.url, l2_write="sync"))
+        host_b = stack.enter_context(running_daemon(tmp_path / "b", l2=redis.url))
+        stub_a, stub_b = stack.enter_context(cache_stub(host_a.address)), stack.enter_context(cache_stub(host_b.address))
+        l2, deletes = host_a.cache.l2, host_a.cache.deletes
+        put, began = l2.put, []
+
+        def put_then_a_delete_begins(chunks, **options):
+            put(chunks, **options)
+            began.append(deletes.begin(None, keys=[chunk.key]))  # its L2 removal has not run yet
+
+        l2.put = put_then_a_delete_begins
+        epoch = lookup(stub_a, [chunk.key])
+        stored = stub_a.Store(iter(store_frames([chunk], delete_epoch_id=epoch.delete_epoch_id,
+                                                delete_count=epoch.delete_count)))
+        assert stored.stored == 1 and len(began) == 1  # LMDB took it before the Delete began
+        assert list(lookup(stub_b, [chunk.key]).prefix_hit) == [False]  # but L2 holds it no longer
+        deletes.end(began[0])
+
+
 def test_sync_writes_are_in_l2_when_store_replies_and_survive_a_redis_restart_with_aof(tmp_path, redis):
     chunks = [make_chunk(f"sync {index}", 8000) for index in range(5)]
     with running_daemon(tmp_path / "a", l2=redis.url, l2_write="sync") as host_a:

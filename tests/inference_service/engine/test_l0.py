@@ -147,6 +147,28 @@ def test_a_delete_while_a_write_back_is_in_flight_keeps_its_chunks_out_of_the_st
         engine.close()
 
 
+def test_a_batch_followers_write_back_carries_the_epoch_of_the_lookup_it_shared(tiny_llama):
+    """Two prompts sharing a prefix in one batch: the second takes the first's K/V without a Lookup of its own, and
+    its chunks' write-back carries the first's delete epoch, so a Delete after it keeps them out too."""
+    store = GatedStore()
+    engine = make_engine(tiny_llama, cache=store)
+    try:
+        base = text_of_length(40)
+        prompts = [base + " alpha beta gamma delta epsilon zeta", base + " one two three four five six seven"]
+        engine.generate_batch([GenerationParams(prompt=prompt, max_new_tokens=2) for prompt in prompts])
+        plans = [engine.plan_request(GenerationParams(prompt=prompt))[1] for prompt in prompts]
+        own = [key for key in plans[1].prefix_keys if key not in plans[0].prefix_keys] + [plans[1].tail_key]
+        assert own and len(store) == 0  # the follower's own chunks, all still on their way
+        store.delete(own)
+        store.gate.set()
+        engine.flush_writes()
+        assert held(store, own) == [False] * len(own)
+        assert all(held(store, list(plans[0].prefix_keys)))  # the first prompt's, not named, are stored
+    finally:
+        store.gate.set()
+        engine.close()
+
+
 def test_a_prompt_longer_than_l0_is_served_from_its_first_chunk_as_far_as_l0_holds_it(tiny_llama):
     """Least-recently-used eviction dropped such a prompt's head (its oldest chunks) and then placed nothing from L0;
     leaf-first eviction keeps the head, and the rest comes from the store."""

@@ -158,13 +158,12 @@ def test_a_written_back_chunk_is_not_served_alone_after_a_delete_while_its_store
 def test_a_written_back_chunk_is_served_alone_at_the_epoch_it_was_added_at_and_a_fetched_one_once_confirmed():
     l0 = L0Tier(10 * CHUNK_BYTES)
     l0.confirm(EPOCH, [])
-    l0.add(b"w", *chunk(1.0), pending=True)  # a write-back: computed here, stored at the daemon after it
+    l0.add(b"w", *chunk(1.0), pending=True, epoch=EPOCH)  # a write-back: computed here, stored at the daemon after it
     l0.add(b"f", *chunk(1.0))  # fetched: the Lookup that found it may predate a Delete L0 has not heard of
     l0.settle([b"w"])
     assert l0.serves_alone(b"w", EPOCH) and not l0.serves_alone(b"f", EPOCH)
     l0.confirm(EPOCH, [b"f"])
     assert l0.serves_alone(b"f", EPOCH)
-
 
 
 def test_a_write_back_computed_before_the_current_epoch_is_not_served_alone_at_it():

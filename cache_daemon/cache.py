@@ -71,6 +71,7 @@ class Counters:
     corrupted: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    superseded: int = 0  # incoming chunks a Delete their writer had not seen named (not stored)
 
 
 @dataclass(slots=True, frozen=True)
@@ -312,6 +313,7 @@ class ChunkCache:
             with self._lock:
                 self._counters.evictions += num_evicted
                 self._counters.bytes_written += bytes_stored
+                self._counters.superseded += num_superseded
         if num_evicted:
             logger.debug("evicted %d chunks (%d bytes) and dropped %d incoming ones to stay inside %d bytes",
                          len(plan.victims), plan.bytes_freed, len(plan.rejected), self.max_bytes)

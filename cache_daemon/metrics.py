@@ -87,6 +87,8 @@ class CacheCollector(Collector):
                        counters.corrupted)
         yield _counter("kvboost_cache_read_bytes", "Blob bytes served by Fetch.", counters.bytes_read)
         yield _counter("kvboost_cache_written_bytes", "Blob bytes committed by Store.", counters.bytes_written)
+        yield _counter("kvboost_cache_superseded", "Stored chunks left out: a Delete their writer's delete epoch did "
+                       "not count named them.", counters.superseded)
         namespace_bytes = GaugeMetricFamily("kvboost_cache_namespace_bytes", "Stored blob bytes per namespace.",
                                             labels=["namespace"])
         for namespace, usage in stats.namespaces.items():

@@ -103,6 +103,7 @@ def test_a_write_back_computed_before_a_delete_does_not_store_its_chunks_again(t
         assert store(stub, [named], None).stored == 1
         # An epoch not of this start, or a count without its id, cannot be checked.
         assert store(stub, [other], cache_pb2.LookupReply(delete_epoch_id="0" * 16)).superseded == 1
+        assert daemon.cache.stats().counters.superseded == 2  # /metrics: kvboost_cache_superseded_total
         error = rpc_error(stub.Store, iter(store_frames([other], delete_count=3)))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "delete_epoch_id" in error.details()
 

@@ -83,6 +83,15 @@ def test_bob_cannot_read_poison_delete_or_pin_alices_chunks(tmp_path) -> None:
                                timeout=5).deleted == 0
             assert (lookup(stub, ALICE).delete_count, lookup(stub, BOB).delete_count) == (alice_epoch + 1,
                                                                                           bob_epoch + 5)
+            # A write-back computed before those Deletes: bob's own Deletes (in his key space) keep his chunks out;
+            # alice's, at her epoch from before the admin's Delete, is not left out (it named none of hers).
+            def late_store(chunks, metadata, count):
+                frames = store_frames(chunks, delete_epoch_id=lookup(stub, metadata).delete_epoch_id, delete_count=count)
+                return stub.Store(iter(frames), metadata=metadata, timeout=5)
+
+            assert late_store(POISON, BOB, bob_epoch).superseded == 2
+            reply = late_store(ALICE_CHUNKS[:1], ALICE, alice_epoch)
+            assert (reply.already_present, reply.superseded) == (1, 0)
             # Now bob holds nothing: alice's keys are plain misses for him, as never-stored keys are.
             assert lookup(stub, BOB).prefix_run == 0 and not lookup(stub, BOB).content_hits
             assert not any(chunk.found for chunk in fetch_chunks(stub, KEYS, metadata=BOB))

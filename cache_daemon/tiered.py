@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
@@ -64,6 +65,9 @@ class TieredCache:
         self._sync_deadline_s = sync_deadline_s
         self._writer = WriteBehindQueue(self._write_behind, queue_bytes)
         self._lock = threading.Lock()
+        # Keys this daemon is writing to L2 and has not checked again since (_put_in_l2): a Lookup takes none of them
+        # from L2, so no promotion copies back into LMDB what a Delete removed before the write reached Redis.
+        self._writing_to_l2: Counter[bytes] = Counter()
         self._num_hits = 0
         self._num_misses = 0
         self._num_sync_writes = 0
@@ -124,7 +128,12 @@ class TieredCache:
             sizes, candidates = self.l2.sizes_with_content(asked, content_wanted)
         except L2Unavailable:  # logged once per outage by the tier: LMDB's answer stands
             sizes, candidates = [0] * len(asked), []
-        in_l2 = {key: size for key, size in zip(asked, sizes) if size > 0}
+        with self._lock:  # read after the round trip: a write that reached Redis before it is in this set until checked
+            writing = {key for key in (*asked, *(key for found in candidates for key in found))
+                       if key in self._writing_to_l2}
+        in_l2 = {key: size for key, size in zip(asked, sizes) if size > 0 and key not in writing}
+        if writing:
+            candidates = [[key for key in found if key not in writing] for found in candidates]
         self.promoter.add_seconds(self._clock() - started)
         with self._lock:
             self._num_hits += len(in_l2)
@@ -146,26 +155,41 @@ class TieredCache:
             self._writer.submit(chunks)
             return result
         try:
-            self._put_in_l2(chunks, wait=True, deadline_s=self._sync_deadline_s)
+            num_written = self._put_in_l2(chunks, wait=True, deadline_s=self._sync_deadline_s)
         except L2Unavailable as error:
             raise L2NotAcknowledged(f"stored in this host's LMDB, not acknowledged by L2: {error}") from error
         with self._lock:
-            self._num_sync_writes += len(chunks)
+            self._num_sync_writes += num_written
         return result
 
     def _write_behind(self, chunks: Sequence[IncomingChunk]) -> None:
         self._put_in_l2(chunks)
 
-    def _put_in_l2(self, chunks: Sequence[IncomingChunk], **put_options) -> None:
-        """Writes to L2 the chunks no Delete their writer had not seen names, then checks again and removes those
-        one names now: a Delete begun before that check is caught by it, one begun after it removes from L2 after
-        this write. So a write-back does not put back into L2 what a Delete removed (LMDB checked it on its own)."""
+    def _put_in_l2(self, chunks: Sequence[IncomingChunk], **put_options) -> int:
+        """Writes to L2 the chunks no Delete their writer had not seen names, then (whether the write succeeded or
+        not: it may have reached Redis) checks again and removes those one names now: a Delete begun before that
+        check is caught by it, one begun after it removes from L2 after this write. Until then Lookups take none of
+        these keys from L2, and a removal here voids the promotions in flight, as a Delete does. So a write-back
+        does not put back into L2, nor through L2 into LMDB, what a Delete removed (LMDB checked it on its own).
+        Returns how many chunks it wrote."""
         wanted = self.deletes.not_superseded(chunks)
-        self.l2.put(wanted, **put_options)
-        kept = {id(chunk) for chunk in self.deletes.not_superseded(wanted)}
-        late = list(dict.fromkeys(chunk.key for chunk in wanted if id(chunk) not in kept))
-        if late:
-            self._maybe_on_l2(lambda: self.l2.delete(late), 0)
+        keys = [chunk.key for chunk in wanted]
+        with self._lock:
+            self._writing_to_l2.update(keys)
+        try:
+            self.l2.put(wanted, **put_options)
+        finally:
+            try:
+                kept = {id(chunk) for chunk in self.deletes.not_superseded(wanted)}
+                late = list(dict.fromkeys(chunk.key for chunk in wanted if id(chunk) not in kept))
+                if late:
+                    self._maybe_on_l2(lambda: self.l2.delete(late), 0)
+                    self.promoter.void_in_flight()
+            finally:
+                with self._lock:
+                    self._writing_to_l2.subtract(keys)
+                    self._writing_to_l2 = +self._writing_to_l2  # drops the keys at zero
+        return len(wanted)
 
     def drain_writes(self, timeout_s: float | None = None) -> bool:
         return self._writer.drain(timeout_s)

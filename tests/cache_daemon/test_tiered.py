@@ -6,9 +6,11 @@ import time
 import urllib.request
 from contextlib import ExitStack
 
+import grpc
 import pytest
 from kvboost.v1 import cache_pb2
 
+from cache_daemon.l2.redis_tier import L2Unavailable
 from tests.conftest import pick_free_port
 from tests.daemon_support import (NAMESPACE, cache_stub, digest, fetch_chunks, make_chunk, rpc_error,
                                   running_daemon, store_chunks, store_frames)
@@ -156,6 +158,53 @@ def test_a_delete_that_begins_while_a_sync_write_reaches_redis_is_not_undone_by_
         assert stored.stored == 1 and len(began) == 1  # LMDB took it before the Delete began
         assert list(lookup(stub_b, [chunk.key]).prefix_hit) == [False]  # but L2 holds it no longer
         deletes.end(began[0])
+
+
+def test_a_sync_write_that_reached_redis_but_failed_is_checked_again_all_the_same(tmp_path, redis):
+    """The write landed after a Delete's L2 removal, then failed (no replica acknowledged): the check after the write
+    still runs, so L2 does not keep the copy the Delete removed."""
+    chunk = make_chunk("landed, then not acknowledged", 2000)
+    with ExitStack() as stack:
+        host_a = stack.enter_context(running_daemon(tmp_path / "a", l2=redis.url, l2_write="sync"))
+        host_b = stack.enter_context(running_daemon(tmp_path / "b", l2=redis.url))
+        stub_a, stub_b = stack.enter_context(cache_stub(host_a.address)), stack.enter_context(cache_stub(host_b.address))
+        l2, deletes = host_a.cache.l2, host_a.cache.deletes
+        put = l2.put
+
+        def landed_then_failed(chunks, **options):
+            stone = deletes.begin(None, keys=[chunk.key])  # a Delete begins after the check before the write ...
+            l2.delete([chunk.key])  # ... and removes from L2 before the write lands
+            put(chunks, **options)
+            deletes.end(stone)
+            raise L2Unavailable("WAIT: 0 of 1 replicas acknowledged")
+
+        l2.put = landed_then_failed
+        epoch = lookup(stub_a, [chunk.key])
+        error = rpc_error(stub_a.Store, iter(store_frames([chunk], delete_epoch_id=epoch.delete_epoch_id,
+                                                          delete_count=epoch.delete_count)))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert list(lookup(stub_b, [chunk.key]).prefix_hit) == [False]
+
+
+def test_a_lookup_while_a_write_reaches_redis_after_a_delete_promotes_nothing_back_into_lmdb(tmp_path, redis):
+    """A whole Delete runs between the check before the write-behind and the write landing in Redis; a Lookup in
+    that window must not take the key from L2 (its promotion would store the deleted chunk in LMDB again)."""
+    chunk = make_chunk("promoted in the window", 2000)
+    with running_daemon(tmp_path / "a", l2=redis.url) as host, cache_stub(host.address) as stub:
+        put, window = host.cache.l2.put, []
+
+        def a_delete_then_the_write_then_a_lookup(chunks, **options):
+            stub.Delete(cache_pb2.DeleteRequest(keys=[chunk.key]))
+            put(chunks, **options)
+            window.append(list(lookup(stub, [chunk.key]).prefix_hit))
+            host.cache.wait_for_promotions(10)
+
+        host.cache.l2.put = a_delete_then_the_write_then_a_lookup
+        epoch = lookup(stub, [chunk.key])
+        stub.Store(iter(store_frames([chunk], delete_epoch_id=epoch.delete_epoch_id, delete_count=epoch.delete_count)))
+        assert host.cache.drain_writes(10)
+        assert window == [[False]] and host.cache.l1.entry(chunk.key) is None
+        assert list(lookup(stub, [chunk.key]).prefix_hit) == [False]  # and L2 holds it no more
 
 
 def test_sync_writes_are_in_l2_when_store_replies_and_survive_a_redis_restart_with_aof(tmp_path, redis):

@@ -92,6 +92,10 @@ def test_bob_cannot_read_poison_delete_or_pin_alices_chunks(tmp_path) -> None:
             assert late_store(POISON, BOB, bob_epoch).superseded == 2
             reply = late_store(ALICE_CHUNKS[:1], ALICE, alice_epoch)
             assert (reply.already_present, reply.superseded) == (1, 0)
+            # Her count holds her own Delete, not bob's four: at the epoch after it her write-back is stored again.
+            assert stub.Delete(cache_pb2.DeleteRequest(keys=KEYS[:1]), metadata=ALICE, timeout=5).deleted == 1
+            reply = late_store(ALICE_CHUNKS[:1], ALICE, lookup(stub, ALICE).delete_count)
+            assert (reply.stored, reply.superseded) == (1, 0)
             # Now bob holds nothing: alice's keys are plain misses for him, as never-stored keys are.
             assert lookup(stub, BOB).prefix_run == 0 and not lookup(stub, BOB).content_hits
             assert not any(chunk.found for chunk in fetch_chunks(stub, KEYS, metadata=BOB))

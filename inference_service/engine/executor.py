@@ -83,9 +83,8 @@ class Executor:
         if (source is not None and source.first_logits is not None and not source.approximate
                 and source.state.slots[0] in source.held_slots):
             self.owner.buffers.copy_prefix(seq.source.state.slots[0], seq.state.slots[0], seq.num_shared_tokens)
-            seq.context = AssembledContext(None, None, seq.num_shared_tokens, seq.num_shared_chunks,
-                                           degraded=seq.source.context.degraded,
-                                           delete_epoch=seq.source.context.delete_epoch)  # its K/V came after it
+            seq.context = AssembledContext(None, None, seq.num_shared_tokens, seq.num_shared_chunks,  # and its epoch
+                                           degraded=source.context.degraded, delete_epoch=source.context.delete_epoch)
             prefill.place(seq, self.owner.views(seq.state.slots[0]), seq.num_shared_tokens)
         else:
             seq.source = None  # its source failed or shares nothing: it looks its prompt up itself

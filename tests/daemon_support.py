@@ -152,3 +152,18 @@ def running_daemon(data_dir: Path, max_bytes: int = 1 << 30, **config_fields) ->
 def cache_stub(address: str, **channel_kwargs) -> Iterator[cache_pb2_grpc.CacheServiceStub]:
     with grpc.insecure_channel(address, **channel_kwargs) as channel:
         yield cache_pb2_grpc.CacheServiceStub(channel)
+
+
+def hold_key_deletes(daemon) -> tuple[threading.Event, threading.Event]:
+    """(removing, finish): the daemon's Deletes by keys, once begun, wait for `finish` (at most 10 s) before they
+    remove anything; `removing` is set when one does."""
+    removing, finish = threading.Event(), threading.Event()
+    delete_keys = daemon.cache.delete_keys
+
+    def held_delete(*args):
+        removing.set()
+        finish.wait(10)
+        return delete_keys(*args)
+
+    daemon.cache.delete_keys = held_delete
+    return removing, finish

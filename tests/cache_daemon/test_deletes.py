@@ -10,7 +10,8 @@ import grpc
 from kvboost.v1 import cache_pb2
 
 from cache_daemon.deletes import DeleteLog, WriterEpoch
-from tests.daemon_support import (NAMESPACE, cache_stub, digest, make_chunk, rpc_error, running_daemon, store_frames)
+from tests.daemon_support import (NAMESPACE, cache_stub, digest, hold_key_deletes, make_chunk, rpc_error, running_daemon,
+                                  store_frames)
 
 OTHER_NAMESPACE = digest("another namespace")
 
@@ -114,15 +115,7 @@ def test_a_store_that_meets_a_delete_still_removing_is_left_out(tmp_path: Path) 
     with running_daemon(tmp_path / "lmdb") as daemon, cache_stub(daemon.address) as stub:
         chunk = make_chunk("deleted while its write-back arrives")
         epoch = lookup(stub, [chunk.key])
-        removing, finish = threading.Event(), threading.Event()
-        delete_keys = daemon.cache.delete_keys
-
-        def held_delete(*args):
-            removing.set()
-            finish.wait(10)
-            return delete_keys(*args)
-
-        daemon.cache.delete_keys = held_delete
+        removing, finish = hold_key_deletes(daemon)
         deleting = threading.Thread(target=stub.Delete, args=(cache_pb2.DeleteRequest(keys=[chunk.key]),))
         deleting.start()
         assert removing.wait(10)

@@ -22,8 +22,8 @@ from cache_daemon.errors import StartupError
 from cache_daemon.logs import RequestIdFilter
 from cache_daemon.server import CacheDaemon
 from tests.conftest import pick_free_port
-from tests.daemon_support import (NAMESPACE, cache_stub, digest, fetch_chunks, header_frame, make_chunk, rpc_error,
-                                  running_daemon, store_chunks, store_frames)
+from tests.daemon_support import (NAMESPACE, cache_stub, digest, fetch_chunks, header_frame, hold_key_deletes,
+                                  make_chunk, rpc_error, running_daemon, store_chunks, store_frames)
 
 MAX_BYTES = 20_000_000
 
@@ -158,15 +158,7 @@ def test_a_delete_past_its_deadline_counts_once_its_chunks_are_gone(tmp_path: Pa
             reply = stub.Lookup(cache_pb2.LookupRequest(namespace=NAMESPACE, prefix_keys=[chunk.key]))
             return reply.delete_count, reply.prefix_run
 
-        removing, finish = threading.Event(), threading.Event()
-        delete_keys = daemon.cache.delete_keys
-
-        def held_delete(*args):
-            removing.set()
-            finish.wait(10)
-            return delete_keys(*args)
-
-        daemon.cache.delete_keys = held_delete
+        removing, finish = hold_key_deletes(daemon)
         start, _ = look()
         error = rpc_error(stub.Delete, cache_pb2.DeleteRequest(keys=[chunk.key]), timeout=0.3)
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and removing.is_set()

@@ -136,54 +136,57 @@ def test_a_write_behind_still_queued_when_a_delete_ends_does_not_put_its_chunk_b
         assert list(lookup(stub_a, [chunk.key]).prefix_hit) == [False]
 
 
-def test_a_delete_that_begins_while_a_sync_write_reaches_redis_is_not_undone_by_it(tmp_path, redis):
+@pytest.fixture()
+def sync_writer(tmp_path, redis):
+    """(host A with sync L2 writes, a stub of A, a stub of host B reading the same L2)."""
+    with ExitStack() as stack:
+        host_a = stack.enter_context(running_daemon(tmp_path / "a", l2=redis.url, l2_write="sync"))
+        host_b = stack.enter_context(running_daemon(tmp_path / "b", l2=redis.url))
+        yield host_a, stack.enter_context(cache_stub(host_a.address)), stack.enter_context(cache_stub(host_b.address))
+
+
+def test_a_delete_that_begins_while_a_sync_write_reaches_redis_is_not_undone_by_it(sync_writer):
     """The Delete begins while the Store's write is on its way to Redis (after its check before the write): the
     check after the write removes the chunk from L2 again, whatever order the Delete's own L2 removal takes."""
     chunk = make_chunk("deleted during its sync write", 2000)
-    with ExitStack() as stack:
-        host_a = stack.enter_context(running_daemon(tmp_path / "a", l2=redis.url, l2_write="sync"))
-        host_b = stack.enter_context(running_daemon(tmp_path / "b", l2=redis.url))
-        stub_a, stub_b = stack.enter_context(cache_stub(host_a.address)), stack.enter_context(cache_stub(host_b.address))
-        l2, deletes = host_a.cache.l2, host_a.cache.deletes
-        put, began = l2.put, []
+    host_a, stub_a, stub_b = sync_writer
+    l2, deletes = host_a.cache.l2, host_a.cache.deletes
+    put, began = l2.put, []
 
-        def put_then_a_delete_begins(chunks, **options):
-            put(chunks, **options)
-            began.append(deletes.begin(None, keys=[chunk.key]))  # its L2 removal has not run yet
+    def put_then_a_delete_begins(chunks, **options):
+        put(chunks, **options)
+        began.append(deletes.begin(None, keys=[chunk.key]))  # its L2 removal has not run yet
 
-        l2.put = put_then_a_delete_begins
-        epoch = lookup(stub_a, [chunk.key])
-        stored = stub_a.Store(iter(store_frames([chunk], delete_epoch_id=epoch.delete_epoch_id,
-                                                delete_count=epoch.delete_count)))
-        assert stored.stored == 1 and len(began) == 1  # LMDB took it before the Delete began
-        assert list(lookup(stub_b, [chunk.key]).prefix_hit) == [False]  # but L2 holds it no longer
-        deletes.end(began[0])
+    l2.put = put_then_a_delete_begins
+    epoch = lookup(stub_a, [chunk.key])
+    stored = stub_a.Store(iter(store_frames([chunk], delete_epoch_id=epoch.delete_epoch_id,
+                                            delete_count=epoch.delete_count)))
+    assert stored.stored == 1 and len(began) == 1  # LMDB took it before the Delete began
+    assert list(lookup(stub_b, [chunk.key]).prefix_hit) == [False]  # but L2 holds it no longer
+    deletes.end(began[0])
 
 
-def test_a_sync_write_that_reached_redis_but_failed_is_checked_again_all_the_same(tmp_path, redis):
+def test_a_sync_write_that_reached_redis_but_failed_is_checked_again_all_the_same(sync_writer):
     """The write landed after a Delete's L2 removal, then failed (no replica acknowledged): the check after the write
     still runs, so L2 does not keep the copy the Delete removed."""
     chunk = make_chunk("landed, then not acknowledged", 2000)
-    with ExitStack() as stack:
-        host_a = stack.enter_context(running_daemon(tmp_path / "a", l2=redis.url, l2_write="sync"))
-        host_b = stack.enter_context(running_daemon(tmp_path / "b", l2=redis.url))
-        stub_a, stub_b = stack.enter_context(cache_stub(host_a.address)), stack.enter_context(cache_stub(host_b.address))
-        l2, deletes = host_a.cache.l2, host_a.cache.deletes
-        put = l2.put
+    host_a, stub_a, stub_b = sync_writer
+    l2, deletes = host_a.cache.l2, host_a.cache.deletes
+    put = l2.put
 
-        def landed_then_failed(chunks, **options):
-            stone = deletes.begin(None, keys=[chunk.key])  # a Delete begins after the check before the write ...
-            l2.delete([chunk.key])  # ... and removes from L2 before the write lands
-            put(chunks, **options)
-            deletes.end(stone)
-            raise L2Unavailable("WAIT: 0 of 1 replicas acknowledged")
+    def landed_then_failed(chunks, **options):
+        stone = deletes.begin(None, keys=[chunk.key])  # a Delete begins after the check before the write ...
+        l2.delete([chunk.key])  # ... and removes from L2 before the write lands
+        put(chunks, **options)
+        deletes.end(stone)
+        raise L2Unavailable("WAIT: 0 of 1 replicas acknowledged")
 
-        l2.put = landed_then_failed
-        epoch = lookup(stub_a, [chunk.key])
-        error = rpc_error(stub_a.Store, iter(store_frames([chunk], delete_epoch_id=epoch.delete_epoch_id,
-                                                          delete_count=epoch.delete_count)))
-        assert error.code() == grpc.StatusCode.UNAVAILABLE
-        assert list(lookup(stub_b, [chunk.key]).prefix_hit) == [False]
+    l2.put = landed_then_failed
+    epoch = lookup(stub_a, [chunk.key])
+    error = rpc_error(stub_a.Store, iter(store_frames([chunk], delete_epoch_id=epoch.delete_epoch_id,
+                                                      delete_count=epoch.delete_count)))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert list(lookup(stub_b, [chunk.key]).prefix_hit) == [False]
 
 
 def test_a_lookup_while_a_write_reaches_redis_after_a_delete_promotes_nothing_back_into_lmdb(tmp_path, redis):

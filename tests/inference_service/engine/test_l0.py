@@ -105,68 +105,65 @@ def tiny_model(request):
     return request.getfixturevalue(request.param)
 
 
-def test_a_prompt_asked_again_while_its_write_back_is_in_flight_is_placed_from_l0_at_once(tiny_llama):
+@pytest.fixture()
+def gated(tiny_llama):
+    """(a store whose Stores wait for its gate, an engine on it): write-backs stay in flight until the test opens it."""
     store = GatedStore()
     engine = make_engine(tiny_llama, cache=store)
     try:
-        prompt = text_of_length(45)  # 5 whole chunks and a 5-token tail
-        expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
-        first = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=12))
-        assert len(store) == 0  # the first request's write-back is still waiting on the daemon
-        again = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=12))  # not held for it
-        assert again.cached_tokens == 44 and len(store) == 0
-        assert first.output_token_ids == again.output_token_ids == expected
-        assert engine.stats()["l0_chunks_hit"] == 6 and engine.stats()["chunks_fetched"] == 0  # 5 whole + the tail
+        yield store, engine
     finally:
         store.gate.set()
         engine.close()
 
 
-def test_a_delete_while_a_write_back_is_in_flight_keeps_its_chunks_out_of_the_store_and_of_l0(tiny_llama):
+def test_a_prompt_asked_again_while_its_write_back_is_in_flight_is_placed_from_l0_at_once(tiny_llama, gated):
+    store, engine = gated
+    prompt = text_of_length(45)  # 5 whole chunks and a 5-token tail
+    expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
+    first = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=12))
+    assert len(store) == 0  # the first request's write-back is still waiting on the daemon
+    again = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=12))  # not held for it
+    assert again.cached_tokens == 44 and len(store) == 0
+    assert first.output_token_ids == again.output_token_ids == expected
+    assert engine.stats()["l0_chunks_hit"] == 6 and engine.stats()["chunks_fetched"] == 0  # 5 whole + the tail
+
+
+def test_a_delete_while_a_write_back_is_in_flight_keeps_its_chunks_out_of_the_store_and_of_l0(tiny_llama, gated):
     """The write-back carries its Lookup's delete epoch: a Delete of its chunks that ends before its Store arrives
     keeps them out of the store, and L0, which added them at that epoch, stops answering for them alone."""
-    store = GatedStore()
-    engine = make_engine(tiny_llama, cache=store)
-    try:
-        prompt = text_of_length(45)  # 5 whole chunks and a 5-token tail
-        expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
-        first = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=12))
-        plan = engine.plan_request(GenerationParams(prompt=prompt))[1]
-        keys = [*plan.prefix_keys, plan.tail_key]
-        store.delete(keys)  # the user deletes the prompt's chunks while its write-back waits on the daemon
-        store.gate.set()
-        engine.flush_writes()
-        assert held(store, keys) == [False] * 6  # not stored again after the Delete
-        again = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=12))
-        assert first.output_token_ids == again.output_token_ids == expected
-        assert again.cached_tokens == 0 and engine.stats()["l0_chunks_alone"] == 0
-        engine.flush_writes()
-        assert held(store, keys) == [True] * 6  # the new write-back saw the Delete: stored
-    finally:
-        store.gate.set()
-        engine.close()
+    store, engine = gated
+    prompt = text_of_length(45)  # 5 whole chunks and a 5-token tail
+    expected = reference_ids(tiny_llama[0], tokenize_prompt(tiny_llama[1], prompt)[0])
+    first = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=12))
+    plan = engine.plan_request(GenerationParams(prompt=prompt))[1]
+    keys = [*plan.prefix_keys, plan.tail_key]
+    store.delete(keys)  # the user deletes the prompt's chunks while its write-back waits on the daemon
+    store.gate.set()
+    engine.flush_writes()
+    assert held(store, keys) == [False] * 6  # not stored again after the Delete
+    again = engine.generate(GenerationParams(prompt=prompt, max_new_tokens=12))
+    assert first.output_token_ids == again.output_token_ids == expected
+    assert again.cached_tokens == 0 and engine.stats()["l0_chunks_alone"] == 0
+    engine.flush_writes()
+    assert held(store, keys) == [True] * 6  # the new write-back saw the Delete: stored
 
 
-def test_a_batch_followers_write_back_carries_the_epoch_of_the_lookup_it_shared(tiny_llama):
+def test_a_batch_followers_write_back_carries_the_epoch_of_the_lookup_it_shared(tiny_llama, gated):
     """Two prompts sharing a prefix in one batch: the second takes the first's K/V without a Lookup of its own, and
     its chunks' write-back carries the first's delete epoch, so a Delete after it keeps them out too."""
-    store = GatedStore()
-    engine = make_engine(tiny_llama, cache=store)
-    try:
-        base = text_of_length(40)
-        prompts = [base + " alpha beta gamma delta epsilon zeta", base + " one two three four five six seven"]
-        engine.generate_batch([GenerationParams(prompt=prompt, max_new_tokens=2) for prompt in prompts])
-        plans = [engine.plan_request(GenerationParams(prompt=prompt))[1] for prompt in prompts]
-        own = [key for key in plans[1].prefix_keys if key not in plans[0].prefix_keys] + [plans[1].tail_key]
-        assert own and len(store) == 0  # the follower's own chunks, all still on their way
-        store.delete(own)
-        store.gate.set()
-        engine.flush_writes()
-        assert held(store, own) == [False] * len(own)
-        assert all(held(store, list(plans[0].prefix_keys)))  # the first prompt's, not named, are stored
-    finally:
-        store.gate.set()
-        engine.close()
+    store, engine = gated
+    base = text_of_length(40)
+    prompts = [base + " alpha beta gamma delta epsilon zeta", base + " one two three four five six seven"]
+    engine.generate_batch([GenerationParams(prompt=prompt, max_new_tokens=2) for prompt in prompts])
+    plans = [engine.plan_request(GenerationParams(prompt=prompt))[1] for prompt in prompts]
+    own = [key for key in plans[1].prefix_keys if key not in plans[0].prefix_keys] + [plans[1].tail_key]
+    assert own and len(store) == 0  # the follower's own chunks, all still on their way
+    store.delete(own)
+    store.gate.set()
+    engine.flush_writes()
+    assert held(store, own) == [False] * len(own)
+    assert all(held(store, list(plans[0].prefix_keys)))  # the first prompt's, not named, are stored
 
 
 def test_a_prompt_longer_than_l0_is_served_from_its_first_chunk_as_far_as_l0_holds_it(tiny_llama):
